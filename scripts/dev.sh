@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create or reuse the virtual environment .venv, install torch (CPU wheel) and memtree into it,
+# then run one job:  demo  -> python -m memtree demo
+#                    test  -> the whole pytest suite (extra arguments go to pytest)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job=${1:-test}
+shift || true
+[ -x .venv/bin/python ] || python3 -m venv .venv
+case "$job" in
+  demo) spec="." ;;
+  test) spec=".[test]" ;;
+  *) echo "usage: bash scripts/dev.sh demo|test [pytest args]" >&2; exit 2 ;;
+esac
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e "$spec" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+case "$job" in
+  demo) exec .venv/bin/python -m memtree demo "$@" ;;
+  test) exec .venv/bin/python -m pytest "$@" ;;
+esac
