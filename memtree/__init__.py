@@ -1,0 +1,32 @@
+"""memtree: nested tensor trees on disk, one raw memory-mapped file per leaf, no pickle.
+
+Example:
+    >>> import tempfile, torch, memtree
+    >>> tree = memtree.TensorTree({"w": torch.randn(4, 3), "meta": {"step": torch.tensor(7)}})
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> _ = tree.memmap(d, num_threads=2)
+    >>> loaded = memtree.load_memmap(d)
+    >>> bool((loaded == tree).all()), loaded.is_memmap()
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .mmap_tensor import MemoryMappedTensor
+from .nontensor import NonTensor
+from .ops import cat, stack
+from .tree import TensorTree, load_memmap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TensorTree",
+    "MemoryMappedTensor",
+    "NonTensor",
+    "stack",
+    "cat",
+    "load_memmap",
+    *_errors_all,
+]

@@ -1,0 +1,137 @@
+"""The memtree error hierarchy.
+
+Every error memtree raises derives from :class:`MemtreeError` and, where one fits, from the
+builtin exception users already catch (``KeyError``, ``ValueError``, ``FileNotFoundError``, ...).
+Messages say what is wrong, where (key and path), and what to do about it.
+
+Example:
+    >>> import memtree
+    >>> try:
+    ...     memtree.load_memmap("/nonexistent/tree")
+    ... except FileNotFoundError as err:   # also a memtree.MemtreeError
+    ...     print(type(err).__name__)
+    NotAMemtreeError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MemtreeError",
+    "MemtreeKeyError",
+    "KeyTypeError",
+    "InvalidKeyError",
+    "KeyCollisionError",
+    "BatchSizeError",
+    "LockedError",
+    "ReadOnlyError",
+    "DtypeError",
+    "NonTensorValueError",
+    "PickleNotAllowedError",
+    "ExistingMemmapError",
+    "NotAMemtreeError",
+    "NotCommittedError",
+    "DestinationExistsError",
+    "MetaFormatError",
+    "UnsupportedVersionError",
+    "LimitError",
+    "MissingLeafError",
+    "LeafSizeError",
+    "UnsafePathError",
+    "StorageError",
+    "InsufficientSpaceError",
+]
+
+
+class MemtreeError(Exception):
+    """Base class of every error raised by memtree."""
+
+
+class MemtreeKeyError(MemtreeError, KeyError):
+    """A key is not in the tree."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyTypeError(MemtreeError, TypeError):
+    """A key is not a ``str`` (or a tuple of ``str`` for nested access)."""
+
+
+class InvalidKeyError(MemtreeError, ValueError):
+    """A key is a ``str`` but not a valid one (for example ``""``)."""
+
+
+class KeyCollisionError(MemtreeError, ValueError):
+    """Two keys would become the same key (for example when flattening nested keys)."""
+
+
+class BatchSizeError(MemtreeError, ValueError):
+    """A tensor or sub-tree does not match the tree's ``batch_size``."""
+
+
+class LockedError(MemtreeError, RuntimeError):
+    """A key was added, removed or replaced in a locked tree."""
+
+
+class ReadOnlyError(MemtreeError, RuntimeError):
+    """A write to a tensor mapped read-only (``mode="r"``)."""
+
+
+class DtypeError(MemtreeError, TypeError):
+    """A tensor's dtype (or layout) cannot be stored in the memtree format."""
+
+
+class NonTensorValueError(MemtreeError, TypeError):
+    """A non-tensor value cannot be stored as JSON without changing it."""
+
+
+class PickleNotAllowedError(MemtreeError, ValueError):
+    """Pickle would be needed, but the caller did not pass ``allow_pickle=True``."""
+
+
+class ExistingMemmapError(MemtreeError, ValueError):
+    """A leaf already lives in a file under another prefix (pass ``copy_existing=True``)."""
+
+
+class NotAMemtreeError(MemtreeError, FileNotFoundError):
+    """The path is not a memtree directory (no ``meta.json`` at its root)."""
+
+
+class NotCommittedError(MemtreeError, FileNotFoundError):
+    """The path is a staging directory of a write that never committed."""
+
+
+class DestinationExistsError(MemtreeError, FileExistsError):
+    """The destination exists and the call does not allow replacing it."""
+
+
+class MetaFormatError(MemtreeError, ValueError):
+    """A ``meta.json`` file is malformed or does not follow the format's schema."""
+
+
+class UnsupportedVersionError(MetaFormatError):
+    """A ``meta.json`` names a format or version this memtree cannot read."""
+
+
+class LimitError(MetaFormatError):
+    """A ``meta.json`` exceeds a safety limit (file size, nesting depth, entry count)."""
+
+
+class MissingLeafError(MemtreeError, FileNotFoundError):
+    """A leaf file named by ``meta.json`` does not exist."""
+
+
+class LeafSizeError(MemtreeError, ValueError):
+    """A leaf file's size does not match its dtype and shape."""
+
+
+class UnsafePathError(MemtreeError, ValueError):
+    """A path in the tree is a symlink, not a regular file/directory, or leaves the prefix."""
+
+
+class StorageError(MemtreeError, OSError):
+    """An operating-system error while writing or reading a tree (errno preserved)."""
+
+
+class InsufficientSpaceError(StorageError):
+    """The filesystem cannot hold what ``memmap_like`` (or a write) needs."""

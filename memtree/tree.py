@@ -1,0 +1,933 @@
+"""``TensorTree``: a nested mapping of str keys to tensors that behaves like one tensor along its
+leading ``batch_size`` dims, and writes itself to disk as one raw file per leaf.
+
+Example:
+    >>> import torch, memtree
+    >>> tree = memtree.TensorTree({"obs": torch.zeros(4, 3), "info": {"step": torch.arange(4)}},
+    ...                           batch_size=[4])
+    >>> tree[1:3]["info", "step"].tolist()
+    [1, 2]
+    >>> tree["name"] = "run-1"           # non-tensor leaves are kept (as JSON on disk)
+    >>> sorted(tree.keys(include_nested=True))[:3]
+    [('info', 'step'), 'name', 'obs']
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from math import prod
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from .errors import (
+    BatchSizeError,
+    KeyCollisionError,
+    KeyTypeError,
+    LockedError,
+    MemtreeKeyError,
+)
+from .keys import validate_key
+from .level import Level
+from .mmap_tensor import MemoryMappedTensor
+from .nontensor import NonTensor
+from .read import KeySelection, read_tree
+from .write import share_tree, write_tree
+
+__all__ = ["TensorTree", "load_memmap", "Key"]
+
+Key = Union[str, tuple[str, ...]]
+_MISSING: Any = object()
+_REPR_MAX_LINES = 60
+
+
+def _is_str_key(key: object) -> bool:
+    return isinstance(key, str) or (
+        isinstance(key, tuple) and len(key) > 0 and all(isinstance(k, str) for k in key)
+    )
+
+
+def _key_tuple(key: Key) -> tuple[str, ...]:
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, tuple) and key:
+        for k in key:
+            if not isinstance(k, str):
+                raise KeyTypeError(f"nested keys are tuples of str; {key!r} holds a {type(k).__name__}")
+        return key
+    raise KeyTypeError(f"tree keys must be str or non-empty tuples of str, got {key!r}")
+
+
+def _fmt_key(path: tuple[str, ...]) -> str:
+    return repr(path[0]) if len(path) == 1 else repr(path)
+
+
+def _as_size(batch_size: Any) -> torch.Size:
+    if isinstance(batch_size, int):
+        batch_size = (batch_size,)
+    try:
+        size = torch.Size([int(b) for b in batch_size])
+    except (TypeError, ValueError):
+        raise BatchSizeError(f"batch_size must be a sequence of ints, got {batch_size!r}") from None
+    if any(b < 0 for b in size):
+        raise BatchSizeError(f"batch_size must not have negative sizes, got {list(size)}")
+    return size
+
+
+def _expand_ellipsis(idx: Any, ndim: int) -> Any:
+    """Replace ``...`` in a batch index by full slices over the *batch* dims only."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not any(i is Ellipsis for i in items):
+        return idx
+    used = 0
+    for i in items:
+        if i is None or i is Ellipsis:
+            continue
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            used += max(i.ndim, 1)
+        else:
+            used += 1
+    pos = next(n for n, i in enumerate(items) if i is Ellipsis)
+    fill = (slice(None),) * max(ndim - used, 0)
+    return items[:pos] + fill + items[pos + 1 :]
+
+
+class TensorTree:
+    """A nested mapping of str keys to tensors, sub-trees and small non-tensor values.
+
+    Every tensor leaf's shape starts with ``batch_size``; indexing the tree indexes every leaf
+    along those dims. Written with :meth:`memmap`, each leaf becomes one raw ``.memmap`` file.
+
+    Args:
+        source: a mapping (nested mappings become sub-trees) or another tree.
+        batch_size: the leading dims shared by every leaf (default ``()``, or the source
+            tree's).
+        device: if given, every tensor set into the tree is moved to this device.
+
+    Example:
+        >>> t = TensorTree({"a": torch.zeros(2, 5)}, batch_size=[2])
+        >>> t.shape, len(t)
+        (torch.Size([2]), 2)
+    """
+
+    def __init__(
+        self,
+        source: Mapping[str, Any] | TensorTree | None = None,
+        batch_size: Any = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if batch_size is None:
+            batch_size = source.batch_size if isinstance(source, TensorTree) else ()
+        if device is None and isinstance(source, TensorTree):
+            device = source.device
+        self._data: dict[str, Any] = {}
+        self._batch_size = _as_size(batch_size)
+        self._device = torch.device(device) if device is not None else None
+        self._locked = False
+        if source is not None:
+            items = source._data.items() if isinstance(source, TensorTree) else source.items()
+            for key, value in items:
+                self._set_one(key, value)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def _empty(cls, batch_size: torch.Size, device: torch.device | None) -> TensorTree:
+        out = cls.__new__(cls)
+        out._data = {}
+        out._batch_size = batch_size
+        out._device = device
+        out._locked = False
+        return out
+
+    def _new_like(self, batch_size: torch.Size | None = None) -> TensorTree:
+        return type(self)._empty(self._batch_size if batch_size is None else batch_size, self._device)
+
+    def _convert(self, key: str, value: Any) -> Any:
+        if isinstance(value, NonTensor):
+            return value
+        if isinstance(value, TensorTree):
+            if value._batch_size[: len(self._batch_size)] != self._batch_size:
+                raise BatchSizeError(
+                    f"sub-tree {key!r} has batch_size {list(value._batch_size)}, which does not "
+                    f"start with this tree's {list(self._batch_size)}"
+                )
+            if self._device is not None and value._device != self._device:
+                value = value.to(self._device)
+            return value
+        if isinstance(value, Mapping):
+            return TensorTree(value, batch_size=self._batch_size, device=self._device)
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if isinstance(value, torch.Tensor):
+            nd = len(self._batch_size)
+            if value.shape[:nd] != self._batch_size:
+                raise BatchSizeError(
+                    f"tensor for key {key!r} has shape {list(value.shape)}, which does not start "
+                    f"with the tree's batch_size {list(self._batch_size)}; reshape it or change "
+                    "the tree's batch_size"
+                )
+            if self._device is not None and value.device != self._device:
+                value = value.to(self._device)
+            return value
+        return NonTensor(value)
+
+    def _set_one(self, key: Any, value: Any) -> None:
+        key = validate_key(key)
+        if self._locked:
+            raise LockedError(
+                f"cannot set key {key!r}: the tree is locked (no key added, removed or replaced); "
+                "call unlock_() first, or write in place with tree[key][...] = value"
+            )
+        self._data[key] = self._convert(key, value)
+
+    # ------------------------------------------------------------------------- properties
+    @property
+    def batch_size(self) -> torch.Size:
+        """The leading dims shared by every leaf."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        size = _as_size(value)
+        for key, leaf in self.items(include_nested=True, leaves_only=True):
+            if isinstance(leaf, torch.Tensor) and leaf.shape[: len(size)] != size:
+                raise BatchSizeError(
+                    f"cannot set batch_size {list(size)}: leaf {key!r} has shape {list(leaf.shape)}"
+                )
+        self._set_batch_size(size)
+
+    def _set_batch_size(self, size: torch.Size) -> None:
+        for v in self._data.values():
+            if isinstance(v, TensorTree) and v._batch_size[: len(size)] != size:
+                v._set_batch_size(size)
+        self._batch_size = size
+
+    @property
+    def shape(self) -> torch.Size:
+        """Same as :attr:`batch_size`."""
+        return self._batch_size
+
+    @property
+    def ndim(self) -> int:
+        """Number of batch dims."""
+        return len(self._batch_size)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device every leaf is moved to, or ``None`` when unset (leaves may differ)."""
+        return self._device
+
+    @property
+    def is_locked(self) -> bool:
+        """True after :meth:`lock_`: keys cannot be added, removed or replaced."""
+        return self._locked
+
+    def numel(self) -> int:
+        """Number of elements of the batch (product of ``batch_size``)."""
+        return prod(self._batch_size)
+
+    def __len__(self) -> int:
+        if not self._batch_size:
+            raise TypeError("len() of a TensorTree with batch_size () is undefined (like a 0-dim tensor)")
+        return self._batch_size[0]
+
+    def __iter__(self) -> Iterator[TensorTree]:
+        """Iterate over the first batch dim (like a tensor); use :meth:`keys` for keys."""
+        for i in range(len(self)):
+            yield self[i]
+
+    # ------------------------------------------------------------------------ key access
+    def _lookup(self, path: tuple[str, ...]) -> Any:
+        node: Any = self
+        for depth, part in enumerate(path):
+            if not isinstance(node, TensorTree):
+                raise MemtreeKeyError(
+                    f"key {_fmt_key(path)}: {_fmt_key(path[:depth])} is a leaf, not a sub-tree"
+                )
+            try:
+                node = node._data[part]
+            except KeyError:
+                raise MemtreeKeyError(
+                    f"key {_fmt_key(path)} not found (keys at that level: "
+                    f"{list(node._data)[:20]})"
+                ) from None
+        return node
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str) or (isinstance(key, tuple) and key and _is_str_key(key)):
+            value = self._lookup(_key_tuple(key))
+            return value.data if isinstance(value, NonTensor) else value
+        if isinstance(key, tuple) and any(isinstance(k, str) for k in key):
+            raise KeyTypeError(f"cannot mix str keys and batch indices in {key!r}")
+        return self._index(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, str) or (isinstance(key, tuple) and key and _is_str_key(key)):
+            path = _key_tuple(key)
+            node = self
+            for part in path[:-1]:
+                nxt = node._data.get(part)
+                if nxt is None:
+                    nxt = TensorTree._empty(node._batch_size, node._device)
+                    node._set_one(part, nxt)
+                elif not isinstance(nxt, TensorTree):
+                    raise MemtreeKeyError(f"cannot set {_fmt_key(path)}: {part!r} is a leaf, not a sub-tree")
+                node = nxt
+            node._set_one(path[-1], value)
+            return
+        if isinstance(key, tuple) and any(isinstance(k, str) for k in key):
+            raise KeyTypeError(f"cannot mix str keys and batch indices in {key!r}")
+        self._assign(key, value)
+
+    def __delitem__(self, key: Key) -> None:
+        path = _key_tuple(key)
+        parent = self._lookup(path[:-1]) if len(path) > 1 else self
+        if not isinstance(parent, TensorTree) or path[-1] not in parent._data:
+            raise MemtreeKeyError(f"key {_fmt_key(path)} not found")
+        if parent._locked:
+            raise LockedError(f"cannot delete key {_fmt_key(path)}: the tree is locked; unlock_() first")
+        del parent._data[path[-1]]
+
+    def __contains__(self, key: object) -> bool:
+        if not _is_str_key(key):
+            return False
+        try:
+            self._lookup(_key_tuple(key))  # type: ignore[arg-type]
+        except MemtreeKeyError:
+            return False
+        return True
+
+    def get(self, key: Key, default: Any = None) -> Any:
+        """The value at ``key`` (str or tuple), or ``default`` if absent.
+
+        Example:
+            >>> TensorTree({"a": torch.ones(1)}).get("b", 0)
+            0
+        """
+        try:
+            return self[key]
+        except MemtreeKeyError:
+            return default
+
+    def pop(self, key: Key, default: Any = _MISSING) -> Any:
+        """Remove ``key`` and return its value (or ``default`` if given and absent)."""
+        try:
+            value = self[key]
+        except MemtreeKeyError:
+            if default is _MISSING:
+                raise
+            return default
+        del self[key]
+        return value
+
+    def _walk(self, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+        for k, v in self._data.items():
+            yield prefix + (k,), v
+            if isinstance(v, TensorTree):
+                yield from v._walk(prefix + (k,))
+
+    def keys(self, include_nested: bool = False, leaves_only: bool = False) -> Any:
+        """Keys of the tree: top-level str keys, or with ``include_nested`` tuples for nested ones.
+
+        Args:
+            include_nested: also list keys inside sub-trees, as tuples.
+            leaves_only: omit sub-trees (keep tensors and non-tensor leaves).
+
+        Example:
+            >>> t = TensorTree({"a": torch.ones(1), "b": {"c": torch.ones(1)}})
+            >>> t.keys(include_nested=True, leaves_only=True)
+            ['a', ('b', 'c')]
+        """
+        if not include_nested:
+            if not leaves_only:
+                return self._data.keys()
+            return [k for k, v in self._data.items() if not isinstance(v, TensorTree)]
+        return [
+            p[0] if len(p) == 1 else p
+            for p, v in self._walk()
+            if not (leaves_only and isinstance(v, TensorTree))
+        ]
+
+    def items(self, include_nested: bool = False, leaves_only: bool = False) -> list[tuple[Key, Any]]:
+        """``(key, value)`` pairs, with the same options as :meth:`keys`."""
+        return [(k, self[k]) for k in self.keys(include_nested, leaves_only)]
+
+    def values(self, include_nested: bool = False, leaves_only: bool = False) -> list[Any]:
+        """Values, with the same options as :meth:`keys`."""
+        return [self[k] for k in self.keys(include_nested, leaves_only)]
+
+    def update(self, other: Mapping[str, Any] | TensorTree) -> TensorTree:
+        """Set every key of ``other`` into this tree (merging sub-trees); returns ``self``."""
+        items = other._data.items() if isinstance(other, TensorTree) else other.items()
+        for key, value in items:
+            current = self._data.get(key)
+            if isinstance(current, TensorTree) and isinstance(value, (Mapping, TensorTree)) and not isinstance(value, NonTensor):
+                current.update(value)
+            else:
+                self._set_one(key, value)
+        return self
+
+    def select(self, *keys: Key, strict: bool = True) -> TensorTree:
+        """A new tree with only ``keys`` (str or tuples); tensors are shared, not copied.
+
+        Args:
+            strict: raise :class:`MemtreeKeyError` for a missing key (else skip it).
+        """
+        out = self._new_like()
+        for key in keys:
+            path = _key_tuple(key)
+            try:
+                value = self._lookup(path)
+            except MemtreeKeyError:
+                if strict:
+                    raise
+                continue
+            node = out
+            src = self
+            for part in path[:-1]:
+                src = src._data[part]
+                if part not in node._data:
+                    node._data[part] = src._new_like()
+                node = node._data[part]
+            node._data[path[-1]] = value
+        return out
+
+    def exclude(self, *keys: Key) -> TensorTree:
+        """A new tree without ``keys``; missing keys are ignored."""
+        drop = {_key_tuple(k) for k in keys}
+        return self._filtered(lambda p: p not in drop)
+
+    def _filtered(self, keep: Callable[[tuple[str, ...]], bool], prefix: tuple[str, ...] = ()) -> TensorTree:
+        out = self._new_like()
+        for k, v in self._data.items():
+            path = prefix + (k,)
+            if not keep(path):
+                continue
+            out._data[k] = v._filtered(keep, path) if isinstance(v, TensorTree) else v
+        return out
+
+    def rename_key(self, old: Key, new: Key) -> TensorTree:
+        """A new tree with ``old`` renamed to ``new`` (tensors shared).
+
+        Example:
+            >>> TensorTree({"a": torch.ones(1)}).rename_key("a", "b").keys()
+            dict_keys(['b'])
+        """
+        old_path, new_path = _key_tuple(old), _key_tuple(new)
+        value = self._lookup(old_path)
+        if new_path in {_key_tuple(k) for k in self.keys(include_nested=True)} and new_path != old_path:
+            raise KeyCollisionError(f"cannot rename {_fmt_key(old_path)} to {_fmt_key(new_path)}: it exists")
+        out = self._filtered(lambda p: p != old_path)
+        out[new_path] = value
+        return out
+
+    def flatten_keys(self, sep: str = ".") -> TensorTree:
+        """A new one-level tree whose keys join nested keys with ``sep``.
+
+        Example:
+            >>> TensorTree({"a": {"b": torch.ones(1)}}).flatten_keys().keys()
+            dict_keys(['a.b'])
+        """
+        out = self._new_like()
+        for path, value in self._walk():
+            if isinstance(value, TensorTree):
+                continue
+            flat = sep.join(path)
+            if flat in out._data:
+                raise KeyCollisionError(f"flattening gives the key {flat!r} twice; use another sep")
+            out._data[flat] = value
+        return out
+
+    def unflatten_keys(self, sep: str = ".") -> TensorTree:
+        """The inverse of :meth:`flatten_keys`: split keys on ``sep`` into nested sub-trees."""
+        out = self._new_like()
+        for key, value in self._data.items():
+            if isinstance(value, TensorTree):
+                value = value.unflatten_keys(sep)
+            path = tuple(key.split(sep))
+            if any(not p for p in path):
+                raise KeyCollisionError(f"key {key!r} has an empty part when split on {sep!r}")
+            node = out
+            for part in path[:-1]:
+                nxt = node._data.setdefault(part, node._new_like())
+                if not isinstance(nxt, TensorTree):
+                    raise KeyCollisionError(f"unflattening {key!r}: {part!r} is both a leaf and a sub-tree")
+                node = nxt
+            if path[-1] in node._data:
+                raise KeyCollisionError(f"unflattening gives the key {path!r} twice")
+            node._data[path[-1]] = value
+        return out
+
+    # --------------------------------------------------------------------- batch indexing
+    def _index(self, idx: Any) -> TensorTree:
+        if not self._batch_size:
+            raise IndexError("cannot index a TensorTree with batch_size (); index its leaves instead")
+        idx = _expand_ellipsis(idx, self.ndim)
+        dummy = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
+        new_bs = dummy[idx].shape
+        return self._index_with(idx, new_bs)
+
+    def _index_with(self, idx: Any, new_bs: torch.Size) -> TensorTree:
+        out = self._new_like(new_bs)
+        for k, v in self._data.items():
+            if isinstance(v, TensorTree):
+                out._data[k] = v._index_with(idx, new_bs + v._batch_size[self.ndim :])
+            elif isinstance(v, torch.Tensor):
+                out._data[k] = v[idx]
+            else:
+                out._data[k] = v
+        return out
+
+    def _assign(self, idx: Any, value: Any) -> None:
+        if not self._batch_size:
+            raise IndexError("cannot index a TensorTree with batch_size (); index its leaves instead")
+        idx = _expand_ellipsis(idx, self.ndim)
+        if isinstance(value, (TensorTree, Mapping)):
+            items = value._data.items() if isinstance(value, TensorTree) else value.items()
+            for k, v in items:
+                if k not in self._data:
+                    raise MemtreeKeyError(f"cannot assign key {k!r} at {idx!r}: the tree has no such key")
+                mine = self._data[k]
+                if isinstance(mine, TensorTree):
+                    mine._assign(idx, v)
+                elif isinstance(mine, torch.Tensor):
+                    mine[idx] = v.data if isinstance(v, NonTensor) else v
+        else:
+            for v in self._data.values():
+                if isinstance(v, TensorTree):
+                    v._assign(idx, value)
+                elif isinstance(v, torch.Tensor):
+                    v[idx] = value
+
+    # ------------------------------------------------------------------ shape operations
+    def _map(self, fn: Callable[[torch.Tensor, TensorTree], torch.Tensor], batch_size: torch.Size) -> TensorTree:
+        nd = self.ndim
+        out = self._new_like(batch_size)
+        for k, v in self._data.items():
+            if isinstance(v, TensorTree):
+                out._data[k] = v._map(fn, batch_size + v._batch_size[nd:])
+            elif isinstance(v, torch.Tensor):
+                out._data[k] = fn(v, self)
+            else:
+                out._data[k] = v
+        return out
+
+    def expand(self, *shape: Any) -> TensorTree:
+        """Expand the batch dims like ``torch.Tensor.expand`` (new dims on the left; no copy).
+
+        Example:
+            >>> TensorTree({"img": torch.zeros(3, 8, 8)}).expand(1000)["img"].shape
+            torch.Size([1000, 3, 8, 8])
+        """
+        target = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        new_bs = torch.empty(self._batch_size, device="meta").expand(*target).shape
+        nd = self.ndim
+        return self._map(lambda t, _: t.expand(*new_bs, *t.shape[nd:]), new_bs)
+
+    def unsqueeze(self, dim: int) -> TensorTree:
+        """Insert a batch dim of size 1 at ``dim`` (in ``[-ndim-1, ndim]``)."""
+        if not -self.ndim - 1 <= dim <= self.ndim:
+            raise IndexError(f"unsqueeze dim {dim} out of range for batch ndim {self.ndim}")
+        d = dim % (self.ndim + 1)
+        new_bs = torch.Size(list(self._batch_size[:d]) + [1] + list(self._batch_size[d:]))
+        return self._map(lambda t, _: t.unsqueeze(d), new_bs)
+
+    def squeeze(self, dim: int | None = None) -> TensorTree:
+        """Remove batch dims of size 1 (all of them, or only ``dim``)."""
+        if dim is None:
+            dims = [i for i, s in enumerate(self._batch_size) if s == 1]
+        else:
+            if not -self.ndim <= dim < self.ndim:
+                raise IndexError(f"squeeze dim {dim} out of range for batch ndim {self.ndim}")
+            d = dim % self.ndim
+            dims = [d] if self._batch_size[d] == 1 else []
+        new_bs = torch.Size([s for i, s in enumerate(self._batch_size) if i not in dims])
+        nd = self.ndim
+
+        def fn(t: torch.Tensor, _: TensorTree) -> torch.Tensor:
+            return t.reshape(*new_bs, *t.shape[nd:])
+
+        return self._map(fn, new_bs)
+
+    def reshape(self, *shape: Any) -> TensorTree:
+        """Reshape the batch dims like ``torch.Tensor.reshape`` (``-1`` allowed)."""
+        target = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        new_bs = torch.empty(self._batch_size, device="meta").reshape(*target).shape
+        nd = self.ndim
+        return self._map(lambda t, _: t.reshape(*new_bs, *t.shape[nd:]), new_bs)
+
+    # --------------------------------------------------------------- elementwise, copies
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor | None], batch_size: Any = None) -> TensorTree:
+        """A new tree with ``fn`` applied to every tensor leaf (a ``None`` result drops the key).
+
+        Args:
+            batch_size: the result's batch size (needed when ``fn`` changes batch dims).
+
+        Example:
+            >>> TensorTree({"a": torch.ones(2)}).apply(lambda t: t * 2)["a"].tolist()
+            [2.0, 2.0]
+        """
+        bs = self._batch_size if batch_size is None else _as_size(batch_size)
+        out = self._new_like(bs)
+        for k, v in self._data.items():
+            if isinstance(v, TensorTree):
+                out._data[k] = v.apply(fn, bs if batch_size is not None else None)
+            elif isinstance(v, torch.Tensor):
+                r = fn(v)
+                if r is not None:
+                    out._data[k] = out._convert(k, r)
+            else:
+                out._data[k] = v
+        return out
+
+    def to(self, dest: torch.device | str | torch.dtype, non_blocking: bool = False) -> TensorTree:
+        """A new tree with every tensor moved to a device or cast to a dtype.
+
+        Example:
+            >>> TensorTree({"a": torch.ones(2)}).to(torch.float16)["a"].dtype
+            torch.float16
+        """
+        if isinstance(dest, torch.dtype):
+            return self.apply(lambda t: t.to(dest))
+        device = torch.device(dest)
+        out = self.apply(lambda t: t.to(device, non_blocking=non_blocking))
+        out._set_device(device)
+        return out
+
+    def _set_device(self, device: torch.device | None) -> None:
+        self._device = device
+        for v in self._data.values():
+            if isinstance(v, TensorTree):
+                v._set_device(device)
+
+    def cpu(self) -> TensorTree:
+        """Same as ``to("cpu")``."""
+        return self.to("cpu")
+
+    def clone(self) -> TensorTree:
+        """A deep copy in ordinary memory (memory-mapped leaves are copied into RAM)."""
+        out = self.apply(lambda t: t.clone())
+        out._copy_non_tensors()
+        return out
+
+    def _copy_non_tensors(self) -> None:
+        for k, v in self._data.items():
+            if isinstance(v, TensorTree):
+                v._copy_non_tensors()
+            elif isinstance(v, NonTensor):
+                self._data[k] = NonTensor(copy.deepcopy(v.data))
+
+    def contiguous(self) -> TensorTree:
+        """A new tree whose leaves are contiguous (expanded leaves are materialised)."""
+        return self.apply(lambda t: t.contiguous())
+
+    # --------------------------------------------------------------------------- equality
+    def _compare(self, other: Any, op: Callable[[Any, Any], torch.Tensor]) -> TensorTree:
+        out = self._new_like()
+        for k, v in self._data.items():
+            if isinstance(other, (TensorTree, Mapping)):
+                if k not in other:
+                    raise MemtreeKeyError(f"cannot compare: key {k!r} is missing from the other tree")
+                o = other._data[k] if isinstance(other, TensorTree) else other[k]
+            else:
+                o = other
+            if isinstance(v, TensorTree):
+                out._data[k] = v._compare(o, op)
+            elif isinstance(v, torch.Tensor):
+                out._data[k] = op(v, o.data if isinstance(o, NonTensor) else o)
+            else:
+                o_data = o.data if isinstance(o, NonTensor) else o
+                same = v.data == o_data
+                out._data[k] = torch.full(self._batch_size, bool(op(same, True)), dtype=torch.bool)
+        return out
+
+    def __eq__(self, other: object) -> TensorTree:  # type: ignore[override]
+        return self._compare(other, lambda a, b: a == b)
+
+    def __ne__(self, other: object) -> TensorTree:  # type: ignore[override]
+        return self._compare(other, lambda a, b: a != b)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def all(self) -> bool:
+        """True if every element of every tensor leaf is true (``(a == b).all()``)."""
+        return all(bool(v.all()) for v in self.values(include_nested=True, leaves_only=True) if isinstance(v, torch.Tensor))
+
+    def any(self) -> bool:
+        """True if any element of any tensor leaf is true."""
+        return any(bool(v.any()) for v in self.values(include_nested=True, leaves_only=True) if isinstance(v, torch.Tensor))
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of a TensorTree is ambiguous; use .all() or .any()")
+
+    # ----------------------------------------------------------------------- conversions
+    def to_dict(self) -> dict[str, Any]:
+        """A nested ``dict`` of tensors and raw non-tensor values."""
+        return {
+            k: v.to_dict() if isinstance(v, TensorTree) else v.data if isinstance(v, NonTensor) else v
+            for k, v in self._data.items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], batch_size: Any = (), device: Any = None) -> TensorTree:
+        """Build a tree from a nested mapping (same as the constructor)."""
+        return cls(d, batch_size=batch_size, device=device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A flat ``OrderedDict`` of dotted keys (``"b.c"``) to tensors and non-tensor values."""
+        from collections import OrderedDict
+
+        out: OrderedDict[str, Any] = OrderedDict()
+        for path, v in self._walk():
+            if isinstance(v, TensorTree):
+                continue
+            key = ".".join(path)
+            if key in out:
+                raise KeyCollisionError(f"state_dict key {key!r} is ambiguous (keys contain '.')")
+            out[key] = v.data if isinstance(v, NonTensor) else v.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> TensorTree:
+        """Copy a :meth:`state_dict` into this tree's existing leaves, in place; returns ``self``."""
+        mine = {".".join(p): p for p, v in self._walk() if not isinstance(v, TensorTree)}
+        if strict:
+            missing = sorted(set(mine) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(mine))
+            if missing or unexpected:
+                raise MemtreeKeyError(
+                    f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
+                )
+        for key, value in state_dict.items():
+            if key not in mine:
+                continue
+            path = mine[key]
+            current = self._lookup(path)
+            if isinstance(current, torch.Tensor):
+                current.copy_(value)
+            else:
+                parent = self._lookup(path[:-1]) if len(path) > 1 else self
+                parent._data[path[-1]] = NonTensor(value)
+        return self
+
+    # ---------------------------------------------------------------------------- locking
+    def lock_(self) -> TensorTree:
+        """Forbid adding, removing or replacing keys (at every depth); returns ``self``."""
+        self._locked = True
+        for v in self._data.values():
+            if isinstance(v, TensorTree):
+                v.lock_()
+        return self
+
+    def unlock_(self) -> TensorTree:
+        """Undo :meth:`lock_`; returns ``self``."""
+        self._locked = False
+        for v in self._data.values():
+            if isinstance(v, TensorTree):
+                v.unlock_()
+        return self
+
+    # ------------------------------------------------------------------------------ disk
+    def _to_level(self) -> Level:
+        return Level(
+            tuple(self._batch_size),
+            {k: v._to_level() if isinstance(v, TensorTree) else v for k, v in self._data.items()},
+        )
+
+    @classmethod
+    def _from_level(cls, level: Level, device: torch.device | None = None) -> TensorTree:
+        out = cls._empty(torch.Size(level.batch_size), device)
+        for k, v in level.entries.items():
+            out._data[k] = TensorTree._from_level(v, device) if isinstance(v, Level) else v
+        return out
+
+    def _adopt(self, level: Level) -> None:
+        for k, v in level.entries.items():
+            if isinstance(v, Level):
+                self._data[k]._adopt(v)
+            else:
+                self._data[k] = v
+
+    def is_memmap(self) -> bool:
+        """True if every tensor leaf is a :class:`MemoryMappedTensor`."""
+        return all(
+            isinstance(v, MemoryMappedTensor)
+            for v in self.values(include_nested=True, leaves_only=True)
+            if isinstance(v, torch.Tensor)
+        )
+
+    def memmap_(
+        self,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        copy_existing: bool = False,
+        num_threads: int = 0,
+        existsok: bool = True,
+        fsync: bool = False,
+        allow_pickle: bool = False,
+    ) -> TensorTree:
+        """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
+
+        The write is atomic: until it commits, ``prefix`` keeps its old content (if any).
+
+        Args:
+            prefix: destination directory; ``None`` moves leaves to anonymous shared memory.
+            copy_existing: copy leaves already memory-mapped from another prefix (else raise).
+            num_threads: write leaves with this many threads (0: in the calling thread).
+            existsok: allow replacing an existing memtree directory at ``prefix``.
+            fsync: also make the commit durable across power loss.
+            allow_pickle: pickle non-tensor values that JSON cannot hold exactly.
+
+        Example:
+            >>> import tempfile
+            >>> t = TensorTree({"w": torch.ones(3)}).memmap_(tempfile.mkdtemp() + "/m")
+            >>> t.is_memmap()
+            True
+        """
+        self._adopt(self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle))
+        return self
+
+    def memmap(
+        self,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        copy_existing: bool = False,
+        num_threads: int = 0,
+        existsok: bool = True,
+        fsync: bool = False,
+        allow_pickle: bool = False,
+    ) -> TensorTree:
+        """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
+
+        Example:
+            >>> import tempfile
+            >>> t = TensorTree({"w": torch.ones(3)})
+            >>> m = t.memmap(tempfile.mkdtemp() + "/m", num_threads=2)
+            >>> m.is_memmap(), t.is_memmap()
+            (True, False)
+        """
+        level = self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle)
+        return type(self)._from_level(level, self._device)
+
+    def memmap_like(
+        self,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        num_threads: int = 0,
+        existsok: bool = True,
+        reserve: bool = False,
+    ) -> TensorTree:
+        """A new memory-mapped tree of zeros with this tree's keys, shapes and dtypes.
+
+        No data is read or written: files are sparse (``reserve=True`` allocates their blocks),
+        so ``datum.expand(1_000_000).memmap_like(d)`` takes milliseconds. The free space is
+        checked first. Non-tensor leaves are kept.
+
+        Example:
+            >>> import tempfile
+            >>> datum = TensorTree({"img": torch.zeros(3, 64, 64, dtype=torch.uint8)})
+            >>> data = datum.expand(1000).memmap_like(tempfile.mkdtemp() + "/ds")
+            >>> data.batch_size, data["img"].shape
+            (torch.Size([1000]), torch.Size([1000, 3, 64, 64]))
+        """
+        level = self._write(prefix, True, False, num_threads, existsok, False, reserve, False)
+        return type(self)._from_level(level, self._device)
+
+    def _write(
+        self,
+        prefix: str | os.PathLike[str] | None,
+        like: bool,
+        copy_existing: bool,
+        num_threads: int,
+        existsok: bool,
+        fsync: bool,
+        reserve: bool,
+        allow_pickle: bool,
+    ) -> Level:
+        if prefix is None:
+            return share_tree(self._to_level(), like=like)
+        return write_tree(
+            prefix,
+            self._to_level(),
+            like=like,
+            num_threads=num_threads,
+            existsok=existsok,
+            fsync=fsync,
+            reserve=reserve,
+            allow_pickle=allow_pickle,
+            copy_existing=copy_existing,
+        )
+
+    @classmethod
+    def load_memmap(
+        cls,
+        prefix: str | os.PathLike[str],
+        *,
+        device: torch.device | str | None = None,
+        keys: Iterable[KeySelection] | None = None,
+        mode: str = "r+",
+        mmap: bool = True,
+        allow_pickle: bool = False,
+    ) -> TensorTree:
+        """Load a tree written by :meth:`memmap`: validates every file, reads no leaf data.
+
+        Args:
+            prefix: the tree's directory.
+            device: ``None``/``"cpu"``: leaves are mapped files; ``"meta"``: structure only (no
+                leaf file opened); another device: leaves are copied there.
+            keys: load only these keys (str or tuples); only the ``meta.json`` files on their
+                paths are opened.
+            mode: ``"r+"`` writes reach the files; ``"r"`` read-only (writes raise).
+            mmap: ``False`` reads leaves into ordinary memory with large reads (network
+                filesystems).
+            allow_pickle: unpickle non-tensor leaves that were saved with ``allow_pickle=True``
+                (trusted files only).
+
+        Example:
+            >>> import tempfile
+            >>> d = tempfile.mkdtemp() + "/m"
+            >>> _ = TensorTree({"a": torch.ones(2), "b": {"c": torch.zeros(1)}}).memmap(d)
+            >>> TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
+            ['b', ('b', 'c')]
+        """
+        level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle)
+        return cls._from_level(level, torch.device(device) if device is not None else None)
+
+    # ------------------------------------------------------------------------------ repr
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}(batch_size={list(self._batch_size)}"
+                 + (f", device={self._device}" if self._device is not None else "")
+                 + (", locked" if self._locked else "") + ")"]
+        self._repr_lines(lines, "")
+        if len(lines) > _REPR_MAX_LINES:
+            hidden = len(lines) - _REPR_MAX_LINES
+            lines = lines[:_REPR_MAX_LINES] + [f"  … {hidden} more lines"]
+        return "\n".join(lines)
+
+    def _repr_lines(self, lines: list[str], indent: str) -> None:
+        for k, v in self._data.items():
+            if isinstance(v, TensorTree):
+                lines.append(f"{indent}  {k}: TensorTree(batch_size={list(v._batch_size)})")
+                v._repr_lines(lines, indent + "  ")
+            elif isinstance(v, torch.Tensor):
+                dtype = str(v.dtype).replace("torch.", "")
+                where = "memmap" if isinstance(v, MemoryMappedTensor) else v.device.type
+                lines.append(f"{indent}  {k}: {dtype}{list(v.shape)} {where}")
+            else:
+                text = repr(v.data)
+                lines.append(f"{indent}  {k}: {text if len(text) < 60 else text[:57] + '...'}")
+
+
+def load_memmap(prefix: str | os.PathLike[str], **kwargs: Any) -> TensorTree:
+    """Load a tree written by :meth:`TensorTree.memmap` (see :meth:`TensorTree.load_memmap`).
+
+    Example:
+        >>> import tempfile, memtree
+        >>> d = tempfile.mkdtemp() + "/m"
+        >>> _ = memtree.TensorTree({"a": torch.arange(3)}).memmap(d)
+        >>> memtree.load_memmap(d, mode="r")["a"].tolist()
+        [0, 1, 2]
+    """
+    return TensorTree.load_memmap(prefix, **kwargs)
