@@ -12,8 +12,13 @@ case "$job" in
   test) spec=".[test]" ;;
   *) echo "usage: bash scripts/dev.sh demo|test [pytest args]" >&2; exit 2 ;;
 esac
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e "$spec" 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
+log=$(mktemp)
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e "$spec" >"$log" 2>&1; then
+  grep -v "is ignored: it is neither a file nor a directory" "$log" >&2
+  echo "scripts/dev.sh: installing into .venv failed (see above)" >&2
+  exit 1
+fi
+rm -f "$log"
 case "$job" in
   demo) exec .venv/bin/python -m memtree demo "$@" ;;
   test) exec .venv/bin/python -m pytest "$@" ;;

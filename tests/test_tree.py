@@ -21,6 +21,8 @@ from memtree import TensorTree
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty view may keep odd strides that .view(uint8) refuses
+        return torch.empty(0, dtype=torch.uint8)
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 

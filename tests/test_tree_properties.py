@@ -24,6 +24,8 @@ DTYPES = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.uint8]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty view may keep odd strides that .view(uint8) refuses
+        return torch.empty(0, dtype=torch.uint8)
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
