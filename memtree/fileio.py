@@ -229,6 +229,8 @@ def open_checked(
             ) from None
         if err.errno == errno.EISDIR:
             raise UnsafePathError(f"{where} is a directory, expected a leaf file") from None
+        if err.errno in (errno.ENXIO, errno.ENODEV):
+            raise UnsafePathError(f"{where} is a socket or device, not a regular leaf file") from None
         raise storage_error(err, f"opening {where}") from err
     try:
         st = os.fstat(fd)

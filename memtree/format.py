@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from math import prod
@@ -25,7 +26,7 @@ import orjson
 import torch
 
 from .dtypes import dtype_from_name, dtype_name, itemsize
-from .errors import LimitError, MetaFormatError, UnsupportedVersionError
+from .errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .keys import is_safe_name
 
 __all__ = [
@@ -191,13 +192,19 @@ class _Checker:
 
     def name(self, v: Any, pointer: str, suffix: str) -> str:
         if not is_safe_name(v, suffix):
-            raise self.fail(
-                pointer,
-                f"must be a single safe file name ending in {suffix!r}, got {v!r:.80}"
-                if suffix
-                else f"must be a single safe directory name, got {v!r:.80}",
+            what = f"a single safe file name ending in {suffix!r}" if suffix else "a single safe directory name"
+            if type(v) is not str or not _leaves_directory(v):
+                raise self.fail(pointer, f"must be {what}, got {v!r:.80}")
+            raise UnsafePathError(
+                f"{self.where}: {pointer} must be {what}, got {v!r:.80}; memtree never opens a "
+                "path that could leave the tree's directory. The file is damaged or hostile"
             )
         return str(v)
+
+
+def _leaves_directory(name: str) -> bool:
+    """True for names that would resolve outside their directory (or are not one component)."""
+    return name in ("", ".", "..") or any(ch in name for ch in "/\\\0") or name.startswith(".")
 
 
 def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
@@ -224,6 +231,8 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         raise c.fail("content", f"is not valid UTF-8 JSON ({err})") from None
     if type(doc) is not dict:
         raise c.fail("top level", f"must be a JSON object, got {type(doc).__name__}")
+    if len(orjson.dumps(doc)) != len(data):  # not memtree's canonical bytes: check duplicates
+        _reject_duplicate_fields(data, c)
     if doc.get("format") != FORMAT or "version" not in doc:
         raise UnsupportedVersionError(
             f"{where}: not a memtree meta.json (format={doc.get('format')!r:.40}, "
@@ -293,6 +302,20 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             names.add(folded)
         entries.append(entry)
     return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+
+
+def _reject_duplicate_fields(data: bytes, c: _Checker) -> None:
+    """orjson keeps the last of duplicate object fields silently; refuse such files instead."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise c.fail("an object", f"repeats the field {key!r:.80}")
+            seen.add(key)
+        return dict(items)
+
+    json.loads(data, object_pairs_hook=pairs)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:

@@ -463,8 +463,6 @@ class TensorTree:
 
     # --------------------------------------------------------------------- batch indexing
     def _index(self, idx: Any) -> TensorTree:
-        if not self._batch_size:
-            raise IndexError("cannot index a TensorTree with batch_size (); index its leaves instead")
         idx = _expand_ellipsis(idx, self.ndim)
         dummy = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
         new_bs = dummy[idx].shape
@@ -482,8 +480,6 @@ class TensorTree:
         return out
 
     def _assign(self, idx: Any, value: Any) -> None:
-        if not self._batch_size:
-            raise IndexError("cannot index a TensorTree with batch_size (); index its leaves instead")
         idx = _expand_ellipsis(idx, self.ndim)
         if isinstance(value, (TensorTree, Mapping)):
             items = value._data.items() if isinstance(value, TensorTree) else value.items()
