@@ -1,37 +1,44 @@
 """The ``memtree`` command line (also ``python -m memtree``).
 
+Each sub-command lives in its own module under :mod:`memtree.commands`. Exit codes: 0 success,
+1 failure (a clear one-line error, no traceback for expected errors), 2 usage error.
+
 Example:
-    $ memtree demo
+    $ memtree demo --items 10000
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from types import ModuleType
 
+from .commands import demo
 from .errors import MemtreeError
 
 __all__ = ["main"]
+
+COMMANDS: list[ModuleType] = [demo]
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memtree", description="Nested tensor trees on disk.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = sub.add_parser("demo", help="build, memmap and reload a model and a dataset; print timings")
-    demo.add_argument("--workdir", help="directory to work in (default: a temporary one, removed after)")
-    demo.add_argument("--items", type=int, default=1_000_000, help="dataset size (default 1,000,000)")
+    for module in COMMANDS:
+        cmd = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error)."""
+    """Run the command line; returns the exit code."""
     args = _build_parser().parse_args(argv)
     try:
-        if args.command == "demo":
-            from .demo import run_demo
-
-            print(run_demo(args.workdir, args.items, keep=args.workdir is not None))
+        return int(args._run(args))
     except MemtreeError as err:
         print(f"memtree: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:
+        print("memtree: interrupted", file=sys.stderr)
+        return 130

@@ -7,6 +7,7 @@ few items, and prints what it did with sizes and timings.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -17,9 +18,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .tree import TensorTree, load_memmap
+from ..tree import TensorTree, load_memmap
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "NAME", "HELP", "add_arguments", "run"]
+
+NAME = "demo"
+HELP = "build, memmap and reload a model and a dataset; print what was done and how fast"
 
 
 def _mib(nbytes: int) -> str:
@@ -102,3 +106,15 @@ def run_demo(workdir: str | None = None, dataset_items: int = 1_000_000, keep: b
         if not keep and workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     return "\n".join(report)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``memtree demo``."""
+    parser.add_argument("--workdir", help="directory to work in (default: a temporary one, removed after)")
+    parser.add_argument("--items", type=int, default=1_000_000, help="dataset size (default 1,000,000)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print its report."""
+    print(run_demo(args.workdir, args.items, keep=args.workdir is not None))
+    return 0
