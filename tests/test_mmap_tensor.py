@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ import torch.multiprocessing as tmp_mp
 import memtree
 from memtree import MemoryMappedTensor as MMT
 
-warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
 # The closed dtype list of docs/format.md, restricted to the dtypes this torch has.
 FORMAT_DTYPE_NAMES = [
@@ -495,8 +493,13 @@ class _MMTDataset(torch.utils.data.Dataset):
         return self.mt[i]
 
 
-def _spawn_pool():
-    return tmp_mp.get_context("spawn").Pool(1)
+@pytest.fixture(scope="module")
+def spawn_pool():
+    """One spawn-started worker shared by the tests below (starting one costs seconds)."""
+    pool = tmp_mp.get_context("spawn").Pool(1)
+    yield pool
+    pool.terminate()
+    pool.join()
 
 
 def test_plain_pickle_round_trip_keeps_file_and_values(tmp_path):
@@ -507,13 +510,12 @@ def test_plain_pickle_round_trip_keeps_file_and_values(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_spawn_pool_receives_file_backed_tensor(tmp_path):
+def test_spawn_pool_receives_file_backed_tensor(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     t = torch.arange(100, dtype=torch.float32).reshape(10, 10)
     mt = MMT.from_tensor(t, filename=str(f))
-    with _spawn_pool() as pool:
-        total, tname, fname = pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
-        data = pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=90)
+    total, tname, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    data = spawn_pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=90)
     assert total == float(t.sum())
     assert tname == "MemoryMappedTensor"
     assert fname == str(f)
@@ -521,11 +523,10 @@ def test_spawn_pool_receives_file_backed_tensor(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_spawn_pool_worker_writes_reach_the_file(tmp_path):
+def test_spawn_pool_worker_writes_reach_the_file(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     mt = MMT.zeros(6, dtype=torch.int64, filename=str(f))
-    with _spawn_pool() as pool:
-        assert pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=90)
+    assert spawn_pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=90)
     expected = np.zeros(6, dtype=np.int64)
     expected[3] = 77
     assert file_bytes(f) == expected.tobytes()
@@ -533,21 +534,19 @@ def test_spawn_pool_worker_writes_reach_the_file(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_spawn_pool_receives_read_only_tensor(tmp_path):
+def test_spawn_pool_receives_read_only_tensor(tmp_path, spawn_pool):
     f = tmp_path / "ro.memmap"
     write_file(f, np.arange(10, dtype=np.float64).tobytes())
     mt = MMT.from_filename(str(f), torch.float64, (10,), mode="r")
-    with _spawn_pool() as pool:
-        total, _, _ = pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, _ = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
     assert total == 45.0
 
 
 @pytest.mark.timeout(120)
-def test_spawn_pool_receives_anonymous_tensor():
+def test_spawn_pool_receives_anonymous_tensor(spawn_pool):
     t = torch.arange(20, dtype=torch.int32)
     mt = MMT.from_tensor(t)
-    with _spawn_pool() as pool:
-        total, _, fname = pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
     assert total == float(t.sum())
     assert fname is None
 

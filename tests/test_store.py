@@ -13,7 +13,6 @@ import resource
 import shutil
 import signal
 import unicodedata
-import warnings
 import zlib
 
 import orjson
@@ -23,7 +22,7 @@ import torch
 import memtree
 from memtree import MemoryMappedTensor, NonTensor, TensorTree
 
-warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
 FORMAT_DTYPE_NAMES = [
     "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
@@ -1193,6 +1192,7 @@ def test_write_after_failure_succeeds(tmp_path):
     assert os.listdir(parent) == ["tree"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_quantized_dtype_refused_before_anything_is_written(tmp_path):
     parent, prefix = parent_and_prefix(tmp_path)
     q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
