@@ -13,12 +13,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from .commands import demo
+from .commands import demo, info
 from .errors import MemtreeError
 
 __all__ = ["main"]
 
-COMMANDS: list[ModuleType] = [demo]
+COMMANDS: list[ModuleType] = [demo, info]
 
 
 def _build_parser() -> argparse.ArgumentParser:

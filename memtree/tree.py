@@ -892,29 +892,154 @@ class TensorTree:
         return cls._from_level(level, torch.device(device) if device is not None else None)
 
     # ------------------------------------------------------------------------------ repr
+    #: ``repr`` shows at most this many lines of entries, then one summary line.
+    _repr_max_lines: int = _REPR_MAX_LINES
+    #: ``_repr_html_`` (notebooks) shows at most this many entries, then one summary line.
+    _repr_html_max_rows: int = 1000
+
+    def _repr_walk(self, depth: int = 0) -> Iterator[tuple[int, str, Any]]:
+        """Every entry depth-first as ``(depth, key, value)``, each sub-tree before its content."""
+        for k, v in self._data.items():
+            yield depth, k, v
+            if isinstance(v, TensorTree):
+                yield from v._repr_walk(depth + 1)
+
+    @staticmethod
+    def _repr_key(key: str) -> str:
+        return key if key.isprintable() else repr(key)
+
+    @staticmethod
+    def _repr_size(nbytes: int) -> str:
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if nbytes >= scale:
+                return f"{nbytes / scale:,.1f} {unit}"
+        return f"{nbytes} B"
+
+    @staticmethod
+    def _repr_nbytes(v: torch.Tensor) -> int:
+        with torch._C.DisableTorchFunctionSubclass():  # no MemoryMappedTensor dispatch: fast
+            return prod(v.shape) * v.element_size()
+
+    @staticmethod
+    def _repr_leaf(v: Any) -> tuple[str, str]:
+        """``(what, where)`` of a leaf: ``("float32[4, 3]", "memmap")`` or ``("'hello'", "")``."""
+        if isinstance(v, torch.Tensor):
+            what = f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            if isinstance(v, MemoryMappedTensor):
+                where = "shared memory" if v.filename is None else "memmap"
+                return what, where + (", read-only" if v.readonly else "")
+            return what, str(v.device)
+        import reprlib
+
+        short = reprlib.Repr()
+        short.maxstring = short.maxother = 56
+        short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+        return short.repr(v.data if isinstance(v, NonTensor) else v), ""
+
+    @staticmethod
+    def _repr_hidden(rest: Iterator[tuple[int, str, Any]]) -> str:
+        """Summary of the entries a truncated repr does not show."""
+        tensors = trees = others = nbytes = 0
+        for _, _, v in rest:
+            if isinstance(v, TensorTree):
+                trees += 1
+            elif isinstance(v, torch.Tensor):
+                tensors += 1
+                nbytes += TensorTree._repr_nbytes(v)
+            else:
+                others += 1
+        parts = [f"{n:,} {word}{'' if n == 1 else 's'}"
+                 for n, word in ((tensors, "tensor"), (trees, "sub-tree"), (others, "non-tensor value")) if n]
+        return (f"… and {', '.join(parts)} ({TensorTree._repr_size(nbytes)} of tensors) not shown; "
+                "tree.keys(include_nested=True) lists every key")
+
     def __repr__(self) -> str:
+        """Keys, dtypes, shapes and where each leaf lives, one line each, truncated when large.
+
+        Example:
+            >>> print(TensorTree({"obs": torch.zeros(4, 3), "info": {"step": torch.arange(4)}},
+            ...                  batch_size=[4]))
+            TensorTree(batch_size=[4])
+              obs: float32[4, 3] cpu
+              info: TensorTree(batch_size=[4])
+                step: int64[4] cpu
+        """
         lines = [f"{type(self).__name__}(batch_size={list(self._batch_size)}"
                  + (f", device={self._device}" if self._device is not None else "")
                  + (", locked" if self._locked else "") + ")"]
-        self._repr_lines(lines, "")
-        if len(lines) > _REPR_MAX_LINES:
-            hidden = len(lines) - _REPR_MAX_LINES
-            lines = lines[:_REPR_MAX_LINES] + [f"  … {hidden} more lines"]
+        entries = self._repr_walk()
+        for depth, k, v in entries:
+            key = self._repr_key(k)
+            indent = "  " * (depth + 1)
+            if isinstance(v, TensorTree):
+                lines.append(f"{indent}{key}: TensorTree(batch_size={list(v._batch_size)})")
+            else:
+                what, where = self._repr_leaf(v)
+                lines.append(f"{indent}{key}: {what} {where}".rstrip())
+            if len(lines) > self._repr_max_lines:
+                rest = list(entries)
+                if rest:
+                    lines.append("  " + self._repr_hidden(iter(rest)))
+                break
         return "\n".join(lines)
 
-    def _repr_lines(self, lines: list[str], indent: str) -> None:
-        for k, v in self._data.items():
-            if isinstance(v, TensorTree):
-                lines.append(f"{indent}  {k}: TensorTree(batch_size={list(v._batch_size)})")
-                v._repr_lines(lines, indent + "  ")
-            elif isinstance(v, torch.Tensor):
-                dtype = str(v.dtype).replace("torch.", "")
-                where = "memmap" if isinstance(v, MemoryMappedTensor) else v.device.type
-                lines.append(f"{indent}  {k}: {dtype}{list(v.shape)} {where}")
-            else:
-                text = repr(v.data)
-                lines.append(f"{indent}  {k}: {text if len(text) < 60 else text[:57] + '...'}")
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a collapsible tree of keys with dtypes, shapes and leaf files.
 
+        Keys and values are HTML-escaped. Memory-mapped leaves show their file's path relative to
+        the directory that holds them all (the full path is in the tooltip). Sub-trees start
+        expanded when the whole tree has at most 50 entries.
+
+        Example:
+            >>> html = TensorTree({"a<b>": torch.zeros(2)})._repr_html_()
+            >>> "a&lt;b&gt;" in html and "<details" in html
+            True
+        """
+        import html
+
+        esc = html.escape
+        entries = list(self._repr_walk())
+        tensors = [v for _, _, v in entries if isinstance(v, torch.Tensor)]
+        n_tensors = len(tensors)
+        size = self._repr_size(sum(self._repr_nbytes(v) for v in tensors))
+        files = [  # the shown ones only
+            v.filename for _, _, v in entries[: self._repr_html_max_rows]
+            if isinstance(v, MemoryMappedTensor) and v.filename is not None
+        ]
+        base = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0]) if files else ""
+        opened = " open" if len(entries) <= 50 else ""
+        head = (f"<b>{esc(type(self).__name__)}</b> batch_size={list(self._batch_size)}"
+                + (f", device={esc(str(self._device))}" if self._device is not None else "")
+                + (", locked" if self._locked else "")
+                + f" · {n_tensors:,} tensor{'' if n_tensors == 1 else 's'}, {size}"
+                + (f" · files in <code>{esc(base)}</code>" if base else ""))
+        out = ['<div class="memtree-repr" style="font-family:monospace;line-height:1.5">',
+               f"<details open><summary>{head}</summary>",
+               '<ul style="list-style:none;margin:0;padding-left:1.5em">']
+        depth_now = 0
+        for i, (depth, k, v) in enumerate(entries):
+            while depth_now > depth:  # close the sub-trees that ended
+                out.append("</ul></details></li>")
+                depth_now -= 1
+            if i == self._repr_html_max_rows:
+                out.append(f"<li><i>{esc(self._repr_hidden(iter(entries[i:])))}</i></li>")
+                break
+            key = f"<code>{esc(self._repr_key(k))}</code>"
+            if isinstance(v, TensorTree):
+                out.append(f"<li><details{opened}><summary>{key}: TensorTree "
+                           f"batch_size={list(v._batch_size)} ({len(v._data):,} key{'' if len(v._data) == 1 else 's'})</summary>"
+                           '<ul style="list-style:none;margin:0;padding-left:1.5em">')
+                depth_now += 1
+                continue
+            what, where = self._repr_leaf(v)
+            if isinstance(v, MemoryMappedTensor) and v.filename is not None:
+                rel = os.path.relpath(v.filename, base) if base else v.filename
+                where += f' <span title="{esc(v.filename)}" style="opacity:0.7">{esc(rel)}</span>'
+            elif where:
+                where = esc(where)
+            out.append(f"<li>{key}: {esc(what)}{' ' + where if where else ''}</li>")
+        out.append("</ul></details></li>" * depth_now + "</ul></details></div>")
+        return "\n".join(out)
 
 def load_memmap(prefix: str | os.PathLike[str], **kwargs: Any) -> TensorTree:
     """Load a tree written by :meth:`TensorTree.memmap` (see :meth:`TensorTree.load_memmap`).
