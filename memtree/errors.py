@@ -22,6 +22,7 @@ __all__ = [
     "InvalidKeyError",
     "KeyCollisionError",
     "BatchSizeError",
+    "ShapeMismatchError",
     "LockedError",
     "ReadOnlyError",
     "DtypeError",
@@ -39,6 +40,8 @@ __all__ = [
     "UnsafePathError",
     "StorageError",
     "InsufficientSpaceError",
+    "LockError",
+    "IntegrityError",
 ]
 
 
@@ -67,6 +70,10 @@ class KeyCollisionError(MemtreeError, ValueError):
 
 class BatchSizeError(MemtreeError, ValueError):
     """A tensor or sub-tree does not match the tree's ``batch_size``."""
+
+
+class ShapeMismatchError(MemtreeError, ValueError):
+    """A tensor's shape or dtype does not match the one it should replace or fill."""
 
 
 class LockedError(MemtreeError, RuntimeError):
@@ -135,3 +142,11 @@ class StorageError(MemtreeError, OSError):
 
 class InsufficientSpaceError(StorageError):
     """The filesystem cannot hold what ``memmap_like`` (or a write) needs."""
+
+
+class LockError(MemtreeError, TimeoutError):
+    """Another writer holds the lock of the destination (``.<name>.memtree.lock``)."""
+
+
+class IntegrityError(MemtreeError, ValueError):
+    """A leaf file's checksum does not match the one recorded in ``meta.json``."""

@@ -29,6 +29,7 @@ from .errors import (
     KeyTypeError,
     LockedError,
     MemtreeKeyError,
+    ShapeMismatchError,
 )
 from .keys import validate_key
 from .level import Level
@@ -268,15 +269,22 @@ class TensorTree:
         if isinstance(key, str) or (isinstance(key, tuple) and key and _is_str_key(key)):
             path = _key_tuple(key)
             node = self
-            for part in path[:-1]:
-                nxt = node._data.get(part)
-                if nxt is None:
-                    nxt = TensorTree._empty(node._batch_size, node._device)
-                    node._set_one(part, nxt)
-                elif not isinstance(nxt, TensorTree):
-                    raise MemtreeKeyError(f"cannot set {_fmt_key(path)}: {part!r} is a leaf, not a sub-tree")
-                node = nxt
-            node._set_one(path[-1], value)
+            created: list[tuple[TensorTree, str]] = []
+            try:
+                for part in path[:-1]:
+                    nxt = node._data.get(part)
+                    if nxt is None:
+                        nxt = TensorTree._empty(node._batch_size, node._device)
+                        node._set_one(part, nxt)
+                        created.append((node, part))
+                    elif not isinstance(nxt, TensorTree):
+                        raise MemtreeKeyError(f"cannot set {_fmt_key(path)}: {part!r} is a leaf, not a sub-tree")
+                    node = nxt
+                node._set_one(path[-1], value)
+            except BaseException:
+                for parent, part in reversed(created):  # leave no empty sub-tree behind
+                    del parent._data[part]
+                raise
             return
         if isinstance(key, tuple) and any(isinstance(k, str) for k in key):
             raise KeyTypeError(f"cannot mix str keys and batch indices in {key!r}")
@@ -307,6 +315,7 @@ class TensorTree:
             >>> TensorTree({"a": torch.ones(1)}).get("b", 0)
             0
         """
+        _key_tuple(key)  # a non-str key is an error, never a batch index here
         try:
             return self[key]
         except MemtreeKeyError:
@@ -702,9 +711,17 @@ class TensorTree:
             path = mine[key]
             current = self._lookup(path)
             if isinstance(current, torch.Tensor):
+                shape = getattr(value, "shape", None)
+                if shape != current.shape:
+                    raise ShapeMismatchError(
+                        f"load_state_dict: {key!r} has shape {list(current.shape)} in the tree but "
+                        f"{list(shape) if shape is not None else type(value).__name__} in the state_dict"
+                    )
                 current.copy_(value)
             else:
                 parent = self._lookup(path[:-1]) if len(path) > 1 else self
+                if parent._locked:
+                    raise LockedError(f"load_state_dict: cannot replace non-tensor leaf {key!r} of a locked tree")
                 parent._data[path[-1]] = NonTensor(value)
         return self
 

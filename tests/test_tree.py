@@ -21,9 +21,10 @@ from memtree import TensorTree
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() == 0:  # an empty view may keep odd strides that .view(uint8) refuses
-        return torch.empty(0, dtype=torch.uint8)
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # a fresh dense copy: views may keep odd strides (size-1 or empty dims) that .view refuses
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def bits_equal(a, b) -> bool:
@@ -228,6 +229,14 @@ def test_set_nested_leaf_batch_size_mismatch_names_key():
     assert ("nested", "nested_bad_key") not in tree
 
 
+def test_failed_set_of_new_nested_key_leaves_no_intermediate_subtree():
+    tree = make_tree()
+    with pytest.raises(memtree.BatchSizeError):
+        tree["fresh_parent", "fresh_child"] = torch.zeros(2)
+    assert "fresh_parent" not in tree
+    assert set(tree.keys()) == {"obs", "act", "nested", "name"}
+
+
 def test_replacing_leaf_with_wrong_batch_size_keeps_old_leaf():
     tree = make_tree()
     with pytest.raises(memtree.BatchSizeError):
@@ -329,6 +338,26 @@ def test_tuple_key_with_non_str_element_raises_keytypeerror():
     tree = make_tree()
     with pytest.raises(memtree.KeyTypeError):
         tree["nested", 3] = torch.zeros(3, 4)
+
+
+@pytest.mark.parametrize("op", ["get", "pop", "select", "exclude", "del", "rename_key"])
+def test_key_methods_refuse_non_str_keys(op):
+    # tree[0] is a batch index, but the key-only methods take keys: 0 is not a key
+    tree = make_tree()
+    with pytest.raises(memtree.KeyTypeError):
+        if op == "get":
+            tree.get(0)
+        elif op == "pop":
+            tree.pop(0)
+        elif op == "select":
+            tree.select(0)
+        elif op == "exclude":
+            tree.exclude(0)
+        elif op == "del":
+            del tree[0]
+        else:
+            tree.rename_key(0, "x")
+    assert_tree_equal_to(tree, make_leaves(), batch_size=(3, 4))
 
 
 def test_keytypeerror_is_typeerror():
@@ -766,6 +795,43 @@ def test_int_index_on_1d_batch_gives_unbatched_tree():
     assert bits_equal(out["s"], torch.tensor(1))
 
 
+def _unbatched():
+    leaves = {("s",): torch.tensor(1.5), ("v",): torch.arange(3), ("n", "b"): torch.tensor(True),
+              ("name",): "x"}
+    return leaves, TensorTree(nested_from_flat({k: (v.clone() if isinstance(v, torch.Tensor)
+                                                    else v) for k, v in leaves.items()}))
+
+
+def test_unbatched_tree_ellipsis_index_returns_same_leaves():
+    leaves, tree = _unbatched()
+    assert_tree_equal_to(tree[...], leaves, batch_size=())
+
+
+def test_unbatched_tree_none_index_adds_batch_dim():
+    leaves, tree = _unbatched()
+    out = tree[None]
+    assert_tree_equal_to(out, {k: (v[None] if isinstance(v, torch.Tensor) else v)
+                               for k, v in leaves.items()}, batch_size=(1,))
+
+
+def test_unbatched_tree_ellipsis_set():
+    leaves, tree = _unbatched()
+    tree[...] = 0
+    assert bits_equal(tree["s"], torch.tensor(0.0))
+    assert bits_equal(tree["v"], torch.zeros(3, dtype=torch.int64))
+    value = TensorTree({"s": torch.tensor(2.0), "v": torch.ones(3, dtype=torch.int64),
+                        "n": {"b": torch.tensor(True)}, "name": "x"})
+    tree[...] = value
+    assert bits_equal(tree["s"], torch.tensor(2.0))
+    assert bits_equal(tree["n", "b"], torch.tensor(True))
+
+
+def test_unbatched_tree_int_index_raises_indexerror():
+    _, tree = _unbatched()
+    with pytest.raises(IndexError):
+        tree[0]
+
+
 def test_index_out_of_range_raises_indexerror():
     tree = make_tree()
     with pytest.raises(IndexError):
@@ -1140,6 +1206,16 @@ def test_clone_does_not_share_storage():
     assert_tree_equal_to(tree, make_leaves())
 
 
+def test_clone_of_memmapped_tree_is_in_ordinary_memory():
+    tree = make_tree().memmap_()
+    assert tree.is_memmap()
+    out = tree.clone()
+    for k, v in leaf_dict(out).items():
+        if isinstance(v, torch.Tensor):
+            assert not isinstance(v, memtree.MemoryMappedTensor), k
+    assert_tree_equal_to(out, make_leaves(), batch_size=(3, 4))
+
+
 def test_clone_is_structurally_independent():
     tree = make_tree()
     out = tree.clone()
@@ -1364,6 +1440,19 @@ def test_load_state_dict_strict_unexpected_key_raises():
     with pytest.raises(memtree.MemtreeKeyError) as err:
         tree.load_state_dict(sd)
     assert "unexpected_sd_key" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(5), torch.zeros(1, 4, 5), torch.zeros(3, 4, 6)])
+def test_load_state_dict_shape_mismatch_raises_naming_key(bad):
+    # copy_ would silently broadcast (5,) or (1, 4, 5) into (3, 4, 5): must be refused like
+    # torch.nn.Module.load_state_dict does ("size mismatch")
+    tree = _tensor_only_tree()
+    sd = tree.clone().state_dict()
+    sd["obs"] = bad
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        tree.load_state_dict(sd)
+    assert "obs" in str(err.value)
+    assert_leaf_equal(tree["obs"], make_leaves()[("obs",)])
 
 
 def test_load_state_dict_non_strict_loads_what_matches():

@@ -24,9 +24,10 @@ DTYPES = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.uint8]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() == 0:  # an empty view may keep odd strides that .view(uint8) refuses
-        return torch.empty(0, dtype=torch.uint8)
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # a fresh dense copy: views may keep odd strides (size-1 or empty dims) that .view refuses
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def assert_leaf_equal(actual, expected, where=""):
