@@ -28,6 +28,9 @@ __all__ = [
     "DtypeError",
     "NonTensorValueError",
     "PickleNotAllowedError",
+    "UnsafePickleError",
+    "CheckpointFormatError",
+    "LegacyCheckpointError",
     "ExistingMemmapError",
     "NotAMemtreeError",
     "NotCommittedError",
@@ -94,6 +97,18 @@ class NonTensorValueError(MemtreeError, TypeError):
 
 class PickleNotAllowedError(MemtreeError, ValueError):
     """Pickle would be needed, but the caller did not pass ``allow_pickle=True``."""
+
+
+class UnsafePickleError(PickleNotAllowedError):
+    """A pickle names a global outside memtree's allowlist (it could run code); nothing was run."""
+
+
+class CheckpointFormatError(MemtreeError, ValueError):
+    """A checkpoint file (``torch.save`` zip, ``.safetensors``) is malformed, truncated or unsupported."""
+
+
+class LegacyCheckpointError(CheckpointFormatError):
+    """A ``torch.save`` file in the legacy (pre-zip, torch < 1.6) format, which needs full unpickling."""
 
 
 class ExistingMemmapError(MemtreeError, ValueError):
