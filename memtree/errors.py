@@ -45,6 +45,10 @@ __all__ = [
     "InsufficientSpaceError",
     "LockError",
     "IntegrityError",
+    "RemoteError",
+    "RemoteRangeError",
+    "RemoteChangedError",
+    "DistributedCheckpointError",
 ]
 
 
@@ -165,3 +169,23 @@ class LockError(MemtreeError, TimeoutError):
 
 class IntegrityError(MemtreeError, ValueError):
     """A leaf file's checksum does not match the one recorded in ``meta.json``."""
+
+
+class RemoteError(MemtreeError, OSError):
+    """Reading or writing a remote tree (fsspec URL) failed, after the retries it allows."""
+
+
+class RemoteRangeError(RemoteError):
+    """A remote range read returned a different number of bytes than asked (or HTTP 416)."""
+
+
+class RemoteChangedError(RemoteError):
+    """A remote object changed between the read of its ``meta.json`` and the read of its data."""
+
+
+class DistributedCheckpointError(MemtreeError, RuntimeError):
+    """A ``torch.distributed.checkpoint`` save or load failed; ``failures`` maps rank to error."""
+
+    def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, BaseException] = dict(failures or {})
