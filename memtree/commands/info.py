@@ -160,7 +160,7 @@ def _shown_key(key: str) -> str:
 
 
 def _glyphs() -> tuple[str, str, str, str]:
-    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
     try:
         "├└│…".encode(encoding)
     except (UnicodeEncodeError, LookupError):
@@ -284,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
         text = orjson.dumps(info, option=orjson.OPT_INDENT_2).decode()
     else:
         text = render_text(info, max_depth=args.depth, label=args.dir)
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):  # e.g. an ASCII-only terminal
+        text = text.replace("…", "...").encode(encoding, "backslashreplace").decode(encoding)
     try:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()

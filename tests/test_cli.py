@@ -1,0 +1,274 @@
+"""The ``memtree`` command line: exit codes (0 ok, 1 failure, 2 usage), one-line errors without
+tracebacks, ``info`` text and ``--json`` output, and help for every registered command.
+
+End-to-end behaviour runs ``python -m memtree`` (and the ``memtree`` console script) in a
+subprocess; help texts and text rendering details run in-process through ``cli.main``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtree import NonTensor, TensorTree, cli
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, exe: list[str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        (exe or [sys.executable, "-m", "memtree"]) + list(args),
+        capture_output=True, text=True, timeout=180, env=env, cwd=cwd,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("memtree: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    tree = TensorTree(
+        {
+            "obs": torch.zeros(4, 3),
+            "nested": {"x": torch.arange(4), "deep": {"b": torch.zeros(4, 2, dtype=torch.bfloat16)}},
+            "name": "hello",
+        },
+        batch_size=[4],
+    )
+    tree.memmap(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+# ------------------------------------------------------------------------------------ info
+
+
+def test_info_prints_keys_dtypes_shapes_sizes_totals_and_version(sample: Path) -> None:
+    proc = run_cli("info", str(sample))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = proc.stdout
+    assert "memtree format v1" in out.splitlines()[0]
+    assert "batch_size [4]" in out.splitlines()[0]
+    for fragment in ("obs", "float32", "[4, 3]", "48 B", "nested/", "x", "int64", "32 B",
+                     "deep/", "bfloat16", "[4, 2]", "16 B", "name", '"hello"'):
+        assert fragment in out, fragment
+    assert "3 tensors (96 B) in 3 levels, 1 JSON value" in out
+
+
+def test_info_json_is_parseable_and_matches_the_tree(sample: Path) -> None:
+    proc = run_cli("info", str(sample), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["format"] == "memtree" and info["version"] == 1
+    assert info["path"] == str(sample.resolve())
+    assert info["batch_size"] == [4]
+    by_key = {tuple(e["key"]): e for e in info["entries"]}
+    assert list(by_key) == [("obs",), ("nested",), ("nested", "x"), ("nested", "deep"),
+                            ("nested", "deep", "b"), ("name",)]
+    assert by_key[("obs",)] == {"key": ["obs"], "kind": "tensor", "dtype": "float32", "shape": [4, 3],
+                                "nbytes": 48, "file": "obs.memmap", "checksum": None}
+    assert by_key[("nested", "deep")]["kind"] == "tree"
+    assert by_key[("nested", "deep")]["batch_size"] == [4]
+    assert by_key[("name",)] == {"key": ["name"], "kind": "json", "value": "hello"}
+    for e in info["entries"]:
+        if e["kind"] == "tensor":  # the recorded file exists and has the reported size
+            assert (sample / e["file"]).stat().st_size == e["nbytes"]
+    t = info["totals"]
+    assert (t["tensors"], t["bytes"], t["levels"], t["json_values"]) == (3, 96, 3, 1)
+    assert t["dtypes"] == {"bfloat16": {"tensors": 1, "bytes": 16}, "float32": {"tensors": 1, "bytes": 48},
+                           "int64": {"tensors": 1, "bytes": 32}}
+
+
+def test_info_of_a_missing_directory_is_one_line_exit_1(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "tree"
+    proc = run_cli("info", str(missing))
+    assert_one_line_error(proc, str(missing), "does not exist")
+
+
+def test_info_of_a_directory_that_is_not_a_memtree(tmp_path: Path) -> None:
+    (tmp_path / "stray.txt").write_text("x")
+    proc = run_cli("info", str(tmp_path))
+    assert_one_line_error(proc, str(tmp_path), "meta.json", "not a memtree directory")
+
+
+@pytest.mark.parametrize("damage", ["garbage_root_meta", "future_version", "missing_subtree_meta"])
+def test_info_of_a_corrupt_directory_names_the_file_and_exits_1(
+    sample: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if damage == "garbage_root_meta":
+        bad = sample / "meta.json"
+        bad.write_bytes(b'{"format": "memtree", "version": 1, "entr')
+        expected = [str(bad), "not valid UTF-8 JSON"]
+    elif damage == "future_version":
+        bad = sample / "nested" / "meta.json"
+        doc = json.loads(bad.read_bytes())
+        doc["version"] = 99
+        bad.write_text(json.dumps(doc))
+        expected = [str(bad), "version 99", "upgrade memtree"]
+    else:
+        bad = sample / "nested" / "deep" / "meta.json"
+        bad.unlink()
+        expected = [str(bad), "missing"]
+    if damage == "garbage_root_meta":  # end to end once; the other cases in-process (faster)
+        assert_one_line_error(run_cli("info", str(sample)), *expected)
+        return
+    assert cli.main(["info", str(sample)]) == 1
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err), *expected)
+
+
+def test_info_reads_no_leaf_file(sample: Path) -> None:
+    (sample / "obs.memmap").unlink()  # damage only `verify` or `load_memmap` would notice
+    (sample / "nested" / "x.memmap").write_bytes(b"short")
+    out = io_main(["info", str(sample), "--json"])
+    assert {tuple(e["key"]) for e in json.loads(out)["entries"]} >= {("obs",), ("nested", "x")}
+
+
+class _Boom:
+    """Unpickling this would create a marker file: info must never unpickle."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.marker, "w"))
+
+
+def test_info_lists_pickled_values_without_unpickling_them(tmp_path: Path) -> None:
+    marker = tmp_path / "unpickled"
+    tree = TensorTree({"w": torch.ones(2), "obj": NonTensor({1, 2, 3})})
+    tree.memmap(tmp_path / "t", allow_pickle=True)
+    (pickle_file,) = (tmp_path / "t").glob("*.pickle")
+    pickle_file.write_bytes(pickle.dumps(_Boom(str(marker))))
+    proc = run_cli("info", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    assert "pickle" in proc.stdout and pickle_file.name in proc.stdout
+    assert "1 pickled value" in proc.stdout
+    assert not marker.exists()
+
+
+def test_info_survives_a_closed_pipe(tmp_path: Path) -> None:
+    TensorTree({f"k{i:04d}": torch.zeros(1) for i in range(1500)}).memmap(tmp_path / "t", num_threads=2)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with subprocess.Popen([sys.executable, "-m", "memtree", "info", str(tmp_path / "t"), "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().strip() == b"{"  # like `| head -1`: read one line, hang up
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=180) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def io_main(argv: list[str]) -> str:
+    """Run ``cli.main`` in-process and return its standard output (asserting exit code 0)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(argv)
+    assert code == 0
+    return buf.getvalue()
+
+
+def test_info_depth_collapses_deeper_levels_but_totals_cover_everything(sample: Path) -> None:
+    out = io_main(["info", str(sample), "--depth", "1"])
+    assert "nested/" in out and "… 2 tensors, 48 B" in out
+    assert "deep/" not in out and "[4, 2]" not in out
+    assert "bfloat16 1 tensor (16 B)" in out  # the by-dtype totals still count it
+    assert "3 tensors (96 B)" in out
+
+
+def test_info_shows_odd_keys_on_one_line(tmp_path: Path) -> None:
+    TensorTree({"line\nbreak": torch.zeros(1), "a/b": torch.zeros(1)}).memmap(tmp_path / "t")
+    out = io_main(["info", str(tmp_path / "t")])
+    assert "'line\\nbreak'" in out and "a/b" in out
+    assert len(out.strip().splitlines()) == 1 + 2 + 1  # header, two leaves, totals
+
+
+def test_format_bytes_uses_binary_units() -> None:
+    from memtree.commands.info import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1024, 5 * 2**30 + 2**29)] == ["0 B", "1023 B", "1.0 KiB", "5.5 GiB"]
+
+
+# ------------------------------------------------------------------------------ usage errors
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["info"], ["no-such-command"], ["info", "x", "--depth", "0"], ["info", "x", "--no-such-flag"]],
+    ids=["no-command", "info-without-dir", "unknown-command", "bad-depth", "unknown-flag"],
+)
+def test_usage_errors_exit_2_with_usage_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "usage: memtree" in captured.err and "error:" in captured.err
+    assert captured.out == ""
+
+
+def test_usage_error_end_to_end_exits_2_without_traceback() -> None:
+    proc = run_cli("info", "some-dir", "--depth", "zero")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "usage: memtree info" in proc.stderr and "--depth" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+# -------------------------------------------------------------------------------------- help
+
+
+def test_top_level_help_lists_every_command() -> None:
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for module in cli.COMMANDS:
+        assert module.NAME in proc.stdout, module.NAME
+
+
+@pytest.mark.parametrize("module", cli.COMMANDS, ids=[m.NAME for m in cli.COMMANDS])
+def test_every_command_has_help(module, capsys: pytest.CaptureFixture[str]) -> None:
+    assert isinstance(module.HELP, str) and len(module.HELP) > 10
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([module.NAME, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: memtree {module.NAME}")
+    assert " ".join(module.HELP.split()) in " ".join(out.split())
+
+
+def test_console_script_runs_info(sample: Path) -> None:
+    script = Path(sys.executable).with_name("memtree")
+    if not script.exists():
+        script_path = shutil.which("memtree")
+        if script_path is None:
+            pytest.skip("the memtree console script is not installed in this environment")
+        script = Path(script_path)
+    proc = run_cli("info", str(sample), "--json", exe=[str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["totals"]["tensors"] == 3
+
+
+def test_main_returns_1_for_library_errors_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memtree: error: ") and err.count("\n") == 1
