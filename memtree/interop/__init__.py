@@ -1,0 +1,37 @@
+"""Interoperability: read checkpoints and tensordict directories, write safetensors, convert.
+
+* :func:`open_checkpoint` opens a ``torch.save`` or ``.safetensors`` file lazily and safely, as a
+  mapping of dotted keys to tensors (no pickle beyond tensors and plain data is executed);
+* :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
+* tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
+  :mod:`memtree.interop.tensordict_dir`);
+* :func:`convert` (the ``memtree convert`` command) streams any of these into a memtree
+  directory or a ``.safetensors`` file, one tensor at a time.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from memtree.interop import open_checkpoint, save_safetensors
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> save_safetensors({"w": torch.arange(3)}, p)
+    >>> open_checkpoint(p)["w"].tolist()
+    [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .convert import ConvertResult, convert
+from .safetensors_file import SafetensorsReader, save_safetensors
+from .tensordict_dir import read_tensordict_dir
+from .torchsave import TorchSaveReader
+
+__all__ = [
+    "Checkpoint",
+    "open_checkpoint",
+    "save_safetensors",
+    "convert",
+    "ConvertResult",
+    "SafetensorsReader",
+    "TorchSaveReader",
+    "read_tensordict_dir",
+]

@@ -1,0 +1,547 @@
+"""Lazy, safe reader of ``torch.save`` checkpoints (the role of the zipslicer library).
+
+A ``torch.save`` file (torch >= 1.6, the zip format) is a zip archive whose entries are stored
+uncompressed::
+
+    <archive>/data.pkl        the pickled object (a state_dict, a dict of state_dicts, ...)
+    <archive>/data/<key>      the raw little-endian bytes of storage <key>, 64-byte aligned
+    <archive>/byteorder, version, .format_version, .storage_alignment, .data/serialization_id
+
+In ``data.pkl`` a tensor is a call ``torch._utils._rebuild_tensor_v2(storage, offset, size,
+stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
+``("storage", torch.FloatStorage, "<key>", "cpu", numel)``. This module:
+
+1. reads the zip's central directory (:mod:`zipfile`): no tensor data is read;
+2. unpickles ``data.pkl`` with :class:`RestrictedUnpickler`. Its ``find_class`` resolves only a
+   closed allowlist (``OrderedDict``, ``torch.Size``, torch dtypes and storage types, the tensor
+   and parameter rebuild functions, ``_codecs.encode`` for bytes, ``complex``): any other global
+   raises :class:`~memtree.errors.UnsafePickleError` *before* it could be called, so a hostile
+   ``__reduce__`` runs nothing. The rebuild functions are replaced by ones that return a
+   :class:`TensorRef` (storage key, dtype, offset, size, stride), and ``persistent_load``
+   returns a :class:`StorageRef` checked against the zip directory, so unpickling reads no data;
+3. reads one tensor on demand from its storage record: the record's data starts after its
+   local file header (30 bytes + name + extra field), and only the bytes the tensor spans are
+   read (``pread`` into a new tensor: peak memory is that tensor) or mapped (zero copy, like
+   ``torch.load(mmap=True)``). Tensors that are views of one storage (tied weights, slices) each
+   read their own span; mapped, they share memory.
+
+``allow_pickle=True`` lets other globals through to :class:`pickle.Unpickler` (trusted files
+only); tensors stay lazy either way. Legacy (pre-zip) checkpoints are refused with
+:class:`~memtree.errors.LegacyCheckpointError`: reading them needs a full unpickling.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from memtree.interop.torchsave import TorchSaveReader
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+    >>> torch.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, path)
+    >>> with TorchSaveReader(path) as r:
+    ...     r.spec("w"), r.read("w")[1].tolist(), r.non_tensors
+    ((torch.Size([2, 3]), torch.float32), [3.0, 4.0, 5.0], {'step': 7})
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import struct
+import zipfile
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from math import prod
+from types import TracebackType
+from typing import Any, Callable
+
+import torch
+
+from ..dtypes import dtype_from_name, itemsize
+from ..errors import (
+    CheckpointFormatError,
+    KeyCollisionError,
+    LegacyCheckpointError,
+    MemtreeError,
+    MemtreeKeyError,
+    UnsafePickleError,
+)
+from .checkpoint_file import CheckpointFile
+
+__all__ = [
+    "StorageRef",
+    "TensorRef",
+    "RestrictedUnpickler",
+    "TorchSaveReader",
+    "is_torch_zip",
+    "legacy_message",
+]
+
+#: ``data.pkl`` larger than this is refused (state dicts pickle to kilobytes or megabytes).
+MAX_PICKLE_BYTES = 1 << 30
+_MAX_NDIM = 64
+_ZIP_MAGIC = b"PK\x03\x04"
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # signature ... name length, extra length
+_RECORD_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+# The storage classes torch.save names in persistent ids, by name (a closed table; never
+# ``getattr(torch, name)``). ``UntypedStorage`` holds bytes; its tensors carry their own dtype.
+_STORAGE_DTYPE_NAMES = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+}
+
+
+def legacy_message(path: str) -> str:
+    """How to turn a legacy (or non-zip) ``torch.save`` file into one memtree can read."""
+    return (
+        f"{path} is a legacy (pre-zip) torch.save file or a raw pickle; reading it needs a full "
+        "unpickling, which can run code. In a trusted environment, load it with torch.load(path, "
+        "weights_only=True) (or weights_only=False if you trust it) and re-save it with "
+        "torch.save(obj, new_path), which writes the zip format; then convert that file"
+    )
+
+
+def is_torch_zip(head: bytes) -> bool:
+    """True if ``head`` (a file's first bytes) starts a zip archive."""
+    return head[:4] == _ZIP_MAGIC
+
+
+# -- what the unpickler builds instead of tensors ------------------------------------------------
+@dataclass(frozen=True)
+class _StorageType:
+    """Stands in for a ``torch.*Storage`` class named in a pickle (never the class itself)."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TensorType:
+    """Stands in for ``torch.Tensor`` / ``torch.nn.Parameter`` named in a pickle."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage record of the zip: ``<archive>/data/<key>``, ``numel`` items of ``dtype``."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+    data_offset: int
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the record in bytes."""
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of the checkpoint: a strided view of one storage, not read yet."""
+
+    storage: StorageRef
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        """The tensor's shape."""
+        return torch.Size(self.size)
+
+    def span(self) -> tuple[int, int]:
+        """``(first element, element count)`` of the storage that the tensor touches."""
+        if prod(self.size) == 0:
+            return self.offset, 0
+        return self.offset, 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise CheckpointFormatError(f"a tensor's storage is a {type(storage).__name__}, not a storage")
+    if dtype is None:
+        dtype = storage.dtype
+    elif not isinstance(dtype, torch.dtype) or dtype_from_name(str(dtype)[6:]) is not dtype:
+        raise CheckpointFormatError(f"a tensor names the unsupported dtype {dtype!r:.60}")
+    size, stride = tuple(size), tuple(stride)
+    if not (_int(offset) and len(size) == len(stride) <= _MAX_NDIM):
+        raise CheckpointFormatError(f"a tensor has a malformed layout: offset {offset!r:.40}, size {size!r:.80}")
+    if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
+        raise CheckpointFormatError(f"a tensor has a malformed size {size!r:.80} or stride {stride!r:.80}")
+    ref = TensorRef(storage, dtype, offset, size, stride)
+    first, count = ref.span()
+    if (first + count) * itemsize(dtype) > storage.nbytes:
+        raise CheckpointFormatError(
+            f"a tensor of shape {list(size)} at offset {offset} reaches past the end of storage "
+            f"{storage.key!r} ({storage.nbytes:,} bytes); the checkpoint is damaged"
+        )
+    return ref
+
+
+def _rebuild_v1(storage: Any, offset: Any, size: Any, stride: Any) -> TensorRef:
+    return _tensor_ref(storage, offset, size, stride)
+
+
+def _rebuild_v2(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+) -> TensorRef:
+    return _tensor_ref(storage, offset, size, stride)
+
+
+def _rebuild_v3(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> TensorRef:
+    return _tensor_ref(storage, offset, size, stride, dtype)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> TensorRef:
+    if not isinstance(data, TensorRef):
+        raise CheckpointFormatError(f"a parameter wraps a {type(data).__name__}, not a tensor")
+    return data
+
+
+_REBUILDERS = (_rebuild_v1, _rebuild_v2, _rebuild_v3)
+
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (and nothing else)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise CheckpointFormatError(f"_codecs.encode called with {type(text).__name__}, {encoding!r:.20}")
+    return text.encode(encoding)
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if type(real) not in (int, float) or type(imag) not in (int, float):
+        raise CheckpointFormatError("complex() called with non-numbers")
+    return complex(real, imag)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that builds only plain data and lazy tensor references.
+
+    Args:
+        file: the pickle stream.
+        storages: persistent-id resolver: ``(key, dtype, numel) -> StorageRef``.
+        where: the pickle's name, for messages.
+        allow_pickle: let globals outside the allowlist through (trusted files only).
+    """
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        storages: Callable[[str, torch.dtype, int], StorageRef],
+        where: str,
+        *,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__(file)
+        self._storages = storages
+        self._where = where
+        self._allow_pickle = allow_pickle
+        self._parameter = _TensorType("torch.nn.parameter.Parameter")
+        self._tensor = _TensorType("torch.Tensor")
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol-2 pickles name builtins by their Python 2 module
+            module = "builtins"
+        full = f"{module}.{name}"
+        safe: dict[str, Any] = {
+            "collections.OrderedDict": OrderedDict,
+            "torch._utils._rebuild_tensor": _rebuild_v1,
+            "torch._utils._rebuild_tensor_v2": _rebuild_v2,
+            "torch._utils._rebuild_tensor_v3": _rebuild_v3,
+            "torch._utils._rebuild_parameter": _rebuild_parameter,
+            "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+            "torch._tensor._rebuild_from_type_v2": self._rebuild_from_type_v2,
+            "torch.Size": torch.Size,
+            "torch.Tensor": self._tensor,
+            "torch.nn.parameter.Parameter": self._parameter,
+            "_codecs.encode": _codecs_encode,
+            "builtins.complex": _complex,
+        }
+        if full in safe:
+            return safe[full]
+        if module == "torch" and name in _STORAGE_DTYPE_NAMES:
+            dtype = dtype_from_name(_STORAGE_DTYPE_NAMES[name])
+            assert dtype is not None
+            return _StorageType(name, dtype)
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageType(name, torch.uint8)
+        if module == "torch" and dtype_from_name(name) is not None:
+            return dtype_from_name(name)
+        if self._allow_pickle:
+            return super().find_class(module, name)
+        raise UnsafePickleError(
+            f"{self._where} refers to {full!r:.120}, which is not a tensor, storage, container or "
+            "scalar; memtree's safe loader refuses it (nothing was executed). If you trust this "
+            "file, pass allow_pickle=True (the CLI: --allow-pickle), or load it with torch.load "
+            "in a trusted environment and re-save only its state_dict"
+        )
+
+    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+        if func not in _REBUILDERS or type(args) is not tuple:
+            raise CheckpointFormatError(f"{self._where}: a tensor subclass is rebuilt with {func!r:.60}")
+        if new_type not in (self._tensor, self._parameter) and not self._allow_pickle:
+            raise UnsafePickleError(
+                f"{self._where} holds a tensor of subclass {new_type!r:.80}; pass allow_pickle=True "
+                "to read it as a plain tensor"
+            )
+        ref: TensorRef = func(*args)
+        return ref
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+            raise CheckpointFormatError(f"{self._where}: unknown persistent id {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise CheckpointFormatError(f"{self._where}: storage type {storage_type!r:.60} is not supported")
+        if type(key) is not str or not _RECORD_KEY.fullmatch(key) or not _int(numel):
+            raise CheckpointFormatError(f"{self._where}: malformed storage id {pid!r:.80}")
+        return self._storages(key, storage_type.dtype, numel)
+
+
+# -- the reader --------------------------------------------------------------------------------
+class TorchSaveReader:
+    """A ``torch.save`` zip checkpoint, opened lazily: specs now, data on demand.
+
+    Keys are the dotted paths of the tensors in the pickled object: a state_dict's own keys,
+    ``"model.encoder.weight"`` for nested dicts, list items by index. Non-tensor values
+    (``"epoch"``, hyper-parameters) are in :attr:`non_tensors`.
+
+    Args:
+        path: the checkpoint (``.pt``, ``.pth``, ``.bin``, ...).
+        allow_pickle: let the pickle build objects outside the safe allowlist (trusted files).
+
+    Raises:
+        LegacyCheckpointError: a pre-zip checkpoint (the message says how to convert it).
+        UnsafePickleError: the pickle names something other than tensors and plain data.
+        CheckpointFormatError: not a torch.save zip, truncated, or damaged.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+        self._file = CheckpointFile(path)
+        self.path = self._file.path
+        try:
+            self._open(allow_pickle)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _open(self, allow_pickle: bool) -> None:
+        head = self._file.head(512)
+        if not is_torch_zip(head):
+            if head[:1] == b"\x80" or head[257:262] == b"ustar":  # a pickle, or torch's old tar
+                raise LegacyCheckpointError(legacy_message(self.path))
+            raise CheckpointFormatError(
+                f"{self.path} is not a torch.save checkpoint (it does not start with a zip header)"
+            )
+        try:
+            self._zip = zipfile.ZipFile(io.FileIO(os.dup(self._file.fd), "rb"))
+            infos = {i.filename: i for i in self._zip.infolist()}
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
+            raise CheckpointFormatError(
+                f"{self.path} is not a readable zip archive ({err}); the file is truncated or "
+                "damaged: download or save it again"
+            ) from None
+        pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pickles) != 1:
+            kind = "a TorchScript archive" if any(n.endswith("constants.pkl") for n in infos) else "not a torch.save checkpoint"
+            raise CheckpointFormatError(
+                f"{self.path} is {kind} (found {len(pickles)} data.pkl records); memtree reads "
+                "files written by torch.save(obj, path)"
+            )
+        self._infos = infos
+        self._prefix = pickles[0][: -len("data.pkl")]
+        order = infos.get(self._prefix + "byteorder")
+        if order is not None and self._zip.read(order) != b"little":
+            raise CheckpointFormatError(f"{self.path} was saved on a big-endian machine; re-save it on a little-endian one")
+        info = infos[pickles[0]]
+        if info.file_size > MAX_PICKLE_BYTES:
+            raise CheckpointFormatError(f"{self.path}: data.pkl has {info.file_size:,} bytes, more than {MAX_PICKLE_BYTES:,}")
+        try:
+            data = self._zip.read(info)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
+            raise CheckpointFormatError(f"{self.path}: cannot read data.pkl ({err}); the file is damaged") from None
+        self._storages: dict[str, StorageRef] = {}
+        where = f"{self.path} (data.pkl)"
+        unpickler = RestrictedUnpickler(io.BytesIO(data), self._storage, where, allow_pickle=allow_pickle)
+        try:
+            obj = unpickler.load()
+        except MemtreeError:
+            raise
+        except Exception as err:  # any malformed pickle: a clear error, never a traceback
+            raise CheckpointFormatError(f"{where} is malformed: {type(err).__name__}: {err}"[:400]) from None
+        self._refs: dict[str, TensorRef] = {}
+        self._paths: dict[str, tuple[str, ...]] = {}
+        self.non_tensors: dict[str, Any] = {}
+        """Non-tensor values of the checkpoint by dotted key (``{"epoch": 3}``)."""
+        if not isinstance(obj, dict):
+            if isinstance(obj, TensorRef):
+                raise CheckpointFormatError(
+                    f"{self.path} holds a single tensor, not a dict of tensors; save "
+                    "{'tensor': t} instead"
+                )
+            raise CheckpointFormatError(
+                f"{self.path} holds a {type(obj).__name__}, not a dict of tensors (a state_dict)"
+            )
+        self._flatten(obj, ())
+
+    def _storage(self, key: str, dtype: torch.dtype, numel: int) -> StorageRef:
+        known = self._storages.get(key)
+        if known is not None:
+            if known.dtype != dtype or known.numel != numel:
+                raise CheckpointFormatError(f"{self.path}: storage {key!r} is described two different ways")
+            return known
+        name = f"{self._prefix}data/{key}"
+        info = self._infos.get(name)
+        nbytes = numel * itemsize(dtype)
+        if info is None:
+            raise CheckpointFormatError(f"{self.path}: the record {name} of a tensor is missing; the file is damaged")
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+            raise CheckpointFormatError(
+                f"{self.path}: record {name} is {info.file_size:,} bytes (compression "
+                f"{info.compress_type}), expected {nbytes:,} stored bytes; the file is damaged"
+            )
+        header = self._file.read_bytes(info.header_offset, _LOCAL_HEADER.size, f"the header of {name}")
+        fields = _LOCAL_HEADER.unpack(header)
+        if fields[0] != _ZIP_MAGIC:
+            raise CheckpointFormatError(f"{self.path}: record {name} has no local header; the file is damaged")
+        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+        self._file._check_range(data_offset, nbytes, f"record {name}")
+        ref = StorageRef(key, dtype, numel, data_offset, info.CRC)
+        self._storages[key] = ref
+        return ref
+
+    def _flatten(self, obj: Any, path: tuple[str, ...]) -> None:
+        if isinstance(obj, TensorRef):
+            self._add(path, obj, self._refs)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if type(k) is int:
+                    k = str(k)
+                if not isinstance(k, str) or not k:
+                    raise CheckpointFormatError(
+                        f"{self.path}: the dict at {'.'.join(path) or 'the top level'} has the key "
+                        f"{k!r:.60}; memtree needs non-empty str (or int) keys"
+                    )
+                self._flatten(v, path + (k,))
+        elif isinstance(obj, (list, tuple)) and path and _holds_tensor(obj):
+            for i, v in enumerate(obj):
+                self._flatten(v, path + (str(i),))
+        elif path:
+            self._add(path, obj, self.non_tensors)
+
+    def _add(self, path: tuple[str, ...], value: Any, into: dict[str, Any]) -> None:
+        key = ".".join(path)
+        if key in self._refs or key in self.non_tensors:
+            raise KeyCollisionError(
+                f"{self.path}: two entries flatten to the key {key!r}; memtree cannot tell them apart"
+            )
+        into[key] = value
+        self._paths[key] = path
+
+    # -- public API ---------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """The tensors' dotted keys, in the checkpoint's order."""
+        return list(self._refs)
+
+    def path_of(self, key: str) -> tuple[str, ...]:
+        """The nesting of ``key`` in the pickled object (dict keys and list indices)."""
+        return self._paths[key]
+
+    def ref(self, key: str) -> TensorRef:
+        """The :class:`TensorRef` of ``key``."""
+        try:
+            return self._refs[key]
+        except KeyError:
+            raise MemtreeKeyError(
+                f"{key!r} is not a tensor of {self.path} (tensors: {list(self._refs)[:10]})"
+            ) from None
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        """``(shape, dtype)`` of ``key`` without reading data."""
+        ref = self.ref(key)
+        return ref.shape, ref.dtype
+
+    def read(self, key: str, *, mmap: bool = True) -> torch.Tensor:
+        """Read one tensor.
+
+        Args:
+            key: a key of :meth:`keys`.
+            mmap: True: a zero-copy view of a read-only (copy-on-write) mapping of the file;
+                False: a new tensor filled with ``pread`` (the CRC-32 of the record is checked
+                when the tensor spans it whole).
+        """
+        ref = self.ref(key)
+        first, count = ref.span()
+        size = itemsize(ref.dtype)
+        start = ref.storage.data_offset + first * size
+        if mmap and start % size == 0:
+            flat = self._file.mapped()[start : start + count * size].view(ref.dtype)
+            return torch.as_strided(flat, ref.size, ref.stride, flat.storage_offset())
+        buf = torch.empty(count, dtype=ref.dtype)
+        self._file.read_into(buf, start, f"tensor {key!r}")
+        if count * size == ref.storage.nbytes and count and ref.storage.crc:
+            crc = zlib.crc32(buf.view(torch.uint8).numpy())
+            if crc != ref.storage.crc:
+                raise CheckpointFormatError(
+                    f"{self.path}: tensor {key!r} fails its CRC-32 check (record "
+                    f"data/{ref.storage.key}); the file is damaged: download or save it again"
+                )
+        return torch.as_strided(buf, ref.size, ref.stride, 0)
+
+    def close(self) -> None:
+        """Close the file (tensors already read or mapped stay valid)."""
+        zf = getattr(self, "_zip", None)
+        if zf is not None:
+            zf.close()
+        self._file.close()
+
+    def __enter__(self) -> TorchSaveReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _holds_tensor(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, TensorRef):
+            return True
+        if isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return False
