@@ -17,7 +17,9 @@ from .errors import __all__ as _errors_all
 from .mmap_tensor import MemoryMappedTensor
 from .nontensor import NonTensor
 from .ops import cat, stack
+from .recover import recover
 from .tree import TensorTree, load_memmap
+from .verify import Problem, VerifyReport, verify_tree
 
 __version__ = "0.1.0"
 
@@ -28,5 +30,9 @@ __all__ = [
     "stack",
     "cat",
     "load_memmap",
+    "recover",
+    "verify_tree",
+    "VerifyReport",
+    "Problem",
     *_errors_all,
 ]

@@ -13,12 +13,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from .commands import demo, info
+from .commands import convert, demo, info, verify
 from .errors import MemtreeError
 
 __all__ = ["main"]
 
-COMMANDS: list[ModuleType] = [demo, info]
+COMMANDS: list[ModuleType] = [demo, info, verify, convert]
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,13 @@ The rules every function here follows (see ``../shared/RELIABILITY.md`` §0):
   is mapped, and is mapped through the already-opened descriptor, so that mapping can never
   create or extend a file;
 * a published file is never rewritten in place: new content goes to a new inode (see
-  :func:`write_file_replace`).
+  :func:`write_file_replace`);
+* a checksum, when asked for, is computed in the same pass as the write (each slice is hashed
+  right after ``pwrite``, while it is still in the CPU cache), never by reading the file back.
+
+It also holds the directory-level primitives of the commit (``docs/format.md``, "How a write is
+committed"): ``renameat2`` exchange and no-replace renames, directory fsync, and
+:class:`WriterLock`, the per-destination writer lock.
 
 Example:
     >>> import os, tempfile, torch
@@ -25,18 +31,24 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import hashlib
 import os
 import shutil
 import stat
+import time
 import uuid
-from typing import Any
+import zlib
+from typing import Any, Protocol
 
+import orjson
 import torch
 
 from .errors import (
     DestinationExistsError,
     InsufficientSpaceError,
     LeafSizeError,
+    LockError,
     MissingLeafError,
     StorageError,
     UnsafePathError,
@@ -54,12 +66,23 @@ __all__ = [
     "map_fd",
     "read_fd",
     "storage_error",
+    "CHECKSUMS",
+    "Digest",
+    "new_digest",
+    "check_checksum_option",
+    "file_checksum",
+    "tensor_checksum",
     "exchange",
+    "rename_noreplace",
     "fsync_dir",
     "write_small_file",
+    "WriterLock",
 ]
 
 CHUNK_BYTES = 64 * 1024 * 1024
+#: Slice size when a checksum is computed during a write: small enough to stay in the CPU cache
+#: between ``pwrite`` and the hash, large enough that the extra syscalls cost nothing.
+DIGEST_SLICE = 4 * 1024 * 1024
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = (
     os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -90,15 +113,86 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0) -> None:
-    """Write a contiguous CPU tensor's bytes at ``offset`` with ``pwrite`` (GIL released)."""
+# -- checksums ---------------------------------------------------------------------------------
+#: Checksum algorithms a leaf may record in ``meta.json`` (``"<algorithm>:<hex digest>"``).
+CHECKSUMS = ("crc32", "sha256")
+
+
+class Digest(Protocol):
+    """What :func:`write_fd` needs from a running checksum (``hashlib`` objects qualify)."""
+
+    def update(self, data: Any, /) -> None:
+        """Add bytes to the checksum."""
+
+    def hexdigest(self) -> str:
+        """The checksum so far, as lowercase hex digits."""
+
+
+class _Crc32:
+    """``zlib.crc32`` with the ``hashlib`` interface (8 lowercase hex digits)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)  # releases the GIL for large buffers
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def check_checksum_option(checksum: str | None) -> None:
+    """Refuse a ``checksum=`` value other than ``None``, ``"crc32"`` or ``"sha256"``."""
+    if checksum is not None and checksum not in CHECKSUMS:
+        raise ValueError(f"checksum must be None, 'crc32' or 'sha256', got {checksum!r}")
+
+
+def new_digest(algorithm: str) -> Digest:
+    """A running checksum for ``algorithm`` (one of :data:`CHECKSUMS`)."""
+    check_checksum_option(algorithm)
+    return _Crc32() if algorithm == "crc32" else hashlib.sha256()
+
+
+def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
+    """``"<algorithm>:<hex>"`` of a contiguous CPU tensor's bytes."""
+    digest = new_digest(algorithm)
     view = byte_view(tensor)
+    for start in range(0, len(view), DIGEST_SLICE):
+        digest.update(view[start : start + DIGEST_SLICE])
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def file_checksum(fd: int, nbytes: int, algorithm: str) -> str:
+    """``"<algorithm>:<hex>"`` of the first ``nbytes`` of an open file, read with ``pread``."""
+    digest = new_digest(algorithm)
+    buf = bytearray(min(nbytes, DIGEST_SLICE))
+    view = memoryview(buf)
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[: min(len(buf), nbytes - done)]], done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file after {done} of {nbytes} bytes")
+        digest.update(view[:n])
+        done += n
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | None = None) -> None:
+    """Write a contiguous CPU tensor's bytes at ``offset`` with ``pwrite`` (GIL released).
+
+    With ``digest``, each slice is hashed right after it is written (one pass over the data).
+    """
+    view = byte_view(tensor)
+    step = CHUNK_BYTES if digest is None else DIGEST_SLICE
     done = 0
     total = len(view)
     while done < total:
-        n = os.pwrite(fd, view[done : done + CHUNK_BYTES], offset + done)
+        part = view[done : done + step]
+        n = os.pwrite(fd, part, offset + done)
         if n <= 0:  # pragma: no cover - pwrite on a regular file raises instead
             raise OSError(errno.EIO, "short write")
+        if digest is not None:
+            digest.update(part[:n])
         done += n
 
 
@@ -122,7 +216,8 @@ def create_leaf(
     dir_fd: int | None = None,
     reserve: bool = False,
     fsync: bool = False,
-) -> None:
+    checksum: str | None = None,
+) -> str | None:
     """Create a new leaf file (never an existing one) and fill it.
 
     Args:
@@ -130,17 +225,26 @@ def create_leaf(
         tensor: contiguous CPU tensor whose bytes to write, or ``None`` for a file of zeros
             (sparse unless ``reserve``).
         nbytes: the file's size.
+        checksum: ``"crc32"`` or ``"sha256"`` to hash the bytes while writing them (needs
+            ``tensor``).
+
+    Returns:
+        ``"<algorithm>:<hex>"`` of the written bytes when ``checksum`` is set, else None.
     """
+    digest = new_digest(checksum) if checksum is not None else None
     fd = os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)
     try:
         if tensor is None:
+            if digest is not None:
+                raise ValueError("a checksum needs the data: create_leaf(tensor=None) writes none")
             allocate_fd(fd, nbytes, reserve=reserve)
         else:
-            write_fd(fd, tensor)
+            write_fd(fd, tensor, 0, digest)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
+    return f"{checksum}:{digest.hexdigest()}" if digest is not None else None
 
 
 def write_file_replace(
@@ -272,8 +376,10 @@ def read_fd(fd: int, out: torch.Tensor) -> None:
 
 
 # -- directories and the commit rename ----------------------------------------------------------
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 def _libc_renameat2() -> Any:
@@ -290,6 +396,18 @@ def _libc_renameat2() -> Any:
 _renameat2 = _libc_renameat2()
 
 
+def _rename2(a: str, b: str, flags: int) -> bool:
+    if _renameat2 is None:  # pragma: no cover
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
 def exchange(a: str, b: str) -> bool:
     """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``).
 
@@ -297,15 +415,20 @@ def exchange(a: str, b: str) -> bool:
         False when the platform or filesystem does not support the exchange (the caller then
         falls back to two renames); True when the paths were swapped.
     """
-    if _renameat2 is None:  # pragma: no cover
-        return False
-    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), a)
+    return _rename2(a, b, _RENAME_EXCHANGE)
+
+
+def rename_noreplace(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist (``RENAME_NOREPLACE``).
+
+    Returns:
+        False when the platform or filesystem does not support the flag (the caller falls back
+        to a checked ``os.rename``); True when renamed.
+
+    Raises:
+        FileExistsError: ``dst`` exists (nothing was renamed).
+    """
+    return _rename2(src, dst, _RENAME_NOREPLACE)
 
 
 def fsync_dir(path: str) -> None:
@@ -328,3 +451,125 @@ def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- the writer lock ----------------------------------------------------------------------------
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+#: The lock file's journal is padded to this size and written with one ``pwrite``.
+JOURNAL_BYTES = 1024
+
+
+class WriterLock:
+    """An exclusive ``flock`` on a lock file: one writer at a time per destination.
+
+    The lock file exists only while a writer holds it: :meth:`release` unlinks it before
+    unlocking. A waiter that then gets the lock on the unlinked inode notices (the path no longer
+    names its inode) and starts over, so two writers can never both hold the lock. The OS drops
+    the lock when its holder dies (even by ``kill -9``); a lock file left by a dead writer is
+    reused by the next one and removed when that one releases it.
+
+    The file also holds a small *journal* (:meth:`read_journal`/:meth:`write_journal`): the names
+    of the staging directory and old copy of the write in progress, so that the next writer can
+    clean up after a crash without listing the parent directory.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), ".t.memtree.lock")
+        >>> with WriterLock(path, "t", timeout=0) as lock:
+        ...     lock.write_journal({"staging": "x"}, fsync=False)
+        ...     lock.read_journal()
+        {'staging': 'x'}
+        >>> os.path.exists(path)
+        False
+    """
+
+    def __init__(self, path: str, what: str, *, timeout: float) -> None:
+        """Prepare a lock on ``path`` (taken by :meth:`acquire` or ``with``).
+
+        Args:
+            path: the lock file.
+            what: the locked destination, for messages.
+            timeout: seconds to keep retrying while another writer holds the lock (0: once).
+        """
+        self.path = path
+        self.what = what
+        self.timeout = timeout
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, retrying for ``timeout`` seconds.
+
+        Raises:
+            LockError: another writer still holds it after ``timeout`` seconds.
+            StorageError: the lock file cannot be created (permissions, read-only filesystem).
+        """
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while True:
+            try:
+                fd = os.open(self.path, _LOCK_FLAGS, 0o644)
+            except OSError as err:
+                raise storage_error(err, f"creating the lock file {self.path} of {self.what}") from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    raise LockError(
+                        f"another writer is writing {self.what} (it holds {self.path}); wait for "
+                        "it to finish and retry. A crashed writer never blocks: the OS releases "
+                        "its lock when it dies"
+                    ) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            except OSError as err:
+                os.close(fd)
+                raise storage_error(err, f"locking {self.path}") from err
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+                fst = os.fstat(fd)
+            except FileNotFoundError:
+                st = None
+            if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+                self.fd = fd
+                return
+            os.close(fd)  # the previous holder unlinked this inode: start over
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (unlink first, so no one can lock a stale inode)."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def read_journal(self) -> dict[str, Any]:
+        """The journal left by the previous holder (``{}`` when empty or unreadable)."""
+        assert self.fd is not None, "read_journal() needs the lock"
+        try:
+            data = os.pread(self.fd, JOURNAL_BYTES, 0)
+            record = orjson.loads(data) if data.strip() else {}
+        except (OSError, orjson.JSONDecodeError):
+            return {}
+        return record if type(record) is dict else {}
+
+    def write_journal(self, record: dict[str, str], *, fsync: bool) -> None:
+        """Replace the journal with ``record`` in one ``pwrite`` (fsynced when asked)."""
+        assert self.fd is not None, "write_journal() needs the lock"
+        data = orjson.dumps(record)
+        if len(data) > JOURNAL_BYTES:
+            raise ValueError(f"journal record too large ({len(data)} bytes)")
+        os.pwrite(self.fd, data.ljust(JOURNAL_BYTES), 0)
+        if fsync:
+            os.fsync(self.fd)
+
+    def __enter__(self) -> WriterLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

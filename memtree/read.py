@@ -9,7 +9,8 @@ What ``load_memmap`` does, level by level from the root:
    ``meta.json`` files and leaves are never opened);
 3. for each leaf: open it without following links, check it is a regular file of exactly
    ``numel × itemsize`` bytes, and only then map it (or read it, with ``mmap=False``; or skip
-   the file entirely, with ``device="meta"``).
+   the file entirely, with ``device="meta"``). With ``verify=True``, a leaf whose ``meta.json``
+   entry records a checksum is hashed first and refused on a mismatch (``IntegrityError``).
 
 Reading never writes: a damaged tree raises a :class:`~memtree.errors.MemtreeError` naming the
 file and leaves every file as it was.
@@ -37,6 +38,7 @@ from typing import Any, Union
 import torch
 
 from .errors import (
+    IntegrityError,
     LimitError,
     MemtreeError,
     MemtreeKeyError,
@@ -47,19 +49,20 @@ from .errors import (
     PickleNotAllowedError,
     UnsafePathError,
 )
-from .fileio import open_checked, read_fd, storage_error
+from .fileio import file_checksum, open_checked, read_fd, storage_error, tensor_checksum
 from .format import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
-from .keys import META_NAME, STAGING_MARK
+from .keys import META_NAME
 from .level import Level
 from .mmap_tensor import map_leaf
 from .nontensor import NonTensor
+from .recover import is_uncommitted_name
 
-__all__ = ["read_tree", "read_meta", "KeySelection", "normalize_keys"]
+__all__ = ["read_tree", "read_meta", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
 
 KeySelection = Union[str, tuple[str, ...]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 
 _Trie = dict[str, Any]  # key -> sub-trie, or None for "everything below"
 
@@ -84,7 +87,12 @@ def normalize_keys(keys: Iterable[KeySelection]) -> _Trie:
     return trie
 
 
-def _open_dir(name: str, where: str, dir_fd: int | None) -> int:
+def open_dir(name: str, where: str, dir_fd: int | None) -> int:
+    """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
+
+    Raises:
+        NotAMemtreeError, MissingLeafError, UnsafePathError, StorageError.
+    """
     try:
         return os.open(name, _DIR_FLAGS | (_NOFOLLOW if dir_fd is not None else 0), dir_fd=dir_fd)
     except FileNotFoundError:
@@ -103,11 +111,14 @@ def _open_dir(name: str, where: str, dir_fd: int | None) -> int:
         raise storage_error(err, f"opening {where}") from err
 
 
+_open_dir = open_dir  # the name memtree.commands.info imports
+
+
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
     """Read and validate the ``meta.json`` in an open directory."""
     path = os.path.join(where, META_NAME)
     try:
-        fd = os.open(META_NAME, _META_FLAGS, dir_fd=dir_fd)
+        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         if root:
             raise NotAMemtreeError(
@@ -143,24 +154,27 @@ def read_tree(
     mmap: bool = True,
     device: torch.device | str | None = None,
     allow_pickle: bool = False,
+    verify: bool = False,
 ) -> Level:
     """Load a tree's structure and leaves (see the module docstring for the steps).
 
     Raises:
+        IntegrityError: ``verify=True`` and a leaf's bytes do not match its recorded checksum.
         MemtreeError: the directory is missing, damaged, hostile, or lacks a requested key.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     root = os.path.realpath(os.fspath(prefix))
-    if STAGING_MARK in os.path.basename(root) and os.path.basename(root).startswith("."):
+    if is_uncommitted_name(os.path.basename(root)):
         raise NotCommittedError(
-            f"{root} is the staging directory of a write that never committed; it holds no "
-            "valid tree and can be deleted"
+            f"{root} is the staging directory (or old copy) of a write that never finished; it "
+            "is not a committed tree. memtree.recover() on its parent directory restores or "
+            "deletes it"
         )
     dev = torch.device(device) if device is not None else torch.device("cpu")
     selection = normalize_keys(keys) if keys is not None else None
-    reader = _Reader(mode, mmap, dev, allow_pickle)
-    fd = _open_dir(root, root, None)
+    reader = _Reader(mode, mmap, dev, allow_pickle, verify)
+    fd = open_dir(root, root, None)
     try:
         return reader.level(fd, root, selection, (), 0)
     finally:
@@ -168,11 +182,12 @@ def read_tree(
 
 
 class _Reader:
-    def __init__(self, mode: str, mmap: bool, device: torch.device, allow_pickle: bool) -> None:
+    def __init__(self, mode: str, mmap: bool, device: torch.device, allow_pickle: bool, verify: bool) -> None:
         self.readonly = mode == "r"
         self.mmap = mmap
         self.device = device
         self.allow_pickle = allow_pickle
+        self.verify = verify
 
     def level(
         self,
@@ -209,10 +224,10 @@ class _Reader:
                         f"key {path + (entry.key,)!r} is a tensor leaf at {where}; it has no "
                         f"sub-key {next(iter(sub))!r}"
                     )
-                out.entries[entry.key] = self.leaf(dir_fd, where, entry)
+                out.entries[entry.key] = self.leaf(dir_fd, where, entry, path)
             elif isinstance(entry, ChildMeta):
                 child_where = os.path.join(where, entry.dir)
-                child_fd = _open_dir(entry.dir, child_where, dir_fd)
+                child_fd = open_dir(entry.dir, child_where, dir_fd)
                 try:
                     out.entries[entry.key] = self.level(
                         child_fd, child_where, sub, path + (entry.key,), depth + 1, meta.batch_size
@@ -225,17 +240,22 @@ class _Reader:
                 out.entries[entry.key] = NonTensor(self.pickled(dir_fd, where, entry))
         return out
 
-    def leaf(self, dir_fd: int, where: str, entry: LeafMeta) -> torch.Tensor:
+    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
         if self.device.type == "meta":
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         path = os.path.join(where, entry.file)
         fd = open_checked(entry.file, entry.nbytes, path, dir_fd=dir_fd)
+        check = self.verify and entry.checksum is not None
         try:
             if self.mmap:
+                if check:
+                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
                 tensor: torch.Tensor = map_leaf(fd, path, entry.dtype, entry.shape, readonly=self.readonly)
             else:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype)
                 read_fd(fd, tensor)
+                if check:  # hash the bytes just read: one pass over the file
+                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents)
         except OSError as err:
             if isinstance(err, MemtreeError):
                 raise
@@ -246,6 +266,17 @@ class _Reader:
             tensor = tensor.to(self.device)
         return tensor
 
+    @staticmethod
+    def check(found: str, entry: LeafMeta, path: str, parents: tuple[str, ...]) -> None:
+        if found != entry.checksum:
+            key = parents + (entry.key,)
+            raise IntegrityError(
+                f"leaf {key if len(key) > 1 else key[0]!r} at {path} is damaged: its meta.json "
+                f"records checksum {entry.checksum}, the file has {found}. The file changed "
+                "after it was written; restore it or re-save the tree (`memtree verify DIR` "
+                "lists every damaged leaf)"
+            )
+
     def pickled(self, dir_fd: int, where: str, entry: PickleMeta) -> Any:
         path = os.path.join(where, entry.file)
         if not self.allow_pickle:
@@ -254,7 +285,7 @@ class _Reader:
                 "code, so it is loaded only with allow_pickle=True (trusted files only)"
             )
         try:
-            fd = os.open(entry.file, _META_FLAGS, dir_fd=dir_fd)
+            fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             raise MissingLeafError(f"pickled leaf file {path} is missing; the tree is damaged") from None
         except OSError as err:
@@ -267,3 +298,7 @@ class _Reader:
         finally:
             os.close(fd)
 
+
+def _algorithm(entry: LeafMeta) -> str:
+    assert entry.checksum is not None
+    return entry.checksum.partition(":")[0]

@@ -780,6 +780,7 @@ class TensorTree:
         existsok: bool = True,
         fsync: bool = False,
         allow_pickle: bool = False,
+        checksum: str | None = None,
     ) -> TensorTree:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
 
@@ -792,6 +793,10 @@ class TensorTree:
             existsok: allow replacing an existing memtree directory at ``prefix``.
             fsync: also make the commit durable across power loss.
             allow_pickle: pickle non-tensor values that JSON cannot hold exactly.
+            checksum: ``"crc32"`` (fast, catches accidental damage) or ``"sha256"`` (also
+                detects deliberate changes, given a trusted ``meta.json``) records each leaf's
+                checksum in ``meta.json``, computed in the same pass as the write; checked by
+                ``load_memmap(..., verify=True)`` and ``memtree verify``. ``None``: no checksum.
 
         Example:
             >>> import tempfile
@@ -799,7 +804,7 @@ class TensorTree:
             >>> t.is_memmap()
             True
         """
-        self._adopt(self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle))
+        self._adopt(self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle, checksum))
         return self
 
     def memmap(
@@ -811,6 +816,7 @@ class TensorTree:
         existsok: bool = True,
         fsync: bool = False,
         allow_pickle: bool = False,
+        checksum: str | None = None,
     ) -> TensorTree:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
@@ -821,7 +827,7 @@ class TensorTree:
             >>> m.is_memmap(), t.is_memmap()
             (True, False)
         """
-        level = self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle)
+        level = self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle, checksum)
         return type(self)._from_level(level, self._device)
 
     def memmap_like(
@@ -858,6 +864,7 @@ class TensorTree:
         fsync: bool,
         reserve: bool,
         allow_pickle: bool,
+        checksum: str | None = None,
     ) -> Level:
         if prefix is None:
             return share_tree(self._to_level(), like=like)
@@ -871,6 +878,7 @@ class TensorTree:
             reserve=reserve,
             allow_pickle=allow_pickle,
             copy_existing=copy_existing,
+            checksum=checksum,
         )
 
     @classmethod
@@ -883,6 +891,7 @@ class TensorTree:
         mode: str = "r+",
         mmap: bool = True,
         allow_pickle: bool = False,
+        verify: bool = False,
     ) -> TensorTree:
         """Load a tree written by :meth:`memmap`: validates every file, reads no leaf data.
 
@@ -897,6 +906,9 @@ class TensorTree:
                 filesystems).
             allow_pickle: unpickle non-tensor leaves that were saved with ``allow_pickle=True``
                 (trusted files only).
+            verify: hash every loaded leaf that records a checksum (``memmap(...,
+                checksum=...)``) and raise :class:`~memtree.IntegrityError` on a mismatch; reads
+                those files once. Leaves without a checksum are size-checked only, as always.
 
         Example:
             >>> import tempfile
@@ -905,7 +917,7 @@ class TensorTree:
             >>> TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
-        level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle)
+        level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
         return cls._from_level(level, torch.device(device) if device is not None else None)
 
     # ------------------------------------------------------------------------------ repr

@@ -7,13 +7,18 @@ committed"):
    I/O): escaped names, one job per leaf, the metadata of every level. Every error the input
    can cause (bad dtype, non-JSON value, foreign memmap...) is raised here, before any file
    exists.
-2. :func:`write_tree` creates ``.<name>.memtree-tmp-<hex>`` next to the destination, writes the
-   leaves (in a thread pool when ``num_threads > 0``), then each level's ``meta.json`` deepest
-   first and the root's last, and renames the staging directory onto the destination (an atomic
-   exchange when it replaces an older tree).
-3. The written files are mapped and returned as a ``Level`` of ``MemoryMappedTensor``.
+2. :func:`write_tree` takes the destination's writer lock ``.<name>.memtree.lock`` (cleaning up
+   after a writer that crashed, see :mod:`memtree.recover`), creates ``.<name>.memtree-tmp-<hex>``
+   next to the destination, writes the leaves (in a thread pool when ``num_threads > 0``,
+   hashing them on the way with ``checksum=``), then each level's ``meta.json`` deepest first and
+   the root's last, and renames the staging directory onto the destination: ``RENAME_NOREPLACE``
+   for a new destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two
+   journaled renames where the filesystem lacks it).
+3. The written files are mapped (still under the lock) and returned as a ``Level`` of
+   ``MemoryMappedTensor``.
 
 Any failure before the rename removes the staging directory and leaves the destination as it was.
+``memtree._faults.point`` marks each step for the crash tests.
 
 Example:
     >>> import tempfile, torch
@@ -32,7 +37,7 @@ import shutil
 import stat
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 import orjson
@@ -46,12 +51,16 @@ from .errors import (
     InvalidKeyError,
     MemtreeError,
 )
+from ._faults import point
 from .fileio import (
+    WriterLock,
+    check_checksum_option,
     check_free_space,
     create_leaf,
     exchange,
     fsync_dir,
     open_checked,
+    rename_noreplace,
     storage_error,
     write_small_file,
 )
@@ -67,10 +76,11 @@ from .format import (
     PickleMeta,
     dump_level,
 )
-from .keys import META_NAME, STAGING_MARK, encode_level
+from .keys import META_NAME, encode_level
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor, map_leaf, to_storable
 from .nontensor import NonTensor, check_json, json_problem
+from .recover import lock_path, old_path, recover_locked, staging_path
 
 __all__ = ["LeafJob", "LevelPlan", "WritePlan", "plan_write", "write_tree", "share_tree"]
 
@@ -234,9 +244,15 @@ def _plan_leaf(
 # ---------------------------------------------------------------------------------------------
 # executing a plan
 
+#: Seconds a writer waits for another writer of the same destination before raising LockError.
+LOCK_TIMEOUT = 1.0
+
 
 def _destination_state(dest: str, existsok: bool) -> str:
-    """``"absent"`` (or an empty directory) or ``"tree"``; raise if it must not be replaced."""
+    """``"absent"``, ``"empty"`` (an empty directory) or ``"tree"``; raise if it must not be replaced.
+
+    Constant cost: it looks at one entry of the directory and at its ``meta.json``.
+    """
     try:
         st = os.lstat(dest)
     except FileNotFoundError:
@@ -245,14 +261,14 @@ def _destination_state(dest: str, existsok: bool) -> str:
         raise DestinationExistsError(
             f"{dest} exists and is not a directory; choose another prefix or remove it"
         )
-    names = os.listdir(dest)
-    if not names:
-        return "absent"
+    with os.scandir(dest) as it:
+        if next(it, None) is None:
+            return "empty"
     if not existsok:
         raise DestinationExistsError(
             f"{dest} already exists; pass existsok=True to replace it, or choose another prefix"
         )
-    if META_NAME in names and _is_memtree_meta(os.path.join(dest, META_NAME)):
+    if _is_memtree_meta(os.path.join(dest, META_NAME)):
         return "tree"
     raise DestinationExistsError(
         f"{dest} exists, is not empty and is not a memtree directory; memtree never replaces "
@@ -262,11 +278,18 @@ def _destination_state(dest: str, existsok: bool) -> str:
 
 def _is_memtree_meta(path: str) -> bool:
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, 4096, 0)
         return b'"format":"memtree"' in head or orjson.loads(head).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
+    finally:
+        os.close(fd)
 
 
 def write_tree(
@@ -281,6 +304,7 @@ def write_tree(
     allow_pickle: bool = False,
     copy_existing: bool = False,
     mode: str = "r+",
+    checksum: str | None = None,
 ) -> Level:
     """Write ``level`` under ``prefix`` atomically and return it mapped from the new files.
 
@@ -293,48 +317,74 @@ def write_tree(
         reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
         allow_pickle: pickle non-tensor values JSON cannot hold.
         copy_existing: copy leaves already memory-mapped from another prefix.
+        checksum: ``"crc32"`` or ``"sha256"`` records each leaf's checksum in ``meta.json``
+            (computed while writing); not with ``like``.
 
     Raises:
+        LockError: another writer is writing the same destination.
         MemtreeError: any input or storage problem; the destination is then unchanged.
     """
+    check_checksum_option(checksum)
+    if like and checksum is not None:
+        raise ValueError("memmap_like writes no data, so it records no checksum; pass checksum=None")
     dest = os.path.realpath(os.fspath(prefix))
     plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)
     parent, name = os.path.split(dest)
     try:
         os.makedirs(parent, exist_ok=True)
-        state = _destination_state(dest, existsok)
-        check_free_space(parent, plan.total_bytes, f"writing {dest}")
-        staging = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex}")
-        os.mkdir(staging, 0o700)
-    except MemtreeError:
-        raise
     except OSError as err:
-        raise storage_error(err, f"preparing to write {dest}") from err
-    try:
-        _write_staging(staging, plan, like, num_threads, fsync, reserve)
-        os.chmod(staging, 0o755)
-        _publish(staging, dest, state, fsync)
-    except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(err, OSError) and not isinstance(err, MemtreeError):
-            raise storage_error(err, f"writing {dest}") from err
-        raise
-    return _map_written(dest, level, plan, mode)
+        raise storage_error(err, f"creating the parent directory of {dest}") from err
+    with WriterLock(lock_path(parent, name), dest, timeout=LOCK_TIMEOUT) as lock:
+        try:
+            recover_locked(parent, name, lock)
+            point("after_lock")
+            state = _destination_state(dest, existsok)
+            check_free_space(parent, plan.total_bytes, f"writing {dest}")
+            staging = staging_path(parent, name)
+            lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
+            os.mkdir(staging, 0o700)
+        except MemtreeError:
+            raise
+        except OSError as err:
+            raise storage_error(err, f"preparing to write {dest}") from err
+        point("staging_created")
+        try:
+            _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum)
+            _publish(staging, dest, state, fsync, lock)
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, OSError) and not isinstance(err, MemtreeError):
+                raise storage_error(err, f"writing {dest}") from err
+            raise
+        return _map_written(dest, level, plan, mode)
 
 
 def _write_staging(
-    staging: str, plan: WritePlan, like: bool, num_threads: int, fsync: bool, reserve: bool
+    staging: str,
+    plan: WritePlan,
+    like: bool,
+    num_threads: int,
+    fsync: bool,
+    reserve: bool,
+    checksum: str | None,
 ) -> None:
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
             os.mkdir(os.path.join(staging, lp.rel))
+    point("before_leaves")
+    sums: dict[str, str] = {}
 
     def job(j: LeafJob) -> None:
         data = None if like else to_storable(j.tensor, j.where)
         try:
-            create_leaf(os.path.join(staging, j.rel), data, j.nbytes, reserve=reserve, fsync=fsync)
+            digest = create_leaf(
+                os.path.join(staging, j.rel), data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
+            )
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
+        if digest is not None:
+            sums[j.rel] = digest
+        point("after_leaf")
 
     jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)
     if num_threads > 0 and len(jobs) > 1:
@@ -354,24 +404,69 @@ def _write_staging(
     for lp in plan.levels:  # deepest first, the root's meta.json last
         directory = os.path.join(staging, lp.rel)
         meta = lp.meta
-        if not lp.rel:
-            meta = LevelMeta(meta.batch_size, meta.entries, meta.type, uuid.uuid4().hex)
+        if sums:
+            meta = replace(meta, entries=tuple(_with_checksum(e, lp.rel, sums) for e in meta.entries))
+        if lp.rel:
+            point("before_meta")
+        else:
+            point("before_root_meta")
+            meta = replace(meta, save_id=uuid.uuid4().hex)
+            os.chmod(staging, 0o755)
         write_small_file(os.path.join(directory, META_NAME), dump_level(meta), fsync=fsync)
         if fsync:
             fsync_dir(directory)
+    point("after_root_meta")
 
 
-def _publish(staging: str, dest: str, state: str, fsync: bool) -> None:
+def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
+    if isinstance(entry, LeafMeta):
+        return replace(entry, checksum=sums[f"{rel}/{entry.file}" if rel else entry.file])
+    return entry
+
+
+def _publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) -> None:
+    """Make the complete staging tree the destination, in one atomic step (see format.md)."""
     parent = os.path.dirname(dest)
+    point("before_publish")
     if state == "absent":
-        os.rename(staging, dest)  # also replaces an empty directory
+        try:
+            renamed = rename_noreplace(staging, dest)
+        except FileExistsError:
+            renamed = False
+        if not renamed:
+            if os.path.lexists(dest):  # created by someone else (memtree writers hold the lock)
+                raise DestinationExistsError(
+                    f"{dest} appeared while memtree was writing it; nothing was replaced. "
+                    "Choose another prefix or remove it"
+                )
+            os.rename(staging, dest)  # no RENAME_NOREPLACE on this filesystem
+    elif state == "empty":
+        os.rename(staging, dest)  # replaces an empty directory, fails (ENOTEMPTY) on any other
     elif exchange(staging, dest):
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
+        point("before_old_removed")
         shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old tree
-    else:  # pragma: no cover - filesystems without RENAME_EXCHANGE
-        old = staging.replace(STAGING_MARK, ".memtree-old-")
+        return
+    else:  # no RENAME_EXCHANGE on this filesystem: two renames, journaled for recovery
+        old = old_path(parent, os.path.basename(dest))
+        lock.write_journal(
+            {"staging": os.path.basename(staging), "old": os.path.basename(old)}, fsync=fsync
+        )
         os.rename(dest, old)
-        os.rename(staging, dest)
+        point("between_renames")
+        try:
+            os.rename(staging, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
+        return
+    point("after_publish")
     if fsync:
         fsync_dir(parent)
 
