@@ -57,15 +57,15 @@ class CheckpointFile:
         self.path = os.fspath(path)
         try:
             self.fd = os.open(self.path, _OPEN_FLAGS)
-        except IsADirectoryError:
-            raise CheckpointFormatError(
-                f"{self.path} is a directory, not a checkpoint file; load memtree or tensordict "
-                "directories with memtree.load_memmap"
-            ) from None
         except OSError as err:
             raise storage_error(err, f"opening checkpoint {self.path}") from err
         try:
             st = os.fstat(self.fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise CheckpointFormatError(
+                    f"{self.path} is a directory, not a checkpoint file; load memtree or "
+                    "tensordict directories with memtree.load_memmap"
+                )
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointFormatError(
                     f"{self.path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
