@@ -15,7 +15,9 @@ from __future__ import annotations
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .mmap_tensor import MemoryMappedTensor
+from .module import LoadResult, empty_init, init_missing, load_into_module
 from .nontensor import NonTensor
+from .offload import OffloadedTensor, offload
 from .ops import cat, stack
 from .recover import recover
 from .tree import TensorTree, load_memmap
@@ -34,5 +36,11 @@ __all__ = [
     "verify_tree",
     "VerifyReport",
     "Problem",
+    "load_into_module",
+    "LoadResult",
+    "empty_init",
+    "init_missing",
+    "offload",
+    "OffloadedTensor",
     *_errors_all,
 ]

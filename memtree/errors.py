@@ -23,6 +23,7 @@ __all__ = [
     "KeyCollisionError",
     "BatchSizeError",
     "ShapeMismatchError",
+    "SourceError",
     "LockedError",
     "ReadOnlyError",
     "DtypeError",
@@ -81,6 +82,10 @@ class BatchSizeError(MemtreeError, ValueError):
 
 class ShapeMismatchError(MemtreeError, ValueError):
     """A tensor's shape or dtype does not match the one it should replace or fill."""
+
+
+class SourceError(MemtreeError, ValueError):
+    """A source given to ``load_into_module``/``offload`` cannot be used as one (kind, reader)."""
 
 
 class LockedError(MemtreeError, RuntimeError):

@@ -920,6 +920,116 @@ class TensorTree:
         level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
         return cls._from_level(level, torch.device(device) if device is not None else None)
 
+    # --------------------------------------------------------------------------- modules
+    @classmethod
+    def from_module(cls, module: Any, *, use_state_dict: bool = False) -> TensorTree:
+        """A tree of ``module``'s parameters and persistent buffers, nested by module path.
+
+        See :func:`memtree.module.from_module` (tied tensors are stored once).
+
+        Example:
+            >>> from torch import nn
+            >>> TensorTree.from_module(nn.Linear(2, 3))["weight"].shape
+            torch.Size([3, 2])
+        """
+        from .module import from_module  # module.py builds on this file
+
+        tree = from_module(module, use_state_dict=use_state_dict)
+        return tree if cls is TensorTree else cls(tree)
+
+    def to_module(self, module: Any, *, return_swap: bool = True) -> TensorTree | None:
+        """Bind this tree's tensors as ``module``'s parameters and buffers, without copying.
+
+        See :func:`memtree.module.to_module`; returns the swapped-out tensors as a tree.
+
+        Example:
+            >>> from torch import nn
+            >>> a, b = nn.Linear(2, 3), nn.Linear(2, 3)
+            >>> _ = TensorTree.from_module(a).to_module(b)
+            >>> b.weight.data_ptr() == a.weight.data_ptr()
+            True
+        """
+        from .module import to_module
+
+        return to_module(self, module, return_swap=return_swap)
+
+    # ------------------------------------------------------------------ growing, datasets
+    def append_(self, item: Any, *, fsync: bool = False) -> TensorTree:
+        """Append one item along the first batch dim, on disk and in this tree; returns ``self``.
+
+        The tree must be mapped from a prefix (``memmap(prefix)``, ``memmap_like(prefix)`` or
+        ``load_memmap``). Files grow in place, their capacity at least doubling (amortised O(1)
+        per item), existing rows are never rewritten, and the new length is committed like a
+        write; see :mod:`memtree.grow`.
+
+        Args:
+            item: a tree (or nested mapping) of batch size ``batch_size[1:]``.
+            fsync: also make the growth durable across power loss.
+
+        Example:
+            >>> import tempfile
+            >>> buf = TensorTree({"x": torch.zeros(0, 2)}, batch_size=[0]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.append_({"x": torch.ones(2)}).batch_size
+            torch.Size([1])
+        """
+        from .grow import extend_level  # grow.py builds on this file
+
+        self._adopt_grown(extend_level(self, item, single=True, fsync=fsync))
+        return self
+
+    def extend_(self, rows: Any, *, fsync: bool = False) -> TensorTree:
+        """Append rows (a tree or mapping of batch size ``[k] + batch_size[1:]``); returns ``self``.
+
+        Like :meth:`append_` for ``k`` items at once (one commit).
+
+        Example:
+            >>> import tempfile
+            >>> buf = TensorTree({"x": torch.zeros(1)}, batch_size=[1]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.extend_({"x": torch.arange(3.0)})["x"].tolist()
+            [0.0, 0.0, 1.0, 2.0]
+        """
+        from .grow import extend_level
+
+        self._adopt_grown(extend_level(self, rows, fsync=fsync))
+        return self
+
+    def resize_(self, length: int, *, fsync: bool = False) -> TensorTree:
+        """Set the first batch dim to ``length`` on disk and in this tree; returns ``self``.
+
+        New rows are zeros (sparse: no data written past the old capacity). A smaller length
+        keeps the files as they are (never truncated: other processes may map them).
+
+        Example:
+            >>> import tempfile
+            >>> data = TensorTree({"x": torch.ones(2)}, batch_size=[2]).memmap(tempfile.mkdtemp() + "/d")
+            >>> data.resize_(4)["x"].tolist()
+            [1.0, 1.0, 0.0, 0.0]
+        """
+        from .grow import resize_level
+
+        self._adopt_grown(resize_level(self, length, fsync=fsync))
+        return self
+
+    def _adopt_grown(self, level: Level) -> None:
+        self._batch_size = torch.Size(level.batch_size)
+        for k, v in level.entries.items():
+            if isinstance(v, Level):
+                self._data[k]._adopt_grown(v)
+            else:
+                self._data[k] = v
+
+    def __getitems__(self, indices: list[int]) -> TensorTree:
+        """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
+
+        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
+        (default collation does not know trees; see :mod:`memtree.dataset`).
+
+        Example:
+            >>> TensorTree({"x": torch.arange(5)}, batch_size=[5]).__getitems__([4, 0])["x"].tolist()
+            [4, 0]
+        """
+        return self[torch.as_tensor(indices, dtype=torch.long)]
+
     # ------------------------------------------------------------------------------ repr
     #: ``repr`` shows at most this many lines of entries, then one summary line.
     _repr_max_lines: int = _REPR_MAX_LINES
