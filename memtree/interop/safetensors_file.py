@@ -117,7 +117,7 @@ def safetensors_dtype(dtype: torch.dtype, key: str = "tensor") -> str:
         return _BY_DTYPE[dtype]
     except KeyError:
         raise DtypeError(
-            f"{key}: safetensors cannot hold {dtype} (it has {', '.join(_BY_DTYPE)}); cast it "
+            f"{key}: safetensors cannot hold {dtype} (it has {', '.join(SAFETENSORS_DTYPES)}); cast it "
             "first (e.g. --dtype, or .to(torch.complex64)), or keep a memtree directory"
         ) from None
 
