@@ -134,6 +134,15 @@ def test_info_of_a_corrupt_directory_names_the_file_and_exits_1(
     assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err), *expected)
 
 
+def test_info_refuses_an_uncommitted_staging_directory(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    staging = sample.parent / f".ckpt.memtree-tmp-{'ab' * 16}"
+    shutil.copytree(sample, staging)
+    assert cli.main(["info", str(staging)]) == 1
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err),
+                          str(staging), "staging directory", "memtree.recover()")
+
+
 def test_info_reads_no_leaf_file(sample: Path) -> None:
     (sample / "obs.memmap").unlink()  # damage only `verify` or `load_memmap` would notice
     (sample / "nested" / "x.memmap").write_bytes(b"short")

@@ -26,7 +26,9 @@ import orjson
 
 from ..dtypes import dtype_name
 from ..format import FORMAT, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
-from ..read import _open_dir, read_meta
+from ..errors import NotCommittedError
+from ..read import open_dir, read_meta
+from ..recover import is_uncommitted_name
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "describe", "render_text", "format_bytes"]
 
@@ -85,7 +87,7 @@ def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
         elif isinstance(e, ChildMeta):
             item.update(kind="tree", dir=rel + e.dir + "/")
             entries.append(item)
-            child_fd = _open_dir(e.dir, os.path.join(where, e.dir), dir_fd)
+            child_fd = open_dir(e.dir, os.path.join(where, e.dir), dir_fd)
             try:
                 child = _walk(child_fd, os.path.join(where, e.dir), rel + e.dir + "/",
                               path + [e.key], depth + 1, entries, totals)
@@ -116,7 +118,8 @@ def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         (paths relative to ``path``).
 
     Raises:
-        MemtreeError: the directory is missing, is not a memtree, or a ``meta.json`` is damaged.
+        MemtreeError: the directory is missing, is not a memtree, is an uncommitted staging
+            directory, or a ``meta.json`` is damaged.
 
     Example:
         >>> import tempfile, torch, memtree
@@ -127,9 +130,14 @@ def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         (24, [['w'], ['sub'], ['sub', 'n']])
     """
     root = os.path.abspath(os.fspath(prefix))
+    if is_uncommitted_name(os.path.basename(os.path.realpath(root))):
+        raise NotCommittedError(
+            f"{root} is the staging directory (or old copy) of a write that never finished, not "
+            "a committed tree; memtree.recover() on its parent directory restores or deletes it"
+        )
     entries: list[dict[str, Any]] = []
     totals = _Totals()
-    fd = _open_dir(root, root, None)
+    fd = open_dir(root, root, None)
     try:
         meta = _walk(fd, root, "", [], 0, entries, totals)
     finally:
