@@ -1,0 +1,288 @@
+"""load_memmap on directories written by tensordict's memmap: the fixed fixture, directories the real
+tensordict writes at test time, and damaged or hostile ones (never executing pickle sidecars)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import memtree
+from memtree.dtypes import dtype_from_name
+from memtree.interop import read_tensordict_dir
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"
+TD_TYPE = "<class 'tensordict._td.TensorDict'>"
+NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- the fixed artifact --------------------------------------------------------------------------
+def test_fixture_loads_with_its_quirks(tmp_path: Path) -> None:
+    root = tmp_path / "td"
+    shutil.copytree(FIXTURE, root)
+    before = snapshot(root)
+    tree = memtree.load_memmap(root, mode="r")
+    assert tree.batch_size == torch.Size([2, 1]) and tree["nested"].batch_size == torch.Size([2, 1])
+    assert tree["nested", "int64"].dtype == torch.int64 and tree["nested", "int64"].tolist() == [[1], [2]]
+    bf16 = tree["nested", "bfloat16"]
+    assert bf16.dtype == torch.bfloat16 and bf16.tolist() == [[1.0], [1.0]]
+    assert tree["nested", "string"] == ["a string!"]
+    assert tree.is_memmap()
+    with pytest.raises(memtree.ReadOnlyError):
+        tree["nested", "int64"].add_(1)
+    assert snapshot(root) == before  # leaf files are longer than needed: tolerated, never changed
+
+
+def test_fixture_through_keys_meta_and_buffered_reads() -> None:
+    meta = memtree.load_memmap(FIXTURE, device="meta")
+    assert meta["nested", "int64"].device.type == "meta" and meta["nested", "int64"].shape == (2, 1)
+    part = memtree.load_memmap(FIXTURE, keys=[("nested", "bfloat16")], mmap=False)
+    assert part.keys(include_nested=True) == ["nested", ("nested", "bfloat16")]
+    assert not isinstance(part["nested", "bfloat16"], memtree.MemoryMappedTensor)
+    with pytest.raises(memtree.MemtreeKeyError):
+        memtree.load_memmap(FIXTURE, keys=[("nested", "missing")])
+
+
+def test_longer_leaf_files_are_tolerated_only_on_the_tensordict_path(tmp_path: Path) -> None:
+    d = tmp_path / "mt"
+    memtree.TensorTree({"x": torch.arange(2)}).memmap(d)
+    with open(d / "x.memmap", "ab") as f:
+        f.write(b"\x00")
+    with pytest.raises(memtree.LeafSizeError):
+        memtree.load_memmap(d)
+
+
+# -- hand-written tensordict directories (no tensordict needed) -----------------------------------
+def write_td(root: Path, meta: dict, files: dict[str, bytes] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "meta.json").write_text(json.dumps(meta))
+    for name, data in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def leaf(dtype: str, shape: list[int]) -> dict:
+    return {"device": "cpu", "shape": shape, "dtype": dtype, "is_nested": False}
+
+
+def level(entries: dict, shape: list[int]) -> dict:
+    return {**entries, "shape": shape, "device": "cpu", "_type": TD_TYPE}
+
+
+def test_zero_element_leaf_without_file_and_escaped_keys(tmp_path: Path) -> None:
+    root = write_td(
+        tmp_path / "td",
+        level({"empty": leaf("torch.float32", [2, 0]), "a/b": leaf("torch.int16", [2])}, [2]),
+        {"a%2Fb.memmap": torch.tensor([5, 6], dtype=torch.int16).numpy().tobytes()},
+    )
+    tree = memtree.load_memmap(root)
+    assert tree["empty"].shape == (2, 0) and tree["a/b"].tolist() == [5, 6]
+
+
+def test_missing_or_short_leaf_files_are_damage(tmp_path: Path) -> None:
+    root = write_td(tmp_path / "td", level({"x": leaf("torch.int64", [2])}, [2]))
+    with pytest.raises(memtree.MissingLeafError, match="x.memmap"):
+        memtree.load_memmap(root)
+    (root / "x.memmap").write_bytes(b"\x00" * 15)
+    with pytest.raises(memtree.LeafSizeError):
+        memtree.load_memmap(root)
+    (root / "x.memmap").unlink()
+    (root / "x.memmap").symlink_to("/dev/zero")
+    with pytest.raises(memtree.UnsafePathError):
+        memtree.load_memmap(root)
+
+
+def test_pickle_sidecars_are_never_executed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    root = write_td(
+        tmp_path / "td",
+        level({"w": leaf("torch.float32", [1]), "obj": {"type": "NonTensorData"}}, [1]),
+        {
+            "w.memmap": torch.ones(1).numpy().tobytes(),
+            "obj/meta.json": json.dumps({"_type": NTD_TYPE, "_metadata": None, "_is_non_tensor": True}).encode(),
+            "obj/other.pickle": pickle.dumps(Evil()),
+        },
+    )
+    for allow in (False, True):
+        with pytest.raises(memtree.PickleNotAllowedError, match="never executes"):
+            memtree.load_memmap(root, allow_pickle=allow)
+    assert memtree.load_memmap(root, keys=["w"])["w"].tolist() == [1.0]
+    with pytest.raises(memtree.PickleNotAllowedError):
+        memtree.convert(root, tmp_path / "out")
+    assert not marker.exists()
+
+
+MALFORMED = {
+    "not JSON": b"{not json",
+    "top level list": b"[]",
+    "shape is a string": level({"x": leaf("torch.int64", "2")}, [2]),
+    "negative dim": level({"x": leaf("torch.int64", [-2])}, [2]),
+    "float dim": level({"x": leaf("torch.int64", [2.0])}, [2]),
+    "unknown dtype": level({"x": leaf("torch.float128", [2])}, [2]),
+    "dtype without torch prefix": level({"x": leaf("float32", [2])}, [2]),
+    "dtype not a string": level({"x": leaf(7, [2])}, [2]),
+    "leaf does not match batch": level({"x": leaf("torch.int64", [3])}, [2]),
+    "batch is not a list": level({"x": leaf("torch.int64", [2])}, "2"),
+    "is_nested not bool": level({"x": {**leaf("torch.int64", [2]), "is_nested": "no"}}, [2]),
+    "type not a string": level({"x": {"type": 3}}, [2]),
+    "child type not a class": None,  # built below
+    "duplicate fields": b'{"shape": [2], "shape": [3], "device": "cpu", "_type": "' + TD_TYPE.encode() + b'"}',
+    "absurd size": level({"x": leaf("torch.int64", [2**40, 2**40])}, [2**40]),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_tensordict_meta_json_gives_meta_format_error(tmp_path: Path, case: str) -> None:
+    root = tmp_path / "td"
+    top = level({"sub": {"type": "TensorDict"}}, [2])
+    write_td(root, top, {"x.memmap": b"\x00" * 16})
+    bad = MALFORMED[case]
+    if case == "child type not a class":
+        bad = {"shape": [2], "_type": 5}
+    (root / "sub").mkdir()
+    (root / "sub" / "meta.json").write_bytes(bad if isinstance(bad, bytes) else json.dumps(bad).encode())
+    with pytest.raises(memtree.MetaFormatError, match=r"sub.meta\.json"):
+        memtree.load_memmap(root)
+
+
+def test_malformed_root_meta_json_gives_meta_format_error(tmp_path: Path) -> None:
+    root = write_td(tmp_path / "td", level({"x": leaf("torch.int64", [2])}, [2]))
+    (root / "meta.json").write_bytes(b'{"_type": "' + TD_TYPE.encode() + b'", "x": ')
+    with pytest.raises(memtree.MetaFormatError):
+        memtree.load_memmap(root)
+    (root / "meta.json").write_text(json.dumps(level({"x": leaf("torch.int64", [2, "a"])}, [2])))
+    with pytest.raises(memtree.MetaFormatError, match=r"\['x'\]\.shape"):
+        memtree.load_memmap(root)
+
+
+def test_child_batch_must_extend_the_parent_batch(tmp_path: Path) -> None:
+    root = write_td(tmp_path / "td", level({"sub": {"type": "TensorDict"}}, [3]), {"sub/meta.json": json.dumps(level({}, [2])).encode()})
+    with pytest.raises(memtree.MetaFormatError, match="parent"):
+        memtree.load_memmap(root)
+
+
+def test_sub_directory_symlinks_are_refused(tmp_path: Path) -> None:
+    outside = write_td(tmp_path / "outside", level({}, []))
+    root = write_td(tmp_path / "td", level({"sub": {"type": "TensorDict"}}, []))
+    (root / "sub").symlink_to(outside)
+    with pytest.raises(memtree.UnsafePathError):
+        memtree.load_memmap(root)
+
+
+# -- directories written by the real tensordict ------------------------------------------------
+TD_DTYPES = [dtype_from_name(n) for n in ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128")]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    n = torch.Size(shape).numel()
+    return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+@pytest.fixture
+def tensordict():
+    """The real tensordict package (these tests skip without it; the ones above never need it)."""
+    return pytest.importorskip("tensordict")
+
+
+@pytest.fixture
+def real_td(tmp_path: Path, tensordict):
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    data = TensorDict(
+        {
+            **{f"d_{str(dt)[6:]}": random_tensor((4, 3), dt, i) for i, dt in enumerate(TD_DTYPES)},
+            "nested": TensorDict({"x": torch.arange(4.0), "deeper": {"y": torch.ones(4, 2, dtype=torch.bfloat16)}}, [4]),
+            "empty": torch.zeros(4, 0),
+            "a/b c%": torch.ones(4, dtype=torch.int8),  # a key tensordict percent-encodes
+            "text": NonTensorData("hello", batch_size=[4]),
+            "cfg": NonTensorData({"lr": 0.1, "layers": [1, 2]}, batch_size=[4]),
+            "labels": NonTensorStack("a", "b", "c", "d"),
+        },
+        batch_size=[4],
+    )
+    root = tmp_path / "td"
+    data.memmap(root)
+    return root, data
+
+
+def test_directories_written_by_tensordict_load_bit_exact(real_td) -> None:
+    root, data = real_td
+    tree = memtree.load_memmap(root)
+    assert tree.batch_size == torch.Size([4]) and tree["nested"].batch_size == torch.Size([4])
+    for dt in TD_DTYPES:
+        key = f"d_{str(dt)[6:]}"
+        assert tree[key].dtype == dt and as_bytes(tree[key]) == as_bytes(data[key]), key
+    assert as_bytes(tree["nested", "deeper", "y"]) == as_bytes(data["nested", "deeper", "y"])
+    assert tree["nested", "x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert tree["empty"].shape == (4, 0) and tree["a/b c%"].tolist() == [1, 1, 1, 1]
+    assert tree["text"] == "hello" and tree["cfg"] == {"lr": 0.1, "layers": [1, 2]}
+    assert tree["labels"] == ["a", "b", "c", "d"]
+    assert not os.path.exists(os.path.join(root, "empty.memmap"))  # tensordict's quirk, tolerated
+
+
+def test_tensordict_dir_converts_to_memtree_and_back_to_tensordict(real_td, tmp_path: Path) -> None:
+    from tensordict import TensorDict
+
+    root, data = real_td
+    memtree.convert(root, tmp_path / "mt")
+    tree = memtree.load_memmap(tmp_path / "mt")
+    assert tree["text"] == "hello"
+    for key in ("d_bfloat16", "d_complex32", ("nested", "deeper", "y")):
+        assert as_bytes(tree[key]) == as_bytes(data[key])
+    again = TensorDict({"w": tree["d_float64"]}, batch_size=[4])
+    assert torch.equal(again["w"], data["d_float64"])
+
+
+def test_tensorclass_content_loads_as_a_sub_tree(tmp_path: Path, tensordict) -> None:
+    from tensordict import TensorDict, tensorclass
+
+    @tensorclass
+    class Sample:
+        obs: torch.Tensor
+        name: str
+
+    data = TensorDict({"s": Sample(obs=torch.arange(6.0).reshape(2, 3), name="bob", batch_size=[2])}, [2])
+    data.memmap(tmp_path / "td")
+    tree = memtree.load_memmap(tmp_path / "td")
+    assert tree["s", "obs"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and tree["s", "name"] == "bob"
+
+
+def test_unsupported_tensordict_containers_are_refused_clearly(tmp_path: Path, tensordict) -> None:
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    stacked = LazyStackedTensorDict(TensorDict({"a": torch.ones(3)}, []), TensorDict({"a": torch.zeros(3)}, []), stack_dim=0)
+    stacked.memmap(tmp_path / "lazy")
+    with pytest.raises(memtree.UnsupportedVersionError, match="densify"):
+        memtree.load_memmap(tmp_path / "lazy")
+
+
+def test_real_pickled_non_tensor_data_is_refused(tmp_path: Path, tensordict) -> None:
+    from tensordict import NonTensorData, TensorDict
+
+    TensorDict({"o": NonTensorData(object(), batch_size=[]), "w": torch.ones(2)}, []).memmap(tmp_path / "td")
+    with pytest.raises(memtree.PickleNotAllowedError):
+        memtree.load_memmap(tmp_path / "td", allow_pickle=True)
+    assert read_tensordict_dir(tmp_path / "td", keys=["w"]).entries["w"].tolist() == [1.0, 1.0]
