@@ -44,3 +44,12 @@ __all__ = [
     "OffloadedTensor",
     *_errors_all,
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``memtree.remote`` (fsspec) and ``memtree.dcp`` (torch.distributed) load on first use."""
+    if name in ("remote", "dcp"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'memtree' has no attribute {name!r}")

@@ -892,11 +892,13 @@ class TensorTree:
         mmap: bool = True,
         allow_pickle: bool = False,
         verify: bool = False,
+        **remote: Any,
     ) -> TensorTree:
         """Load a tree written by :meth:`memmap`: validates every file, reads no leaf data.
 
         Args:
-            prefix: the tree's directory.
+            prefix: the tree's directory, or an fsspec URL (``"s3://bucket/tree"``,
+                ``"https://host/tree"``; not ``file://``) to load with :func:`memtree.remote.load`.
             device: ``None``/``"cpu"``: leaves are mapped files; ``"meta"``: structure only (no
                 leaf file opened); another device: leaves are copied there.
             keys: load only these keys (str or tuples); only the ``meta.json`` files on their
@@ -909,6 +911,8 @@ class TensorTree:
             verify: hash every loaded leaf that records a checksum (``memmap(...,
                 checksum=...)``) and raise :class:`~memtree.IntegrityError` on a mismatch; reads
                 those files once. Leaves without a checksum are size-checked only, as always.
+            **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
+                ``chunk_bytes``, ``retries``, ``fsync`` (see :func:`memtree.remote.load`).
 
         Example:
             >>> import tempfile
@@ -917,6 +921,13 @@ class TensorTree:
             >>> TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
+        if isinstance(prefix, str) and "://" in prefix and not prefix.startswith("file://"):
+            from .remote import load as load_remote  # optional extra: fsspec
+
+            level = load_remote(prefix, keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify, **remote)
+            return cls._from_level(level, torch.device(device) if device is not None else None)
+        if remote:
+            raise TypeError(f"load_memmap() got options for remote URLs only ({sorted(remote)}) with the local path {prefix!r}")
         level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
         return cls._from_level(level, torch.device(device) if device is not None else None)
 

@@ -1,0 +1,258 @@
+"""memtree.dcp: torch.distributed.checkpoint storage as a memtree directory, no pickle.
+
+Single-process round trips, then gloo process groups of 2 and 3 ranks started with
+torch.multiprocessing.spawn (file:// rendezvous, loopback only): save sharded DTensors from 2
+ranks, open the directory with memtree.load_memmap, reshard on load to 1 and to 3 ranks, and a
+failure on one rank that must commit nothing. Each spawning test has a timeout, so a hung
+collective fails instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import memtree
+import memtree.dcp as mdcp
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    """The global tensors every process can rebuild bit for bit (fixed seed)."""
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "w": torch.randn(7, 5, generator=g),  # 7 rows: uneven shards on 2 and 3 ranks
+        "v": torch.randn(4, 6, generator=g).to(torch.bfloat16),
+        "i": torch.randint(-(2**40), 2**40, (9,), generator=g),
+        "b": torch.randn(3, dtype=torch.float64, generator=g),
+        "e": torch.empty(0, 2),
+    }
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def plain_state() -> dict:
+    f = full_tensors()
+    return {"model": {"w": f["w"], "v": f["v"], "b": f["b"]}, "i": f["i"], "e": f["e"],
+            "step": 11, "cfg": {"lr": 0.25, "names": ["x", "y"]}}
+
+
+def zero_state() -> dict:
+    return {"model": {"w": torch.zeros(7, 5), "v": torch.zeros(4, 6, dtype=torch.bfloat16),
+                      "b": torch.zeros(3, dtype=torch.float64)},
+            "i": torch.zeros(9, dtype=torch.int64), "e": torch.empty(0, 2),
+            "step": 0, "cfg": {"lr": 0.0, "names": []}}
+
+
+def check_loaded(state: dict) -> None:
+    f = full_tensors()
+    for key, got in [("w", state["model"]["w"]), ("v", state["model"]["v"]), ("b", state["model"]["b"]),
+                     ("i", state["i"]), ("e", state["e"])]:
+        full = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert bit_equal(full, f[key]), key
+    assert state["step"] == 11 and state["cfg"] == {"lr": 0.25, "names": ["x", "y"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# one process
+
+
+def test_round_trip_in_one_process_and_the_directory_is_a_memtree(tmp_path):
+    path = str(tmp_path / "ckpt")
+    mdcp.save(plain_state(), path)
+    names = sorted(os.listdir(path))
+    assert names == ["cfg", "dcp.json", "e.memmap", "i.memmap", "meta.json", "model"]
+    tree = memtree.load_memmap(path, mode="r")
+    f = full_tensors()
+    assert bit_equal(tree["model", "w"], f["w"]) and bit_equal(tree["model", "v"], f["v"])
+    assert tree["step"] == 11 and tree["cfg", "names"] == ["x", "y"]
+    target = zero_state()
+    mdcp.load(target, path)
+    check_loaded(target)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging directory or lock file left
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_stock_planners_never_pickle(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.save/torch.load must not be used")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    path = str(tmp_path / "ckpt")
+    dcp.save(plain_state(), storage_writer=mdcp.Writer(path), no_dist=True)  # DCP's default planner
+    target = zero_state()
+    dcp.load(target, storage_reader=mdcp.Reader(path), no_dist=True)
+    check_loaded(target)
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            assert name.endswith((".memmap", ".json")), name
+
+
+def test_non_json_value_is_refused_and_nothing_is_committed(tmp_path):
+    path = str(tmp_path / "ckpt")
+    state = plain_state()
+    state["obj"] = (1, 2)  # JSON would turn the tuple into a list
+    with pytest.raises(memtree.DistributedCheckpointError, match="tuple") as info:
+        mdcp.save(state, path)
+    assert isinstance(info.value, memtree.MemtreeError)
+    assert isinstance(info.value.failures[0], memtree.NonTensorValueError)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_pickling_planner_is_refused(tmp_path):
+    class PicklingPlanner(dcp.DefaultSavePlanner):
+        def transform_object(self, write_item, object):  # noqa: A002
+            if write_item.type == dcp.planner.WriteItemType.BYTE_IO:
+                buf = io.BytesIO()
+                pickle.dump(object, buf)
+                return buf
+            return object
+
+    writer = mdcp.Writer(str(tmp_path / "ckpt"))
+    with pytest.raises(dcp.api.CheckpointException) as info:
+        dcp.save(plain_state(), storage_writer=writer, planner=PicklingPlanner(), no_dist=True)
+    (err, _), = info.value.failures.values()
+    assert isinstance(err, memtree.NonTensorValueError)
+    writer.abort()
+    assert os.listdir(tmp_path) == []
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_planted_pickle_metadata_is_never_read(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    mdcp.save(plain_state(), path)
+    marker = str(tmp_path / "pwned")
+    boom = _Boom()
+    boom.marker = marker
+    payload = pickle.dumps(boom)
+    for name in (".metadata", "__0_0.distcp"):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(payload)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may be unpickled")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    target = zero_state()
+    mdcp.load(target, path)
+    check_loaded(target)
+    assert not os.path.exists(marker)
+
+
+def test_damaged_dcp_json_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "ckpt")
+    mdcp.save(plain_state(), path)
+    with open(os.path.join(path, "dcp.json"), "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(memtree.DistributedCheckpointError, match="dcp.json"):
+        mdcp.load(zero_state(), path)
+    os.remove(os.path.join(path, "dcp.json"))
+    with pytest.raises(memtree.DistributedCheckpointError, match="not a distributed checkpoint"):
+        mdcp.load(zero_state(), path)
+
+
+def test_chunk_runs_cover_exactly_the_chunk():
+    full = torch.arange(4 * 5 * 6, dtype=torch.int32).reshape(4, 5, 6)
+    for offsets, sizes in [((1, 0, 0), (2, 5, 6)), ((0, 2, 0), (4, 3, 6)), ((1, 1, 2), (3, 2, 3)), ((0, 0, 0), (4, 5, 6))]:
+        chunk = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].contiguous()
+        starts, run = mdcp._runs(tuple(full.shape), offsets, sizes, 4)
+        flat = full.reshape(-1).view(torch.uint8)
+        pieces = [flat[s : s + run] for s in starts]
+        assert torch.equal(torch.cat(pieces), chunk.reshape(-1).view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# gloo process groups
+
+
+def _init(rank: int, world: int, rendezvous: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+
+def _sharded_state(world: int, zeros: bool, v_dim: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    f = {k: torch.zeros_like(v) for k, v in full_tensors().items()} if zeros else full_tensors()
+    return {
+        "model": {
+            "w": distribute_tensor(f["w"], mesh, [Shard(0)]),
+            "v": distribute_tensor(f["v"], mesh, [Shard(v_dim)]),
+            "b": f["b"].clone(),  # a plain tensor, the same on every rank
+        },
+        "i": distribute_tensor(f["i"], mesh, [Replicate()]),
+        "e": f["e"],
+        "step": 0 if zeros else 11,
+        "cfg": {"lr": 0.0, "names": []} if zeros else {"lr": 0.25, "names": ["x", "y"]},
+    }
+
+
+def _save_worker(rank: int, world: int, tmp: str) -> None:
+    """A save that fails on rank 1 (must commit nothing), then a good one (one spawn for both)."""
+    _init(rank, world, os.path.join(tmp, "pg-save"))
+    try:
+        good = mdcp._write_chunk
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise OSError(5, "injected write failure")
+
+            mdcp._write_chunk = broken
+        with pytest.raises(memtree.DistributedCheckpointError, match="injected write failure") as info:
+            mdcp.save(_sharded_state(world, zeros=False, v_dim=1), os.path.join(tmp, "faulty"))
+        assert set(info.value.failures) == {1}
+        mdcp._write_chunk = good
+        mdcp.save(_sharded_state(world, zeros=False, v_dim=1), os.path.join(tmp, "ckpt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_worker(rank: int, world: int, tmp: str) -> None:
+    _init(rank, world, os.path.join(tmp, f"pg-load{world}"))
+    try:
+        state = _sharded_state(world, zeros=True, v_dim=0)  # another sharding than the save's
+        mdcp.load(state, os.path.join(tmp, "ckpt"))
+        check_loaded(state)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_save_on_2_ranks_then_open_and_reshard_to_1_and_3(tmp_path):
+    """2 ranks: a save failing on rank 1 commits nothing; a good save; then 2 -> 1 and 2 -> 3."""
+    tmp = str(tmp_path)
+    mp.spawn(_save_worker, args=(2, tmp), nprocs=2, join=True)
+    assert sorted(n for n in os.listdir(tmp) if not n.startswith("pg-")) == ["ckpt"]  # no staging, no lock
+    path = os.path.join(tmp, "ckpt")
+    tree = memtree.load_memmap(path, mode="r")  # one process, no torch.distributed
+    f = full_tensors()
+    assert bit_equal(tree["model", "w"], f["w"]) and bit_equal(tree["model", "v"], f["v"])
+    assert bit_equal(tree["i"], f["i"]) and tree["cfg", "lr"] == 0.25
+    one = zero_state()
+    mdcp.load(one, path)  # 2 -> 1
+    check_loaded(one)
+    mp.spawn(_load_worker, args=(3, tmp), nprocs=3, join=True)  # 2 -> 3, Shard(1) -> Shard(0)
