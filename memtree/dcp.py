@@ -587,8 +587,11 @@ def _parse_dcp(data: bytes, where: str) -> tuple[Metadata, dict[str, tuple[str, 
     storage_meta = None
     if sm_raw is not None:
         sm_raw = c.obj(sm_raw, "storage_meta", {"checkpoint_id", "save_id", "modules"})
-        storage_meta = StorageMeta(sm_raw["checkpoint_id"], sm_raw["save_id"], None,
-                                   [m for m in sm_raw["modules"] or [] if type(m) is str])
+        if not all(type(sm_raw[k]) in (str, type(None)) for k in ("checkpoint_id", "save_id")):
+            raise c.fail("storage_meta", "checkpoint_id and save_id must be strings or null")
+        if type(sm_raw["modules"]) is not list or not all(type(m) is str for m in sm_raw["modules"]):
+            raise c.fail("storage_meta.modules", "must be a list of strings")
+        storage_meta = StorageMeta(sm_raw["checkpoint_id"], sm_raw["save_id"], None, sm_raw["modules"])
     version = doc["dcp_version"] if type(doc["dcp_version"]) is str else None
     return Metadata(state, planner_data, None, storage_meta, version), paths
 
@@ -757,6 +760,11 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
                             process_group=process_group, no_dist=no_dist)
     except CheckpointException as err:
         raise _convert(err, f"saving the checkpoint {writer.path}") from None
+    except torch.distributed.DistError as err:  # a collective failed (a rank died, a timeout)
+        raise DistributedCheckpointError(
+            f"saving the checkpoint {writer.path} failed in a collective ({type(err).__name__}: "
+            f"{err}); nothing was committed"
+        ) from err
     finally:
         writer.abort()
 
@@ -788,3 +796,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
                      process_group=process_group, no_dist=no_dist)
     except CheckpointException as err:
         raise _convert(err, f"loading the checkpoint {reader.path}") from None
+    except torch.distributed.DistError as err:
+        raise DistributedCheckpointError(
+            f"loading the checkpoint {reader.path} failed in a collective ({type(err).__name__}: {err})"
+        ) from err

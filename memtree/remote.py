@@ -72,6 +72,7 @@ from .errors import (
     DestinationExistsError,
     IntegrityError,
     LeafSizeError,
+    LimitError,
     LockError,
     MemtreeError,
     MemtreeKeyError,
@@ -238,7 +239,7 @@ def _label(path: tuple[str, ...]) -> str:
 
 
 def _identity(info: Mapping[str, Any]) -> tuple[Any, ...]:
-    fields = ("ETag", "etag", "VersionId", "version_id", "LastModified", "Last-Modified", "mtime", "size")
+    fields = ("ETag", "etag", "VersionId", "version_id", "LastModified", "Last-Modified", "mtime", "created", "size")
     return tuple((k, str(info[k])) for k in fields if info.get(k) is not None)
 
 
@@ -305,10 +306,10 @@ class _Remote:
             raise NotAMemtreeError(f"{self.url} has no {META_NAME}: it is not a memtree (check the URL)") from None
         size = info.get("size")
         if isinstance(size, int) and size > MAX_META_BYTES:
-            raise MetaFormatError(
+            raise LimitError(
                 f"{path} has {size:,} bytes, more than the {MAX_META_BYTES:,} allowed; it is not a memtree meta.json"
             )
-        data = self.cat(path, f"reading {path}", **self.pin_kwargs(info))
+        data = self.cat(path, f"reading {path}", start=0, end=MAX_META_BYTES + 1, **self.pin_kwargs(info))
         return data, parse_level(data, _join(self.url, META_NAME), depth=0), _identity(info)
 
     def _has_content(self) -> bool:
