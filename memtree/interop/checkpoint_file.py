@@ -49,7 +49,7 @@ class CheckpointFile:
         path: the file (symbolic links are followed; the target must be a regular file).
 
     Raises:
-        FileNotFoundError: (as :class:`~memtree.errors.StorageError`) the path does not exist.
+        StorageError: the path does not exist (errno ``ENOENT``) or cannot be opened.
         CheckpointFormatError: the path is a directory, FIFO, device or socket.
     """
 
@@ -57,6 +57,8 @@ class CheckpointFile:
         self.path = os.fspath(path)
         try:
             self.fd = os.open(self.path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise StorageError(errno.ENOENT, f"checkpoint {self.path} does not exist; check the path") from None
         except OSError as err:
             raise storage_error(err, f"opening checkpoint {self.path}") from err
         try:

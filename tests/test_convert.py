@@ -1,0 +1,236 @@
+"""``memtree convert``: every source and destination, bit-exact; --dtype; atomic results; and the
+peak memory of a ~500 MB conversion measured in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import memtree
+from memtree.cli import main
+from memtree.dtypes import DTYPE_NAMES, dtype_from_name
+from memtree.interop import open_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"
+ALL = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]
+NOT_IN_SAFETENSORS = {torch.complex32, torch.complex128}
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    n = torch.Size(shape).numel()
+    return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def flat_tensors(tree: memtree.TensorTree) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tree.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    sd = {f"layer.{i}.{str(dt)[6:]}": random_tensor((2, 3), dt, i) for i, dt in enumerate(ALL)}
+    sd["head.scalar"] = torch.tensor(0.25)
+    sd["head.empty"] = torch.empty(0, 3)
+    path = tmp_path / "model.pt"
+    torch.save(sd, path)
+    return path, sd
+
+
+def test_chain_through_every_format_is_bit_exact(state, tmp_path: Path) -> None:
+    pt, sd = state
+    assert main(["convert", str(pt), str(tmp_path / "tree")]) == 0
+    tree = memtree.load_memmap(tmp_path / "tree")
+    assert tree["layer", "10", "bfloat16"].dtype == torch.bfloat16  # dotted keys became sub-trees
+    assert {k: as_bytes(v) for k, v in flat_tensors(tree).items()} == {k: as_bytes(v) for k, v in sd.items()}
+
+    st_sd = {k: v for k, v in sd.items() if v.dtype not in NOT_IN_SAFETENSORS}
+    small = memtree.TensorTree(tree).exclude(*[tuple(k.split(".")) for k in sd if k not in st_sd])
+    small.memmap(tmp_path / "tree_st", copy_existing=True)
+    assert main(["convert", str(tmp_path / "tree_st"), str(tmp_path / "m.safetensors")]) == 0
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "copy.safetensors")]) == 0
+    assert main(["convert", str(tmp_path / "copy.safetensors"), str(tmp_path / "tree2")]) == 0
+    assert main(["convert", str(pt), str(tmp_path / "direct.safetensors")]) == 1  # complex128: refused
+    ckpt = open_checkpoint(tmp_path / "copy.safetensors")
+    assert {k: as_bytes(ckpt[k]) for k in ckpt} == {k: as_bytes(v) for k, v in st_sd.items()}
+    tree2 = memtree.load_memmap(tmp_path / "tree2")
+    assert {k: as_bytes(v) for k, v in flat_tensors(tree2).items()} == {k: as_bytes(v) for k, v in st_sd.items()}
+
+
+def test_directories_keep_batch_sizes_and_non_tensor_values(tmp_path: Path) -> None:
+    tree = memtree.TensorTree({"obs": torch.arange(6).reshape(3, 2), "info": {"r": torch.ones(3)}}, batch_size=[3])
+    tree["name"] = "run-1"
+    tree.memmap(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "float16"]) == 0
+    out = memtree.load_memmap(tmp_path / "dst")
+    assert out.batch_size == torch.Size([3]) and out["info"].batch_size == torch.Size([3])
+    assert out["name"] == "run-1" and out["obs"].dtype == torch.int64 and out["info", "r"].dtype == torch.float16
+    assert main(["convert", str(FIXTURE), str(tmp_path / "td")]) == 0
+    td = memtree.load_memmap(tmp_path / "td")
+    assert td["nested", "bfloat16"].tolist() == [[1.0], [1.0]] and td["nested", "string"] == ["a string!"]
+
+
+def test_dtype_casts_floating_point_tensors_only(state, tmp_path: Path) -> None:
+    pt, sd = state
+    assert main(["convert", str(pt), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--flat-keys"]) == 0
+    tree = memtree.load_memmap(tmp_path / "bf16")
+    for key, original in sd.items():
+        got = tree[key]
+        if original.dtype.is_floating_point:
+            assert got.dtype == torch.bfloat16 and as_bytes(got) == as_bytes(original.to(torch.bfloat16)), key
+        else:
+            assert got.dtype == original.dtype and as_bytes(got) == as_bytes(original), key
+    assert main(["convert", str(pt), str(tmp_path / "bad"), "--dtype", "int8"]) == 1
+    assert main(["convert", str(pt), str(tmp_path / "bad"), "--dtype", "nonsense"]) == 1
+    assert not (tmp_path / "bad").exists()
+
+
+def test_torch_checkpoint_structure_and_extras(tmp_path: Path) -> None:
+    pt = tmp_path / "full.pt"
+    torch.save({"model": {"enc.w": torch.ones(2)}, "epoch": 4, "betas": (0.9, 0.99), "blob": b"\x00"}, pt)
+    result = memtree.convert(pt, tmp_path / "tree")
+    tree = memtree.load_memmap(tmp_path / "tree")
+    assert tree["model", "enc", "w"].tolist() == [1.0, 1.0]
+    assert tree["epoch"] == 4 and tree["betas"] == [0.9, 0.99]
+    assert result.dropped == ["blob"] and result.tensors == 1 and result.nbytes == 8
+    flat = memtree.convert(pt, tmp_path / "flat", flat_keys=True)
+    assert flat.tensors == 1 and "model.enc.w" in memtree.load_memmap(tmp_path / "flat").keys()
+
+
+def test_colliding_dotted_keys_suggest_flat_keys(tmp_path: Path) -> None:
+    pt = tmp_path / "c.pt"
+    torch.save({"a": torch.ones(1), "a.b": torch.ones(1)}, pt)
+    with pytest.raises(memtree.KeyCollisionError, match="flat-keys"):
+        memtree.convert(pt, tmp_path / "out")
+    assert memtree.convert(pt, tmp_path / "out", flat_keys=True).tensors == 2
+
+
+def test_existing_destination_needs_overwrite(state, tmp_path: Path, capsys) -> None:
+    pt, sd = state
+    dst = tmp_path / "tree"
+    assert main(["convert", str(pt), str(dst)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(pt), str(dst), "--dtype", "float16"]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert memtree.load_memmap(dst)["head", "scalar"].dtype == torch.float32
+    assert main(["convert", str(pt), str(dst), "--dtype", "float16", "--overwrite"]) == 0
+    assert memtree.load_memmap(dst)["head", "scalar"].dtype == torch.float16
+    (tmp_path / "x.safetensors").write_bytes(b"keep me")
+    assert main(["convert", str(pt), str(tmp_path / "x.safetensors")]) == 1
+    assert (tmp_path / "x.safetensors").read_bytes() == b"keep me"
+
+
+def _corrupt_storage(path: Path, key: str) -> None:
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(f"/data/{key}"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+        start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        f.seek(start)
+        f.write(b"\xde\xad\xbe\xef")
+
+
+@pytest.mark.parametrize("dst_name", ["tree", "out.safetensors"])
+def test_a_failure_mid_stream_leaves_nothing(tmp_path: Path, dst_name: str) -> None:
+    pt = tmp_path / "c.pt"
+    torch.save({f"t{i}": torch.full((64,), float(i)) for i in range(4)}, pt)
+    _corrupt_storage(pt, "2")
+    with pytest.raises(memtree.CheckpointFormatError, match="CRC-32"):
+        memtree.convert(pt, tmp_path / dst_name)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["c.pt"]
+
+
+def test_legacy_and_unknown_sources_fail_with_a_clear_message(tmp_path: Path, capsys) -> None:
+    old = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(1)}, old, _use_new_zipfile_serialization=False)
+    assert main(["convert", str(old), str(tmp_path / "out")]) == 1
+    assert "re-save" in capsys.readouterr().err
+    (tmp_path / "empty_dir").mkdir()
+    assert main(["convert", str(tmp_path / "empty_dir"), str(tmp_path / "out")]) == 1
+    assert main(["convert", str(tmp_path / "missing.pt"), str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> None:
+    pt = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(4.0)}, pt)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-m", "memtree", "convert", str(pt), str(tmp_path / "m.safetensors")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == ""
+    assert open_checkpoint(tmp_path / "m.safetensors")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# One fresh process: write a 512 MiB checkpoint (8 tensors of 64 MiB) and a tiny one, convert the
+# tiny one first (this faults in the code pages the conversion needs: shared libraries count in
+# RSS too), then for each conversion of the big one reset the kernel's high-water mark
+# (clear_refs 5) and report how far RSS rose above where it started.
+_MEASURE = """
+import gc, json, resource, sys, torch
+from memtree.interop import convert
+
+root, numel = sys.argv[1], int(sys.argv[2])
+for name, n in (("small.pt", 1024), ("big.pt", numel)):
+    torch.save({f"block.{i}.weight": torch.arange(n, dtype=torch.float32) + i for i in range(8)}, f"{root}/{name}")
+gc.collect()
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+out = {}
+for dst, dtype in (("tree", None), ("out.safetensors", "bfloat16")):
+    convert(f"{root}/small.pt", f"{root}/warm-{dst}", dtype=dtype)
+    exact = reset_peak()
+    base = status("VmRSS")
+    convert(f"{root}/big.pt", f"{root}/{dst}", dtype=dtype)
+    peak = status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out[dst] = {"growth": peak - base, "exact": exact}
+print(json.dumps(out))
+"""
+
+
+def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
+    numel = 16 * 2**20
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path), str(numel)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    size, largest = (tmp_path / "big.pt").stat().st_size, numel * 4
+    assert size > 500 * 2**20
+    for dst, cast in (("tree", 1.0), ("out.safetensors", 1.5)):  # + a bfloat16 copy while casting
+        growth, exact = stats[dst]["growth"], stats[dst]["exact"]
+        print(f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "
+              f"(largest tensor {largest / 2**20:.0f} MiB)")
+        bound = largest * cast + 24 * 2**20 if exact else 2.5 * largest
+        assert growth < bound < 0.35 * size, (dst, growth)
+    (tmp_path / "big.pt").unlink()
+    expected = torch.arange(numel, dtype=torch.float32) + 5
+    assert torch.equal(memtree.load_memmap(tmp_path / "tree")["block", "5", "weight"], expected)
+    assert torch.equal(open_checkpoint(tmp_path / "out.safetensors")["block.5.weight"], expected.to(torch.bfloat16))
