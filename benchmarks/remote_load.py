@@ -10,6 +10,7 @@ Run (needs the ``remote`` extra):
 
     .venv/bin/python benchmarks/remote_load.py
     .venv/bin/python benchmarks/remote_load.py --leaves 32 --leaf-mib 1 --latency-ms 20 --threads 1 2 4 8 16
+    .venv/bin/python benchmarks/remote_load.py --checksum none   # + one size/ETag request per leaf
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=1.0)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--checksum", choices=["crc32", "sha256", "none"], default="crc32",
+                        help="checksums recorded in meta.json (leaves without one cost a HEAD request)")
     args = parser.parse_args()
 
     n = int(args.leaf_mib * 2**20) // 4
@@ -89,7 +92,7 @@ def main() -> None:
     tree = memtree.TensorTree({f"leaf{i:03d}": torch.randn(n, generator=g) for i in range(args.leaves)})
     files: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tree.memmap(os.path.join(tmp, "t"))
+        tree.memmap(os.path.join(tmp, "t"), checksum=None if args.checksum == "none" else args.checksum)
         for name in os.listdir(os.path.join(tmp, "t")):
             with open(os.path.join(tmp, "t", name), "rb") as f:
                 files[f"/t/{name}"] = f.read()
@@ -99,7 +102,7 @@ def main() -> None:
     total_mib = args.leaves * n * 4 / 2**20
     chunk = int(args.chunk_mib * 2**20)
     print(f"{args.leaves} leaves x {args.leaf_mib} MiB = {total_mib:.1f} MiB, chunk {args.chunk_mib} MiB, "
-          f"{args.latency_ms} ms latency per request, best of {args.repeat}")
+          f"{args.latency_ms} ms latency per request, checksum {args.checksum}, best of {args.repeat}")
     print(f"{'num_threads':>11} | {'seconds':>8} | {'MiB/s':>8} | {'vs 1 thread':>11}")
     print(f"{'-' * 11}-+-{'-' * 8}-+-{'-' * 8}-+-{'-' * 11}")
     base = None

@@ -7,7 +7,9 @@ What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
 1. read the root ``meta.json`` (its identity, the ETag or version, is pinned), then every
    ``meta.json`` on the path to the selected keys, breadth first and concurrently, each checked by
    :func:`memtree.format.parse_level` exactly as the local loader does;
-2. ``fs.info`` each selected leaf: it must exist and have exactly ``numel × itemsize`` bytes;
+2. ``fs.info`` each selected leaf that records no checksum: it must exist and have exactly
+   ``numel × itemsize`` bytes (a recorded checksum proves the bytes exactly, so leaves that have
+   one, as every leaf :func:`upload` writes, cost no extra request);
 3. fetch the leaves as byte ranges of ``chunk_bytes`` with ``num_threads`` concurrent requests.
    Every answer must hold exactly ``end - start`` bytes: a short body, a dropped connection or a
    5xx is retried (``retries`` times, exponential backoff with jitter), a server that ignores
@@ -512,13 +514,13 @@ def load(
                 f"non-tensor leaf {entry.key!r} is pickled in {_join(url, rel)}; unpickling can run "
                 "arbitrary code, so it is loaded only with allow_pickle=True (trusted trees only)"
             )
-        _run_all(pool, remote.stat_leaf, leaves)
+        # a recorded checksum proves a leaf's bytes exactly; the others are size-checked and pinned
+        _run_all(pool, remote.stat_leaf, [leaf for leaf in leaves if leaf.meta.checksum is None])
         pickled = {
             rel: remote.cat(_join(remote.root, rel), f"reading {_join(url, rel)}") for rel, _ in pickles
         }
         if cache_dir is None:
-            tensors = _load_memory(remote, pool, leaves)
-            _final_checks(remote, pool, leaves, root_identity)
+            tensors = _load_memory(remote, pool, leaves, root_identity)
             return _build(top, tensors, {rel: pickle.loads(b) for rel, b in pickled.items()}, dev)
         entry_dir = _entry_dir(os.fspath(cache_dir), url, root_bytes, selection)
         objects = {rel: pickle.loads(b) for rel, b in pickled.items()}
@@ -533,7 +535,8 @@ def _final_checks(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf]
     remote.recheck(_join(remote.root, META_NAME), root_identity, "the root meta.json")
 
 
-def _load_memory(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf]) -> dict[str, torch.Tensor]:
+def _load_memory(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf],
+                 root_identity: tuple[Any, ...]) -> dict[str, torch.Tensor]:
     tensors = {leaf.rel: torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype) for leaf in leaves}
     views = {rel: byte_view(t) for rel, t in tensors.items()}
 
@@ -541,6 +544,7 @@ def _load_memory(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf])
         views[leaf.rel][start : start + len(data)] = data
 
     _fetch(remote, pool, leaves, sink)
+    _final_checks(remote, pool, leaves, root_identity)  # first: a rewrite is reported as such
     _run_all(pool, lambda leaf: _check_digest(leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
     return tensors
 
@@ -618,9 +622,9 @@ def _download_entry(remote: _Remote, pool: ThreadPoolExecutor, top: _RemoteLevel
                 view = view[os.pwrite(fds[leaf.rel], view, start + len(data) - len(view)) :]
 
         _fetch(remote, pool, leaves, sink)
+        _final_checks(remote, pool, leaves, root_identity)
         _run_all(pool, lambda leaf: _check_digest(
             leaf, lambda algo: file_checksum(fds[leaf.rel], leaf.meta.nbytes, algo)), leaves)
-        _final_checks(remote, pool, leaves, root_identity)
         tensors = {
             leaf.rel: MemoryMappedTensor.from_filename(
                 os.path.join(scratch, f"{i}.memmap"), leaf.meta.dtype, leaf.meta.shape, mode="r")

@@ -412,6 +412,14 @@ def test_corrupt_leaf_fails_its_checksum_and_leaves_no_cache_entry(mem_url, tmp_
     assert cache_entries(cache) == []
 
 
+def test_truncated_leaf_with_checksum_is_a_range_error(mem_url):
+    upload(sample_tree(), mem_url)  # leaves with checksums: no size request before the ranges
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{mem_url}/f32.memmap", fs.cat(f"{mem_url}/f32.memmap")[:-3])
+    with pytest.raises(memtree.RemoteRangeError, match="f32"):
+        memtree.load_memmap(mem_url, retries=1)
+
+
 def test_tree_without_root_marker_is_not_committed(mem_url):
     upload(sample_tree(), mem_url)
     fsspec.filesystem("memory").rm_file(f"{mem_url}/meta.json")
