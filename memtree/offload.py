@@ -125,8 +125,6 @@ class OffloadedTensor(torch.Tensor):
 
     _source: torch.Tensor
     _filename: str
-    _target_device: torch.device
-    _target_dtype: torch.dtype
 
     @staticmethod
     def __new__(
@@ -159,14 +157,10 @@ class OffloadedTensor(torch.Tensor):
         )
         out._source = source
         out._filename = filename
-        out._target_device = dev
-        out._target_dtype = dtype or source.dtype
         return out
 
     def _like(self, source: torch.Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None) -> OffloadedTensor:
-        return OffloadedTensor(
-            source, device or self._target_device, dtype or self._target_dtype, filename=self._filename
-        )
+        return OffloadedTensor(source, device or self.device, dtype or self.dtype, filename=self._filename)
 
     @property
     def filename(self) -> str:
@@ -177,12 +171,14 @@ class OffloadedTensor(torch.Tensor):
         """The data as an ordinary tensor on this tensor's device and dtype.
 
         On the CPU without a dtype cast this is the file mapping itself (read-only
-        copy-on-write pages, no copy); otherwise a copy.
+        copy-on-write pages, no copy); otherwise a copy. The device and dtype are read from the
+        tensor itself, so ``param.data = offloaded.to(...)`` (what ``module.to`` does on some
+        torch versions) retargets it too.
         """
         src = self._source
-        if self._target_device.type == "cpu" and self._target_dtype == src.dtype:
+        if self.device.type == "cpu" and self.dtype == src.dtype:
             return src
-        return src.to(device=self._target_device, dtype=self._target_dtype)
+        return src.to(device=self.device, dtype=self.dtype)
 
     def release(self) -> None:
         """Hand the mapping's pages that this tensor covers back to the kernel (they stay valid)."""
@@ -204,7 +200,7 @@ class OffloadedTensor(torch.Tensor):
         if isinstance(first, OffloadedTensor):
             if func in _ALIASES:
                 return first._like(first._source)
-            if func is _aten._to_copy.default and set(kwargs) <= {"dtype", "device", "non_blocking"}:
+            if func is _aten._to_copy.default and _only_moves(kwargs):
                 dev = kwargs.get("device")
                 return first._like(first._source, torch.device(dev) if dev is not None else None, kwargs.get("dtype"))
             if func.is_view and func is not _aten.view.dtype and not _has_offloaded(args[1:], kwargs):
@@ -226,7 +222,7 @@ class OffloadedTensor(torch.Tensor):
                 t.release()
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_source"], (self._target_device, self._target_dtype, self._filename)
+        return ["_source"], (self.device, self.dtype, self._filename)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any) -> OffloadedTensor:
@@ -267,6 +263,16 @@ def _private_view(source: MemoryMappedTensor) -> torch.Tensor:
     whole = MemoryMappedTensor.from_filename(source.filename, torch.uint8, (nbytes,), mode="r")  # type: ignore[arg-type]
     flat = whole.as_subclass(torch.Tensor).view(plain.dtype)
     return flat.as_strided(plain.shape, plain.stride(), plain.storage_offset())
+
+
+def _only_moves(kwargs: dict[str, Any]) -> bool:
+    """True if a ``_to_copy`` changes nothing but the device and/or dtype (``.to``, ``.cpu()``...)."""
+    return (
+        set(kwargs) <= {"dtype", "device", "non_blocking", "layout", "pin_memory", "memory_format"}
+        and kwargs.get("layout") in (None, torch.strided)
+        and not kwargs.get("pin_memory")
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+    )
 
 
 def _has_offloaded(args: Any, kwargs: dict[str, Any]) -> bool:

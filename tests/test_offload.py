@@ -73,7 +73,16 @@ def test_to_and_casts_stay_offloaded_and_cast_on_materialisation(weight) -> None
     assert isinstance(half, OffloadedTensor) and half.dtype == torch.float16
     assert torch.equal(half.materialize(), torch.arange(12.0, dtype=torch.float16).reshape(3, 4))
     assert isinstance(weight.to("cpu", torch.float64), OffloadedTensor)
+    moved = weight.to("meta").cpu()  # device moves retarget, in both directions
+    assert isinstance(moved, OffloadedTensor) and moved.device.type == "cpu"
     assert (weight.double() + 0).dtype == torch.float64
+
+
+def test_assigning_data_retargets_it_as_module_to_does_on_some_torch_versions(weight) -> None:
+    param = nn.Parameter(weight, requires_grad=False)
+    param.data = param.to(torch.float64)  # Module._apply's set_data path
+    assert isinstance(param, OffloadedTensor) and param.dtype == torch.float64
+    assert (param + 0).dtype == torch.float64 and param.materialize().dtype == torch.float64
 
 
 def test_writes_are_refused_and_the_file_is_unchanged(weight, tmp_path) -> None:
