@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse the virtual environment .venv, install torch (CPU wheel) and memtree into it,
 # then run one job:  demo  -> python -m memtree demo
-#                    test  -> the whole pytest suite (extra arguments go to pytest)
+#                    test  -> mkdocs build --strict (docs extra), then the whole pytest suite
+#                             (extra arguments go to pytest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-test}
@@ -9,7 +10,7 @@ shift || true
 [ -x .venv/bin/python ] || python3 -m venv .venv
 case "$job" in
   demo) spec="." ;;
-  test) spec=".[test]" ;;
+  test) spec=".[test,docs]" ;;
   *) echo "usage: bash scripts/dev.sh demo|test [pytest args]" >&2; exit 2 ;;
 esac
 log=$(mktemp)
@@ -21,5 +22,15 @@ fi
 rm -f "$log"
 case "$job" in
   demo) exec .venv/bin/python -m memtree demo "$@" ;;
-  test) exec .venv/bin/python -m pytest "$@" ;;
+  test)
+    # the documentation must build without warnings (mkdocs.yml, docs/, docstrings) before the tests
+    site=$(mktemp -d) docs_log=$(mktemp)
+    if ! NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict -d "$site" >"$docs_log" 2>&1; then
+      cat "$docs_log" >&2
+      echo "scripts/dev.sh: mkdocs build --strict failed (see above)" >&2
+      rm -rf "$site" "$docs_log"
+      exit 1
+    fi
+    rm -rf "$site" "$docs_log"
+    exec .venv/bin/python -m pytest "$@" ;;
 esac
