@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import torch
 
 import memtree
+from memtree.cli import main as memtree_cli
 
 FAST = os.environ.get("MEMTREE_TUTORIAL_FAST") == "1"
 WIDTH = 64 if FAST else 1024  # hidden size of the toy model: 8 × WIDTH² floats per block
@@ -80,8 +79,7 @@ tree_dir = os.path.join(workdir, "model_bf16")
 st_path = os.path.join(workdir, "model.safetensors")
 for args in (["convert", ckpt_path, tree_dir, "--dtype", "bfloat16"], ["convert", tree_dir, st_path]):
     print(f"3. $ memtree {' '.join(os.path.basename(a) if os.sep in a else a for a in args)}")
-    run = subprocess.run([sys.executable, "-m", "memtree", *args], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    assert memtree_cli(args) == 0  # the command line's entry point, called in this process
 tree = memtree.load_memmap(tree_dir, mode="r")
 print(f"   memtree directory: {tree['model', '0', 'weight'].dtype}, epoch = {tree['epoch']}")
 print(f"   safetensors file: {os.path.getsize(st_path) / 2**20:.1f} MiB "
