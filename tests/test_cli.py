@@ -102,10 +102,12 @@ def test_info_of_a_missing_directory_is_one_line_exit_1(tmp_path: Path) -> None:
     assert_one_line_error(proc, str(missing), "does not exist")
 
 
-def test_info_of_a_directory_that_is_not_a_memtree(tmp_path: Path) -> None:
+def test_info_of_a_directory_that_is_not_a_memtree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "stray.txt").write_text("x")
-    proc = run_cli("info", str(tmp_path))
-    assert_one_line_error(proc, str(tmp_path), "meta.json", "not a memtree directory")
+    assert cli.main(["info", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err),
+                          str(tmp_path), "meta.json", "not a memtree directory")
 
 
 @pytest.mark.parametrize("damage", ["garbage_root_meta", "future_version", "missing_subtree_meta"])
@@ -196,6 +198,22 @@ def io_main(argv: list[str]) -> str:
         code = cli.main(argv)
     assert code == 0
     return buf.getvalue()
+
+
+def test_info_describes_a_tensordict_directory_like_load_memmap_reads_it() -> None:
+    fixture = REPO / "tests" / "fixtures" / "tensordict_mmap_example"
+    info = json.loads(io_main(["info", str(fixture), "--json"]))
+    assert (info["format"], info["version"], info["batch_size"]) == ("tensordict", None, [2, 1])
+    kinds = {tuple(e["key"]): (e["kind"], e.get("dtype"), e.get("shape")) for e in info["entries"]}
+    assert kinds == {
+        ("nested",): ("tree", None, None),
+        ("nested", "int64"): ("tensor", "int64", [2, 1]),
+        ("nested", "bfloat16"): ("tensor", "bfloat16", [2, 1]),
+        ("nested", "string"): ("json", None, None),
+    }
+    assert info["totals"]["bytes"] == 2 * 8 + 2 * 2
+    text = io_main(["info", str(fixture)])
+    assert "tensordict directory" in text.splitlines()[0]
 
 
 def test_info_depth_collapses_deeper_levels_but_totals_cover_everything(sample: Path) -> None:

@@ -1,5 +1,7 @@
 """``memtree info DIR``: what a memtree directory holds, from its ``meta.json`` files only.
 
+Also describes directories written by tensordict's ``memmap`` (which ``load_memmap`` reads).
+
 Prints a tree of keys with dtypes, shapes and sizes, then totals and the format version. Leaf
 files are never opened (use ``memtree verify`` to check them), pickled values are never
 unpickled, and every ``meta.json`` is validated by the same parser as ``load_memmap``.
@@ -23,9 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import torch
 
 from ..dtypes import dtype_name
 from ..format import FORMAT, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
+from ..interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir
+from ..level import Level
+from ..nontensor import NonTensor
 from ..errors import NotCommittedError
 from ..read import open_dir, read_meta
 from ..recover import is_uncommitted_name
@@ -66,6 +72,14 @@ class _Totals:
     checksummed: int = 0
     dtypes: dict[str, list[int]] = field(default_factory=dict)  # name -> [leaves, bytes]
 
+    def tensor(self, dtype: str, nbytes: int, checksum: str | None) -> None:
+        self.tensors += 1
+        self.nbytes += nbytes
+        self.checksummed += checksum is not None
+        per = self.dtypes.setdefault(dtype, [0, 0])
+        per[0] += 1
+        per[1] += nbytes
+
 
 def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
           entries: list[dict[str, Any]], totals: _Totals) -> LevelMeta:
@@ -77,12 +91,7 @@ def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
             dtype = dtype_name(e.dtype)
             item.update(kind="tensor", dtype=dtype, shape=list(e.shape), nbytes=e.nbytes,
                         file=rel + e.file, checksum=e.checksum)
-            totals.tensors += 1
-            totals.nbytes += e.nbytes
-            totals.checksummed += e.checksum is not None
-            per = totals.dtypes.setdefault(dtype, [0, 0])
-            per[0] += 1
-            per[1] += e.nbytes
+            totals.tensor(dtype, e.nbytes, e.checksum)
             entries.append(item)
         elif isinstance(e, ChildMeta):
             item.update(kind="tree", dir=rel + e.dir + "/")
@@ -105,6 +114,26 @@ def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
     return meta
 
 
+def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], totals: _Totals) -> None:
+    """The same walk over a structure-only ``Level`` (tensordict directories: no file names)."""
+    totals.levels += 1
+    for key, value in level.entries.items():
+        item: dict[str, Any] = {"key": path + [key]}
+        entries.append(item)
+        if isinstance(value, Level):
+            item.update(kind="tree", dir=None, batch_size=list(value.batch_size))
+            _walk_level(value, path + [key], entries, totals)
+        elif isinstance(value, torch.Tensor):
+            dtype = dtype_name(value.dtype)
+            nbytes = value.numel() * value.element_size()
+            item.update(kind="tensor", dtype=dtype, shape=list(value.shape), nbytes=nbytes,
+                        file=None, checksum=None)
+            totals.tensor(dtype, nbytes, None)
+        else:
+            item.update(kind="json", value=value.data if isinstance(value, NonTensor) else value)
+            totals.json_values += 1
+
+
 def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
     """Describe a memtree directory from its ``meta.json`` files (no leaf file is opened).
 
@@ -115,7 +144,9 @@ def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         ``entries``: every key depth-first, each with ``key`` (the list of keys from the root),
         ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per kind ``dtype``, ``shape``,
         ``nbytes``, ``file``, ``checksum`` / ``dir``, ``batch_size`` / ``value`` / ``file``
-        (paths relative to ``path``).
+        (paths relative to ``path``). A directory written by tensordict's ``memmap`` (which
+        ``load_memmap`` also reads) is described with ``format`` ``"tensordict"``, ``version``
+        ``None`` and ``file``/``dir`` ``None``.
 
     Raises:
         MemtreeError: the directory is missing, is not a memtree, is an uncommitted staging
@@ -137,18 +168,22 @@ def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         )
     entries: list[dict[str, Any]] = []
     totals = _Totals()
-    fd = open_dir(root, root, None)
-    try:
-        meta = _walk(fd, root, "", [], 0, entries, totals)
-    finally:
-        os.close(fd)
+    if is_tensordict_dir(root):  # what load_memmap reads too (read-only compatibility)
+        level = read_tensordict_dir(root, device="meta")
+        _walk_level(level, [], entries, totals)
+        head: dict[str, Any] = {"format": "tensordict", "version": None, "type": level.type,
+                                "batch_size": list(level.batch_size), "save_id": None}
+    else:
+        fd = open_dir(root, root, None)
+        try:
+            meta = _walk(fd, root, "", [], 0, entries, totals)
+        finally:
+            os.close(fd)
+        head = {"format": FORMAT, "version": VERSION, "type": meta.type,
+                "batch_size": list(meta.batch_size), "save_id": meta.save_id}
     return {
         "path": root,
-        "format": FORMAT,
-        "version": VERSION,
-        "type": meta.type,
-        "batch_size": list(meta.batch_size),
-        "save_id": meta.save_id,
+        **head,
         "totals": {
             "tensors": totals.tensors,
             "bytes": totals.nbytes,
@@ -240,7 +275,9 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     ]
     t = info["totals"]
     head = label if label is not None else info["path"]
-    out = [f"{head}: memtree format v{info['version']}, batch_size {info['batch_size']}"
+    what = (f"memtree format v{info['version']}" if info["format"] == FORMAT
+            else f"{info['format']} directory (read-only, no file names)")
+    out = [f"{head}: {what}, batch_size {info['batch_size']}"
            + (f", save_id {info['save_id']}" if info["save_id"] else "")]
     for name, kind, detail, size in rows:
         if kind and size:  # a tensor: aligned columns
