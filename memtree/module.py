@@ -197,7 +197,7 @@ def from_module(module: nn.Module, *, use_state_dict: bool = False) -> TensorTre
         first: dict[int, str] = {}
         for name, value in module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):
-                key = id(value) if value.device.type == "meta" else _storage_key(value)
+                key = _storage_key(value)
                 if key in first:
                     aliases[name] = first[key]
                     continue
@@ -205,6 +205,11 @@ def from_module(module: nn.Module, *, use_state_dict: bool = False) -> TensorTre
             flat.append((name, value))
     else:
         for group in _module_groups(module, extra_state=False):
+            if isinstance(group.tensor, nn.parameter.UninitializedTensorMixin):
+                raise SourceError(
+                    f"{group.names[0]!r} is an uninitialized parameter of a lazy module; run one "
+                    "forward pass (or call initialize_parameters) before from_module"
+                )
             flat.append((group.names[0], group.tensor))
             aliases.update((alias, group.names[0]) for alias in group.names[1:])
     return _nest(flat, aliases)
@@ -212,6 +217,8 @@ def from_module(module: nn.Module, *, use_state_dict: bool = False) -> TensorTre
 
 def _storage_key(t: torch.Tensor) -> Any:
     """Identity of a tensor's data (state_dict hooks may return new objects for one tensor)."""
+    if t.device.type == "meta" or t.numel() == 0:  # no data to compare: only the object counts
+        return id(t)
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 

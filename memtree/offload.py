@@ -66,7 +66,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .errors import MemtreeKeyError, ReadOnlyError, SourceError
+from .errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError
+from .fileio import map_fd
 from .mmap_tensor import MemoryMappedTensor
 from .module import LoadResult, _as_source, _bind, _module_groups, _names_list, _plan
 
@@ -168,12 +169,15 @@ class OffloadedTensor(torch.Tensor):
         return self._filename
 
     def materialize(self) -> torch.Tensor:
-        """The data as an ordinary tensor on this tensor's device and dtype.
+        """The data as a new ordinary tensor (a copy, safe to modify) on this device and dtype."""
+        out = self._data()
+        return out.clone() if out is self._source else out
 
-        On the CPU without a dtype cast this is the file mapping itself (read-only
-        copy-on-write pages, no copy); otherwise a copy. The device and dtype are read from the
-        tensor itself, so ``param.data = offloaded.to(...)`` (what ``module.to`` does on some
-        torch versions) retargets it too.
+    def _data(self) -> torch.Tensor:
+        """The data for one operation: on the CPU without a cast, the file mapping itself.
+
+        The device and dtype are read from the tensor itself, so ``param.data =
+        offloaded.to(...)`` (what ``module.to`` does on some torch versions) retargets it too.
         """
         src = self._source
         if self.device.type == "cpu" and self.dtype == src.dtype:
@@ -212,7 +216,7 @@ class OffloadedTensor(torch.Tensor):
         def unwrap(a: Any) -> Any:
             if isinstance(a, OffloadedTensor):
                 offloaded.append(a)
-                return a.materialize()
+                return a._data()
             return a
 
         try:
@@ -234,7 +238,7 @@ class OffloadedTensor(torch.Tensor):
         return f"OffloadedTensor({dtype}{list(self.shape)}, device={self.device}, file={self._filename!r})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickle/torch.save: the data, as an ordinary tensor
-        return self.materialize().to("cpu").clone().__reduce_ex__(protocol)
+        return self.materialize().cpu().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
         out = self._like(self._source)
@@ -244,12 +248,12 @@ class OffloadedTensor(torch.Tensor):
         return out
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
-        """The materialised data as a NumPy array (on the CPU)."""
-        return self.materialize().detach().cpu().numpy(force=force)
+        """The data as a NumPy array (a copy, on the CPU)."""
+        return self.materialize().cpu().numpy(force=force)
 
     def tolist(self) -> Any:  # type: ignore[override]
-        """The materialised data as nested Python lists."""
-        return self.materialize().tolist()
+        """The data as nested Python lists."""
+        return self._data().tolist()
 
 
 def _private_view(source: MemoryMappedTensor) -> torch.Tensor:
@@ -260,9 +264,17 @@ def _private_view(source: MemoryMappedTensor) -> torch.Tensor:
     """
     plain = source.as_subclass(torch.Tensor)
     nbytes = plain.untyped_storage().nbytes()
-    whole = MemoryMappedTensor.from_filename(source.filename, torch.uint8, (nbytes,), mode="r")  # type: ignore[arg-type]
-    flat = whole.as_subclass(torch.Tensor).view(plain.dtype)
-    return flat.as_strided(plain.shape, plain.stride(), plain.storage_offset())
+    path = source.filename
+    assert path is not None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:  # never map past the end of a file (SIGBUS); map_fd never extends it
+            raise LeafSizeError(f"{path} has {size:,} bytes, fewer than the {nbytes:,} mapped; the file changed")
+        whole = map_fd(fd, path, nbytes, writable=False)
+    finally:
+        os.close(fd)
+    return whole.view(plain.dtype).as_strided(plain.shape, plain.stride(), plain.storage_offset())
 
 
 def _only_moves(kwargs: dict[str, Any]) -> bool:

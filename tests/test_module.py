@@ -132,6 +132,20 @@ def test_from_module_with_state_dict_honours_hooks_and_extra_state() -> None:
     assert fresh[0].scale == 2 and fresh[0].weight.data_ptr() == model[0].weight.data_ptr()
 
 
+def test_from_module_with_state_dict_stores_tied_tensors_once() -> None:
+    model = TinyLM(tie=True)
+    model.register_buffer("empty_a", torch.zeros(0))
+    model.register_buffer("empty_b", torch.zeros(0))  # no data: never taken for a tie
+    tree = TensorTree.from_module(model, use_state_dict=True)
+    assert tree[TIED_KEY] == {"head.weight": "embed.weight"}
+    assert "empty_a" in tree and "empty_b" in tree
+
+
+def test_from_module_refuses_uninitialized_lazy_parameters() -> None:
+    with pytest.raises(SourceError, match="uninitialized parameter of a lazy module"):
+        TensorTree.from_module(nn.LazyLinear(3))
+
+
 # ------------------------------------------------------- round trips through the disk
 def test_transformer_forward_is_bit_identical_after_memmap_and_to_module(tmp_path) -> None:
     torch.manual_seed(0)
