@@ -29,7 +29,11 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     n = torch.Size(shape).numel()
-    return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+    return (
+        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        .view(dtype)
+        .reshape(shape)
+    )
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -55,42 +59,65 @@ def test_chain_through_every_format_is_bit_exact(state, tmp_path: Path) -> None:
     assert main(["convert", str(pt), str(tmp_path / "tree")]) == 0
     tree = memtree.load_memmap(tmp_path / "tree")
     assert tree["layer", "10", "bfloat16"].dtype == torch.bfloat16  # dotted keys became sub-trees
-    assert {k: as_bytes(v) for k, v in flat_tensors(tree).items()} == {k: as_bytes(v) for k, v in sd.items()}
+    assert {k: as_bytes(v) for k, v in flat_tensors(tree).items()} == {
+        k: as_bytes(v) for k, v in sd.items()
+    }
 
     st_sd = {k: v for k, v in sd.items() if v.dtype not in NOT_IN_SAFETENSORS}
     small = memtree.TensorTree(tree).exclude(*[tuple(k.split(".")) for k in sd if k not in st_sd])
     small.memmap(tmp_path / "tree_st", copy_existing=True)
     assert main(["convert", str(tmp_path / "tree_st"), str(tmp_path / "m.safetensors")]) == 0
-    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "copy.safetensors")]) == 0
+    assert (
+        main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "copy.safetensors")]) == 0
+    )
     assert main(["convert", str(tmp_path / "copy.safetensors"), str(tmp_path / "tree2")]) == 0
-    assert main(["convert", str(pt), str(tmp_path / "direct.safetensors")]) == 1  # complex128: refused
+    assert (
+        main(["convert", str(pt), str(tmp_path / "direct.safetensors")]) == 1
+    )  # complex128: refused
     ckpt = open_checkpoint(tmp_path / "copy.safetensors")
     assert {k: as_bytes(ckpt[k]) for k in ckpt} == {k: as_bytes(v) for k, v in st_sd.items()}
     tree2 = memtree.load_memmap(tmp_path / "tree2")
-    assert {k: as_bytes(v) for k, v in flat_tensors(tree2).items()} == {k: as_bytes(v) for k, v in st_sd.items()}
+    assert {k: as_bytes(v) for k, v in flat_tensors(tree2).items()} == {
+        k: as_bytes(v) for k, v in st_sd.items()
+    }
 
 
 def test_directories_keep_batch_sizes_and_non_tensor_values(tmp_path: Path) -> None:
-    tree = memtree.TensorTree({"obs": torch.arange(6).reshape(3, 2), "info": {"r": torch.ones(3)}}, batch_size=[3])
+    tree = memtree.TensorTree(
+        {"obs": torch.arange(6).reshape(3, 2), "info": {"r": torch.ones(3)}}, batch_size=[3]
+    )
     tree["name"] = "run-1"
     tree.memmap(tmp_path / "src")
-    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "float16"]) == 0
+    assert (
+        main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "float16"]) == 0
+    )
     out = memtree.load_memmap(tmp_path / "dst")
     assert out.batch_size == torch.Size([3]) and out["info"].batch_size == torch.Size([3])
-    assert out["name"] == "run-1" and out["obs"].dtype == torch.int64 and out["info", "r"].dtype == torch.float16
+    assert (
+        out["name"] == "run-1"
+        and out["obs"].dtype == torch.int64
+        and out["info", "r"].dtype == torch.float16
+    )
     assert main(["convert", str(FIXTURE), str(tmp_path / "td")]) == 0
     td = memtree.load_memmap(tmp_path / "td")
-    assert td["nested", "bfloat16"].tolist() == [[1.0], [1.0]] and td["nested", "string"] == ["a string!"]
+    assert td["nested", "bfloat16"].tolist() == [[1.0], [1.0]] and td["nested", "string"] == [
+        "a string!"
+    ]
 
 
 def test_dtype_casts_floating_point_tensors_only(state, tmp_path: Path) -> None:
     pt, sd = state
-    assert main(["convert", str(pt), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--flat-keys"]) == 0
+    assert (
+        main(["convert", str(pt), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--flat-keys"])
+        == 0
+    )
     tree = memtree.load_memmap(tmp_path / "bf16")
     for key, original in sd.items():
         got = tree[key]
         if original.dtype.is_floating_point:
-            assert got.dtype == torch.bfloat16 and as_bytes(got) == as_bytes(original.to(torch.bfloat16)), key
+            assert got.dtype == torch.bfloat16 and as_bytes(got) == as_bytes(
+                original.to(torch.bfloat16)
+            ), key
         else:
             assert got.dtype == original.dtype and as_bytes(got) == as_bytes(original), key
     assert main(["convert", str(pt), str(tmp_path / "bad"), "--dtype", "int8"]) == 1
@@ -100,7 +127,9 @@ def test_dtype_casts_floating_point_tensors_only(state, tmp_path: Path) -> None:
 
 def test_torch_checkpoint_structure_and_extras(tmp_path: Path) -> None:
     pt = tmp_path / "full.pt"
-    torch.save({"model": {"enc.w": torch.ones(2)}, "epoch": 4, "betas": (0.9, 0.99), "blob": b"\x00"}, pt)
+    torch.save(
+        {"model": {"enc.w": torch.ones(2)}, "epoch": 4, "betas": (0.9, 0.99), "blob": b"\x00"}, pt
+    )
     result = memtree.convert(pt, tmp_path / "tree")
     tree = memtree.load_memmap(tmp_path / "tree")
     assert tree["model", "enc", "w"].tolist() == [1.0, 1.0]
@@ -139,7 +168,12 @@ def _corrupt_storage(path: Path, key: str) -> None:
     with open(path, "r+b") as f:
         f.seek(info.header_offset)
         header = f.read(30)
-        start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        start = (
+            info.header_offset
+            + 30
+            + int.from_bytes(header[26:28], "little")
+            + int.from_bytes(header[28:30], "little")
+        )
         f.seek(start)
         f.write(b"\xde\xad\xbe\xef")
 
@@ -171,7 +205,10 @@ def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, "-m", "memtree", "convert", str(pt), str(tmp_path / "m.safetensors")],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert out.returncode == 0 and out.stdout == "" and out.stderr == ""
     assert open_checkpoint(tmp_path / "m.safetensors")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -187,7 +224,9 @@ from memtree.interop import convert
 
 root, numel = sys.argv[1], int(sys.argv[2])
 for name, n in (("small.pt", 1024), ("big.pt", numel)):
-    torch.save({f"block.{i}.weight": torch.arange(n, dtype=torch.float32) + i for i in range(8)}, f"{root}/{name}")
+    tensors = {f"block.{i}.weight": torch.arange(n, dtype=torch.float32) + i for i in range(8)}
+    torch.save(tensors, f"{root}/{name}")
+    del tensors
 gc.collect()
 
 def status(field):
@@ -218,7 +257,11 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     numel = 16 * 2**20
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(tmp_path), str(numel)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", _MEASURE, str(tmp_path), str(numel)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout.strip().splitlines()[-1])
@@ -226,11 +269,15 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     assert size > 500 * 2**20
     for dst, cast in (("tree", 1.0), ("out.safetensors", 1.5)):  # + a bfloat16 copy while casting
         growth, exact = stats[dst]["growth"], stats[dst]["exact"]
-        print(f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "
-              f"(largest tensor {largest / 2**20:.0f} MiB)")
+        print(
+            f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "
+            f"(largest tensor {largest / 2**20:.0f} MiB)"
+        )
         bound = largest * cast + 24 * 2**20 if exact else 2.5 * largest
         assert growth < bound < 0.35 * size, (dst, growth)
     (tmp_path / "big.pt").unlink()
     expected = torch.arange(numel, dtype=torch.float32) + 5
     assert torch.equal(memtree.load_memmap(tmp_path / "tree")["block", "5", "weight"], expected)
-    assert torch.equal(open_checkpoint(tmp_path / "out.safetensors")["block.5.weight"], expected.to(torch.bfloat16))
+    assert torch.equal(
+        open_checkpoint(tmp_path / "out.safetensors")["block.5.weight"], expected.to(torch.bfloat16)
+    )

@@ -1,5 +1,5 @@
-"""load_memmap on directories written by tensordict's memmap: the fixed fixture, directories the real
-tensordict writes at test time, and damaged or hostile ones (never executing pickle sidecars)."""
+"""load_memmap on directories written by tensordict's memmap: the fixed fixture, directories the
+real tensordict writes at test time, and damaged or hostile ones (pickle sidecars never run)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def as_bytes(t: torch.Tensor) -> bytes:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # -- the fixed artifact --------------------------------------------------------------------------
@@ -36,7 +40,10 @@ def test_fixture_loads_with_its_quirks(tmp_path: Path) -> None:
     before = snapshot(root)
     tree = memtree.load_memmap(root, mode="r")
     assert tree.batch_size == torch.Size([2, 1]) and tree["nested"].batch_size == torch.Size([2, 1])
-    assert tree["nested", "int64"].dtype == torch.int64 and tree["nested", "int64"].tolist() == [[1], [2]]
+    assert tree["nested", "int64"].dtype == torch.int64 and tree["nested", "int64"].tolist() == [
+        [1],
+        [2],
+    ]
     bf16 = tree["nested", "bfloat16"]
     assert bf16.dtype == torch.bfloat16 and bf16.tolist() == [[1.0], [1.0]]
     assert tree["nested", "string"] == ["a string!"]
@@ -119,7 +126,9 @@ def test_pickle_sidecars_are_never_executed(tmp_path: Path, monkeypatch) -> None
         level({"w": leaf("torch.float32", [1]), "obj": {"type": "NonTensorData"}}, [1]),
         {
             "w.memmap": torch.ones(1).numpy().tobytes(),
-            "obj/meta.json": json.dumps({"_type": NTD_TYPE, "_metadata": None, "_is_non_tensor": True}).encode(),
+            "obj/meta.json": json.dumps(
+                {"_type": NTD_TYPE, "_metadata": None, "_is_non_tensor": True}
+            ).encode(),
             "obj/other.pickle": pickle.dumps(Evil()),
         },
     )
@@ -146,7 +155,9 @@ MALFORMED = {
     "is_nested not bool": level({"x": {**leaf("torch.int64", [2]), "is_nested": "no"}}, [2]),
     "type not a string": level({"x": {"type": 3}}, [2]),
     "child type not a class": None,  # built below
-    "duplicate fields": b'{"shape": [2], "shape": [3], "device": "cpu", "_type": "' + TD_TYPE.encode() + b'"}',
+    "duplicate fields": b'{"shape": [2], "shape": [3], "device": "cpu", "_type": "'
+    + TD_TYPE.encode()
+    + b'"}',
     "absurd size": level({"x": leaf("torch.int64", [2**40, 2**40])}, [2**40]),
 }
 
@@ -160,7 +171,9 @@ def test_malformed_tensordict_meta_json_gives_meta_format_error(tmp_path: Path, 
     if case == "child type not a class":
         bad = {"shape": [2], "_type": 5}
     (root / "sub").mkdir()
-    (root / "sub" / "meta.json").write_bytes(bad if isinstance(bad, bytes) else json.dumps(bad).encode())
+    (root / "sub" / "meta.json").write_bytes(
+        bad if isinstance(bad, bytes) else json.dumps(bad).encode()
+    )
     with pytest.raises(memtree.MetaFormatError, match=r"sub.meta\.json"):
         memtree.load_memmap(root)
 
@@ -176,7 +189,11 @@ def test_malformed_root_meta_json_gives_meta_format_error(tmp_path: Path) -> Non
 
 
 def test_child_batch_must_extend_the_parent_batch(tmp_path: Path) -> None:
-    root = write_td(tmp_path / "td", level({"sub": {"type": "TensorDict"}}, [3]), {"sub/meta.json": json.dumps(level({}, [2])).encode()})
+    root = write_td(
+        tmp_path / "td",
+        level({"sub": {"type": "TensorDict"}}, [3]),
+        {"sub/meta.json": json.dumps(level({}, [2])).encode()},
+    )
     with pytest.raises(memtree.MetaFormatError, match="parent"):
         memtree.load_memmap(root)
 
@@ -190,7 +207,27 @@ def test_sub_directory_symlinks_are_refused(tmp_path: Path) -> None:
 
 
 # -- directories written by the real tensordict ------------------------------------------------
-TD_DTYPES = [dtype_from_name(n) for n in ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128")]
+TD_DTYPES = [
+    dtype_from_name(n)
+    for n in (
+        "bool",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+    )
+]
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -198,7 +235,11 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     n = torch.Size(shape).numel()
-    return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+    return (
+        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        .view(dtype)
+        .reshape(shape)
+    )
 
 
 @pytest.fixture
@@ -214,7 +255,10 @@ def real_td(tmp_path: Path, tensordict):
     data = TensorDict(
         {
             **{f"d_{str(dt)[6:]}": random_tensor((4, 3), dt, i) for i, dt in enumerate(TD_DTYPES)},
-            "nested": TensorDict({"x": torch.arange(4.0), "deeper": {"y": torch.ones(4, 2, dtype=torch.bfloat16)}}, [4]),
+            "nested": TensorDict(
+                {"x": torch.arange(4.0), "deeper": {"y": torch.ones(4, 2, dtype=torch.bfloat16)}},
+                [4],
+            ),
             "empty": torch.zeros(4, 0),
             "a/b c%": torch.ones(4, dtype=torch.int8),  # a key tensordict percent-encodes
             "text": NonTensorData("hello", batch_size=[4]),
@@ -264,16 +308,23 @@ def test_tensorclass_content_loads_as_a_sub_tree(tmp_path: Path, tensordict) -> 
         obs: torch.Tensor
         name: str
 
-    data = TensorDict({"s": Sample(obs=torch.arange(6.0).reshape(2, 3), name="bob", batch_size=[2])}, [2])
+    data = TensorDict(
+        {"s": Sample(obs=torch.arange(6.0).reshape(2, 3), name="bob", batch_size=[2])}, [2]
+    )
     data.memmap(tmp_path / "td")
     tree = memtree.load_memmap(tmp_path / "td")
-    assert tree["s", "obs"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and tree["s", "name"] == "bob"
+    assert (
+        tree["s", "obs"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        and tree["s", "name"] == "bob"
+    )
 
 
 def test_unsupported_tensordict_containers_are_refused_clearly(tmp_path: Path, tensordict) -> None:
     from tensordict import LazyStackedTensorDict, TensorDict
 
-    stacked = LazyStackedTensorDict(TensorDict({"a": torch.ones(3)}, []), TensorDict({"a": torch.zeros(3)}, []), stack_dim=0)
+    stacked = LazyStackedTensorDict(
+        TensorDict({"a": torch.ones(3)}, []), TensorDict({"a": torch.zeros(3)}, []), stack_dim=0
+    )
     stacked.memmap(tmp_path / "lazy")
     with pytest.raises(memtree.UnsupportedVersionError, match="densify"):
         memtree.load_memmap(tmp_path / "lazy")
@@ -282,7 +333,9 @@ def test_unsupported_tensordict_containers_are_refused_clearly(tmp_path: Path, t
 def test_real_pickled_non_tensor_data_is_refused(tmp_path: Path, tensordict) -> None:
     from tensordict import NonTensorData, TensorDict
 
-    TensorDict({"o": NonTensorData(object(), batch_size=[]), "w": torch.ones(2)}, []).memmap(tmp_path / "td")
+    TensorDict({"o": NonTensorData(object(), batch_size=[]), "w": torch.ones(2)}, []).memmap(
+        tmp_path / "td"
+    )
     with pytest.raises(memtree.PickleNotAllowedError):
         memtree.load_memmap(tmp_path / "td", allow_pickle=True)
     assert read_tensordict_dir(tmp_path / "td", keys=["w"]).entries["w"].tolist() == [1.0, 1.0]

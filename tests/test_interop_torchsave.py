@@ -139,7 +139,12 @@ def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
     with open(path, "rb") as f:
         f.seek(info.header_offset)
         header = f.read(30)
-    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return (
+        info.header_offset
+        + 30
+        + int.from_bytes(header[26:28], "little")
+        + int.from_bytes(header[28:30], "little")
+    )
 
 
 def test_specs_are_listed_without_reading_tensor_data(tmp_path: Path) -> None:
@@ -169,7 +174,9 @@ class _HostileEval:
 
 
 @pytest.mark.parametrize("hostile", ["system", "eval"])
-def test_hostile_pickle_is_refused_and_runs_nothing(tmp_path: Path, hostile: str, monkeypatch) -> None:
+def test_hostile_pickle_is_refused_and_runs_nothing(
+    tmp_path: Path, hostile: str, monkeypatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "marker"
     payload = _Hostile(marker) if hostile == "system" else _HostileEval()
@@ -198,7 +205,13 @@ def test_allow_pickle_opts_in_to_other_objects(tmp_path: Path) -> None:
 
 def test_plain_data_in_checkpoints_is_allowed(tmp_path: Path) -> None:
     path = tmp_path / "plain.pt"
-    obj = {"b": b"\x00\xff", "c": 1 + 2j, "size": torch.Size([2, 3]), "dt": torch.bfloat16, "n": None}
+    obj = {
+        "b": b"\x00\xff",
+        "c": 1 + 2j,
+        "size": torch.Size([2, 3]),
+        "dt": torch.bfloat16,
+        "n": None,
+    }
     torch.save({"w": torch.zeros(1), **obj}, path)
     assert open_checkpoint(path).non_tensors == obj
 

@@ -1,4 +1,4 @@
-"""Tutorial 4 — checkpoints and interop: torch.save, safetensors, tensordict, and ``memtree convert``.
+"""Tutorial 4 — checkpoints and interop: torch.save, safetensors, tensordict, ``memtree convert``.
 
 Run it:  python tutorials/04_checkpoints_and_interop.py   (MEMTREE_TUTORIAL_FAST=1 for a small run)
 
@@ -37,7 +37,11 @@ print(f"working in {workdir}\n")
 def make_model() -> torch.nn.Sequential:
     layers: list[torch.nn.Module] = []
     for _ in range(BLOCKS):
-        layers += [torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH)]
+        layers += [
+            torch.nn.Linear(WIDTH, 4 * WIDTH),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * WIDTH, WIDTH),
+        ]
     return torch.nn.Sequential(*layers)
 
 
@@ -77,20 +81,27 @@ print("   and the command in the pickle never ran\n")
 # 3. Convert, streaming: peak memory is about one tensor, not the checkpoint.
 tree_dir = os.path.join(workdir, "model_bf16")
 st_path = os.path.join(workdir, "model.safetensors")
-for args in (["convert", ckpt_path, tree_dir, "--dtype", "bfloat16"], ["convert", tree_dir, st_path]):
+for args in (
+    ["convert", ckpt_path, tree_dir, "--dtype", "bfloat16"],
+    ["convert", tree_dir, st_path],
+):
     print(f"3. $ memtree {' '.join(os.path.basename(a) if os.sep in a else a for a in args)}")
     assert memtree_cli(args) == 0  # the command line's entry point, called in this process
 tree = memtree.load_memmap(tree_dir, mode="r")
 print(f"   memtree directory: {tree['model', '0', 'weight'].dtype}, epoch = {tree['epoch']}")
-print(f"   safetensors file: {os.path.getsize(st_path) / 2**20:.1f} MiB "
-      f"(bfloat16: about half of {size / 2**20:.1f} MiB)\n")
+print(
+    f"   safetensors file: {os.path.getsize(st_path) / 2**20:.1f} MiB "
+    f"(bfloat16: about half of {size / 2**20:.1f} MiB)\n"
+)
 
 # 4. safetensors both ways, bit-exact for every dtype it supports; reads are zero-copy.
-exact = memtree.TensorTree({
-    "bf16": torch.randn(3, 3).to(torch.bfloat16),
-    "f8": torch.randn(4).to(torch.float8_e4m3fn),
-    "u16": torch.tensor([0, 65535], dtype=torch.uint16),
-})
+exact = memtree.TensorTree(
+    {
+        "bf16": torch.randn(3, 3).to(torch.bfloat16),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+        "u16": torch.tensor([0, 65535], dtype=torch.uint16),
+    }
+)
 exact_path = os.path.join(workdir, "exact.safetensors")
 memtree.save_safetensors(exact, exact_path)
 with memtree.open_checkpoint(exact_path) as st:
@@ -103,26 +114,51 @@ print(f"4. {sorted(exact.keys())} written to safetensors and read back bit-exact
 td_dir = os.path.join(workdir, "td")
 os.makedirs(os.path.join(td_dir, "cfg"))
 with open(os.path.join(td_dir, "meta.json"), "w") as f:
-    json.dump({"obs": {"device": "cpu", "shape": [4, 2], "dtype": "torch.bfloat16", "is_nested": False},
-               "cfg": {"type": "NonTensorData"}, "shape": [4], "device": "cpu",
-               "_type": "<class 'tensordict._td.TensorDict'>"}, f)
+    json.dump(
+        {
+            "obs": {
+                "device": "cpu",
+                "shape": [4, 2],
+                "dtype": "torch.bfloat16",
+                "is_nested": False,
+            },
+            "cfg": {"type": "NonTensorData"},
+            "shape": [4],
+            "device": "cpu",
+            "_type": "<class 'tensordict._td.TensorDict'>",
+        },
+        f,
+    )
 with open(os.path.join(td_dir, "cfg", "meta.json"), "w") as f:
-    json.dump({"_type": "<class 'tensordict.tensorclass.NonTensorData'>", "data": {"env": "cartpole"}}, f)
-torch.arange(8, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8).numpy().tofile(os.path.join(td_dir, "obs.memmap"))
+    json.dump(
+        {"_type": "<class 'tensordict.tensorclass.NonTensorData'>", "data": {"env": "cartpole"}}, f
+    )
+torch.arange(8, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8).numpy().tofile(
+    os.path.join(td_dir, "obs.memmap")
+)
 td = memtree.load_memmap(td_dir, mode="r")
-print(f"5. tensordict directory: batch_size {list(td.batch_size)}, obs {td['obs'].dtype} "
-      f"{td['obs'][1].tolist()}, cfg = {td['cfg']}\n")
+print(
+    f"5. tensordict directory: batch_size {list(td.batch_size)}, obs {td['obs'].dtype} "
+    f"{td['obs'][1].tolist()}, cfg = {td['cfg']}\n"
+)
 
 # 6. A fresh (bfloat16) model loads straight from a checkpoint file, tensor by tensor.
 weights = os.path.join(workdir, "weights.safetensors")
 memtree.save_safetensors(tree["model"], weights)  # the state_dict part: keys "0.weight", ...
 fresh = make_model().to(torch.bfloat16)
 result = memtree.load_into_module(fresh, weights)
-same = all(torch.equal(p.detach(), tree[("model", *name.split("."))]) for name, p in fresh.named_parameters())
-print(f"6. load_into_module(model, {os.path.basename(weights)!r}): {len(result.missing)} missing, "
-      f"{len(result.unexpected)} unexpected; weights equal the converted ones: {same}")
+same = all(
+    torch.equal(p.detach(), tree[("model", *name.split("."))])
+    for name, p in fresh.named_parameters()
+)
+print(
+    f"6. load_into_module(model, {os.path.basename(weights)!r}): {len(result.missing)} missing, "
+    f"{len(result.unexpected)} unexpected; weights equal the converted ones: {same}"
+)
 assert same and not result.missing and not result.unexpected
 
 shutil.rmtree(workdir)
-print(f"OK checkpoints and interop: {BLOCKS * 4} tensors converted torch.save -> memtree -> safetensors, "
-      "a hostile pickle refused, a tensordict directory loaded")
+print(
+    f"OK checkpoints and interop: {BLOCKS * 4} tensors converted torch.save -> memtree -> "
+    "safetensors, a hostile pickle refused, a tensordict directory loaded"
+)

@@ -29,22 +29,49 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memtree convert``."""
-    parser.add_argument("src", metavar="SRC", help="a .pt/.pth/.bin or .safetensors file, or a tensordict or memtree directory")
-    parser.add_argument("dst", metavar="DST", help="a memtree directory, or a file ending in .safetensors")
-    parser.add_argument("--dtype", metavar="DTYPE", default=None,
-                        help="cast floating-point tensors to this dtype while streaming (e.g. bfloat16)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="trusted files only: let a torch.save pickle build objects other than "
-                             "tensors and plain data")
-    parser.add_argument("--flat-keys", action="store_true",
-                        help="keep a checkpoint's dotted keys flat instead of nesting them by '.'")
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="a .pt/.pth/.bin or .safetensors file, or a tensordict or memtree directory",
+    )
+    parser.add_argument(
+        "dst", metavar="DST", help="a memtree directory, or a file ending in .safetensors"
+    )
+    parser.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        default=None,
+        help="cast floating-point tensors to this dtype while streaming (e.g. bfloat16)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it exists (atomically)"
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="trusted files only: let a torch.save pickle build objects other than "
+        "tensors and plain data",
+    )
+    parser.add_argument(
+        "--flat-keys",
+        action="store_true",
+        help="keep a checkpoint's dotted keys flat instead of nesting them by '.'",
+    )
     parser.add_argument("--fsync", action="store_true", help="make DST durable before it appears")
     bar = parser.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always show a progress bar (needs tqdm)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="never show a progress bar (default: only on a terminal)")
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show a progress bar (needs tqdm)",
+    )
+    bar.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="never show a progress bar (default: only on a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

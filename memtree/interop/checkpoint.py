@@ -82,8 +82,12 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         self._reader = reader
         self.path = reader.path
         self.format = format
-        self.non_tensors: dict[str, Any] = reader.non_tensors if isinstance(reader, TorchSaveReader) else {}
-        self.metadata: dict[str, str] | None = reader.metadata if isinstance(reader, SafetensorsReader) else None
+        self.non_tensors: dict[str, Any] = (
+            reader.non_tensors if isinstance(reader, TorchSaveReader) else {}
+        )
+        self.metadata: dict[str, str] | None = (
+            reader.metadata if isinstance(reader, SafetensorsReader) else None
+        )
         self._keys = reader.keys()
         self._key_set = set(self._keys)
 
@@ -139,7 +143,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Checkpoint:
-    """Open a ``torch.save`` or ``.safetensors`` file lazily, as a mapping of dotted keys to tensors.
+    """Open a ``torch.save`` or ``.safetensors`` file lazily: a mapping of dotted keys to tensors.
 
     Args:
         path: the checkpoint file.

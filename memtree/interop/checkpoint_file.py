@@ -58,7 +58,9 @@ class CheckpointFile:
         try:
             self.fd = os.open(self.path, _OPEN_FLAGS)
         except FileNotFoundError:
-            raise StorageError(errno.ENOENT, f"checkpoint {self.path} does not exist; check the path") from None
+            raise StorageError(
+                errno.ENOENT, f"checkpoint {self.path} does not exist; check the path"
+            ) from None
         except OSError as err:
             raise storage_error(err, f"opening checkpoint {self.path}") from err
         try:

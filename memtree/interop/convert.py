@@ -89,9 +89,14 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     else:
         dtype = dtype_from_name(name.removeprefix("torch."))
         if dtype is None:
-            raise DtypeError(f"unknown dtype {name!r}; use a name such as bfloat16, float16, float32")
+            raise DtypeError(
+                f"unknown dtype {name!r}; use a name such as bfloat16, float16, float32"
+            )
     if dtype is not None and not dtype.is_floating_point:
-        raise DtypeError(f"the cast dtype must be floating-point (only floating-point tensors are cast), got {dtype}")
+        raise DtypeError(
+            "the cast dtype must be floating-point (only floating-point tensors are cast), "
+            f"got {dtype}"
+        )
     return dtype
 
 
@@ -107,7 +112,9 @@ def source_kind(src: str | os.PathLike[str]) -> str:
         if is_tensordict_dir(path):
             return "tensordict"
         if not os.path.isfile(os.path.join(path, META_NAME)):
-            raise NotAMemtreeError(f"{path} is a directory without {META_NAME}: not a memtree or tensordict directory")
+            raise NotAMemtreeError(
+                f"{path} is a directory without {META_NAME}: not a memtree or tensordict directory"
+            )
         return "memtree"
     return checkpoint_kind(path)
 
@@ -143,7 +150,7 @@ def _insert(root: Level, path: tuple[str, ...], value: Any, label: str) -> None:
 
 
 def _split(path: tuple[str, ...]) -> tuple[str, ...]:
-    """Split dotted components (``"enc.0.w"`` -> ``enc, 0, w``); keep ones with empty parts whole."""
+    """Split dotted parts (``"enc.0.w"`` -> ``enc, 0, w``); keep parts with empty pieces whole."""
     out: list[str] = []
     for part in path:
         pieces = part.split(".")
@@ -164,7 +171,9 @@ class _Stream:
         self.nbytes = 0
         self.close: Callable[[], None] = lambda: None
 
-    def leaf(self, shape: torch.Size, dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> LazyLeaf:
+    def leaf(
+        self, shape: torch.Size, dtype: torch.dtype, read: Callable[[], torch.Tensor]
+    ) -> LazyLeaf:
         out_dtype = _cast_dtype(dtype, self.cast)
         nbytes = shape.numel() * itemsize(out_dtype)
         self.tensors += 1
@@ -233,7 +242,9 @@ def _file_reader(tensor: torch.Tensor, strict: bool) -> Callable[[], torch.Tenso
     return read
 
 
-def _flatten(level: Level, prefix: tuple[str, ...], leaves: dict[str, LazyLeaf], dropped: list[str]) -> None:
+def _flatten(
+    level: Level, prefix: tuple[str, ...], leaves: dict[str, LazyLeaf], dropped: list[str]
+) -> None:
     for key, value in level.entries.items():
         path = prefix + (key,)
         if isinstance(value, Level):
@@ -290,8 +301,14 @@ def convert(
     src_path, dst_path = os.fspath(src), os.fspath(dst)
     kind = source_kind(src_path)
     to_safetensors = dst_path.endswith(".safetensors")
-    if not overwrite and os.path.lexists(dst_path) and not (os.path.isdir(dst_path) and not os.listdir(dst_path)):
-        raise DestinationExistsError(f"{dst_path} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    if (
+        not overwrite
+        and os.path.lexists(dst_path)
+        and not (os.path.isdir(dst_path) and not os.listdir(dst_path))
+    ):
+        raise DestinationExistsError(
+            f"{dst_path} already exists; pass overwrite=True (CLI: --overwrite) to replace it"
+        )
     result = ConvertResult(kind, "safetensors" if to_safetensors else "memtree")
     stream = _Stream(cast)
     try:
@@ -301,7 +318,9 @@ def convert(
             stream.from_directory(src_path, kind, allow_pickle)
         result.dropped = list(stream.dropped)
         name = os.path.basename(src_path.rstrip("/"))
-        with Progress(total=stream.nbytes, desc=f"converting {name}", unit="B", progress=progress) as bar:
+        with Progress(
+            total=stream.nbytes, desc=f"converting {name}", unit="B", progress=progress
+        ) as bar:
             stream.on_read = bar.update
             if to_safetensors:
                 leaves: dict[str, LazyLeaf] = {}
@@ -315,7 +334,13 @@ def convert(
                     fsync=fsync,
                 )
             else:
-                write_tree(dst_path, stream.level, existsok=overwrite, fsync=fsync, allow_pickle=allow_pickle)
+                write_tree(
+                    dst_path,
+                    stream.level,
+                    existsok=overwrite,
+                    fsync=fsync,
+                    allow_pickle=allow_pickle,
+                )
     finally:
         stream.close()
     result.tensors, result.nbytes = stream.tensors, stream.nbytes

@@ -46,7 +46,9 @@ class LazyLeaf(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, load: Callable[[], torch.Tensor]) -> LazyLeaf:
+    def __new__(
+        cls, shape: Sequence[int], dtype: torch.dtype, load: Callable[[], torch.Tensor]
+    ) -> LazyLeaf:
         out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device="cpu")
         out._load = load
         return out

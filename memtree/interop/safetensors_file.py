@@ -117,14 +117,19 @@ def safetensors_dtype(dtype: torch.dtype, key: str = "tensor") -> str:
         return _BY_DTYPE[dtype]
     except KeyError:
         raise DtypeError(
-            f"{key}: safetensors cannot hold {dtype} (it has {', '.join(SAFETENSORS_DTYPES)}); cast it "
+            f"{key}: safetensors cannot hold {dtype} (it has "
+            f"{', '.join(SAFETENSORS_DTYPES)}); cast it "
             "first (e.g. --dtype, or .to(torch.complex64)), or keep a memtree directory"
         ) from None
 
 
 def looks_like_safetensors(head: bytes) -> bool:
     """True if ``head`` (at least the file's first 9 bytes) starts like a safetensors file."""
-    return len(head) >= 9 and head[8:9] == b"{" and 2 <= struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES
+    return (
+        len(head) >= 9
+        and head[8:9] == b"{"
+        and 2 <= struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES
+    )
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,9 @@ def parse_header(
     except (UnicodeDecodeError, ValueError) as err:
         if isinstance(err, CheckpointFormatError):
             raise
-        raise CheckpointFormatError(f"{where}: the header is not valid UTF-8 JSON ({err})") from None
+        raise CheckpointFormatError(
+            f"{where}: the header is not valid UTF-8 JSON ({err})"
+        ) from None
     if type(doc) is not dict:
         raise CheckpointFormatError(f"{where}: the header must be a JSON object")
     metadata = doc.pop("__metadata__", None)
@@ -191,9 +198,17 @@ def parse_header(
         if dtype is None:
             raise CheckpointFormatError(f"{what} has the unknown dtype {raw['dtype']!r:.40}")
         shape, offsets = raw["shape"], raw["data_offsets"]
-        if type(shape) is not list or len(shape) > _MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
+        if (
+            type(shape) is not list
+            or len(shape) > _MAX_NDIM
+            or not all(type(n) is int and n >= 0 for n in shape)
+        ):
             raise CheckpointFormatError(f"{what} has a malformed shape {shape!r:.80}")
-        if type(offsets) is not list or len(offsets) != 2 or not all(type(n) is int and n >= 0 for n in offsets):
+        if (
+            type(offsets) is not list
+            or len(offsets) != 2
+            or not all(type(n) is int and n >= 0 for n in offsets)
+        ):
             raise CheckpointFormatError(f"{what} has malformed data_offsets {offsets!r:.80}")
         begin, end = offsets
         nbytes = prod(shape) * itemsize(dtype)
@@ -207,7 +222,9 @@ def parse_header(
                 f"{what}: data_offsets [{begin}, {end}] are out of range: the data section has "
                 f"{data_size:,} bytes; the file is truncated or the header is damaged"
             )
-        entries[key] = SafetensorsEntry(key, dtype, tuple(shape), data_start + begin, data_start + end)
+        entries[key] = SafetensorsEntry(
+            key, dtype, tuple(shape), data_start + begin, data_start + end
+        )
     covered = data_start
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin < covered:
@@ -338,24 +355,33 @@ def write_safetensors(
         if not all(type(k) is str and type(v) is str for k, v in metadata.items()):
             raise CheckpointFormatError(f"{path}: safetensors metadata must map str to str")
         header["__metadata__"] = dict(metadata)
-    names = [(key, tuple(shape), dtype, safetensors_dtype(dtype, repr(key))) for key, shape, dtype in specs]
+    names = [
+        (key, tuple(shape), dtype, safetensors_dtype(dtype, repr(key)))
+        for key, shape, dtype in specs
+    ]
     if len({k for k, *_ in names}) != len(names) or "__metadata__" in {k for k, *_ in names}:
         raise CheckpointFormatError(f"{path}: tensor keys must be unique and not '__metadata__'")
     offset = 0
     layout: dict[str, int] = {}
-    for key, shape, dtype, st in sorted(names, key=lambda n: -itemsize(n[2])):
+    for key, shape, dtype, _ in sorted(names, key=lambda n: -itemsize(n[2])):
         nbytes = prod(shape) * itemsize(dtype)
         layout[key] = offset
         offset += nbytes
     for key, shape, dtype, st in names:
         begin = layout[key]
-        header[key] = {"dtype": st, "shape": list(shape), "data_offsets": [begin, begin + prod(shape) * itemsize(dtype)]}
+        header[key] = {
+            "dtype": st,
+            "shape": list(shape),
+            "data_offsets": [begin, begin + prod(shape) * itemsize(dtype)],
+        }
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
     data_start = 8 + len(blob)
 
     if not existsok and os.path.lexists(path):
-        raise DestinationExistsError(f"{path} already exists; pass existsok=True (CLI: --overwrite) to replace it")
+        raise DestinationExistsError(
+            f"{path} already exists; pass existsok=True (CLI: --overwrite) to replace it"
+        )
     directory, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{base}.memtree-tmp-{uuid.uuid4().hex}")
     try:
@@ -383,7 +409,9 @@ def write_safetensors(
             os.unlink(tmp)
     except FileExistsError:
         _unlink_quiet(tmp)
-        raise DestinationExistsError(f"{path} already exists; pass existsok=True to replace it") from None
+        raise DestinationExistsError(
+            f"{path} already exists; pass existsok=True to replace it"
+        ) from None
     except OSError as err:
         _unlink_quiet(tmp)
         raise storage_error(err, f"writing {path}") from err
@@ -435,7 +463,9 @@ def save_safetensors(
     flat: dict[str, torch.Tensor] = {}
     for key, tensor in _flat_items(tensors, (), sep):
         if key in flat:
-            raise KeyCollisionError(f"two tensors flatten to the key {key!r}; rename one or change sep")
+            raise KeyCollisionError(
+                f"two tensors flatten to the key {key!r}; rename one or change sep"
+            )
         flat[key] = tensor
     write_safetensors(
         path,

@@ -134,7 +134,9 @@ def _read_json(dir_fd: int, where: str) -> Any:
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path} is not a regular file")
         if st.st_size > MAX_META_BYTES:
-            raise LimitError(f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed")
+            raise LimitError(
+                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed"
+            )
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(MAX_META_BYTES + 1)
     finally:
@@ -177,7 +179,10 @@ def is_tensordict_dir(prefix: str | os.PathLike[str]) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_META_BYTES:
             return False
         with open(path, "rb") as f:
-            doc = json.loads(f.read(MAX_META_BYTES + 1))
+            data = f.read(MAX_META_BYTES + 1)
+        if data.startswith(b'{"format":"memtree"'):  # how memtree writes it: no need to parse
+            return False
+        doc = json.loads(data)
     except (OSError, ValueError, RecursionError):
         return False
     return type(doc) is dict and "_type" in doc and "format" not in doc
@@ -218,7 +223,9 @@ def read_tensordict_dir(
     fd = open_dir(root, root, None)
     try:
         doc = _read_json(fd, root)
-        return reader.container(fd, root, doc, normalize_keys(keys) if keys is not None else None, (), 0, ())
+        return reader.container(
+            fd, root, doc, normalize_keys(keys) if keys is not None else None, (), 0, ()
+        )
     finally:
         os.close(fd)
 
@@ -254,7 +261,11 @@ class _TensordictReader:
             raise _fail(meta, "_type", f"must name a TensorDict here, got {doc.get('_type')!r:.80}")
         batch = self.ints(doc.get("shape"), meta, "shape")
         if batch[: len(parent_batch)] != parent_batch:
-            raise _fail(meta, "shape", f"{list(batch)} does not start with the parent's batch size {list(parent_batch)}")
+            raise _fail(
+                meta,
+                "shape",
+                f"{list(batch)} does not start with the parent's batch size {list(parent_batch)}",
+            )
         entries = {k: v for k, v in doc.items() if type(v) is dict}
         if len(entries) > MAX_ENTRIES:
             raise LimitError(f"{meta}: {len(entries)} entries, limit is {MAX_ENTRIES}")
@@ -263,7 +274,8 @@ class _TensordictReader:
             if missing:
                 full = path + (missing[0],)
                 raise MemtreeKeyError(
-                    f"key {full if len(full) > 1 else full[0]!r} is not in the tensordict directory "
+                    f"key {full if len(full) > 1 else full[0]!r} is not in the tensordict "
+                    "directory "
                     f"{where} (keys there: {sorted(entries)[:20]})"
                 )
             entries = {k: entries[k] for k in selection}
@@ -279,7 +291,9 @@ class _TensordictReader:
                 out.entries[key] = self.child(dir_fd, where, key, sub, path + (key,), depth, batch)
                 continue
             if sub is not None:
-                raise MemtreeKeyError(f"key {path + (key,)!r} is a tensor leaf in {where}; it has no sub-keys")
+                raise MemtreeKeyError(
+                    f"key {path + (key,)!r} is a tensor leaf in {where}; it has no sub-keys"
+                )
             out.entries[key] = self.leaf(dir_fd, where, meta, key, entry, batch)
         return out
 
@@ -306,7 +320,13 @@ class _TensordictReader:
         child_fd = open_dir("_tensordict", child_where, dir_fd)
         try:
             level = self.container(
-                child_fd, child_where, _read_json(child_fd, child_where), inner_selection, path, depth + 1, parent_batch
+                child_fd,
+                child_where,
+                _read_json(child_fd, child_where),
+                inner_selection,
+                path,
+                depth + 1,
+                parent_batch,
             )
         finally:
             os.close(child_fd)
@@ -334,25 +354,37 @@ class _TensordictReader:
             kind = _kind(doc.get("_type")) if type(doc) is dict else "invalid"
             if kind in ("nontensor", "stack"):
                 if selection is not None:
-                    raise MemtreeKeyError(f"key {path!r} is non-tensor data in {where}; it has no sub-keys")
+                    raise MemtreeKeyError(
+                        f"key {path!r} is non-tensor data in {where}; it has no sub-keys"
+                    )
                 if "data" not in doc:
                     raise PickleNotAllowedError(
-                        f"key {path if len(path) > 1 else path[0]!r} of the tensordict directory is "
+                        f"key {path if len(path) > 1 else path[0]!r} of the tensordict "
+                        "directory is "
                         f"stored as a pickle in {child_where}; memtree never executes tensordict's "
-                        "pickle sidecars (not even with allow_pickle=True). Load the other keys with "
+                        "pickle sidecars (not even with allow_pickle=True). Load the other "
+                        "keys with "
                         "keys=[...], or re-save the value as JSON-serialisable data with tensordict"
                     )
                 if kind == "stack" and type(doc["data"]) is not list:
                     raise _fail(meta, "data", "of a NonTensorStack must be a list")
                 return NonTensor(doc["data"])
             if kind == "invalid" and type(doc) is dict:
-                raise _fail(meta, "_type", f"must be a class name string, got {doc.get('_type')!r:.80}")
+                raise _fail(
+                    meta, "_type", f"must be a class name string, got {doc.get('_type')!r:.80}"
+                )
             return self.container(child_fd, child_where, doc, selection, path, depth + 1, batch)
         finally:
             os.close(child_fd)
 
     def leaf(
-        self, dir_fd: int, where: str, meta: str, key: str, entry: dict[str, Any], batch: tuple[int, ...]
+        self,
+        dir_fd: int,
+        where: str,
+        meta: str,
+        key: str,
+        entry: dict[str, Any],
+        batch: tuple[int, ...],
     ) -> torch.Tensor:
         pointer = f"[{key!r:.80}]"
         dtype_str = entry.get("dtype")
@@ -360,10 +392,16 @@ class _TensordictReader:
         if type(dtype_str) is str and dtype_str.startswith("torch."):
             dtype = dtype_from_name(dtype_str[len("torch.") :])
         if dtype is None:
-            raise _fail(meta, f"{pointer}.dtype", f"names no dtype memtree can read: {dtype_str!r:.40}")
+            raise _fail(
+                meta, f"{pointer}.dtype", f"names no dtype memtree can read: {dtype_str!r:.40}"
+            )
         shape = self.ints(entry.get("shape"), meta, f"{pointer}.shape")
         if shape[: len(batch)] != batch:
-            raise _fail(meta, f"{pointer}.shape", f"{list(shape)} does not start with the batch size {list(batch)}")
+            raise _fail(
+                meta,
+                f"{pointer}.shape",
+                f"{list(shape)} does not start with the batch size {list(batch)}",
+            )
         nested = entry.get("is_nested", False)
         if type(nested) is not bool:
             raise _fail(meta, f"{pointer}.is_nested", "must be true or false")
@@ -374,7 +412,11 @@ class _TensordictReader:
             )
         nbytes = prod(shape) * itemsize(dtype)
         if nbytes > MAX_NBYTES:
-            raise _fail(meta, f"{pointer}.shape", f"{list(shape)} would need {nbytes} bytes, beyond any file")
+            raise _fail(
+                meta,
+                f"{pointer}.shape",
+                f"{list(shape)} would need {nbytes} bytes, beyond any file",
+            )
         if self.device.type == "meta":
             return torch.empty(shape, dtype=dtype, device="meta")
         name = self.name(dir_fd, where, key, ".memmap", missing_ok=nbytes == 0)
@@ -396,14 +438,18 @@ class _TensordictReader:
             os.close(fd)
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
-    def name(self, dir_fd: int, where: str, key: str, suffix: str, *, missing_ok: bool = False) -> Any:
+    def name(
+        self, dir_fd: int, where: str, key: str, suffix: str, *, missing_ok: bool = False
+    ) -> Any:
         """The file name of ``key`` in ``dir_fd``: tensordict's encoded name, or the legacy one."""
         candidates = [_encode(key) + suffix]
         if _legacy_ok(key) and key + suffix != candidates[0]:
             candidates.append(key + suffix)
         for name in candidates:
             if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
-                raise UnsafePathError(f"key {key!r:.80} in {where} maps to a file name longer than {_NAME_MAX} bytes")
+                raise UnsafePathError(
+                    f"key {key!r:.80} in {where} maps to a file name longer than {_NAME_MAX} bytes"
+                )
             if self.exists(dir_fd, name):
                 return name
         if missing_ok:

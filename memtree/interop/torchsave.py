@@ -167,7 +167,9 @@ class TensorRef:
         """``(first element, element count)`` of the storage that the tensor touches."""
         if prod(self.size) == 0:
             return self.offset, 0
-        return self.offset, 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+        return self.offset, 1 + sum(
+            (n - 1) * s for n, s in zip(self.size, self.stride, strict=True)
+        )
 
 
 def _int(v: Any) -> bool:
@@ -176,16 +178,22 @@ def _int(v: Any) -> bool:
 
 def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None) -> TensorRef:
     if not isinstance(storage, StorageRef):
-        raise CheckpointFormatError(f"a tensor's storage is a {type(storage).__name__}, not a storage")
+        raise CheckpointFormatError(
+            f"a tensor's storage is a {type(storage).__name__}, not a storage"
+        )
     if dtype is None:
         dtype = storage.dtype
     elif not isinstance(dtype, torch.dtype) or dtype_from_name(str(dtype)[6:]) is not dtype:
         raise CheckpointFormatError(f"a tensor names the unsupported dtype {dtype!r:.60}")
     size, stride = tuple(size), tuple(stride)
     if not (_int(offset) and len(size) == len(stride) <= _MAX_NDIM):
-        raise CheckpointFormatError(f"a tensor has a malformed layout: offset {offset!r:.40}, size {size!r:.80}")
+        raise CheckpointFormatError(
+            f"a tensor has a malformed layout: offset {offset!r:.40}, size {size!r:.80}"
+        )
     if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
-        raise CheckpointFormatError(f"a tensor has a malformed size {size!r:.80} or stride {stride!r:.80}")
+        raise CheckpointFormatError(
+            f"a tensor has a malformed size {size!r:.80} or stride {stride!r:.80}"
+        )
     ref = TensorRef(storage, dtype, offset, size, stride)
     first, count = ref.span()
     if (first + count) * itemsize(dtype) > storage.nbytes:
@@ -201,7 +209,13 @@ def _rebuild_v1(storage: Any, offset: Any, size: Any, stride: Any) -> TensorRef:
 
 
 def _rebuild_v2(
-    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    metadata: Any = None,
 ) -> TensorRef:
     return _tensor_ref(storage, offset, size, stride)
 
@@ -231,7 +245,9 @@ _REBUILDERS = (_rebuild_v1, _rebuild_v2, _rebuild_v3)
 def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (and nothing else)."""
     if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-        raise CheckpointFormatError(f"_codecs.encode called with {type(text).__name__}, {encoding!r:.20}")
+        raise CheckpointFormatError(
+            f"_codecs.encode called with {type(text).__name__}, {encoding!r:.20}"
+        )
     return text.encode(encoding)
 
 
@@ -305,10 +321,13 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
         if func not in _REBUILDERS or type(args) is not tuple:
-            raise CheckpointFormatError(f"{self._where}: a tensor subclass is rebuilt with {func!r:.60}")
+            raise CheckpointFormatError(
+                f"{self._where}: a tensor subclass is rebuilt with {func!r:.60}"
+            )
         if new_type not in (self._tensor, self._parameter) and not self._allow_pickle:
             raise UnsafePickleError(
-                f"{self._where} holds a tensor of subclass {new_type!r:.80}; pass allow_pickle=True "
+                f"{self._where} holds a tensor of subclass {new_type!r:.80}; pass "
+                "allow_pickle=True "
                 "to read it as a plain tensor"
             )
         ref: TensorRef = func(*args)
@@ -319,7 +338,9 @@ class RestrictedUnpickler(pickle.Unpickler):
             raise CheckpointFormatError(f"{self._where}: unknown persistent id {pid!r:.80}")
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
-            raise CheckpointFormatError(f"{self._where}: storage type {storage_type!r:.60} is not supported")
+            raise CheckpointFormatError(
+                f"{self._where}: storage type {storage_type!r:.60} is not supported"
+            )
         if type(key) is not str or not _RECORD_KEY.fullmatch(key) or not _int(numel):
             raise CheckpointFormatError(f"{self._where}: malformed storage id {pid!r:.80}")
         return self._storages(key, storage_type.dtype, numel)
@@ -370,7 +391,11 @@ class TorchSaveReader:
             ) from None
         pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
-            kind = "a TorchScript archive" if any(n.endswith("constants.pkl") for n in infos) else "not a torch.save checkpoint"
+            kind = (
+                "a TorchScript archive"
+                if any(n.endswith("constants.pkl") for n in infos)
+                else "not a torch.save checkpoint"
+            )
             raise CheckpointFormatError(
                 f"{self.path} is {kind} (found {len(pickles)} data.pkl records); memtree reads "
                 "files written by torch.save(obj, path)"
@@ -379,23 +404,34 @@ class TorchSaveReader:
         self._prefix = pickles[0][: -len("data.pkl")]
         order = infos.get(self._prefix + "byteorder")
         if order is not None and self._zip.read(order) != b"little":
-            raise CheckpointFormatError(f"{self.path} was saved on a big-endian machine; re-save it on a little-endian one")
+            raise CheckpointFormatError(
+                f"{self.path} was saved on a big-endian machine; re-save it on a little-endian one"
+            )
         info = infos[pickles[0]]
         if info.file_size > MAX_PICKLE_BYTES:
-            raise CheckpointFormatError(f"{self.path}: data.pkl has {info.file_size:,} bytes, more than {MAX_PICKLE_BYTES:,}")
+            raise CheckpointFormatError(
+                f"{self.path}: data.pkl has {info.file_size:,} bytes, more than "
+                f"{MAX_PICKLE_BYTES:,}"
+            )
         try:
             data = self._zip.read(info)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
-            raise CheckpointFormatError(f"{self.path}: cannot read data.pkl ({err}); the file is damaged") from None
+            raise CheckpointFormatError(
+                f"{self.path}: cannot read data.pkl ({err}); the file is damaged"
+            ) from None
         self._storages: dict[str, StorageRef] = {}
         where = f"{self.path} (data.pkl)"
-        unpickler = RestrictedUnpickler(io.BytesIO(data), self._storage, where, allow_pickle=allow_pickle)
+        unpickler = RestrictedUnpickler(
+            io.BytesIO(data), self._storage, where, allow_pickle=allow_pickle
+        )
         try:
             obj = unpickler.load()
         except MemtreeError:
             raise
         except Exception as err:  # any malformed pickle: a clear error, never a traceback
-            raise CheckpointFormatError(f"{where} is malformed: {type(err).__name__}: {err}"[:400]) from None
+            raise CheckpointFormatError(
+                f"{where} is malformed: {type(err).__name__}: {err}"[:400]
+            ) from None
         self._refs: dict[str, TensorRef] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
         self.non_tensors: dict[str, Any] = {}
@@ -415,22 +451,30 @@ class TorchSaveReader:
         known = self._storages.get(key)
         if known is not None:
             if known.dtype != dtype or known.numel != numel:
-                raise CheckpointFormatError(f"{self.path}: storage {key!r} is described two different ways")
+                raise CheckpointFormatError(
+                    f"{self.path}: storage {key!r} is described two different ways"
+                )
             return known
         name = f"{self._prefix}data/{key}"
         info = self._infos.get(name)
         nbytes = numel * itemsize(dtype)
         if info is None:
-            raise CheckpointFormatError(f"{self.path}: the record {name} of a tensor is missing; the file is damaged")
+            raise CheckpointFormatError(
+                f"{self.path}: the record {name} of a tensor is missing; the file is damaged"
+            )
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
             raise CheckpointFormatError(
                 f"{self.path}: record {name} is {info.file_size:,} bytes (compression "
                 f"{info.compress_type}), expected {nbytes:,} stored bytes; the file is damaged"
             )
-        header = self._file.read_bytes(info.header_offset, _LOCAL_HEADER.size, f"the header of {name}")
+        header = self._file.read_bytes(
+            info.header_offset, _LOCAL_HEADER.size, f"the header of {name}"
+        )
         fields = _LOCAL_HEADER.unpack(header)
         if fields[0] != _ZIP_MAGIC:
-            raise CheckpointFormatError(f"{self.path}: record {name} has no local header; the file is damaged")
+            raise CheckpointFormatError(
+                f"{self.path}: record {name} has no local header; the file is damaged"
+            )
         data_offset = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
         self._file._check_range(data_offset, nbytes, f"record {name}")
         ref = StorageRef(key, dtype, numel, data_offset, info.CRC)
@@ -460,7 +504,8 @@ class TorchSaveReader:
         key = ".".join(path)
         if key in self._refs or key in self.non_tensors:
             raise KeyCollisionError(
-                f"{self.path}: two entries flatten to the key {key!r}; memtree cannot tell them apart"
+                f"{self.path}: two entries flatten to the key {key!r}; memtree cannot tell "
+                "them apart"
             )
         into[key] = value
         self._paths[key] = path
