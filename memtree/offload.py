@@ -152,6 +152,7 @@ class OffloadedTensor(torch.Tensor):
             cls,
             source.shape,
             strides=source.stride(),
+            storage_offset=source.storage_offset(),  # as_strided on it means the same as on the file
             dtype=dtype or source.dtype,
             device=dev,
             requires_grad=False,
@@ -171,7 +172,10 @@ class OffloadedTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """The data as a new ordinary tensor (a copy, safe to modify) on this device and dtype."""
         out = self._data()
-        return out.clone() if out is self._source else out
+        try:
+            return out.clone() if out is self._source else out
+        finally:
+            self.release()
 
     def _data(self) -> torch.Tensor:
         """The data for one operation: on the CPU without a cast, the file mapping itself.
@@ -253,7 +257,10 @@ class OffloadedTensor(torch.Tensor):
 
     def tolist(self) -> Any:  # type: ignore[override]
         """The data as nested Python lists."""
-        return self._data().tolist()
+        try:
+            return self._data().tolist()
+        finally:
+            self.release()
 
 
 def _private_view(source: MemoryMappedTensor) -> torch.Tensor:

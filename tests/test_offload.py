@@ -69,6 +69,8 @@ def test_views_stay_on_disk_and_read_only_their_part(weight) -> None:
         assert isinstance(view, OffloadedTensor)
         assert view.shape == want.shape and torch.equal(view.materialize(), want)
     assert weight.detach().filename == weight.filename
+    # as_strided is relative to the storage, as for the tensor the view stands for
+    assert torch.equal(weight[1].as_strided((2,), (1,), 5).materialize(), expected.view(-1)[5:7])
 
 
 def test_to_and_casts_stay_offloaded_and_cast_on_materialisation(weight) -> None:
