@@ -127,13 +127,13 @@ def test_dtype_casts_floating_point_tensors_only(state, tmp_path: Path) -> None:
 
 def test_torch_checkpoint_structure_and_extras(tmp_path: Path) -> None:
     pt = tmp_path / "full.pt"
-    torch.save(
-        {"model": {"enc.w": torch.ones(2)}, "epoch": 4, "betas": (0.9, 0.99), "blob": b"\x00"}, pt
-    )
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]  # an optimizer's param_groups
+    torch.save({"model": {"enc.w": torch.ones(2)}, "epoch": 4, "groups": groups, "blob": b"0"}, pt)
     result = memtree.convert(pt, tmp_path / "tree")
     tree = memtree.load_memmap(tmp_path / "tree")
     assert tree["model", "enc", "w"].tolist() == [1.0, 1.0]
-    assert tree["epoch"] == 4 and tree["betas"] == [0.9, 0.99]
+    assert tree["epoch"] == 4
+    assert tree["groups"] == [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0]}]  # tuples: lists
     assert result.dropped == ["blob"] and result.tensors == 1 and result.nbytes == 8
     flat = memtree.convert(pt, tmp_path / "flat", flat_keys=True)
     assert flat.tensors == 1 and "model.enc.w" in memtree.load_memmap(tmp_path / "flat").keys()

@@ -123,11 +123,17 @@ def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
     return cast if cast is not None and dtype.is_floating_point else dtype
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` with tuples turned into lists, at any depth (everything else as it is)."""
+    if isinstance(value, (tuple, list)):
+        return [_as_json(v) for v in value]
+    if type(value) is dict:
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
+
+
 def _json_value(value: Any) -> tuple[bool, Any]:
-    if isinstance(value, tuple):
-        value = [_json_value(v)[1] for v in value]
-    elif isinstance(value, list):
-        value = [_json_value(v)[1] for v in value]
+    value = _as_json(value)
     return json_problem(value) is None, value
 
 
