@@ -300,6 +300,12 @@ class Writer(StorageWriter):
         fsync: fsync every file and directory before the commit (DCP's ``sync_files``).
         num_threads: tensors written concurrently by each rank (0: in the calling thread).
 
+    The coordinator holds the destination's writer lock from ``prepare_global_plan`` to
+    ``finish``. When ``dcp.save`` fails, call :meth:`abort` on the coordinator's writer (or save
+    again with it) to remove the staging directory and release the lock; :func:`save` does this
+    for you. ``dcp.save(..., use_collectives=False)`` is not supported: ranks must agree on one
+    layout.
+
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
         >>> d = tempfile.mkdtemp() + "/ckpt"
@@ -327,6 +333,11 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record whether this rank is the coordinator."""
+        if kwargs.get("use_collectives") is False:
+            raise DistributedCheckpointError(
+                "memtree.dcp.Writer needs dcp.save(..., use_collectives=True): the coordinator lays "
+                "out the files every rank writes into"
+            )
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
