@@ -10,8 +10,8 @@ Why memtree implements this small format itself instead of calling the ``safeten
 
 * **streaming export**: ``safetensors.torch.save_file`` takes a dict of tensors that are all in
   memory at once; :func:`write_safetensors` writes the header from shapes and dtypes, then
-  produces, casts and ``pwrite``\\ s one tensor at a time, so converting a checkpoint holds one
-  tensor, not the model. The file appears atomically (temporary file + rename), like every file
+  produces, casts and writes (``pwrite``) one tensor at a time, so converting a checkpoint holds
+  one tensor, not the model. The file appears atomically (temporary file + rename), like every file
   memtree publishes;
 * **memtree errors**: a malformed header (overlapping or out-of-range offsets, a size that does
   not match dtype × shape, duplicate keys, an absurd header size) is a
