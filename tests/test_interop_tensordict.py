@@ -339,3 +339,22 @@ def test_real_pickled_non_tensor_data_is_refused(tmp_path: Path, tensordict) -> 
     with pytest.raises(memtree.PickleNotAllowedError):
         memtree.load_memmap(tmp_path / "td", allow_pickle=True)
     assert read_tensordict_dir(tmp_path / "td", keys=["w"]).entries["w"].tolist() == [1.0, 1.0]
+
+
+def test_tensordict_is_never_imported(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memtree\n"
+        f"tree = memtree.load_memmap({str(FIXTURE)!r})\n"
+        f"memtree.convert({str(FIXTURE)!r}, {str(tmp_path / 'out')!r})\n"
+        "assert tree['nested', 'int64'].tolist() == [[1], [2]]\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensordict'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
