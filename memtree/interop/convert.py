@@ -216,29 +216,35 @@ class _Stream:
             mapped = read_tensordict_dir(src, mode="r")
         else:
             mapped = read_tree(src, mode="r", allow_pickle=allow_pickle)
-        self.level = self._rebuild(mapped, strict=kind == "memtree")
+        self.level = self._rebuild(mapped)
 
-    def _rebuild(self, level: Level, strict: bool) -> Level:
+    def _rebuild(self, level: Level) -> Level:
         out = Level(level.batch_size, {}, level.type)
         for key, value in level.entries.items():
             if isinstance(value, Level):
-                out.entries[key] = self._rebuild(value, strict)
+                out.entries[key] = self._rebuild(value)
             elif isinstance(value, torch.Tensor):
-                out.entries[key] = self.leaf(value.shape, value.dtype, _file_reader(value, strict))
+                out.entries[key] = self.leaf(value.shape, value.dtype, _file_reader(value))
             else:
                 out.entries[key] = value
         return out
 
 
-def _file_reader(tensor: torch.Tensor, strict: bool) -> Callable[[], torch.Tensor]:
-    """Read a mapped leaf again with ``pread`` (its pages are never touched through the map)."""
+def _file_reader(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Read a mapped leaf again with ``pread`` (its pages are never touched through the map).
+
+    The loader has already checked the file; it holds the tensor's bytes from offset 0 (a
+    tensordict leaf or a growable leaf's file may be longer).
+    """
     if not isinstance(tensor, MemoryMappedTensor) or tensor.filename is None:
         return lambda: tensor  # a zero-element leaf without a file
+    if tensor.storage_offset() != 0 or not tensor.is_contiguous():
+        return lambda: tensor.clone()
     path, shape, dtype = tensor.filename, tuple(tensor.shape), tensor.dtype
 
     def read() -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
-        fd = open_checked(path, out.numel() * itemsize(dtype), path, strict_size=strict)
+        fd = open_checked(path, out.numel() * itemsize(dtype), path, strict_size=False)
         try:
             read_fd(fd, out)
         finally:
