@@ -360,7 +360,15 @@ def map_fd(fd: int, path: str, nbytes: int, *, writable: bool) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     source = f"/proc/self/fd/{fd}" if _PROC_FD else path
-    return torch.from_file(source, shared=writable, size=nbytes, dtype=torch.uint8)
+    try:
+        return torch.from_file(source, shared=writable, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as err:  # torch reopens the file (read-write when shared): find out why
+        try:
+            os.close(os.open(source, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC))
+        except OSError as cause:
+            what = f"mapping {path}" + (" read-write (load with mode='r' to map it read-only)" if writable else "")
+            raise storage_error(cause, what) from err
+        raise StorageError(errno.EIO, f"mapping {path} failed: {err}") from err
 
 
 def read_fd(fd: int, out: torch.Tensor) -> None:

@@ -111,9 +111,6 @@ def open_dir(name: str, where: str, dir_fd: int | None) -> int:
         raise storage_error(err, f"opening {where}") from err
 
 
-_open_dir = open_dir  # the name memtree.commands.info imports
-
-
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
     """Read and validate the ``meta.json`` in an open directory."""
     path = os.path.join(where, META_NAME)

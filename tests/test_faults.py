@@ -1,0 +1,303 @@
+"""Kill -9 of a writer at every step of the commit, and at random times (RELIABILITY §7 rows
+31-33, §8a test 1): afterwards the destination loads as the new tree, as the old tree (overwrite),
+or is refused with a MemtreeError; never partial. ``memtree.recover()`` or the next write to the
+same destination removes every leftover.
+
+Writers run in fork-started processes (no torch re-import). Deterministic crashes use the
+private hook ``memtree._faults`` (``os._exit(137)`` at a named point); random ones send SIGKILL.
+The long variant is ``python benchmarks/soak_faults.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import memtree
+from memtree import TensorTree, _faults, fileio
+
+pytestmark = pytest.mark.timeout(300)
+
+FORK = mp.get_context("fork")
+NAME = "tree"
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
+
+
+def fingerprint(tree, prefix=()) -> dict:
+    """{key: (dtype, shape, bytes)} for tensors and {key: value} for the rest, nested keys flat."""
+    out = {}
+    for k in tree.keys():
+        v = tree[k]
+        if isinstance(v, TensorTree):
+            out.update(fingerprint(v, prefix + (k,)))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + (k,)] = (v.dtype, tuple(v.shape), plain(v).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            out[prefix + (k,)] = getattr(v, "data", v)
+    return out
+
+
+def make_tree(seed: int, size: str) -> TensorTree:
+    """small: 5 leaves over 3 levels (KB); large: 24 leaves over 4 levels, about 12 MiB."""
+    g = torch.Generator().manual_seed(seed)
+    t = TensorTree(
+        {
+            "obs": torch.randn(4, 3, generator=g),
+            "act": torch.randint(0, 10, (4,), generator=g),
+            "nested": {
+                "x": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+                "empty": torch.zeros(4, 0),
+                "deeper": {"mask": torch.rand(4, generator=g) > 0.5},
+            },
+            "step": seed,
+        },
+        batch_size=[4],
+    )
+    if size == "large":
+        for i in range(16):
+            t[f"w{i}"] = torch.randint(0, 256, (4, 64 << 10), dtype=torch.uint8, generator=g)
+        t["nested", "deeper", "deepest"] = {f"b{i}": torch.randn(4, 64 << 10, generator=g) for i in range(3)}
+    return t
+
+
+# ----------------------------------------------------------------------------- the writer child
+
+
+def _unsupported(flag: int):
+    real = fileio._renameat2
+
+    def rename2(olddir, old, newdir, new, flags):
+        if flags == flag:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return real(olddir, old, newdir, new, flags)
+
+    return rename2
+
+
+def _writer(prefix, tree, fault, num_threads, fsync, no_flag, ready=None):
+    if fault:
+        os.environ[_faults.ENV] = fault
+    _faults.reload()
+    if no_flag:  # a filesystem without RENAME_EXCHANGE (2) or RENAME_NOREPLACE (1)
+        fileio._renameat2 = _unsupported(no_flag)
+    if ready is not None:
+        ready.send(time.perf_counter())
+    tree.memmap(prefix, num_threads=num_threads, fsync=fsync)
+    if ready is not None:
+        ready.send(time.perf_counter())
+
+
+def run_writer(prefix, tree, *, fault=None, num_threads=0, fsync=False, no_flag=0) -> int:
+    p = FORK.Process(target=_writer, args=(prefix, tree, fault, num_threads, fsync, no_flag))
+    p.start()
+    p.join(120)
+    assert p.exitcode is not None, "writer hung"
+    return p.exitcode
+
+
+# ----------------------------------------------------------------------------- checking the aftermath
+
+
+def state(prefix: Path, old: dict | None, new: dict) -> str:
+    """"new", "old", "absent" (no tree there) or "missing" (no tree, but an old copy waits)."""
+    try:
+        loaded = fingerprint(memtree.load_memmap(prefix))
+    except memtree.MemtreeError as e:
+        assert isinstance(e, memtree.NotAMemtreeError), f"{type(e).__name__}: {e}"
+        olds = [n for n in os.listdir(prefix.parent) if n.startswith(f".{NAME}.memtree-old-")]
+        return "missing" if olds else "absent"
+    if loaded == new:
+        return "new"
+    assert old is not None and loaded == old, "the destination holds neither the new nor the old tree"
+    return "old"
+
+
+def clean_up(prefix: Path, old: dict | None, new: dict, how: str, after: str) -> None:
+    """Remove leftovers with recover() or with the next write; check the result."""
+    parent = prefix.parent
+    if how == "recover":
+        memtree.recover(parent)
+        assert os.listdir(parent) == ([] if after == "absent" else [NAME])
+        if after != "absent":
+            assert state(prefix, old, new) == after
+    else:
+        third = make_tree(99, "small")
+        third.memmap(prefix)
+        assert os.listdir(parent) == [NAME]
+        assert fingerprint(memtree.load_memmap(prefix)) == fingerprint(third)
+
+
+BEFORE_PUBLISH = [
+    "after_lock", "staging_created", "before_leaves", "after_leaf:1", "after_leaf:3", "before_meta:1",
+    "before_meta:2", "before_root_meta", "after_root_meta", "before_publish",
+]
+
+# (scenario, size, threads, fsync, no_flag, point) -> (state right after the crash, after recovery)
+CASES = []
+for size, threads in [("small", 0), ("large", 4)]:
+    for point in BEFORE_PUBLISH:
+        CASES.append(("new", size, threads, False, 0, point, "absent", "absent"))
+        CASES.append(("overwrite", size, threads, False, 0, point, "old", "old"))
+    CASES.append(("new", size, threads, False, 0, "after_publish", "new", "new"))
+    CASES.append(("overwrite", size, threads, False, 0, "after_publish", "new", "new"))
+    CASES.append(("overwrite", size, threads, False, 0, "before_old_removed", "new", "new"))
+    # filesystems without RENAME_EXCHANGE / RENAME_NOREPLACE
+    CASES.append(("overwrite", size, threads, False, 2, "before_publish", "old", "old"))
+    CASES.append(("overwrite", size, threads, False, 2, "between_renames", "missing", "old"))
+    CASES.append(("overwrite", size, threads, False, 2, "after_publish", "new", "new"))
+    CASES.append(("new", size, threads, False, 1, "after_publish", "new", "new"))
+# durable writes
+CASES += [
+    ("new", "small", 2, True, 0, "after_leaf:2", "absent", "absent"),
+    ("new", "small", 0, True, 0, "after_publish", "new", "new"),
+    ("overwrite", "small", 2, True, 0, "before_old_removed", "new", "new"),
+    ("overwrite", "small", 0, True, 2, "between_renames", "missing", "old"),
+]
+
+
+def _case_id(c):
+    scenario, size, threads, fsync, no_flag, point = c[:6]
+    flag = {0: "", 1: "-no_noreplace", 2: "-no_exchange"}[no_flag]
+    return f"{scenario}-{size}-t{threads}{'-fsync' if fsync else ''}{flag}-{point}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_kill_at_fault_point(tmp_path, case):
+    scenario, size, threads, fsync, no_flag, point, expected, recovered = case
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    prefix = parent / NAME
+    old_tree, new_tree = make_tree(1, size), make_tree(2, size)
+    old = None
+    if scenario == "overwrite":
+        old_tree.memmap(prefix)
+        old = fingerprint(old_tree)
+    new = fingerprint(new_tree)
+    code = run_writer(prefix, new_tree, fault=point, num_threads=threads, fsync=fsync, no_flag=no_flag)
+    assert code == _faults.EXIT_CODE, f"the writer never reached {point} (exit code {code})"
+    assert state(prefix, old, new) == expected
+    left = [n for n in os.listdir(parent) if n != NAME]
+    assert f".{NAME}.memtree.lock" in left, "a killed writer leaves its lock file behind"
+    if point != "after_lock" and expected != "new":
+        assert any(".memtree-tmp-" in n or ".memtree-old-" in n for n in left)
+    how = "recover" if CASES.index(case) % 2 == 0 else "next_write"
+    clean_up(prefix, old, new, how, recovered)
+
+
+def test_every_fault_point_is_exercised():
+    used = {c[5].partition(":")[0] for c in CASES}
+    assert used == set(_faults.POINTS)
+
+
+def test_unknown_fault_point_is_refused(monkeypatch):
+    monkeypatch.setenv(_faults.ENV, "no_such_point")
+    with pytest.raises(ValueError):
+        _faults.reload()
+    monkeypatch.delenv(_faults.ENV)
+    _faults.reload()
+    assert _faults.armed() is None
+
+
+def test_unarmed_hook_does_nothing():
+    assert _faults.armed() is None
+    for name in _faults.POINTS:
+        _faults.point(name)
+
+
+# ----------------------------------------------------------------------------- kill -9 at random times
+
+RANDOM_TRIALS = 4  # per parameter combination below: 6 combinations, 24 trials
+
+
+def _timed_write(prefix, tree, num_threads, no_flag):
+    recv, send = FORK.Pipe(duplex=False)
+    p = FORK.Process(target=_writer, args=(prefix, tree, None, num_threads, False, no_flag, send))
+    p.start()
+    send.close()
+    start = recv.recv()
+    end = recv.recv()
+    p.join(120)
+    assert p.exitcode == 0
+    return end - start
+
+
+def kill_trial(parent: Path, scenario: str, num_threads: int, no_flag: int, delay: float) -> tuple[str, int]:
+    """One writer killed with SIGKILL ``delay`` s after it starts; returns (state, exit code)."""
+    prefix = parent / NAME
+    old_tree, new_tree = make_tree(1, "large"), make_tree(2, "large")
+    old = None
+    if scenario == "overwrite":
+        old_tree.memmap(prefix)
+        old = fingerprint(old_tree)
+    new = fingerprint(new_tree)
+    recv, send = FORK.Pipe(duplex=False)
+    p = FORK.Process(target=_writer, args=(prefix, new_tree, None, num_threads, False, no_flag, send))
+    p.start()
+    send.close()
+    assert recv.poll(60), "writer did not start"
+    recv.recv()
+    time.sleep(delay)
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.join(60)
+    assert p.exitcode is not None
+    got = state(prefix, old, new)
+    allowed = {"new", "absent"} if scenario == "new" else {"new", "old"} | ({"missing"} if no_flag == 2 else set())
+    assert got in allowed, got
+    memtree.recover(parent)
+    assert os.listdir(parent) == ([] if got == "absent" else [NAME])
+    if got != "absent":
+        assert state(prefix, old, new) == ("old" if got == "missing" else got)
+    return got, p.exitcode
+
+
+@pytest.fixture(scope="module")
+def write_seconds(tmp_path_factory):
+    """How long one uninterrupted large write takes here (the range of random kill delays)."""
+    d = tmp_path_factory.mktemp("calibrate")
+    runs = [_timed_write(d / f"t{i}", make_tree(2, "large"), 0, 0) for i in range(2)]
+    return max(runs)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request):
+    """Counts of random-kill outcomes, printed at the end of the module (also without -s)."""
+    counts: Counter = Counter()
+    yield counts
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if counts and capture is not None:
+        with capture.global_and_fixture_disabled():
+            print(f"\nkill -9 at random times ({sum(counts.values())} trials): {dict(sorted(counts.items()))}")
+
+
+@pytest.mark.parametrize(
+    "scenario,num_threads,no_flag",
+    [("new", 0, 0), ("new", 4, 0), ("overwrite", 0, 0), ("overwrite", 4, 0), ("overwrite", 0, 2), ("overwrite", 4, 2)],
+    ids=["new-t0", "new-t4", "overwrite-t0", "overwrite-t4", "overwrite-t0-no_exchange", "overwrite-t4-no_exchange"],
+)
+def test_kill_at_random_times(tmp_path, write_seconds, outcomes, scenario, num_threads, no_flag):
+    rng = random.Random(f"{scenario}{num_threads}{no_flag}")
+    for i in range(RANDOM_TRIALS):
+        parent = tmp_path / f"trial{i}"
+        parent.mkdir()
+        got, code = kill_trial(parent, scenario, num_threads, no_flag, rng.uniform(0, 1.2 * write_seconds))
+        outcomes[(scenario, got, "killed" if code == -signal.SIGKILL else "finished")] += 1

@@ -1,0 +1,519 @@
+"""Hypothesis fuzzer of the loader, every load in a child process (RELIABILITY §7 "Fuzz target").
+
+A valid tree written by memtree (three levels, checksums) is damaged in 1-3 ways: meta.json
+bytes (truncate, insert, overwrite), meta.json fields (dtype, shape, version, file names,
+checksum, batch_size... set to hostile or huge values, or deleted), leaf files (truncate, extend,
+flip a byte, delete, replace by a symlink to a same-sized file outside the tree, to /dev/zero, by
+a FIFO or a directory), sub-directories and meta.json files (symlinks outside or in a loop, FIFO,
+sparse 17 MiB), and nesting deeper than the limit. A long-lived forked worker loads the result
+and touches every byte of every leaf. The properties:
+
+* the worker never dies (no SIGBUS/SIGSEGV) and never hangs (20 s per load);
+* a load either raises a MemtreeError or returns tensors whose bytes are exactly the files'
+  bytes, with the dtypes and shapes that meta.json records; no other exception type;
+* ``verify_tree`` agrees: ``load_memmap(verify=True)`` fails exactly when it reports a problem;
+* nothing on disk changes (bytes, sizes, mtimes, link targets), inside or outside the tree.
+
+About 500 examples in CI; the soak variant multiplies them:
+``MEMTREE_FUZZ_SCALE=40 pytest tests/test_fuzz_load.py`` (``benchmarks/soak_faults.py`` does that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import stat
+import tempfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.control import _current_build_context
+from hypothesis import strategies as st
+
+import memtree
+from memtree import TensorTree
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
+
+FORK = mp.get_context("fork")
+SCALE = float(os.environ.get("MEMTREE_FUZZ_SCALE", "1"))
+LOAD_TIMEOUT = 20.0
+
+METAS = ["meta.json", "nested/meta.json", "nested/deeper/meta.json"]
+DIRS = ["nested", "nested/deeper"]
+LEAVES = ["obs.memmap", "act.memmap", "c32.memmap", "nested/x.memmap", "nested/empty.memmap",
+          "nested/deeper/mask.memmap", "nested/deeper/f8.memmap"]
+KWARGS = [{}, {"mode": "r"}, {"mmap": False}, {"verify": True}, {"verify": True, "mmap": False}]
+
+
+# ----------------------------------------------------------------------------- the tree and the worker
+
+
+def build_pristine(root: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tree = TensorTree(
+        {
+            "obs": torch.randn(3, 4, generator=g),
+            "act": torch.randint(-9, 9, (3,), generator=g),
+            "c32": torch.randn(3, 2, dtype=torch.complex64, generator=g).to(torch.complex32),
+            "nested": {
+                "x": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+                "empty": torch.zeros(3, 0, dtype=torch.int16),
+                "deeper": {
+                    "mask": torch.rand(3, generator=g) > 0.5,
+                    "f8": torch.randn(3, 2, generator=g).to(torch.float8_e5m2),
+                    "note": {"lr": 0.5, "tags": ["a", "b"]},
+                },
+            },
+            "name": "pristine",
+        },
+        batch_size=[3],
+    )
+    tree.memmap(root / "tree", checksum="crc32")
+    outside = root / "outside"
+    outside.mkdir()
+    (outside / "decoy.memmap").write_bytes((root / "tree" / "obs.memmap").read_bytes())
+    (outside / "meta.json").write_bytes((root / "tree" / "nested" / "meta.json").read_bytes())
+    shutil.copytree(root / "tree" / "nested", outside / "nested")
+
+
+def _touch_all(tree, prefix=()):
+    out = {}
+    for k in tree.keys():
+        v = tree[k]
+        if isinstance(v, TensorTree):
+            out.update(_touch_all(v, prefix + (k,)))
+        elif isinstance(v, torch.Tensor):
+            data = v.as_subclass(torch.Tensor).contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[prefix + (k,)] = (str(v.dtype).replace("torch.", ""), list(v.shape), zlib.crc32(data))
+    return out
+
+
+def _load(path: str, kw: dict) -> tuple:
+    try:
+        tree = memtree.load_memmap(path, **kw)
+        result: tuple = ("loaded", _touch_all(tree))
+    except memtree.MemtreeError as e:
+        result = ("refused", type(e).__name__, str(e)[:300])
+    except Exception as e:  # the bug this fuzzer looks for
+        result = ("crash", type(e).__name__, repr(e)[:500])
+    try:
+        report = memtree.verify_tree(path)
+        kinds = sorted({p.kind for p in report.problems})
+    except Exception as e:
+        kinds = [f"verify crashed: {type(e).__name__}: {e!r:.300}"]
+    return result + (kinds,)
+
+
+def _worker(conn) -> None:
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(_load(*msg))
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.proc = None
+        self.conn = None
+
+    def start(self) -> None:
+        self.conn, child = FORK.Pipe()
+        self.proc = FORK.Process(target=_worker, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(10)
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+
+    def load(self, path: Path, kw: dict) -> tuple:
+        if self.proc is None or not self.proc.is_alive():
+            self.start()
+        self.conn.send((str(path), kw))
+        if not self.conn.poll(LOAD_TIMEOUT):
+            self.proc.kill()
+            self.proc.join()
+            self.proc = None
+            raise AssertionError(f"load of {path} with {kw} hung for {LOAD_TIMEOUT} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(10)
+            code = self.proc.exitcode
+            self.proc = None
+            raise AssertionError(f"the loading process died (exit code {code}, negative = signal) on {path} with {kw}")
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    w.start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz") / "pristine"
+    root.mkdir()
+    build_pristine(root)
+    return root
+
+
+# ----------------------------------------------------------------------------- snapshots and checks
+
+
+def event(name: str) -> None:
+    """hypothesis.event when inside a hypothesis test (statistics), nothing otherwise."""
+    if _current_build_context.value is not None:
+        import hypothesis
+
+        hypothesis.event(name)
+
+
+def snapshot(root: Path) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            s = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(s.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISREG(s.st_mode):
+                with open(p, "rb") as f:
+                    digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
+                out[rel] = ("file", s.st_size, s.st_mtime_ns, digest)
+            else:
+                out[rel] = (stat.S_IFMT(s.st_mode), s.st_mtime_ns)
+    return out
+
+
+def expected_leaves(tree: Path) -> dict:
+    """What a successful load must return, from the meta.json files on disk (already validated
+    by the loader, so plain json is enough here)."""
+    out = {}
+
+    def walk(d: Path, prefix: tuple):
+        meta = json.loads((d / "meta.json").read_bytes())
+        for e in meta["entries"]:
+            key = prefix + (e["key"],)
+            if e["kind"] == "tensor":
+                data = (d / e["file"]).read_bytes()
+                out[key] = (e["dtype"], e["shape"], zlib.crc32(data), e.get("checksum"), data)
+            elif e["kind"] == "tree":
+                walk(d / e["dir"], key)
+
+    walk(tree, ())
+    return out
+
+
+def check(worker: Worker, work: Path, kw: dict) -> None:
+    tree = work / "tree"
+    before = snapshot(work)
+    result = worker.load(tree, kw)
+    assert snapshot(work) == before, "a load changed files on disk"
+    kinds = result[-1]
+    assert not any(k.startswith("verify crashed") for k in kinds), kinds
+    if result[0] == "crash":
+        raise AssertionError(f"non-memtree exception {result[1]}: {result[2]}")
+    if result[0] == "refused":
+        event(f"refused: {result[1]}")
+        if result[1] != "PickleNotAllowedError":
+            assert kinds, f"load refused ({result[1]}: {result[2]}) but verify_tree found nothing"
+        return
+    event("loaded")
+    got = result[1]
+    want = expected_leaves(tree)
+    assert set(got) == set(want)
+    for key, (dtype, shape, crc) in got.items():
+        w_dtype, w_shape, w_crc, w_checksum, _ = want[key]
+        assert (dtype, shape, crc) == (w_dtype, w_shape, w_crc), key  # exactly the file's bytes
+        if kw.get("verify") and w_checksum is not None and w_checksum.startswith("crc32:"):
+            assert w_checksum == f"crc32:{crc:08x}", key
+    if kw.get("verify"):
+        assert kinds == [], f"load(verify=True) succeeded but verify_tree reports {kinds}"
+    else:
+        assert set(kinds) <= {"checksum"}, kinds
+
+
+_IMAGES: dict[Path, list[tuple[str, bytes | None]]] = {}
+
+
+def fresh_copy(pristine: Path) -> Path:
+    """A new copy of the pristine directory (its files are cached in memory: fast)."""
+    image = _IMAGES.get(pristine)
+    if image is None:
+        image = []
+        for dirpath, dirnames, filenames in os.walk(pristine):
+            rel = os.path.relpath(dirpath, pristine)
+            image += [(os.path.join(rel, d), None) for d in sorted(dirnames)]
+            image += [(os.path.join(rel, f), Path(dirpath, f).read_bytes()) for f in sorted(filenames)]
+        _IMAGES[pristine] = image
+    work = Path(tempfile.mkdtemp(dir=pristine.parent))
+    for rel, data in image:
+        if data is None:
+            os.mkdir(work / rel)
+        else:
+            (work / rel).write_bytes(data)
+    return work
+
+
+# ----------------------------------------------------------------------------- mutations
+
+
+HUGE = [2**31, 2**32, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 10**30, -1, -(2**63), 1e308, 1.5, float("inf")]
+NAMES = ["../outside/decoy.memmap", "/dev/zero", "..", ".", "", "a/b.memmap", "x" * 300 + ".memmap", "obs.memmap",
+         "act.memmap", "nested", "meta.json", "%2E%2E.memmap", ".hidden.memmap", "OBS.memmap", "decoy.memmap",
+         "../outside", "deeper", "c32.memmap"]
+DTYPES = ["bool", "uint8", "int16", "int64", "float32", "float64", "bfloat16", "complex32", "complex128",
+          "float8_e5m2", "float8_e8m0fnu", "object", "torch.float32", "<f4", "", "float128", "qint8"]
+CHECKSUMS = ["crc32:00000000", "crc32:ffffffff", "crc32:0", "sha256:" + "0" * 64, "md5:" + "0" * 32, "crc32",
+             "CRC32:00000000", "crc32:GGGGGGGG", ""]
+SCALARS = st.one_of(
+    st.sampled_from(HUGE), st.sampled_from(NAMES), st.sampled_from(DTYPES), st.sampled_from(CHECKSUMS),
+    st.integers(min_value=-3, max_value=8), st.booleans(), st.none(), st.text(max_size=6),
+    st.sampled_from(["memtree", "TensorTree", "little", "big", "tensor", "tree", "json", "pickle", 1, 2, 0]),
+)
+VALUES = st.one_of(
+    SCALARS,
+    st.lists(st.one_of(st.integers(min_value=0, max_value=6), st.sampled_from(HUGE)), max_size=4),
+    st.lists(SCALARS, max_size=3),
+    st.dictionaries(st.sampled_from(["key", "kind", "file", "dir", "dtype", "shape"]), SCALARS, max_size=3),
+)
+TOP_FIELDS = ["format", "version", "type", "byteorder", "batch_size", "entries", "save_id", "extra"]
+ENTRY_FIELDS = ["key", "kind", "file", "dir", "dtype", "shape", "checksum", "value", "path"]
+
+
+def _set_meta(path: Path, doc) -> None:
+    path.write_bytes(json.dumps(doc, allow_nan=True).encode("utf-8", "surrogatepass"))
+
+
+def _replace(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+meta_bytes = st.tuples(
+    st.just("meta_bytes"), st.sampled_from(METAS), st.sampled_from(["truncate", "insert", "overwrite", "append"]),
+    st.integers(min_value=0, max_value=2000), st.binary(min_size=1, max_size=6),
+)
+meta_field = st.tuples(
+    st.just("meta_field"), st.sampled_from(METAS),
+    st.one_of(
+        st.tuples(st.just("top"), st.sampled_from(TOP_FIELDS), st.just(0)),
+        st.tuples(st.just("entry"), st.sampled_from(ENTRY_FIELDS), st.integers(min_value=0, max_value=5)),
+        st.tuples(st.just("shape"), st.just("shape"), st.integers(min_value=0, max_value=5)),
+    ),
+    st.sampled_from(["set", "set", "set", "delete"]), VALUES,
+)
+leaf_file = st.tuples(
+    st.just("leaf"), st.sampled_from(LEAVES),
+    st.sampled_from(["truncate", "extend", "flip", "flip", "delete", "link_decoy", "link_zero", "link_dangling",
+                     "link_dir", "fifo", "dir"]),
+    st.integers(min_value=0, max_value=80),
+)
+dir_or_meta = st.tuples(
+    st.just("path"), st.sampled_from(DIRS + METAS),
+    st.sampled_from(["link_outside", "link_root", "link_loop", "fifo", "delete", "sparse_17mib", "dir"]),
+    st.just(0),
+)
+MUTATION = st.one_of(meta_bytes, meta_field, leaf_file, dir_or_meta)
+
+
+def apply(work: Path, mutation) -> None:
+    kind = mutation[0]
+    tree = work / "tree"
+    if kind == "meta_bytes":
+        _, which, op, pos, data = mutation
+        p = tree / which
+        if not p.is_file() or p.is_symlink():
+            return
+        b = p.read_bytes()
+        pos %= len(b) + 1
+        if op == "truncate":
+            b = b[:pos]
+        elif op == "insert":
+            b = b[:pos] + data + b[pos:]
+        elif op == "overwrite":
+            b = b[:pos] + data + b[pos + len(data):]
+        else:
+            b = b + data
+        p.write_bytes(b)
+    elif kind == "meta_field":
+        _, which, (where, name, index), action, value = mutation
+        p = tree / which
+        try:
+            doc = json.loads(p.read_bytes())
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict):
+            return
+        if where == "top":
+            target = doc
+        else:
+            entries = doc.get("entries")
+            if not isinstance(entries, list) or not entries or not isinstance(entries[index % len(entries)], dict):
+                return
+            target = entries[index % len(entries)]
+            if where == "shape":
+                shape = target.get("shape")
+                if not isinstance(shape, list) or not shape:
+                    target["shape"] = [value]
+                elif action == "delete":
+                    shape.pop(index % len(shape))
+                else:
+                    shape[index % len(shape)] = value
+                _set_meta(p, doc)
+                return
+        if action == "delete":
+            target.pop(name, None)
+        else:
+            target[name] = value
+        _set_meta(p, doc)
+    elif kind == "leaf":
+        _, rel, op, n = mutation
+        p = tree / rel
+        if not p.is_file() or p.is_symlink():
+            return
+        if op == "truncate":
+            os.truncate(p, min(n, max(p.stat().st_size - 1, 0)))
+        elif op == "extend":
+            os.truncate(p, p.stat().st_size + n + 1)
+        elif op == "flip":
+            b = bytearray(p.read_bytes())
+            if b:
+                b[n % len(b)] ^= 1 << (n % 8)
+                p.write_bytes(bytes(b))
+        else:
+            _replace(p)
+            if op == "link_decoy":
+                os.symlink(work / "outside" / "decoy.memmap", p)
+            elif op == "link_zero":
+                os.symlink("/dev/zero", p)
+            elif op == "link_dangling":
+                os.symlink(work / "nowhere", p)
+            elif op == "link_dir":
+                os.symlink(work / "outside", p)
+            elif op == "fifo":
+                os.mkfifo(p)
+            elif op == "dir":
+                p.mkdir()
+    elif kind == "path":
+        _, rel, op, _ = mutation
+        p = tree / rel
+        if not (p.exists() or p.is_symlink()):
+            return
+        is_dir = rel in DIRS
+        _replace(p)
+        if op == "link_outside":
+            os.symlink(work / "outside" / ("nested" if is_dir else "meta.json"), p)
+        elif op == "link_root":
+            os.symlink("/", p)
+        elif op == "link_loop":
+            os.symlink(p.name, p)
+        elif op == "fifo":
+            os.mkfifo(p)
+        elif op == "sparse_17mib":
+            with open(p, "wb") as f:
+                f.truncate(17 << 20)
+        elif op == "dir":
+            p.mkdir()
+    elif kind == "deep":
+        _, depth, _, _ = mutation
+        d = tree / "nested" / "deeper"
+        base = json.loads((tree / "meta.json").read_bytes())
+        for _ in range(depth):
+            level = {k: base[k] for k in ("format", "version", "type", "byteorder", "batch_size") if k in base}
+            level["entries"] = [{"key": "z", "kind": "tree", "dir": "z"}]
+            _set_meta(d / "meta.json", level)
+            d = d / "z"
+            d.mkdir()
+        _set_meta(d / "meta.json", {k: base[k] for k in ("format", "version", "type", "byteorder", "batch_size")
+                                    if k in base} | {"entries": []})
+
+
+def fuzz(examples: int):
+    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None, database=None,
+                    phases=[Phase.generate, Phase.shrink],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _run(worker, pristine, mutations, kw):
+    work = fresh_copy(pristine)
+    try:
+        for m in mutations:
+            apply(work, m)
+        check(worker, work, kw)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- the fuzz tests
+
+
+def test_pristine_tree_loads_and_verifies(worker, pristine):
+    _run(worker, pristine, [], {"verify": True})
+    assert memtree.verify_tree(pristine / "tree").checksummed == 7
+
+
+@fuzz(200)
+@given(mutations=st.lists(MUTATION, min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
+def test_fuzz_any_damage(worker, pristine, mutations, kw):
+    _run(worker, pristine, mutations, kw)
+
+
+@fuzz(150)
+@given(mutations=st.lists(st.one_of(meta_field, meta_bytes), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
+def test_fuzz_meta_json(worker, pristine, mutations, kw):
+    _run(worker, pristine, mutations, kw)
+
+
+@fuzz(150)
+@given(mutations=st.lists(st.one_of(leaf_file, dir_or_meta), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
+def test_fuzz_files_and_links(worker, pristine, mutations, kw):
+    _run(worker, pristine, mutations, kw)
+
+
+@pytest.mark.parametrize("depth", [254, 255])
+def test_nesting_deeper_than_the_limit(worker, pristine, depth):
+    """The root is depth 0 and nested/deeper depth 2: 254 more levels reach the limit (256)."""
+    work = fresh_copy(pristine)
+    try:
+        apply(work, ("deep", depth, "", 0))
+        r = worker.load(work / "tree", {})
+        if depth <= 254:
+            assert r[0] == "loaded" and r[-1] == [], r
+        else:
+            assert r[0] == "refused" and r[1] == "LimitError" and r[-1] == ["limit"], r
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_every_single_bit_flip_is_caught_by_verify(worker, pristine, leaf):
+    """Not random: a flip in each leaf (except the empty one) fails verify=True, loads without."""
+    work = fresh_copy(pristine)
+    try:
+        apply(work, ("leaf", leaf, "flip", 3))
+        r = worker.load(work / "tree", {"verify": True})
+        if leaf == "nested/empty.memmap":
+            assert r[0] == "loaded" and r[-1] == []
+        else:
+            assert r[0] == "refused" and r[1] == "IntegrityError" and r[-1] == ["checksum"], r
+            assert worker.load(work / "tree", {})[0] == "loaded"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
