@@ -91,7 +91,7 @@ class CheckpointFile:
         Raises:
             CheckpointFormatError: the file ends before ``offset + nbytes`` (truncated).
         """
-        self._check_range(offset, nbytes, what)
+        self.check_range(offset, nbytes, what)
         data = os.pread(self.fd, nbytes, offset)
         if len(data) != nbytes:
             raise self._truncated(offset, nbytes, what)
@@ -101,7 +101,7 @@ class CheckpointFile:
         """Fill the contiguous CPU tensor ``out`` with the file's bytes at ``offset``."""
         view = byte_view(out)
         total = len(view)
-        self._check_range(offset, total, what)
+        self.check_range(offset, total, what)
         done = 0
         while done < total:
             try:
@@ -121,7 +121,8 @@ class CheckpointFile:
                 raise StorageError(errno.EIO, f"cannot map {self.path}: {err}") from err
         return self._map
 
-    def _check_range(self, offset: int, nbytes: int, what: str) -> None:
+    def check_range(self, offset: int, nbytes: int, what: str) -> None:
+        """Raise :class:`CheckpointFormatError` unless the file has bytes ``offset .. +nbytes``."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise self._truncated(offset, nbytes, what)
 

@@ -370,7 +370,7 @@ class TorchSaveReader:
         try:
             self._open(allow_pickle)
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     def _open(self, allow_pickle: bool) -> None:
@@ -382,7 +382,9 @@ class TorchSaveReader:
                 f"{self.path} is not a torch.save checkpoint (it does not start with a zip header)"
             )
         try:
-            self._zip = zipfile.ZipFile(io.FileIO(os.dup(self._file.fd), "rb"))
+            # zipfile seeks this file object; every other read uses pread on the same descriptor
+            self._zip_file = open(self._file.fd, "rb", closefd=False)  # noqa: SIM115
+            self._zip = zipfile.ZipFile(self._zip_file)
             infos = {i.filename: i for i in self._zip.infolist()}
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
             raise CheckpointFormatError(
@@ -476,7 +478,7 @@ class TorchSaveReader:
                 f"{self.path}: record {name} has no local header; the file is damaged"
             )
         data_offset = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-        self._file._check_range(data_offset, nbytes, f"record {name}")
+        self._file.check_range(data_offset, nbytes, f"record {name}")
         ref = StorageRef(key, dtype, numel, data_offset, info.CRC)
         self._storages[key] = ref
         return ref
@@ -562,9 +564,9 @@ class TorchSaveReader:
 
     def close(self) -> None:
         """Close the file (tensors already read or mapped stay valid)."""
-        zf = getattr(self, "_zip", None)
-        if zf is not None:
-            zf.close()
+        for f in (getattr(self, "_zip", None), getattr(self, "_zip_file", None)):
+            if f is not None:
+                f.close()
         self._file.close()
 
     def __enter__(self) -> TorchSaveReader:
