@@ -172,6 +172,19 @@ def test_damaged_dcp_json_is_a_clear_error(tmp_path):
         mdcp.load(zero_state(), path)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_parity_with_dcps_own_file_storage(tmp_path):
+    state = plain_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    mdcp.save(state, str(tmp_path / "ours"))
+    stock, ours = zero_state(), zero_state()
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(str(tmp_path / "stock")), no_dist=True)
+    mdcp.load(ours, str(tmp_path / "ours"))
+    assert ours["step"] == stock["step"] and ours["cfg"] == stock["cfg"]
+    for a, b in [(ours["model"][k], stock["model"][k]) for k in ("w", "v", "b")] + [(ours["i"], stock["i"])]:
+        assert bit_equal(a, b)
+
+
 def test_chunk_runs_cover_exactly_the_chunk():
     full = torch.arange(4 * 5 * 6, dtype=torch.int32).reshape(4, 5, 6)
     for offsets, sizes in [((1, 0, 0), (2, 5, 6)), ((0, 2, 0), (4, 3, 6)), ((1, 1, 2), (3, 2, 3)), ((0, 0, 0), (4, 5, 6))]:
