@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+from .dataset import BatchIndexSampler, batch_loader, collate
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .mmap_tensor import MemoryMappedTensor
@@ -20,6 +21,7 @@ from .nontensor import NonTensor
 from .offload import OffloadedTensor, offload
 from .ops import cat, stack
 from .recover import recover
+from .tensorclass import tensorclass
 from .tree import TensorTree, load_memmap
 from .verify import Problem, VerifyReport, verify_tree
 
@@ -32,6 +34,10 @@ __all__ = [
     "stack",
     "cat",
     "load_memmap",
+    "tensorclass",
+    "collate",
+    "BatchIndexSampler",
+    "batch_loader",
     "recover",
     "verify_tree",
     "VerifyReport",

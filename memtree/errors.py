@@ -50,6 +50,9 @@ __all__ = [
     "RemoteRangeError",
     "RemoteChangedError",
     "DistributedCheckpointError",
+    "TensorclassError",
+    "UnknownClassError",
+    "NotGrowableError",
 ]
 
 
@@ -194,3 +197,15 @@ class DistributedCheckpointError(MemtreeError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
         super().__init__(message)
         self.failures: dict[int, BaseException] = dict(failures or {})
+
+
+class TensorclassError(MemtreeError, TypeError):
+    """A ``@tensorclass`` is defined, named or constructed wrongly (bad field, name taken...)."""
+
+
+class UnknownClassError(MetaFormatError):
+    """A ``meta.json`` names a class (``"type"``) that no ``@tensorclass`` registered here."""
+
+
+class NotGrowableError(MemtreeError, ValueError):
+    """A tree cannot grow in place: not mapped from a prefix, or its files changed on disk."""

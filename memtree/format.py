@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from math import prod
@@ -35,6 +36,8 @@ __all__ = [
     "TREE_TYPE",
     "MAX_META_BYTES",
     "MAX_DEPTH",
+    "TYPE_NAME_MAX",
+    "is_type_name",
     "LeafMeta",
     "ChildMeta",
     "JsonMeta",
@@ -57,25 +60,54 @@ MAX_ENTRIES = 1_000_000
 MAX_NDIM = 64
 MAX_NBYTES = 2**62
 CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
+#: Longest ``type`` (registered class name) a level may carry.
+TYPE_NAME_MAX = 200
+_TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("memtree's format is little-endian; big-endian hosts are not supported")
 
 
+def is_type_name(name: object) -> bool:
+    """True if ``name`` can be a level's ``type``: dotted ASCII words, each starting with a letter.
+
+    Python paths of private modules or scripts (``__main__.X``, ``pkg._impl.X``) are not names.
+
+    Example:
+        >>> is_type_name("TensorTree"), is_type_name("rl.Transition"), is_type_name("__main__.X")
+        (True, True, False)
+    """
+    if type(name) is not str or len(name) > TYPE_NAME_MAX:
+        return False
+    return _TYPE_NAME.fullmatch(name) is not None
+
+
 @dataclass(frozen=True)
 class LeafMeta:
-    """A tensor leaf: its key, file name, dtype, shape and optional checksum."""
+    """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
+
+    ``capacity`` (growable leaves only) is the number of rows along dim 0 that the file holds;
+    the tensor is the first ``shape[0]`` of them.
+    """
 
     key: str
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     checksum: str | None = None
+    capacity: int | None = None
 
     @property
     def nbytes(self) -> int:
-        """Exact size of the leaf's file in bytes."""
+        """Size of the tensor's data in bytes (``numel × itemsize``)."""
         return prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def file_nbytes(self) -> int:
+        """Exact size of the leaf's file in bytes: ``nbytes``, or ``capacity`` rows of it."""
+        if self.capacity is None:
+            return self.nbytes
+        return self.capacity * prod(self.shape[1:]) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -124,6 +156,8 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
             "dtype": dtype_name(e.dtype),
             "shape": list(e.shape),
         }
+        if e.capacity is not None:
+            d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
         return d
@@ -253,8 +287,13 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     if doc["byteorder"] != "little":
         raise c.fail("byteorder", f"must be 'little', got {doc['byteorder']!r:.40}")
     kind_of_tree = c.string(doc["type"], "type")
-    if kind_of_tree != TREE_TYPE:
-        raise c.fail("type", f"must be {TREE_TYPE!r} in version {VERSION}, got {kind_of_tree!r:.60}")
+    if not is_type_name(kind_of_tree):
+        raise c.fail(
+            "type",
+            f"must be {TREE_TYPE!r} or a class name (dotted words of letters, digits and '_', "
+            f"each starting with a letter, at most {TYPE_NAME_MAX} characters), got "
+            f"{kind_of_tree!r:.60}",
+        )
     save_id = c.string(doc["save_id"], "save_id") if "save_id" in doc else None
     batch_size = c.ints(doc["batch_size"], "batch_size")
     raw_entries = doc["entries"]
@@ -273,7 +312,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         kind = raw.get("kind")
         entry: Entry
         if kind == "tensor":
-            raw = c.obj(raw, p, {"key", "kind", "file", "dtype", "shape"}, {"checksum"})
+            raw = c.obj(raw, p, {"key", "kind", "file", "dtype", "shape"}, {"checksum", "capacity"})
             entry = _parse_leaf(c, raw, p, batch_size)
             name = entry.file
         elif kind == "tree":
@@ -335,6 +374,16 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     nbytes = prod(shape) * itemsize(dtype)
     if nbytes > MAX_NBYTES:
         raise c.fail(f"{p}.shape", f"{list(shape)} would need {nbytes} bytes, beyond any file")
+    capacity = raw.get("capacity")
+    if "capacity" in raw:
+        if type(capacity) is not int or not shape or capacity < shape[0]:
+            raise c.fail(
+                f"{p}.capacity",
+                f"must be an int >= shape[0] on a leaf with at least one dim, got {capacity!r:.40} "
+                f"for shape {list(shape)}",
+            )
+        if capacity * prod(shape[1:]) * itemsize(dtype) > MAX_NBYTES:
+            raise c.fail(f"{p}.capacity", f"{capacity} rows of {list(shape[1:])} exceed any file")
     checksum = raw.get("checksum")
     if checksum is not None:
         algo, _, digest = checksum.partition(":") if type(checksum) is str else ("", "", "")
@@ -342,4 +391,4 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             ch in "0123456789abcdef" for ch in digest
         ):
             raise c.fail(f"{p}.checksum", f"must be 'crc32:<8 hex>' or 'sha256:<64 hex>', got {checksum!r:.80}")
-    return LeafMeta(key, file, dtype, shape, checksum)
+    return LeafMeta(key, file, dtype, shape, checksum, capacity)

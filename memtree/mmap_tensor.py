@@ -404,7 +404,7 @@ def _rebuild_from_file(
     offset: int,
     readonly: bool,
 ) -> MemoryMappedTensor:
-    fd = open_checked(path, nbytes, path)
+    fd = open_checked(path, nbytes, path, strict_size=False)  # a growable leaf's file may be longer
     try:
         flat = map_fd(fd, path, nbytes, writable=not readonly)
     finally:

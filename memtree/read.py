@@ -241,7 +241,7 @@ class _Reader:
         if self.device.type == "meta":
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         path = os.path.join(where, entry.file)
-        fd = open_checked(entry.file, entry.nbytes, path, dir_fd=dir_fd)
+        fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
         check = self.verify and entry.checksum is not None
         try:
             if self.mmap:

@@ -36,6 +36,7 @@ from .level import Level
 from .mmap_tensor import MemoryMappedTensor
 from .nontensor import NonTensor
 from .read import KeySelection, read_tree
+from .registry import class_for
 from .write import share_tree, write_tree
 
 __all__ = ["TensorTree", "load_memmap", "Key"]
@@ -750,11 +751,22 @@ class TensorTree:
         )
 
     @classmethod
-    def _from_level(cls, level: Level, device: torch.device | None = None) -> TensorTree:
-        out = cls._empty(torch.Size(level.batch_size), device)
+    def _from_level(
+        cls,
+        level: Level,
+        device: torch.device | None = None,
+        unknown_classes: str = "error",
+        path: tuple[str, ...] = (),
+    ) -> TensorTree:
+        target = class_for(level.type, unknown_classes, path) or cls  # a registered @tensorclass
+        out = target._empty(torch.Size(level.batch_size), device)
         for k, v in level.entries.items():
-            out._data[k] = TensorTree._from_level(v, device) if isinstance(v, Level) else v
+            if isinstance(v, Level):
+                out._data[k] = TensorTree._from_level(v, device, unknown_classes, path + (k,))
+            else:
+                out._data[k] = v
         return out
+
 
     def _adopt(self, level: Level) -> None:
         for k, v in level.entries.items():
@@ -892,6 +904,7 @@ class TensorTree:
         mmap: bool = True,
         allow_pickle: bool = False,
         verify: bool = False,
+        unknown_classes: str = "error",
         **remote: Any,
     ) -> TensorTree:
         """Load a tree written by :meth:`memmap`: validates every file, reads no leaf data.
@@ -911,6 +924,9 @@ class TensorTree:
             verify: hash every loaded leaf that records a checksum (``memmap(...,
                 checksum=...)``) and raise :class:`~memtree.IntegrityError` on a mismatch; reads
                 those files once. Leaves without a checksum are size-checked only, as always.
+            unknown_classes: a level stored as a ``@tensorclass`` comes back as that class when
+                it is registered (its module imported); otherwise ``"error"`` raises
+                :class:`~memtree.UnknownClassError` and ``"tree"`` loads it as a plain tree.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
                 ``chunk_bytes``, ``retries``, ``fsync`` (see :func:`memtree.remote.load`).
 
@@ -925,11 +941,11 @@ class TensorTree:
             from .remote import load as load_remote  # optional extra: fsspec
 
             level = load_remote(prefix, keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify, **remote)
-            return cls._from_level(level, torch.device(device) if device is not None else None)
+            return cls._from_level(level, torch.device(device) if device is not None else None, unknown_classes)
         if remote:
             raise TypeError(f"load_memmap() got options for remote URLs only ({sorted(remote)}) with the local path {prefix!r}")
         level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
-        return cls._from_level(level, torch.device(device) if device is not None else None)
+        return cls._from_level(level, torch.device(device) if device is not None else None, unknown_classes)
 
     # --------------------------------------------------------------------------- modules
     @classmethod
@@ -963,6 +979,93 @@ class TensorTree:
         from .module import to_module
 
         return to_module(self, module, return_swap=return_swap)
+
+    # ------------------------------------------------------------------ growing, datasets
+    def append_(self, item: Any, *, fsync: bool = False) -> TensorTree:
+        """Append one item along the first batch dim, on disk and in this tree; returns ``self``.
+
+        The tree must be mapped from a prefix (``memmap(prefix)``, ``memmap_like(prefix)`` or
+        ``load_memmap``). Files grow in place, their capacity at least doubling (amortised O(1)
+        per item), existing rows are never rewritten, and the new length is committed like a
+        write; see :mod:`memtree.grow`.
+
+        Args:
+            item: a tree (or nested mapping) of batch size ``batch_size[1:]``.
+            fsync: also make the growth durable across power loss.
+
+        Example:
+            >>> import tempfile
+            >>> buf = TensorTree({"x": torch.zeros(0, 2)}, batch_size=[0]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.append_({"x": torch.ones(2)}).batch_size
+            torch.Size([1])
+        """
+        from .grow import extend_level  # grow.py builds on this file
+
+        self._adopt_grown(extend_level(self, item, single=True, fsync=fsync))
+        return self
+
+    def extend_(self, rows: Any, *, fsync: bool = False) -> TensorTree:
+        """Append rows (a tree or mapping of batch size ``[k] + batch_size[1:]``); returns ``self``.
+
+        Like :meth:`append_` for ``k`` items at once (one commit).
+
+        Example:
+            >>> import tempfile
+            >>> buf = TensorTree({"x": torch.zeros(1)}, batch_size=[1]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.extend_({"x": torch.arange(3.0)})["x"].tolist()
+            [0.0, 0.0, 1.0, 2.0]
+        """
+        from .grow import extend_level
+
+        self._adopt_grown(extend_level(self, rows, fsync=fsync))
+        return self
+
+    def resize_(self, length: int, *, fsync: bool = False) -> TensorTree:
+        """Set the first batch dim to ``length`` on disk and in this tree; returns ``self``.
+
+        New rows are zeros (sparse: no data written past the old capacity). A smaller length
+        keeps the files as they are (never truncated: other processes may map them).
+
+        Example:
+            >>> import tempfile
+            >>> data = TensorTree({"x": torch.ones(2)}, batch_size=[2]).memmap(tempfile.mkdtemp() + "/d")
+            >>> data.resize_(4)["x"].tolist()
+            [1.0, 1.0, 0.0, 0.0]
+        """
+        from .grow import resize_level
+
+        self._adopt_grown(resize_level(self, length, fsync=fsync))
+        return self
+
+    def _adopt_grown(self, level: Level) -> None:
+        self._batch_size = torch.Size(level.batch_size)
+        for k, v in level.entries.items():
+            if isinstance(v, Level):
+                self._data[k]._adopt_grown(v)
+            else:
+                self._data[k] = v
+
+    def __getitems__(self, indices: list[int]) -> TensorTree:
+        """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
+
+        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
+        (default collation does not know trees; see :mod:`memtree.dataset`).
+
+        Example:
+            >>> TensorTree({"x": torch.arange(5)}, batch_size=[5]).__getitems__([4, 0])["x"].tolist()
+            [4, 0]
+        """
+        return self[torch.as_tensor(indices, dtype=torch.long)]
+
+    def pin_memory(self) -> TensorTree:
+        """A copy in page-locked memory, for fast copies to the GPU (``DataLoader(pin_memory=True)``).
+
+        Example:
+            >>> t = TensorTree({"x": torch.zeros(2)})
+            >>> t.pin_memory()["x"].is_pinned() if torch.cuda.is_available() else True
+            True
+        """
+        return self.apply(lambda t: t.pin_memory())
 
     # ------------------------------------------------------------------------------ repr
     #: ``repr`` shows at most this many lines of entries, then one summary line.
