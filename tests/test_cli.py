@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import memtree
 from memtree import NonTensor, TensorTree, cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,6 +215,30 @@ def test_info_describes_a_tensordict_directory_like_load_memmap_reads_it() -> No
     assert info["totals"]["bytes"] == 2 * 8 + 2 * 2
     text = io_main(["info", str(fixture)])
     assert "tensordict directory" in text.splitlines()[0]
+
+
+def test_info_shows_the_capacity_of_growable_leaves(tmp_path: Path) -> None:
+    buf = TensorTree({"obs": torch.zeros(0, 4)}, batch_size=[0]).memmap(tmp_path / "buf")
+    for _ in range(5):
+        buf.append_({"obs": torch.ones(4)})
+    info = json.loads(io_main(["info", str(tmp_path / "buf"), "--json"]))
+    (leaf,) = info["entries"]
+    assert (leaf["shape"], leaf["nbytes"]) == ([5, 4], 80)
+    assert leaf["file_nbytes"] == leaf["capacity"] * 16 == (tmp_path / "buf" / leaf["file"]).stat().st_size
+    assert leaf["capacity"] >= 5
+    assert f"(file: {leaf['capacity']} rows" in io_main(["info", str(tmp_path / "buf")])
+
+
+def test_info_shows_tensorclass_names(tmp_path: Path) -> None:
+    @memtree.tensorclass(name="test_cli.Inner")
+    class Inner:
+        x: torch.Tensor
+
+    TensorTree({"a": Inner(torch.zeros(3)), "b": torch.ones(2)}).memmap(tmp_path / "t")
+    info = json.loads(io_main(["info", str(tmp_path / "t"), "--json"]))
+    assert [(e["key"], e.get("type")) for e in info["entries"]] == [(["a"], "test_cli.Inner"), (["a", "x"], None), (["b"], None)]
+    assert info["type"] == "TensorTree"
+    assert "batch_size [] test_cli.Inner" in io_main(["info", str(tmp_path / "t")])
 
 
 def test_info_depth_collapses_deeper_levels_but_totals_cover_everything(sample: Path) -> None:

@@ -28,7 +28,7 @@ import orjson
 import torch
 
 from ..dtypes import dtype_name
-from ..format import FORMAT, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
+from ..format import FORMAT, TREE_TYPE, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
 from ..interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir
 from ..level import Level
 from ..nontensor import NonTensor
@@ -91,6 +91,8 @@ def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
             dtype = dtype_name(e.dtype)
             item.update(kind="tensor", dtype=dtype, shape=list(e.shape), nbytes=e.nbytes,
                         file=rel + e.file, checksum=e.checksum)
+            if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
+                item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
             totals.tensor(dtype, e.nbytes, e.checksum)
             entries.append(item)
         elif isinstance(e, ChildMeta):
@@ -102,7 +104,7 @@ def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
                               path + [e.key], depth + 1, entries, totals)
             finally:
                 os.close(child_fd)
-            item["batch_size"] = list(child.batch_size)
+            item.update(batch_size=list(child.batch_size), type=child.type)
         elif isinstance(e, JsonMeta):
             item.update(kind="json", value=e.value)
             totals.json_values += 1
@@ -121,7 +123,7 @@ def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], to
         item: dict[str, Any] = {"key": path + [key]}
         entries.append(item)
         if isinstance(value, Level):
-            item.update(kind="tree", dir=None, batch_size=list(value.batch_size))
+            item.update(kind="tree", dir=None, batch_size=list(value.batch_size), type=value.type)
             _walk_level(value, path + [key], entries, totals)
         elif isinstance(value, torch.Tensor):
             dtype = dtype_name(value.dtype)
@@ -143,8 +145,9 @@ def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         ``pickled_values``, ``checksummed``, ``dtypes``: name -> ``{"tensors", "bytes"}``) and
         ``entries``: every key depth-first, each with ``key`` (the list of keys from the root),
         ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per kind ``dtype``, ``shape``,
-        ``nbytes``, ``file``, ``checksum`` / ``dir``, ``batch_size`` / ``value`` / ``file``
-        (paths relative to ``path``). A directory written by tensordict's ``memmap`` (which
+        ``nbytes``, ``file``, ``checksum`` (and for a growable leaf ``capacity``, the rows its
+        file holds, and ``file_nbytes``) / ``dir``, ``batch_size``, ``type`` (``"TensorTree"``
+        or a ``@tensorclass`` name) / ``value`` / ``file`` (paths relative to ``path``). A directory written by tensordict's ``memmap`` (which
         ``load_memmap`` also reads) is described with ``format`` ``"tensordict"``, ``version``
         ``None`` and ``file``/``dir`` ``None``.
 
@@ -255,12 +258,16 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
         name = branch + _shown_key(e["key"][-1])
         kind = e["kind"]
         if kind == "tensor":
-            rows.append((name, e["dtype"], str(e["shape"]), format_bytes(e["nbytes"])))
+            size = format_bytes(e["nbytes"])
+            if e.get("capacity") is not None:
+                size += f"  (file: {e['capacity']:,} rows, {format_bytes(e['file_nbytes'])})"
+            rows.append((name, e["dtype"], str(e["shape"]), size))
         elif kind == "tree":
             n, nbytes = below.get(tuple(e["key"]), [0, 0])
             collapsed = max_depth is not None and depth >= max_depth
             note = f"{'… ' if collapsed else ''}{_plural(n, 'tensor')}, {format_bytes(nbytes)}"
-            rows.append((name + "/", "", f"batch_size {e['batch_size']}", note))
+            typed = f" {e['type']}" if e["type"] != TREE_TYPE else ""
+            rows.append((name + "/", "", f"batch_size {e['batch_size']}{typed}", note))
         elif kind == "json":
             value = orjson.dumps(e["value"]).decode()
             if len(value) > _VALUE_WIDTH:
@@ -278,10 +285,13 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     what = (f"memtree format v{info['version']}" if info["format"] == FORMAT
             else f"{info['format']} directory (read-only, no file names)")
     out = [f"{head}: {what}, batch_size {info['batch_size']}"
+           + (f", type {info['type']}" if info["type"] != TREE_TYPE else "")
            + (f", save_id {info['save_id']}" if info["save_id"] else "")]
     for name, kind, detail, size in rows:
         if kind and size:  # a tensor: aligned columns
-            line = f"{name.ljust(widths[0])}  {kind.ljust(widths[1])}  {detail.ljust(widths[2])}  {size.rjust(9)}"
+            size, _, note = size.partition("  ")
+            line = (f"{name.ljust(widths[0])}  {kind.ljust(widths[1])}  {detail.ljust(widths[2])}  "
+                    f"{size.rjust(9)}  {note}")
         else:
             line = f"{name.ljust(widths[0])}  {kind.ljust(widths[1])}  {detail}  {size}"
         out.append(line.rstrip())
