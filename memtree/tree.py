@@ -1104,6 +1104,8 @@ class TensorTree:
             if isinstance(v, MemoryMappedTensor):
                 where = "shared memory" if v.filename is None else "memmap"
                 return what, where + (", read-only" if v.readonly else "")
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):  # e.g. OffloadedTensor: name it
+                return what, f"{type(v).__name__}, {v.device}"
             return what, str(v.device)
         import reprlib
 
@@ -1111,6 +1113,12 @@ class TensorTree:
         short.maxstring = short.maxother = 56
         short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
         return short.repr(v.data if isinstance(v, NonTensor) else v), ""
+
+    @staticmethod
+    def _repr_file(v: Any) -> str | None:
+        """The file behind a file-backed tensor leaf (memory-mapped or offloaded), else None."""
+        filename = getattr(v, "filename", None) if isinstance(v, torch.Tensor) else None
+        return filename if isinstance(filename, str) else None
 
     @staticmethod
     def _repr_hidden(rest: Iterator[tuple[int, str, Any]]) -> str:
@@ -1148,7 +1156,7 @@ class TensorTree:
             key = self._repr_key(k)
             indent = "  " * (depth + 1)
             if isinstance(v, TensorTree):
-                lines.append(f"{indent}{key}: TensorTree(batch_size={list(v._batch_size)})")
+                lines.append(f"{indent}{key}: {type(v).__name__}(batch_size={list(v._batch_size)})")
             else:
                 what, where = self._repr_leaf(v)
                 lines.append(f"{indent}{key}: {what} {where}".rstrip())
@@ -1178,10 +1186,7 @@ class TensorTree:
         tensors = [v for _, _, v in entries if isinstance(v, torch.Tensor)]
         n_tensors = len(tensors)
         size = self._repr_size(sum(self._repr_nbytes(v) for v in tensors))
-        files = [  # the shown ones only
-            v.filename for _, _, v in entries[: self._repr_html_max_rows]
-            if isinstance(v, MemoryMappedTensor) and v.filename is not None
-        ]
+        files = [f for _, _, v in entries[: self._repr_html_max_rows] if (f := self._repr_file(v))]
         base = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0]) if files else ""
         opened = " open" if len(entries) <= 50 else ""
         head = (f"<b>{esc(type(self).__name__)}</b> batch_size={list(self._batch_size)}"
@@ -1202,20 +1207,21 @@ class TensorTree:
                 break
             key = f"<code>{esc(self._repr_key(k))}</code>"
             if isinstance(v, TensorTree):
-                out.append(f"<li><details{opened}><summary>{key}: TensorTree "
+                out.append(f"<li><details{opened}><summary>{key}: {esc(type(v).__name__)} "
                            f"batch_size={list(v._batch_size)} ({len(v._data):,} key{'' if len(v._data) == 1 else 's'})</summary>"
                            '<ul style="list-style:none;margin:0;padding-left:1.5em">')
                 depth_now += 1
                 continue
             what, where = self._repr_leaf(v)
-            if isinstance(v, MemoryMappedTensor) and v.filename is not None:
-                rel = os.path.relpath(v.filename, base) if base else v.filename
-                where += f' <span title="{esc(v.filename)}" style="opacity:0.7">{esc(rel)}</span>'
-            elif where:
-                where = esc(where)
+            where = esc(where)
+            filename = self._repr_file(v)
+            if filename is not None:
+                rel = os.path.relpath(filename, base) if base else filename
+                where += f' <span title="{esc(filename)}" style="opacity:0.7">{esc(rel)}</span>'
             out.append(f"<li>{key}: {esc(what)}{' ' + where if where else ''}</li>")
         out.append("</ul></details></li>" * depth_now + "</ul></details></div>")
         return "\n".join(out)
+
 
 def load_memmap(prefix: str | os.PathLike[str], **kwargs: Any) -> TensorTree:
     """Load a tree written by :meth:`TensorTree.memmap` (see :meth:`TensorTree.load_memmap`).

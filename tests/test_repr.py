@@ -138,3 +138,33 @@ def test_html_truncation_inside_nested_levels_keeps_tags_balanced(cap: int, monk
 def test_html_of_an_empty_tree() -> None:
     html = TensorTree()._repr_html_()
     assert balanced(html) and "0 tensors, 0 B" in html
+
+
+def test_repr_names_tensor_subclasses_and_html_shows_offloaded_files(tmp_path: Path) -> None:
+    import memtree
+    from torch import nn
+
+    memtree.TensorTree.from_module(nn.Linear(4, 2)).memmap(tmp_path / "lin")
+    with memtree.empty_init():
+        lazy = nn.Linear(4, 2)
+    memtree.offload(lazy, tmp_path / "lin")
+    tree = TensorTree.from_module(lazy)
+    assert repr(tree).splitlines()[1] == "  weight: float32[2, 4] OffloadedTensor, cpu"
+    html = tree._repr_html_()
+    assert f'title="{tmp_path / "lin" / "weight.memmap"}"' in html and ">weight.memmap</span>" in html
+    plain = TensorTree.from_module(nn.Linear(4, 2))  # nn.Parameter leaves print as plain tensors
+    assert repr(plain).splitlines()[1] == "  weight: float32[2, 4] cpu"
+
+
+def test_repr_and_html_name_tensorclass_levels() -> None:
+    import memtree
+
+    @memtree.tensorclass(name="test_repr.Pair")
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    tree = TensorTree({"pair": Pair(torch.zeros(2), torch.ones(2), batch_size=[2])}, batch_size=[2])
+    assert repr(tree).splitlines()[1] == "  pair: Pair(batch_size=[2])"
+    assert "<code>pair</code>: Pair batch_size=[2] (2 keys)" in tree._repr_html_()
+    assert repr(tree["pair"]).splitlines()[0] == "Pair(batch_size=[2])"
