@@ -165,9 +165,10 @@ class _Walker:
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, key: tuple[str, ...]) -> None:
         path = os.path.join(where, entry.file)
         nbytes = entry.nbytes
-        expected = f"{nbytes:,} bytes ({dtype_name(entry.dtype)} {list(entry.shape)})"
+        expected = f"{entry.file_nbytes:,} bytes ({dtype_name(entry.dtype)} {list(entry.shape)}"
+        expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
         try:
-            fd = open_checked(entry.file, nbytes, path, dir_fd=dir_fd)
+            fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
         except LeafSizeError as err:
             size = os.stat(entry.file, dir_fd=dir_fd, follow_symlinks=False).st_size
             self.add(path, key, "size", str(err), expected, f"{size:,} bytes")
@@ -179,7 +180,7 @@ class _Walker:
             self.add(path, key, _kind(err), str(err), "a regular file", _file_kind(entry.file, dir_fd))
             return
         try:
-            if self.checksums and entry.checksum is not None:
+            if self.checksums and entry.checksum is not None:  # covers the tensor's bytes
                 found = file_checksum(fd, nbytes, entry.checksum.partition(":")[0])
                 self.report.checksummed += 1
                 if found != entry.checksum:

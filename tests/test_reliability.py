@@ -11,6 +11,7 @@ is in test_fuzz_load.py.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import hashlib
 import importlib
 import json
@@ -18,7 +19,7 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
-import stat
+import signal
 import subprocess
 import sys
 import tempfile
@@ -479,6 +480,31 @@ def test_exception_in_a_leaf_write_cleans_up_and_comes_back(parent, monkeypatch,
     assert os.listdir(parent) == ["tree"]
 
 
+def test_failure_in_one_writer_thread_stops_the_others(parent, monkeypatch):
+    """Row 33: leaves not yet started when a thread fails are never written."""
+    tree = TensorTree({f"k{i:02d}": torch.full((2,), float(i)) for i in range(40)})
+    real = write_mod.create_leaf
+    started = []
+    lock = threading.Lock()
+
+    def flaky(*a, **kw):
+        with lock:
+            started.append(a[0])
+            n = len(started)
+        if n == 3:
+            raise OSError(errno.EIO, "injected")
+        if n > 3:
+            threading.Event().wait(0.3)  # slow leaves: the failure is seen while they run
+        return real(*a, **kw)
+
+    monkeypatch.setattr(write_mod, "create_leaf", flaky)
+    with pytest.raises(memtree.StorageError) as ei:
+        tree.memmap(parent / "t", num_threads=2)
+    assert ei.value.errno == errno.EIO
+    assert len(started) < 10, f"{len(started)} of 40 leaves were started after the failure"
+    assert os.listdir(parent) == []
+
+
 def test_exception_while_writing_root_meta_leaves_destination_unchanged(parent, monkeypatch):
     prefix = parent / "tree"
     sample(1).memmap(prefix)
@@ -802,6 +828,21 @@ def test_verify_tree_flags_links_and_foreign_file_kinds(parent, tmp_path):
     assert kinds[("nested",)][0] == "unsafe"
 
 
+def test_verify_tree_of_a_grown_tree_checks_the_capacity(parent):
+    tree = TensorTree({"x": torch.arange(4.0), "y": torch.zeros(4, 3)}, batch_size=[4]).memmap_(parent / "t")
+    tree.extend_(TensorTree({"x": torch.ones(3), "y": torch.ones(3, 3)}, batch_size=[3]))
+    meta = json.loads((parent / "t" / "meta.json").read_bytes())
+    capacity = meta["entries"][0]["capacity"]
+    assert capacity > 7 and os.path.getsize(parent / "t" / "x.memmap") == capacity * 4
+    assert memtree.verify_tree(parent / "t").ok
+    os.truncate(parent / "t" / "x.memmap", 7 * 4)  # enough for the tensor, short of the capacity
+    (problem,) = memtree.verify_tree(parent / "t").problems
+    assert problem.kind == "size" and problem.expected.startswith(f"{capacity * 4} bytes")
+    assert f"capacity {capacity}" in problem.expected and problem.found == "28 bytes"
+    with pytest.raises(memtree.LeafSizeError):
+        memtree.load_memmap(parent / "t")
+
+
 def test_verify_agrees_with_load(parent):
     prefix = _damaged_tree(parent)
     with pytest.raises(memtree.MemtreeError):
@@ -881,6 +922,29 @@ def test_reader_process_keeps_old_data_while_tree_is_overwritten(parent, mode):
     assert p.exitcode == 0
     assert seen == fingerprint(old)
     assert fingerprint(memtree.load_memmap(prefix)) == fingerprint(new)
+
+
+def _read_after_truncation(prefix, conn):
+    faulthandler.disable()  # the SIGBUS below is expected: no traceback dump
+    tree = memtree.load_memmap(prefix, mode="r")
+    conn.send("mapped")
+    conn.recv()
+    conn.send(int(plain(tree["big"]).sum()))  # touches pages the file no longer has
+
+
+def test_third_party_truncating_a_mapped_leaf_kills_the_reader(parent):
+    """Row 38, a documented hazard: memtree never truncates a published file, but if someone else
+    does while a process maps it, that process dies with SIGBUS on its next access."""
+    prefix = parent / "t"
+    sample(1, big=1 << 16).memmap(prefix)
+    here, there = FORK.Pipe()
+    p = FORK.Process(target=_read_after_truncation, args=(prefix, there))
+    p.start()
+    assert here.poll(60) and here.recv() == "mapped"
+    os.truncate(prefix / "big.memmap", 0)
+    here.send("read")
+    p.join(60)
+    assert p.exitcode == -signal.SIGBUS
 
 
 class _TreeDataset(Dataset):
