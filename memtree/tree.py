@@ -1092,9 +1092,9 @@ class TensorTree:
         return f"{nbytes} B"
 
     @staticmethod
-    def _repr_nbytes(v: torch.Tensor) -> int:
+    def _repr_nbytes(tensors: list[torch.Tensor]) -> int:
         with torch._C.DisableTorchFunctionSubclass():  # no MemoryMappedTensor dispatch: fast
-            return prod(v.shape) * v.element_size()
+            return sum(prod(t.shape) * t.element_size() for t in tensors)
 
     @staticmethod
     def _repr_leaf(v: Any) -> tuple[str, str]:
@@ -1123,15 +1123,16 @@ class TensorTree:
     @staticmethod
     def _repr_hidden(rest: Iterator[tuple[int, str, Any]]) -> str:
         """Summary of the entries a truncated repr does not show."""
-        tensors = trees = others = nbytes = 0
+        trees = others = 0
+        leaves: list[torch.Tensor] = []
         for _, _, v in rest:
             if isinstance(v, TensorTree):
                 trees += 1
             elif isinstance(v, torch.Tensor):
-                tensors += 1
-                nbytes += TensorTree._repr_nbytes(v)
+                leaves.append(v)
             else:
                 others += 1
+        tensors, nbytes = len(leaves), TensorTree._repr_nbytes(leaves)
         parts = [f"{n:,} {word}{'' if n == 1 else 's'}"
                  for n, word in ((tensors, "tensor"), (trees, "sub-tree"), (others, "non-tensor value")) if n]
         return (f"… and {', '.join(parts)} ({TensorTree._repr_size(nbytes)} of tensors) not shown; "
@@ -1185,7 +1186,7 @@ class TensorTree:
         entries = list(self._repr_walk())
         tensors = [v for _, _, v in entries if isinstance(v, torch.Tensor)]
         n_tensors = len(tensors)
-        size = self._repr_size(sum(self._repr_nbytes(v) for v in tensors))
+        size = self._repr_size(self._repr_nbytes(tensors))
         files = [f for _, _, v in entries[: self._repr_html_max_rows] if (f := self._repr_file(v))]
         base = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0]) if files else ""
         opened = " open" if len(entries) <= 50 else ""
