@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import memtree
-from memtree import MemoryMappedTensor, TensorTree, fileio
+from memtree import TensorTree, fileio
 from memtree import write as write_mod
 
 recover_mod = importlib.import_module("memtree.recover")  # memtree.recover is the function
