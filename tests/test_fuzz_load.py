@@ -11,7 +11,8 @@ and touches every byte of every leaf. The properties:
 * the worker never dies (no SIGBUS/SIGSEGV) and never hangs (20 s per load);
 * a load either raises a MemtreeError or returns tensors whose bytes are exactly the files'
   bytes, with the dtypes and shapes that meta.json records; no other exception type;
-* ``verify_tree`` agrees: ``load_memmap(verify=True)`` fails exactly when it reports a problem;
+* ``verify_tree`` agrees: ``load_memmap(verify=True)`` fails exactly when it reports a problem
+  (except refusals by policy: a pickled value without ``allow_pickle``, an unregistered class);
 * nothing on disk changes (bytes, sizes, mtimes, link targets), inside or outside the tree.
 
 About 500 examples in CI; the soak variant multiplies them:
@@ -50,6 +51,8 @@ METAS = ["meta.json", "nested/meta.json", "nested/deeper/meta.json"]
 DIRS = ["nested", "nested/deeper"]
 LEAVES = ["obs.memmap", "act.memmap", "c32.memmap", "nested/x.memmap", "nested/empty.memmap",
           "nested/deeper/mask.memmap", "nested/deeper/f8.memmap"]
+#: Refusals by the reader's policy, not damage: verify_tree rightly finds nothing wrong on disk.
+POLICY_REFUSALS = {"PickleNotAllowedError", "UnknownClassError"}
 KWARGS = [{}, {"mode": "r"}, {"mmap": False}, {"verify": True}, {"verify": True, "mmap": False}]
 
 
@@ -232,7 +235,7 @@ def check(worker: Worker, work: Path, kw: dict) -> None:
         raise AssertionError(f"non-memtree exception {result[1]}: {result[2]}")
     if result[0] == "refused":
         event(f"refused: {result[1]}")
-        if result[1] != "PickleNotAllowedError":
+        if result[1] not in POLICY_REFUSALS:
             assert kinds, f"load refused ({result[1]}: {result[2]}) but verify_tree found nothing"
         return
     event("loaded")
@@ -488,6 +491,18 @@ def test_fuzz_meta_json(worker, pristine, mutations, kw):
 @given(mutations=st.lists(st.one_of(leaf_file, dir_or_meta), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_files_and_links(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
+
+
+@pytest.mark.parametrize("value", ["Unregistered", "pkg.Record"])
+def test_unregistered_class_is_a_policy_refusal_not_damage(worker, pristine, value):
+    work = fresh_copy(pristine)
+    try:
+        apply(work, ("meta_field", "nested/meta.json", ("top", "type", 0), "set", value))
+        r = worker.load(work / "tree", {"verify": True})
+        assert r[0] == "refused" and r[1] == "UnknownClassError" and r[-1] == [], r
+        check(worker, work, {})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.parametrize("depth", [254, 255])
