@@ -178,7 +178,7 @@ def test_info_lists_pickled_values_without_unpickling_them(tmp_path: Path) -> No
 
 def test_info_survives_a_closed_pipe(tmp_path: Path) -> None:
     TensorTree({f"k{i:04d}": torch.zeros(1) for i in range(1500)}).memmap(tmp_path / "t", num_threads=2)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     with subprocess.Popen([sys.executable, "-m", "memtree", "info", str(tmp_path / "t"), "--json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
         assert proc.stdout is not None and proc.stderr is not None
