@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import NonTensorValueError
 
-__all__ = ["NonTensor", "check_json", "json_problem"]
+__all__ = ["NonTensor", "UnloadedPickle", "check_json", "json_problem"]
 
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -53,6 +53,18 @@ class NonTensor:
             return self.data is other_data
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class UnloadedPickle:
+    """Stands for a pickled non-tensor leaf that ``load_memmap(..., device="meta")`` did not open."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"<pickled leaf {self.path} (not loaded: device='meta')>"
 
 
 def json_problem(value: Any, path: str = "value") -> str | None:

@@ -54,7 +54,7 @@ from .format import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, Pi
 from .keys import META_NAME
 from .level import Level
 from .mmap_tensor import map_leaf
-from .nontensor import NonTensor
+from .nontensor import NonTensor, UnloadedPickle
 from .recover import is_uncommitted_name
 
 __all__ = ["read_tree", "read_meta", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
@@ -276,6 +276,8 @@ class _Reader:
 
     def pickled(self, dir_fd: int, where: str, entry: PickleMeta) -> Any:
         path = os.path.join(where, entry.file)
+        if self.device.type == "meta":  # structure only: never open (let alone unpickle) it
+            return UnloadedPickle(path)
         if not self.allow_pickle:
             raise PickleNotAllowedError(
                 f"non-tensor leaf {entry.key!r} is pickled in {path}; unpickling can run arbitrary "

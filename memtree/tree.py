@@ -8,8 +8,8 @@ Example:
     >>> tree[1:3]["info", "step"].tolist()
     [1, 2]
     >>> tree["name"] = "run-1"           # non-tensor leaves are kept (as JSON on disk)
-    >>> sorted(tree.keys(include_nested=True))[:3]
-    [('info', 'step'), 'name', 'obs']
+    >>> tree.keys(include_nested=True)
+    ['obs', 'info', ('info', 'step'), 'name']
 """
 
 from __future__ import annotations
@@ -767,7 +767,6 @@ class TensorTree:
                 out._data[k] = v
         return out
 
-
     def _adopt(self, level: Level) -> None:
         for k, v in level.entries.items():
             if isinstance(v, Level):
@@ -944,7 +943,12 @@ class TensorTree:
             return cls._from_level(level, torch.device(device) if device is not None else None, unknown_classes)
         if remote:
             raise TypeError(f"load_memmap() got options for remote URLs only ({sorted(remote)}) with the local path {prefix!r}")
-        level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
+        from .interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir  # layer above
+
+        if is_tensordict_dir(prefix):  # tensordict's layout, read-only compatibility (SPEC §5)
+            level = read_tensordict_dir(prefix, keys=keys, mode=mode, mmap=mmap, device=device)
+        else:
+            level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
         return cls._from_level(level, torch.device(device) if device is not None else None, unknown_classes)
 
     # --------------------------------------------------------------------------- modules

@@ -1201,3 +1201,14 @@ def test_quantized_dtype_refused_before_anything_is_written(tmp_path):
     with pytest.raises(memtree.DtypeError):
         tree.memmap(prefix)
     assert os.listdir(parent) == []
+
+
+def test_device_meta_never_opens_a_pickled_leaf(tmp_path):
+    d = tmp_path / "t"
+    memtree.TensorTree({"w": torch.ones(2), "o": memtree.NonTensor({1, 2})}).memmap(d, allow_pickle=True)
+    pickled = [p for p in d.iterdir() if p.suffix == ".pickle"]
+    assert len(pickled) == 1
+    pickled[0].write_bytes(b"not a pickle at all")  # would fail if it were opened and unpickled
+    loaded = memtree.load_memmap(d, device="meta")
+    assert loaded["w"].device.type == "meta"
+    assert "not loaded" in repr(loaded["o"])
