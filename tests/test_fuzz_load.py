@@ -305,6 +305,14 @@ def _set_meta(path: Path, doc) -> None:
     path.write_bytes(json.dumps(doc, allow_nan=True).encode("utf-8", "surrogatepass"))
 
 
+def _plain_file(path: Path) -> bool:
+    """A regular file that is not a link (``Path.is_file`` follows links)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _replace(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -345,7 +353,7 @@ def apply(work: Path, mutation) -> None:
     if kind == "meta_bytes":
         _, which, op, pos, data = mutation
         p = tree / which
-        if not p.is_file() or p.is_symlink():
+        if not _plain_file(p):
             return
         b = p.read_bytes()
         pos %= len(b) + 1
@@ -361,6 +369,8 @@ def apply(work: Path, mutation) -> None:
     elif kind == "meta_field":
         _, which, (where, name, index), action, value = mutation
         p = tree / which
+        if not _plain_file(p):  # an earlier mutation made it a FIFO, a link...: reading could block
+            return
         try:
             doc = json.loads(p.read_bytes())
         except (OSError, ValueError):
@@ -392,7 +402,7 @@ def apply(work: Path, mutation) -> None:
     elif kind == "leaf":
         _, rel, op, n = mutation
         p = tree / rel
-        if not p.is_file() or p.is_symlink():
+        if not _plain_file(p):
             return
         if op == "truncate":
             os.truncate(p, min(n, max(p.stat().st_size - 1, 0)))
