@@ -15,6 +15,7 @@ from __future__ import annotations
 from .dataset import BatchIndexSampler, batch_loader, collate
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+from .interop import convert, open_checkpoint, save_safetensors
 from .mmap_tensor import MemoryMappedTensor
 from .module import LoadResult, empty_init, init_missing, load_into_module
 from .nontensor import NonTensor
@@ -38,6 +39,9 @@ __all__ = [
     "collate",
     "BatchIndexSampler",
     "batch_loader",
+    "open_checkpoint",
+    "save_safetensors",
+    "convert",
     "recover",
     "verify_tree",
     "VerifyReport",
