@@ -96,7 +96,7 @@ from .mmap_tensor import to_storable
 from .nontensor import NonTensor, json_problem
 from .read import read_tree
 from .recover import lock_path, recover_locked, staging_path
-from .write import LOCK_TIMEOUT, _destination_state, _publish
+from .write import LOCK_TIMEOUT, destination_state, publish
 
 __all__ = ["Writer", "Reader", "SavePlanner", "LoadPlanner", "save", "load", "DCP_NAME"]
 
@@ -359,7 +359,7 @@ class Writer(StorageWriter):
             lock.acquire()
             self._lock = lock
             recover_locked(parent, name, lock)
-            self._state = _destination_state(self.path, self.existsok)
+            self._state = destination_state(self.path, self.existsok)
             staging = staging_path(parent, name)
             lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
             os.mkdir(staging, 0o700)
@@ -441,7 +441,7 @@ class Writer(StorageWriter):
             write_small_file(os.path.join(staging, META_NAME), dump_level(root), fsync=self.fsync)
             if self.fsync:
                 fsync_dir(staging)
-            _publish(staging, self.path, self._state, self.fsync, self._lock)
+            publish(staging, self.path, self._state, self.fsync, self._lock)
             self._staging = None
         except BaseException as err:
             self.abort()

@@ -88,7 +88,7 @@ from .nontensor import NonTensor
 from .read import open_dir, read_meta
 from .recover import lock_path, recover_locked, staging_path
 from .tree import TensorTree
-from .write import LOCK_TIMEOUT, _publish
+from .write import LOCK_TIMEOUT, publish
 
 __all__ = ["GROWTH_FACTOR", "extend_level", "resize_level"]
 
@@ -541,7 +541,7 @@ class _Growth:
             try:
                 if before is not None:
                     before()
-                _publish(staging, self.dest, "tree", self.fsync, lock)
+                publish(staging, self.dest, "tree", self.fsync, lock)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise

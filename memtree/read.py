@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -57,7 +58,7 @@ from .mmap_tensor import map_leaf
 from .nontensor import NonTensor, UnloadedPickle
 from .recover import is_uncommitted_name
 
-__all__ = ["read_tree", "read_meta", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
+__all__ = ["read_tree", "read_meta", "select_entries", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
 
 KeySelection = Union[str, tuple[str, ...]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -85,6 +86,27 @@ def normalize_keys(keys: Iterable[KeySelection]) -> _Trie:
         else:
             node[parts[-1]] = None
     return trie
+
+
+def select_entries(
+    meta: LevelMeta, selection: _Trie | None, path: tuple[str, ...], where: str
+) -> LevelMeta:
+    """The level with only the entries a ``keys=`` selection asks for, in selection order.
+
+    Raises:
+        MemtreeKeyError: a selected key is not at this level (names the key and the keys there).
+    """
+    if selection is None:
+        return meta
+    by_key = {e.key: e for e in meta.entries}
+    missing = [k for k in selection if k not in by_key]
+    if missing:
+        full = path + (missing[0],)
+        raise MemtreeKeyError(
+            f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
+            f"(keys there: {sorted(by_key)[:20]})"
+        )
+    return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
 
 
 def open_dir(name: str, where: str, dir_fd: int | None) -> int:
@@ -201,17 +223,7 @@ class _Reader:
                 f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} does not "
                 f"start with the parent's {list(parent_batch)}; the tree is damaged"
             )
-        entries = meta.entries
-        if selection is not None:
-            by_key = {e.key: e for e in entries}
-            missing = [k for k in selection if k not in by_key]
-            if missing:
-                full = path + (missing[0],)
-                raise MemtreeKeyError(
-                    f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
-                    f"(keys there: {sorted(by_key)[:20]})"
-                )
-            entries = tuple(by_key[k] for k in selection)
+        entries = select_entries(meta, selection, path, where).entries
         out = Level(meta.batch_size, {}, meta.type)
         for entry in entries:
             sub = selection.get(entry.key) if selection is not None else None

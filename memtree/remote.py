@@ -110,7 +110,7 @@ from .keys import META_NAME, STAGING_MARK
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor, to_storable
 from .nontensor import NonTensor
-from .read import KeySelection, normalize_keys, read_tree
+from .read import KeySelection, normalize_keys, read_tree, select_entries
 from .write import plan_write, write_tree
 
 __all__ = ["load", "upload", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
@@ -344,7 +344,7 @@ class _Remote:
         while frontier:
             nxt: list[tuple[_RemoteLevel, _Trie | None, tuple[str, ...], str, ChildMeta]] = []
             for lvl, sel, path in frontier:
-                lvl.meta = _select(lvl.meta, sel, path, _join(self.url, lvl.rel))
+                lvl.meta = select_entries(lvl.meta, sel, path, _join(self.url, lvl.rel))
                 for e in lvl.meta.entries:
                     rel = f"{lvl.rel}/" if lvl.rel else ""
                     if isinstance(e, LeafMeta):
@@ -376,10 +376,10 @@ class _Remote:
         """Check a leaf's size before any data is read and pin its identity."""
         info = self.info(leaf.url, f"leaf {leaf.label} at {leaf.url}")
         size = info.get("size")
-        if size != leaf.meta.nbytes:
+        if size != leaf.meta.file_nbytes:  # a growable leaf's file holds its whole capacity
             raise LeafSizeError(
                 f"remote leaf {leaf.label} at {leaf.url} has {size} bytes, expected "
-                f"{leaf.meta.nbytes:,}: the upload was interrupted or the object was changed; "
+                f"{leaf.meta.file_nbytes:,}: the upload was interrupted or the object was changed; "
                 "upload the tree again"
             )
         leaf.fetch_kwargs = self.pin_kwargs(info)
@@ -392,20 +392,6 @@ class _Remote:
                 f"{what} at {url} changed while the tree was being read ({dict(identity)} -> "
                 f"{dict(now)}); nothing was loaded: load it again"
             )
-
-
-def _select(meta: LevelMeta, selection: _Trie | None, path: tuple[str, ...], where: str) -> LevelMeta:
-    if selection is None:
-        return meta
-    by_key = {e.key: e for e in meta.entries}
-    missing = [k for k in selection if k not in by_key]
-    if missing:
-        full = path + (missing[0],)
-        raise MemtreeKeyError(
-            f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
-            f"(keys there: {sorted(by_key)[:20]})"
-        )
-    return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
 
 
 def _check_digest(leaf: _Leaf, compute: Callable[[str], str]) -> None:

@@ -82,7 +82,16 @@ from .mmap_tensor import MemoryMappedTensor, map_leaf, to_storable
 from .nontensor import NonTensor, check_json, json_problem
 from .recover import lock_path, old_path, recover_locked, staging_path
 
-__all__ = ["LeafJob", "LevelPlan", "WritePlan", "plan_write", "write_tree", "share_tree"]
+__all__ = [
+    "LeafJob",
+    "LevelPlan",
+    "WritePlan",
+    "plan_write",
+    "write_tree",
+    "share_tree",
+    "destination_state",
+    "publish",
+]
 
 
 @dataclass
@@ -248,7 +257,7 @@ def _plan_leaf(
 LOCK_TIMEOUT = 1.0
 
 
-def _destination_state(dest: str, existsok: bool) -> str:
+def destination_state(dest: str, existsok: bool) -> str:
     """``"absent"``, ``"empty"`` (an empty directory) or ``"tree"``; raise if it must not be replaced.
 
     Constant cost: it looks at one entry of the directory and at its ``meta.json``.
@@ -338,7 +347,7 @@ def write_tree(
         try:
             recover_locked(parent, name, lock)
             point("after_lock")
-            state = _destination_state(dest, existsok)
+            state = destination_state(dest, existsok)
             check_free_space(parent, plan.total_bytes, f"writing {dest}")
             staging = staging_path(parent, name)
             lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
@@ -350,7 +359,7 @@ def write_tree(
         point("staging_created")
         try:
             _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum)
-            _publish(staging, dest, state, fsync, lock)
+            publish(staging, dest, state, fsync, lock)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, OSError) and not isinstance(err, MemtreeError):
@@ -424,7 +433,7 @@ def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
     return entry
 
 
-def _publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) -> None:
+def publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) -> None:
     """Make the complete staging tree the destination, in one atomic step (see format.md)."""
     parent = os.path.dirname(dest)
     point("before_publish")

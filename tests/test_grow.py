@@ -303,7 +303,7 @@ def test_failed_capacity_growth_truncates_back_and_keeps_the_tree(tmp_path, monk
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(grow, "_publish", fail)
+    monkeypatch.setattr(grow, "publish", fail)
     with pytest.raises(memtree.StorageError, match="No space"):
         buf.append_(item(1, True))
     monkeypatch.undo()
