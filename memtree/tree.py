@@ -792,6 +792,7 @@ class TensorTree:
         fsync: bool = False,
         allow_pickle: bool = False,
         checksum: str | None = None,
+        progress: bool | None = None,
     ) -> TensorTree:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
 
@@ -808,6 +809,8 @@ class TensorTree:
                 detects deliberate changes, given a trusted ``meta.json``) records each leaf's
                 checksum in ``meta.json``, computed in the same pass as the write; checked by
                 ``load_memmap(..., verify=True)`` and ``memtree verify``. ``None``: no checksum.
+            progress: a progress bar of the bytes written: ``None`` (default) only on a
+                terminal outside CI, ``True``/``False`` forced (tqdm optional).
 
         Example:
             >>> import tempfile
@@ -815,7 +818,12 @@ class TensorTree:
             >>> t.is_memmap()
             True
         """
-        self._adopt(self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle, checksum))
+        self._adopt(
+            self._write(
+                prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
+                fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+            )
+        )
         return self
 
     def memmap(
@@ -828,6 +836,7 @@ class TensorTree:
         fsync: bool = False,
         allow_pickle: bool = False,
         checksum: str | None = None,
+        progress: bool | None = None,
     ) -> TensorTree:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
@@ -838,7 +847,10 @@ class TensorTree:
             >>> m.is_memmap(), t.is_memmap()
             (True, False)
         """
-        level = self._write(prefix, False, copy_existing, num_threads, existsok, fsync, False, allow_pickle, checksum)
+        level = self._write(
+            prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
+            fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+        )
         return type(self)._from_level(level, self._device)
 
     def memmap_like(
@@ -848,6 +860,7 @@ class TensorTree:
         num_threads: int = 0,
         existsok: bool = True,
         reserve: bool = False,
+        progress: bool | None = None,
     ) -> TensorTree:
         """A new memory-mapped tree of zeros with this tree's keys, shapes and dtypes.
 
@@ -862,35 +875,16 @@ class TensorTree:
             >>> data.batch_size, data["img"].shape
             (torch.Size([1000]), torch.Size([1000, 3, 64, 64]))
         """
-        level = self._write(prefix, True, False, num_threads, existsok, False, reserve, False)
+        level = self._write(
+            prefix, like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress
+        )
         return type(self)._from_level(level, self._device)
 
-    def _write(
-        self,
-        prefix: str | os.PathLike[str] | None,
-        like: bool,
-        copy_existing: bool,
-        num_threads: int,
-        existsok: bool,
-        fsync: bool,
-        reserve: bool,
-        allow_pickle: bool,
-        checksum: str | None = None,
-    ) -> Level:
+    def _write(self, prefix: str | os.PathLike[str] | None, **options: Any) -> Level:
+        """Write through :func:`memtree.write.write_tree` (or share memory when no prefix)."""
         if prefix is None:
-            return share_tree(self._to_level(), like=like)
-        return write_tree(
-            prefix,
-            self._to_level(),
-            like=like,
-            num_threads=num_threads,
-            existsok=existsok,
-            fsync=fsync,
-            reserve=reserve,
-            allow_pickle=allow_pickle,
-            copy_existing=copy_existing,
-            checksum=checksum,
-        )
+            return share_tree(self._to_level(), like=options.get("like", False))
+        return write_tree(prefix, self._to_level(), **options)
 
     @classmethod
     def load_memmap(

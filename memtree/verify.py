@@ -41,6 +41,7 @@ from .errors import (
 from .fileio import file_checksum, open_checked
 from .format import ChildMeta, LeafMeta, PickleMeta
 from .keys import META_NAME
+from .progress import Progress
 from .read import META_FLAGS, open_dir, read_meta
 from .recover import is_uncommitted_name
 
@@ -122,9 +123,10 @@ def _kind(err: MemtreeError) -> str:
 
 
 class _Walker:
-    def __init__(self, report: VerifyReport, checksums: bool) -> None:
+    def __init__(self, report: VerifyReport, checksums: bool, bar: Progress) -> None:
         self.report = report
         self.checksums = checksums
+        self.bar = bar
 
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
@@ -148,6 +150,7 @@ class _Walker:
             if isinstance(entry, LeafMeta):
                 self.report.leaves += 1
                 self.leaf(dir_fd, where, entry, key + (entry.key,))
+                self.bar.update()
             elif isinstance(entry, ChildMeta):
                 child_where = os.path.join(where, entry.dir)
                 try:
@@ -227,13 +230,17 @@ def _file_kind(name: str, dir_fd: int) -> str:
     return "a regular file"
 
 
-def verify_tree(prefix: str | os.PathLike[str], *, checksums: bool = True) -> VerifyReport:
+def verify_tree(
+    prefix: str | os.PathLike[str], *, checksums: bool = True, progress: bool | None = None
+) -> VerifyReport:
     """Check every ``meta.json`` and leaf of the tree at ``prefix``; report every problem.
 
     Args:
         prefix: the tree's directory.
         checksums: compare each leaf's recorded checksum with its file (reads every such
             file once); ``False`` checks structure and sizes only (no leaf data is read).
+        progress: a progress bar of the leaves checked (:mod:`memtree.progress`): ``None``
+            on a terminal outside CI only, ``True``/``False`` forced.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when the tree loads and every checksum
@@ -250,18 +257,22 @@ def verify_tree(prefix: str | os.PathLike[str], *, checksums: bool = True) -> Ve
     """
     root = os.path.realpath(os.fspath(prefix))
     report = VerifyReport(root)
-    walker = _Walker(report, checksums)
+    with Progress(desc="verify", unit="leaf", progress=progress) as bar:
+        _verify(root, _Walker(report, checksums, bar))
+    return report
+
+
+def _verify(root: str, walker: _Walker) -> None:
     if is_uncommitted_name(os.path.basename(root)):
         walker.add(root, (), "not-committed",
                    f"{root} is the staging directory (or old copy) of an unfinished write")
-        return report
+        return
     try:
         fd = open_dir(root, root, None)
     except MemtreeError as err:
         walker.add(root, (), _kind(err), str(err))
-        return report
+        return
     try:
         walker.level(fd, root, (), 0, ())
     finally:
         os.close(fd)
-    return report

@@ -36,7 +36,7 @@ import pickle
 import shutil
 import stat
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from math import prod
 
@@ -80,6 +80,7 @@ from .keys import META_NAME, encode_level
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor, map_leaf, to_storable
 from .nontensor import NonTensor, check_json, json_problem
+from .progress import Progress
 from .recover import lock_path, old_path, recover_locked, staging_path
 
 __all__ = [
@@ -314,6 +315,7 @@ def write_tree(
     copy_existing: bool = False,
     mode: str = "r+",
     checksum: str | None = None,
+    progress: bool | None = None,
 ) -> Level:
     """Write ``level`` under ``prefix`` atomically and return it mapped from the new files.
 
@@ -328,6 +330,8 @@ def write_tree(
         copy_existing: copy leaves already memory-mapped from another prefix.
         checksum: ``"crc32"`` or ``"sha256"`` records each leaf's checksum in ``meta.json``
             (computed while writing); not with ``like``.
+        progress: a progress bar of the bytes written (:mod:`memtree.progress`): ``None``
+            on a terminal only, ``True``/``False`` forced.
 
     Raises:
         LockError: another writer is writing the same destination.
@@ -358,7 +362,7 @@ def write_tree(
             raise storage_error(err, f"preparing to write {dest}") from err
         point("staging_created")
         try:
-            _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum)
+            _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
             publish(staging, dest, state, fsync, lock)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
@@ -376,6 +380,7 @@ def _write_staging(
     fsync: bool,
     reserve: bool,
     checksum: str | None,
+    progress: bool | None,
 ) -> None:
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
@@ -396,18 +401,22 @@ def _write_staging(
         point("after_leaf")
 
     jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)
-    if num_threads > 0 and len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="memtree-write") as pool:
-            futures = [pool.submit(job, j) for j in jobs]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in futures:  # re-raise the first failure, after every thread stopped
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
-    else:
-        for j in jobs:
-            job(j)
+    with Progress(total=plan.total_bytes, desc="memmap", unit="B", progress=progress) as bar:
+        if num_threads > 0 and len(jobs) > 1:
+            with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="memtree-write") as pool:
+                futures = {pool.submit(job, j): j for j in jobs}
+                try:
+                    for f in as_completed(futures):
+                        f.result()  # the first failure is raised once running threads stopped
+                        bar.update(futures[f].nbytes)
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+        else:
+            for j in jobs:
+                job(j)
+                bar.update(j.nbytes)
     for rel, data in plan.pickles:
         write_small_file(os.path.join(staging, rel), data, fsync=fsync)
     for lp in plan.levels:  # deepest first, the root's meta.json last

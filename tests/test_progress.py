@@ -153,3 +153,21 @@ def test_track_closes_its_bar_when_the_loop_stops_early(monkeypatch: pytest.Monk
     assert bars[0].active
     gen.close()
     assert not bars[0].active
+
+
+def test_memmap_and_verify_draw_a_bar_only_when_asked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    import torch
+
+    import memtree
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    tree = memtree.TensorTree({"a": torch.ones(1000), "b": {"c": torch.zeros(10)}})
+    tree.memmap(tmp_path / "quiet", progress=False)
+    memtree.verify_tree(tmp_path / "quiet", progress=False)
+    assert err.getvalue() == ""
+    tree.memmap(tmp_path / "t", num_threads=2, progress=True)
+    assert "memmap:" in err.getvalue() and "B/s" in err.getvalue()
+    report = memtree.verify_tree(tmp_path / "t", progress=True)
+    assert report.ok and "verify:" in err.getvalue() and "leaf" in err.getvalue()

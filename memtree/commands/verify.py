@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Verify the tree; print one line per problem (or JSON); 0 if clean, 1 otherwise."""
-    report = verify_tree(args.path, checksums=not args.no_checksums)
+    report = verify_tree(args.path, checksums=not args.no_checksums, progress=None if not args.json else False)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
