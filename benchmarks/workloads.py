@@ -20,6 +20,7 @@ from stores import (
     Layout,
     Store,
     make_tensors,
+    prepare_index,
     read_one,
     save,
     store_systems,
@@ -127,6 +128,7 @@ class StoreWorkload:
             return [Result(wl, name, "*", note=miss)]
         settings = Settings(**cfg["settings"])
         layout = self.layout(cfg)
+        prepare_index(layout)
         wd = os.path.join(cfg["workdir"], wl)
         os.makedirs(wd, exist_ok=True)
         path = os.path.join(wd, slug(s.source or s.name))
