@@ -75,5 +75,11 @@ def dtype_from_name(name: str) -> torch.dtype | None:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    """Bytes per element of ``dtype`` (looked up, not computed: it runs once per leaf)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="meta").element_size()
+    return size
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
