@@ -58,7 +58,7 @@ from .mmap_tensor import map_leaf
 from .nontensor import NonTensor, UnloadedPickle
 from .recover import is_uncommitted_name
 
-__all__ = ["read_tree", "read_meta", "select_entries", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
+__all__ = ["read_tree", "read_meta", "read_meta_bytes", "select_entries", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
 
 KeySelection = Union[str, tuple[str, ...]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -133,8 +133,12 @@ def open_dir(name: str, where: str, dir_fd: int | None) -> int:
         raise storage_error(err, f"opening {where}") from err
 
 
-def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
-    """Read and validate the ``meta.json`` in an open directory."""
+def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
+    """The bytes of the ``meta.json`` in an open directory, and its path.
+
+    Opened without following links, refused unless it is a regular file of at most
+    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
+    """
     path = os.path.join(where, META_NAME)
     try:
         fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
@@ -155,13 +159,19 @@ def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
             raise UnsafePathError(f"{path} is not a regular file")
         if st.st_size > MAX_META_BYTES:
             raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed; "
-                "it is not a memtree meta.json"
+                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
+                "a meta.json; it was not written by memtree (or tensordict)"
             )
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(MAX_META_BYTES + 1)
     finally:
         os.close(fd)
+    return data, path
+
+
+def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
+    """Read and validate the ``meta.json`` in an open directory."""
+    data, path = read_meta_bytes(dir_fd, where, root=root)
     return parse_level(data, path, depth=depth)
 
 

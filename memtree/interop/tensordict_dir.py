@@ -50,7 +50,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
@@ -78,7 +77,7 @@ from ..keys import META_NAME
 from ..level import Level
 from ..mmap_tensor import map_leaf
 from ..nontensor import NonTensor
-from ..read import META_FLAGS, KeySelection, normalize_keys, open_dir
+from ..read import KeySelection, normalize_keys, open_dir, read_meta_bytes
 
 __all__ = ["is_tensordict_dir", "read_tensordict_dir"]
 
@@ -120,27 +119,7 @@ def _kind(type_name: Any) -> str:
 
 def _read_json(dir_fd: int, where: str) -> Any:
     """Parse the ``meta.json`` of an open directory, refusing oversized or malformed files."""
-    path = os.path.join(where, META_NAME)
-    try:
-        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise MissingLeafError(f"{path} is missing; the tensordict directory is damaged") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
-        raise storage_error(err, f"opening {path}") from err
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_META_BYTES + 1)
-    finally:
-        os.close(fd)
+    data, path = read_meta_bytes(dir_fd, where, root=False)
     return _parse_json(data, path)
 
 
