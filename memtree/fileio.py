@@ -39,6 +39,8 @@ import stat
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import orjson
@@ -49,6 +51,7 @@ from .errors import (
     InsufficientSpaceError,
     LeafSizeError,
     LockError,
+    MemtreeError,
     MissingLeafError,
     StorageError,
     UnsafePathError,
@@ -61,6 +64,7 @@ __all__ = [
     "allocate_fd",
     "create_leaf",
     "write_file_replace",
+    "replacing_file",
     "check_free_space",
     "open_checked",
     "map_fd",
@@ -247,36 +251,56 @@ def create_leaf(
     return f"{checksum}:{digest.hexdigest()}" if digest is not None else None
 
 
-def write_file_replace(
-    path: str, tensor: torch.Tensor | None, nbytes: int, *, existsok: bool, reserve: bool = False
-) -> None:
-    """Write one standalone leaf file at ``path`` through a temporary file and a rename.
+@contextmanager
+def replacing_file(
+    path: str, *, existsok: bool, hint: str = "pass existsok=True to replace it"
+) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; once the block succeeds, commit it in one rename.
 
-    An existing file is replaced by a new inode (never truncated in place, so mappings of the
-    old file stay valid) when ``existsok``, and refused otherwise.
+    The new file gets a new inode: an existing file is replaced (``existsok``) but never
+    truncated in place, so mappings of the old one stay valid; without ``existsok`` the
+    destination is refused, and a file that appears meanwhile is never clobbered (``link``).
+    On any failure the temporary file is removed and ``path`` is left as it was.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "blob")
+        >>> with replacing_file(path, existsok=False) as tmp:
+        ...     _ = open(tmp, "wb").write(b"data")
+        >>> open(path, "rb").read()
+        b'data'
     """
     if not existsok and os.path.lexists(path):
-        raise DestinationExistsError(
-            f"{path} already exists; pass existsok=True to replace it, or choose another filename"
-        )
+        raise DestinationExistsError(f"{path} already exists; {hint}")
     directory, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{base}.memtree-tmp-{uuid.uuid4().hex}")
     try:
-        create_leaf(tmp, tensor, nbytes, reserve=reserve)
+        yield tmp
         if existsok:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)  # fails if path appeared meanwhile: never clobber
+            os.link(tmp, path)
             os.unlink(tmp)
     except FileExistsError:
         _unlink_quiet(tmp)
-        raise DestinationExistsError(f"{path} already exists; pass existsok=True to replace it")
+        raise DestinationExistsError(f"{path} already exists; {hint}") from None
+    except MemtreeError:
+        _unlink_quiet(tmp)
+        raise
     except OSError as err:
         _unlink_quiet(tmp)
         raise storage_error(err, f"writing {path}") from err
     except BaseException:
         _unlink_quiet(tmp)
         raise
+
+
+def write_file_replace(
+    path: str, tensor: torch.Tensor | None, nbytes: int, *, existsok: bool, reserve: bool = False
+) -> None:
+    """Write one standalone leaf file at ``path`` through :func:`replacing_file`."""
+    with replacing_file(path, existsok=existsok) as tmp:
+        create_leaf(tmp, tensor, nbytes, reserve=reserve)
 
 
 def _unlink_quiet(path: str) -> None:

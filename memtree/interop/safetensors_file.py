@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -52,13 +51,12 @@ import torch
 from ..dtypes import dtype_from_name, itemsize
 from ..errors import (
     CheckpointFormatError,
-    DestinationExistsError,
     DtypeError,
     KeyCollisionError,
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..fileio import storage_error, write_fd
+from ..fileio import replacing_file, write_fd
 from ..mmap_tensor import to_storable
 from ..tree import TensorTree
 from .checkpoint_file import CheckpointFile
@@ -378,13 +376,8 @@ def write_safetensors(
     blob += b" " * (-len(blob) % 8)
     data_start = 8 + len(blob)
 
-    if not existsok and os.path.lexists(path):
-        raise DestinationExistsError(
-            f"{path} already exists; pass existsok=True (CLI: --overwrite) to replace it"
-        )
-    directory, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{base}.memtree-tmp-{uuid.uuid4().hex}")
-    try:
+    hint = "pass existsok=True (CLI: --overwrite) to replace it"
+    with replacing_file(path, existsok=existsok, hint=hint) as tmp:
         fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
             os.ftruncate(fd, data_start + offset)
@@ -402,29 +395,6 @@ def write_safetensors(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if existsok:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # never clobbers a file that appeared meanwhile
-            os.unlink(tmp)
-    except FileExistsError:
-        _unlink_quiet(tmp)
-        raise DestinationExistsError(
-            f"{path} already exists; pass existsok=True to replace it"
-        ) from None
-    except OSError as err:
-        _unlink_quiet(tmp)
-        raise storage_error(err, f"writing {path}") from err
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def save_safetensors(
