@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
+from treeutil import assert_leaf_equal, assert_tree_equal_to, leaf_dict, nested_from_flat
 
 SETTINGS = dict(deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -21,53 +22,6 @@ DTYPES = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.uint8]
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    # a fresh dense copy: views may keep odd strides (size-1 or empty dims) that .view refuses
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-def assert_leaf_equal(actual, expected, where=""):
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {actual!r}"
-        assert actual.dtype == expected.dtype, f"{where}: {actual.dtype} != {expected.dtype}"
-        assert tuple(actual.shape) == tuple(expected.shape), (
-            f"{where}: {tuple(actual.shape)} != {tuple(expected.shape)}"
-        )
-        assert torch.equal(_bytes(actual), _bytes(expected)), f"{where}: values differ"
-    else:
-        assert not isinstance(actual, TensorTree), f"{where}: got a sub-tree"
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
-def norm_key(k):
-    return k if isinstance(k, tuple) else (k,)
-
-
-def leaf_dict(tree: TensorTree) -> dict:
-    return {norm_key(k): v for k, v in tree.items(include_nested=True, leaves_only=True)}
-
-
-def assert_tree_matches(tree, ref: dict, batch_size):
-    assert isinstance(tree, TensorTree)
-    assert tuple(tree.batch_size) == tuple(batch_size)
-    got = leaf_dict(tree)
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert_leaf_equal(got[k], v, where=repr(k))
-
-
-def nested_from_flat(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for p in path[:-1]:
-            d = d.setdefault(p, {})
-        d[path[-1]] = v
-    return out
 
 
 def make_tensor(dtype, shape, g):
@@ -255,7 +209,7 @@ def index_ref(ref: dict, leaf_idx) -> dict:
 def test_construction_matches_reference(schema, batch_size, seed):
     ref = instantiate(schema, batch_size, seed)
     tree = build(ref, batch_size)
-    assert_tree_matches(tree, ref, batch_size)
+    assert_tree_equal_to(tree, ref, batch_size)
     for path in ref:
         assert_leaf_equal(tree[path], ref[path], where=repr(path))
         assert path in tree
@@ -271,9 +225,9 @@ def test_getitem_matches_indexing_each_leaf(data, schema, batch_size, seed):
     leaf_idx = expand_index(idx, len(batch_size))
     expected_bs = torch.empty(batch_size)[leaf_idx].shape
     out = tree[idx]
-    assert_tree_matches(out, index_ref(ref, leaf_idx), expected_bs)
+    assert_tree_equal_to(out, index_ref(ref, leaf_idx), expected_bs)
     # indexing never changes the source tree
-    assert_tree_matches(tree, ref, batch_size)
+    assert_tree_equal_to(tree, ref, batch_size)
 
 
 @settings(max_examples=200, **SETTINGS)
@@ -293,7 +247,7 @@ def test_setitem_tree_matches_reference(data, schema, batch_size, seed):
             v = v.clone()
             v[leaf_idx] = value_ref[k]
         expected[k] = v
-    assert_tree_matches(tree, expected, batch_size)
+    assert_tree_equal_to(tree, expected, batch_size)
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -311,7 +265,7 @@ def test_setitem_number_matches_reference(data, schema, batch_size, seed, number
             v = v.clone()
             v[leaf_idx] = number
         expected[k] = v
-    assert_tree_matches(tree, expected, batch_size)
+    assert_tree_equal_to(tree, expected, batch_size)
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -327,7 +281,7 @@ def test_stack_matches_torch_stack_per_leaf(data, schema, batch_size, n, seed):
         for k, v in refs[0].items()
     }
     bs = torch.stack([torch.empty(batch_size)] * n, dim=dim).shape
-    assert_tree_matches(out, expected, bs)
+    assert_tree_equal_to(out, expected, bs)
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -350,7 +304,7 @@ def test_cat_matches_torch_cat_per_leaf(data, schema, batch_size, sizes, seed):
     }
     out_bs = list(batch_size)
     out_bs[dim] = sum(sizes)
-    assert_tree_matches(out, expected, tuple(out_bs))
+    assert_tree_equal_to(out, expected, tuple(out_bs))
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -364,11 +318,11 @@ def test_flatten_unflatten_round_trip(schema, batch_size, seed, sep):
     tree = build(ref, batch_size)
     flat = tree.flatten_keys(sep=sep)
     expected_flat = {(sep.join(path),): v for path, v in ref.items()}
-    assert_tree_matches(flat, expected_flat, batch_size)
+    assert_tree_equal_to(flat, expected_flat, batch_size)
     back = flat.unflatten_keys(sep=sep)
-    assert_tree_matches(back, ref, batch_size)
+    assert_tree_equal_to(back, ref, batch_size)
     # the source tree is untouched
-    assert_tree_matches(tree, ref, batch_size)
+    assert_tree_equal_to(tree, ref, batch_size)
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -377,11 +331,11 @@ def test_clone_equal_and_independent(schema, batch_size, seed):
     ref = instantiate(schema, batch_size, seed)
     tree = build(ref, batch_size)
     c = tree.clone()
-    assert_tree_matches(c, ref, batch_size)
+    assert_tree_equal_to(c, ref, batch_size)
     for k, v in leaf_dict(c).items():
         if isinstance(v, torch.Tensor) and v.numel():
             v.fill_(1)
-    assert_tree_matches(tree, ref, batch_size)
+    assert_tree_equal_to(tree, ref, batch_size)
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -395,4 +349,4 @@ def test_state_dict_round_trip(schema, batch_size, seed):
     assert set(sd) == {".".join(path) for path in ref}
     other = build(instantiate(schema, batch_size, seed + 1), batch_size)
     other.load_state_dict(sd)
-    assert_tree_matches(other, {k: v for k, v in ref.items()}, batch_size)
+    assert_tree_equal_to(other, {k: v for k, v in ref.items()}, batch_size)
