@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from types import TracebackType
 from typing import Any, Union
 
 import torch
 
 from ..errors import CheckpointFormatError, LegacyCheckpointError
-from .checkpoint_file import CheckpointFile
+from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
 from .torchsave import TorchSaveReader, is_torch_zip, legacy_message
 
@@ -65,7 +64,7 @@ def checkpoint_kind(path: str | os.PathLike[str]) -> str:
     )
 
 
-class Checkpoint(Mapping[str, torch.Tensor]):
+class Checkpoint(Closing, Mapping[str, torch.Tensor]):
     """A checkpoint file as a read-only mapping of dotted keys to lazily read tensors.
 
     Create one with :func:`open_checkpoint`. Close it (or use ``with``) to release the file;
@@ -127,16 +126,6 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Release the file."""
         self._reader.close()
 
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, format={self.format!r}, tensors={len(self)})"

@@ -31,18 +31,39 @@ import errno
 import os
 import stat
 from types import TracebackType
+from typing import TypeVar
 
 import torch
 
 from ..errors import CheckpointFormatError, StorageError
 from ..fileio import CHUNK_BYTES, byte_view, map_fd, storage_error
 
+_Self = TypeVar("_Self", bound="Closing")
+
 __all__ = ["CheckpointFile"]
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 
 
-class CheckpointFile:
+class Closing:
+    """Mixin: ``with obj:`` returns ``obj`` and calls ``obj.close()`` on the way out."""
+
+    def close(self) -> None:  # pragma: no cover - every user defines it
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class CheckpointFile(Closing):
     """A regular file opened read-only, with its size fixed at open time.
 
     Args:
@@ -139,16 +160,6 @@ class CheckpointFile:
             self.fd = -1
         self._map = None
 
-    def __enter__(self) -> CheckpointFile:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         fd = getattr(self, "fd", -1)

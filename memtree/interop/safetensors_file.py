@@ -43,7 +43,6 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -59,7 +58,7 @@ from ..errors import (
 from ..fileio import replacing_file, write_fd
 from ..mmap_tensor import to_storable
 from ..tree import TensorTree
-from .checkpoint_file import CheckpointFile
+from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -244,7 +243,7 @@ def parse_header(
     return entries, metadata
 
 
-class SafetensorsReader:
+class SafetensorsReader(Closing):
     """A ``.safetensors`` file, opened lazily: the header is validated, data is read on demand.
 
     Args:
@@ -305,17 +304,6 @@ class SafetensorsReader:
     def close(self) -> None:
         """Close the file (tensors already read or mapped stay valid)."""
         self._file.close()
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 # -- writing -------------------------------------------------------------------------------------

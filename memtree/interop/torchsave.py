@@ -51,7 +51,6 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
-from types import TracebackType
 from typing import Any, Callable
 
 import torch
@@ -65,7 +64,7 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from .checkpoint_file import CheckpointFile
+from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [
     "StorageRef",
@@ -347,7 +346,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 # -- the reader --------------------------------------------------------------------------------
-class TorchSaveReader:
+class TorchSaveReader(Closing):
     """A ``torch.save`` zip checkpoint, opened lazily: specs now, data on demand.
 
     Keys are the dotted paths of the tensors in the pickled object: a state_dict's own keys,
@@ -568,17 +567,6 @@ class TorchSaveReader:
             if f is not None:
                 f.close()
         self._file.close()
-
-    def __enter__(self) -> TorchSaveReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _holds_tensor(obj: Any) -> bool:
