@@ -7,6 +7,10 @@
 * Sent to another process (DataLoader workers, ``torch.multiprocessing`` queues, spawn or
   fork), a file-backed tensor travels as *(file, dtype, layout)* and the receiver maps the file
   again: no data is copied, and torch 2.13's failing fd-passing path is never used.
+* Row assignment (``t[i] = row``, ``t[rows] = values``) into a file-backed tensor is written
+  with ``pwrite`` into the mapped file (identified by device and inode, so a tree re-saved at
+  the same path since is never written by mistake): no page fault per page of a sparse file,
+  and a full disk raises ``StorageError`` instead of killing the process with SIGBUS.
 * Pickled with ``pickle``/``torch.save``, it is saved as an ordinary tensor (its data).
 
 Example:
@@ -21,18 +25,23 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from math import prod
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from .dtypes import dtype_name, itemsize
 from .errors import DtypeError, ReadOnlyError
-from .fileio import map_fd, open_checked, write_fd, write_file_replace
+from .fileio import map_fd, open_checked, storage_error, write_file_replace
 
 __all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
 
@@ -44,8 +53,15 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
 _NEVER_WRAP = frozenset({"as_subclass", "__reduce_ex__", "__deepcopy__"})
+_SETITEM = torch.Tensor.__setitem__
 
 ShapeArg = Any
+#: Bytes of copies of one row written per ``pwrite`` when a value broadcasts over many rows.
+_BROADCAST_BYTES = 1 << 20
+#: Integer dtypes of row-index tensors (uint8 index tensors are masks to torch).
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+#: A file's identity: ``(st_dev, st_ino)``.
+_FileId = tuple[int, int]
 
 
 def _parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
@@ -86,13 +102,14 @@ class MemoryMappedTensor(torch.Tensor):
     :meth:`full` or :meth:`from_filename`; trees create them with ``memmap``/``load_memmap``.
     """
 
-    _filename: str | None
+    _file: _MappedFile | None  # None: anonymous shared memory
     _readonly: bool
+    _rows: _Rows | None  # cached by _row_layout (absent until the first row write)
 
     @staticmethod
-    def _wrap(tensor: torch.Tensor, filename: str | None, readonly: bool) -> MemoryMappedTensor:
+    def _wrap(tensor: torch.Tensor, file: _MappedFile | None, readonly: bool) -> MemoryMappedTensor:
         out = torch.Tensor._make_subclass(MemoryMappedTensor, tensor)
-        out._filename = filename
+        out._file = file
         out._readonly = readonly
         return out
 
@@ -100,7 +117,8 @@ class MemoryMappedTensor(torch.Tensor):
     @property
     def filename(self) -> str | None:
         """Path of the backing file, or ``None`` for anonymous shared memory."""
-        return getattr(self, "_filename", None)
+        file = getattr(self, "_file", None)
+        return None if file is None else file.path
 
     @property
     def readonly(self) -> bool:
@@ -273,6 +291,12 @@ class MemoryMappedTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func is _SETITEM and len(args) == 3:  # torch.Tensor.__setitem__(t, idx, value)
+            _check_writable(args[0])
+            with torch._C.DisableTorchFunctionSubclass():
+                if not _pwrite_setitem(*args):
+                    func(*args)
+            return None
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         target = kwargs.get("out")
@@ -281,13 +305,30 @@ class MemoryMappedTensor(torch.Tensor):
         ) and name not in _NOT_WRITES:
             target = args[0]
         _check_writable(target)
+        if args and isinstance(args[0], MemoryMappedTensor) and (
+            name == "__set__" or (name.endswith("_") and not name.endswith("__"))
+        ):
+            args[0].__dict__.pop("_rows", None)  # set_, resize_, .data = ...: new row layout
         with torch._C.DisableTorchFunctionSubclass():
-            if name == "__setitem__" and len(args) == 3 and _pwrite_setitem(*args):
-                return None
             out = func(*args, **kwargs)
             if name in _NEVER_WRAP or not args or not isinstance(args[0], MemoryMappedTensor):
                 return out
             return _wrap_views(out, args[0])
+
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        """``t[idx] = value``; rows of a file-backed tensor are written with ``pwrite``.
+
+        Defined here (not only in ``__torch_function__``) because filling a dataset row by row
+        is a hot loop, and torch's dispatch to ``__torch_function__`` costs as much as the
+        ``pwrite`` itself.
+        """
+        if getattr(self, "_readonly", False):
+            _check_writable(self)
+        if type(idx) is int and _pwrite_row(self, idx, value):
+            return
+        with torch._C.DisableTorchFunctionSubclass():
+            if not _pwrite_setitem(self, idx, value):
+                _SETITEM(self, idx, value)
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickle/torch.save: an ordinary tensor
         with torch._C.DisableTorchFunctionSubclass():
@@ -308,30 +349,304 @@ def _check_writable(target: Any) -> None:
             )
 
 
-def _row_indices(idx: Any, n: int) -> torch.Tensor | slice | None:
-    """Rows of dim 0 selected by ``idx`` when it is a plain row selection, else None."""
+# -- row assignment with pwrite ----------------------------------------------------------------
+class _WriteFd:
+    """An open write descriptor; closed when the last user lets go of it."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except (OSError, TypeError):  # TypeError: os torn down at interpreter exit
+            pass
+
+
+class _MappedFile:
+    """The file a :class:`MemoryMappedTensor` was mapped from, shared by all views of it.
+
+    ``file_id`` is the file's identity ``(st_dev, st_ino)``, read from the descriptor it was
+    mapped from: row writes go to that very file with ``pwrite`` (see :func:`_pwrite_setitem`),
+    never to whatever file the path names now. Recently written files keep a write descriptor
+    (``writer``); it closes with the last view of the mapping, or earlier when more than
+    ``_WRITERS.size`` files are being written (the least recently written closes first).
+    """
+
+    __slots__ = ("path", "file_id", "writer", "stale", "__weakref__")
+
+    def __init__(self, path: str, file_id: _FileId) -> None:
+        self.path = path
+        self.file_id = file_id
+        self.writer: _WriteFd | None = None
+        self.stale = False  # the path names another file now: write through the mapping
+
+
+class _Writers:
+    """The bounded set of :class:`_MappedFile` objects holding a write descriptor, in LRU order.
+
+    A descriptor is opened by path and kept only when ``fstat`` shows the identity the file
+    was mapped with; a path that names another file now (the tree was re-saved in place) marks
+    the mapping stale, and its writes go through the mapping. An evicted descriptor closes when
+    the last writer using it lets go (:class:`_WriteFd`), so a concurrent ``pwrite`` never uses
+    a closed (or reused) descriptor number. A forked child drops every descriptor
+    (:meth:`forget` runs right after ``fork``, before the child's code can close or reuse
+    descriptor numbers).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.open: OrderedDict[int, weakref.ref[_MappedFile]] = OrderedDict()
+
+    def get(self, file: _MappedFile) -> _WriteFd | None:
+        """A write descriptor of ``file``, or None when only the mapping can reach the file."""
+        writer = file.writer
+        if writer is not None:
+            try:
+                self.open.move_to_end(id(file))
+            except KeyError:  # evicted just now: this write still holds the descriptor
+                pass
+            return writer
+        with self.lock:
+            writer = file.writer
+            if writer is not None:
+                return writer
+            if file.stale:
+                return None
+            try:
+                fd = os.open(file.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+            except OSError as err:
+                # gone (the tree was removed): for good; other errors (EMFILE...) may pass
+                file.stale = err.errno in (errno.ENOENT, errno.ENOTDIR)
+                return None
+            writer = _WriteFd(fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != file.file_id:
+                file.stale = True
+                return None  # closes fd
+            file.writer = writer
+            key = id(file)
+            self.open[key] = weakref.ref(file, lambda _, key=key: self.open.pop(key, None))
+            while len(self.open) > self.size:
+                evicted = self.open.popitem(last=False)[1]()
+                if evicted is not None:
+                    evicted.writer = None
+            return writer
+
+    def forget(self) -> None:
+        """Drop every descriptor at once (in a new child: the parent's lock may be held)."""
+        self.lock = threading.Lock()
+        for ref in self.open.values():
+            file = ref()
+            if file is not None:
+                file.writer = None
+        self.open.clear()
+
+
+#: At most this many mapped files keep a write descriptor open.
+_WRITERS = _Writers(8)
+os.register_at_fork(after_in_child=_WRITERS.forget)
+
+
+class _Rows(NamedTuple):
+    """Where the rows (dim 0) of a file-backed tensor lie in its file."""
+
+    count: int
+    nbytes: int  # bytes per row
+    step: int  # bytes from one row to the next
+    base: int  # file offset of row 0
+    shape: torch.Size  # of one row
+    dtype: torch.dtype
+    storage: int  # address of the mapping (to spot values read from it)
+
+
+def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
+    """``dst``'s rows when they are contiguous, non-overlapping, non-empty byte ranges of a file
+    it maps read-write (``t``, ``t[a:b]``, ``t[::2]``...), else None; cached on ``dst``.
+
+    In-place operations that may change the layout (``set_``, ``resize_``, ``.data = ``...)
+    drop the cache (``__torch_function__``).
+    """
+    try:
+        return dst.__dict__["_rows"]  # type: ignore[no-any-return]
+    except KeyError:
+        pass
+    with torch._C.DisableTorchFunctionSubclass():
+        rows = None
+        shape = dst.shape
+        if shape and getattr(dst, "_file", None) is not None and not dst.readonly:
+            strides = dst.stride()
+            row_numel = 1
+            for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+                if size != 1 and stride != row_numel:
+                    row_numel = 0  # a row is not one contiguous range
+                    break
+                row_numel *= size
+            step = strides[0] if shape[0] > 1 else row_numel
+            if row_numel and step >= row_numel:
+                item = dst.element_size()
+                rows = _Rows(
+                    shape[0],
+                    row_numel * item,
+                    step * item,
+                    dst.storage_offset() * item,
+                    shape[1:],
+                    dst.dtype,
+                    dst.untyped_storage().data_ptr(),
+                )
+    dst._rows = rows
+    return rows
+
+
+def _row_indices(idx: Any, n: int) -> int | slice | torch.Tensor | None:
+    """Rows of dim 0 selected by ``idx`` when it is a plain row selection, else None.
+
+    An int gives one row (its result drops dim 0); a slice of step 1 a run of rows; anything
+    else an int64 tensor of rows in ``[0, n)``.
+    """
     if isinstance(idx, tuple) and len(idx) == 1:
         idx = idx[0]
+    if isinstance(idx, torch.Tensor) and idx.ndim == 0:
+        if idx.dtype not in _INDEX_DTYPES:
+            return None
+        idx = int(idx)
     if isinstance(idx, bool):
         return None
     if isinstance(idx, int):
         if not -n <= idx < n:
             raise IndexError(f"index {idx} is out of bounds for dimension 0 with size {n}")
-        return torch.tensor([idx % n])
+        return idx + n if idx < 0 else idx
     if isinstance(idx, slice):
         start, stop, step = idx.indices(n)
-        return slice(start, max(stop, start)) if step == 1 else torch.arange(start, stop, step)
+        stop = max(stop, start)
+        return slice(start, stop) if step == 1 else torch.arange(start, stop, step)
     if isinstance(idx, list) and idx and all(type(i) is int for i in idx):
         idx = torch.tensor(idx)
     if isinstance(idx, torch.Tensor) and idx.ndim == 1 and idx.device.type == "cpu":
         if idx.dtype == torch.bool:
             return idx.nonzero().flatten() if idx.numel() == n else None
-        if idx.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        if idx.dtype in _INDEX_DTYPES:
             rows = idx.to(torch.int64)
             if rows.numel() and (rows.min() < -n or rows.max() >= n):
                 raise IndexError(f"index out of bounds for dimension 0 with size {n}")
             return rows % n if n else rows
     return None
+
+
+def _source(
+    value: Any, dst: MemoryMappedTensor, rows: _Rows, count: int | None
+) -> tuple[torch.Tensor, bool] | None:
+    """``value`` as a contiguous CPU tensor of ``dst``'s dtype, converted as ``copy_`` does.
+
+    Returns ``(block, False)`` holding ``count`` rows, or ``(row, True)`` with one row that goes
+    to every row (``count`` None: a single row); None leaves the assignment to torch (a value
+    this path does not take, one read from the file being written, or one torch rejects with
+    its own error).
+    """
+    row_shape = rows.shape
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                return None
+            src = value.detach() if value.requires_grad else value
+            if src.dtype != rows.dtype or not src.is_cpu:
+                src = src.to(device="cpu", dtype=rows.dtype)
+            elif _aliases(src, dst, rows):
+                return None  # read from the file being written: torch handles (or refuses) overlap
+            if src.is_conj():
+                src = src.resolve_conj()
+            if src.is_neg():
+                src = src.resolve_neg()
+        elif isinstance(value, (bool, int, float, complex)):
+            src = torch.scalar_tensor(value, dtype=rows.dtype)  # overflow raises as in torch
+        else:
+            return None
+        shape = src.shape
+        lead = 0
+        while lead < len(shape) and shape[lead] == 1:  # torch drops the value's leading 1-dims
+            lead += 1
+        if lead:
+            src = src.reshape(shape[lead:])
+        if count is None or src.ndim <= len(row_shape):
+            return src.expand(row_shape).contiguous(), True
+        return src.expand(count, *row_shape).contiguous(), False
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def _aliases(src: torch.Tensor, dst: MemoryMappedTensor, rows: _Rows) -> bool:
+    """Whether ``src`` may read bytes of the file ``dst`` maps (this or another mapping)."""
+    other = getattr(src, "_file", None)
+    if other is not None and other.file_id == dst._file.file_id:  # type: ignore[union-attr]
+        return True
+    return src.untyped_storage().data_ptr() == rows.storage
+
+
+def _pwrite_from(fd: int, address: int, nbytes: int, offset: int) -> None:
+    """``pwrite`` ``nbytes`` of memory at ``address`` (of a live, contiguous CPU tensor)."""
+    done = 0
+    while done < nbytes:
+        buf = (ctypes.c_char * (nbytes - done)).from_address(address + done)
+        n = os.pwrite(fd, buf, offset + done)
+        if n <= 0:  # pragma: no cover - pwrite on a regular file raises instead
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _runs(rows: slice | torch.Tensor, contiguous: bool) -> list[tuple[int, int, int]]:
+    """``(first file row, first source row, rows)`` for each run of consecutive rows."""
+    if isinstance(rows, slice):
+        if contiguous:
+            return [(rows.start, 0, rows.stop - rows.start)]
+        return [(r, k, 1) for k, r in enumerate(range(rows.start, rows.stop))]
+    listed = rows.tolist()
+    if not contiguous:
+        return [(r, k, 1) for k, r in enumerate(listed)]
+    runs: list[tuple[int, int, int]] = []
+    k = 0
+    while k < len(listed):
+        j = k + 1
+        while j < len(listed) and listed[j] == listed[j - 1] + 1:
+            j += 1
+        runs.append((listed[k], k, j - k))
+        k = j
+    return runs
+
+
+def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
+    """``dst[i] = value`` for a value that needs no conversion: one ``pwrite``, no tensor made.
+
+    The hot loop of filling a dataset item by item. False: take :func:`_pwrite_setitem`.
+    """
+    rows = _row_layout(dst)
+    if rows is None:
+        return False
+    n = rows.count
+    if not -n <= i < n:
+        raise IndexError(f"index {i} is out of bounds for dimension 0 with size {n}")
+    if not (
+        type(value) is torch.Tensor
+        and value.dtype is rows.dtype
+        and value.is_cpu
+        and not value.requires_grad
+        and value.shape == rows.shape
+        and value.is_contiguous()
+        and not value.is_conj()
+        and not value.is_neg()
+        and value.untyped_storage().data_ptr() != rows.storage
+    ):
+        return False
+    writer = _WRITERS.get(dst._file)  # type: ignore[arg-type]
+    if writer is None:
+        return False
+    try:
+        _pwrite_from(writer.fd, value.data_ptr(), rows.nbytes, rows.base + (i % n) * rows.step)
+    except OSError as err:
+        raise storage_error(err, f"writing a row of {dst.filename}") from err
+    return True
 
 
 def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
@@ -340,36 +655,57 @@ def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
     Writing through a sparse shared mapping costs a page fault and a block allocation per page
     (hundreds of times slower than ``pwrite`` on some filesystems) and dies with SIGBUS when
     the disk is full. ``pwrite`` goes through the same page cache, so the mapping sees the data
-    at once, and a full disk raises ``ENOSPC``. Returns False when the fast path does not apply.
+    at once, and a full disk raises ``StorageError``. Only the very file that ``dst`` maps is
+    written (same device and inode). Returns False when the fast path does not apply; the
+    caller then assigns through the mapping. Call under ``DisableTorchFunctionSubclass``.
     """
-    if not isinstance(dst, MemoryMappedTensor) or dst.filename is None or dst.readonly:
+    if not isinstance(dst, MemoryMappedTensor):
         return False
-    if dst.ndim == 0 or not dst.is_contiguous() or dst.device.type != "cpu":
-        return False
-    rows = _row_indices(idx, dst.shape[0])
+    rows = _row_layout(dst)
     if rows is None:
         return False
-    row_shape = dst.shape[1:]
-    if isinstance(rows, slice):
-        count = rows.stop - rows.start
+    selected = _row_indices(idx, rows.count)
+    if selected is None:
+        return False
+    if isinstance(value, torch.Tensor) and value.dtype != rows.dtype:
+        index = idx[0] if isinstance(idx, tuple) else idx
+        if isinstance(index, list) or (isinstance(index, torch.Tensor) and index.ndim):
+            return False  # index_put_: torch refuses another dtype (masked_fill_ casts a scalar)
+    if isinstance(selected, int):
+        count = None
     else:
-        count = rows.numel()
-    src = torch.as_tensor(value).to(device="cpu", dtype=dst.dtype)
-    while src.ndim > len(row_shape) + 1 and src.shape[0] == 1:  # torch drops leading 1-dims
-        src = src[0]
-    src = src.expand(count, *row_shape).contiguous()
-    itemsize = dst.element_size()
-    row_bytes = prod(row_shape) * itemsize
-    base = dst.storage_offset() * itemsize
-    fd = os.open(dst.filename, os.O_WRONLY | os.O_CLOEXEC)
+        count = selected.stop - selected.start if isinstance(selected, slice) else selected.numel()
+        if count == 0:
+            return False
+    converted = _source(value, dst, rows, count)
+    if converted is None:
+        return False
+    writer = _WRITERS.get(dst._file)  # type: ignore[arg-type]
+    if writer is None:
+        return False
+    src, one_row = converted
+    row_bytes, step, base = rows.nbytes, rows.step, rows.base
+    if isinstance(selected, int):
+        runs = [(selected, 0, 1)]
+    else:
+        runs = _runs(selected, step == row_bytes)
+    if one_row:  # the same row everywhere: write a block of copies of it repeatedly
+        per_block = min(max(m for _, _, m in runs), max(1, _BROADCAST_BYTES // row_bytes))
+        src = src.expand(per_block, *src.shape).contiguous()
+    address = src.data_ptr()
     try:
-        if isinstance(rows, slice):
-            write_fd(fd, src, base + rows.start * row_bytes)
-        else:
-            for i, r in enumerate(rows.tolist()):
-                write_fd(fd, src[i], base + r * row_bytes)
-    finally:
-        os.close(fd)
+        for first, k, m in runs:
+            offset = base + first * step
+            if not one_row:
+                _pwrite_from(writer.fd, address + k * row_bytes, m * row_bytes, offset)
+                continue
+            while m:
+                part = min(m, per_block)
+                _pwrite_from(writer.fd, address, part * row_bytes, offset)
+                offset += part * row_bytes
+                m -= part
+    except OSError as err:
+        raise storage_error(err, f"writing rows of {dst.filename}") from err
     return True
 
 
@@ -378,7 +714,7 @@ def _wrap_views(out: Any, src: MemoryMappedTensor) -> Any:
         if type(out) is torch.Tensor and out.device == src.device and (
             out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
         ):
-            return MemoryMappedTensor._wrap(out, src.filename, src.readonly)
+            return MemoryMappedTensor._wrap(out, getattr(src, "_file", None), src.readonly)
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return type(out)(_wrap_views(o, src) for o in out)
@@ -391,7 +727,12 @@ def map_leaf(
     """Map an open, already size-checked leaf file as a ``MemoryMappedTensor``."""
     nbytes = prod(shape) * itemsize(dtype)
     flat = map_fd(fd, path, nbytes, writable=not readonly)
-    return MemoryMappedTensor._wrap(flat.view(dtype).view(shape), path, readonly)
+    return MemoryMappedTensor._wrap(flat.view(dtype).view(shape), _mapped_file(fd, path), readonly)
+
+
+def _mapped_file(fd: int, path: str) -> _MappedFile:
+    st = os.fstat(fd)
+    return _MappedFile(path, (st.st_dev, st.st_ino))
 
 
 # -- sending to other processes ---------------------------------------------------------------
@@ -407,10 +748,11 @@ def _rebuild_from_file(
     fd = open_checked(path, nbytes, path, strict_size=False)  # a growable leaf's file may be longer
     try:
         flat = map_fd(fd, path, nbytes, writable=not readonly)
+        file = _mapped_file(fd, path)
     finally:
         os.close(fd)
     base = flat.view(dtype)
-    return MemoryMappedTensor._wrap(base.as_strided(size, stride, offset), path, readonly)
+    return MemoryMappedTensor._wrap(base.as_strided(size, stride, offset), file, readonly)
 
 
 def _rebuild_anonymous(rebuild: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> MemoryMappedTensor:
