@@ -310,10 +310,12 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         if type(raw) is not dict:
             raise c.fail(p, "must be a JSON object")
         kind = raw.get("kind")
-        entry: Entry
+        entry: Entry | None
         if kind == "tensor":
-            raw = c.obj(raw, p, {"key", "kind", "file", "dtype", "shape"}, {"checksum", "capacity"})
-            entry = _parse_leaf(c, raw, p, batch_size)
+            entry = _plain_leaf(raw, batch_size)
+            if entry is None:  # anything unusual: the full checks, and their messages
+                raw = c.obj(raw, p, {"key", "kind", "file", "dtype", "shape"}, {"checksum", "capacity"})
+                entry = _parse_leaf(c, raw, p, batch_size)
             name = entry.file
         elif kind == "tree":
             raw = c.obj(raw, p, {"key", "kind", "dir"}, set())
@@ -355,6 +357,33 @@ def _reject_duplicate_fields(data: bytes, c: _Checker) -> None:
         return dict(items)
 
     json.loads(data, object_pairs_hook=pairs)
+
+
+_PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})
+
+
+def _plain_leaf(raw: dict[str, Any], batch_size: tuple[int, ...]) -> LeafMeta | None:
+    """The common tensor entry (no checksum, no capacity), checked inline; ``None`` otherwise.
+
+    Accepts exactly what :func:`_parse_leaf` accepts for such an entry, faster (a level of a
+    20,000-leaf tree is parsed in a fraction of the time); anything it does not accept goes
+    through :func:`_parse_leaf`, which raises the precise error.
+    """
+    if raw.keys() != _PLAIN_LEAF_FIELDS:
+        return None
+    key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
+    if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
+        return None
+    dtype = dtype_from_name(dtype_str)
+    if dtype is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
+        return None
+    for x in shape:
+        if type(x) is not int or x < 0:
+            return None
+    dims = tuple(shape)
+    if dims[: len(batch_size)] != batch_size or prod(dims) * itemsize(dtype) > MAX_NBYTES:
+        return None
+    return LeafMeta(key, file, dtype, dims)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:

@@ -1,6 +1,13 @@
 """Loading a tree from a prefix: validate every ``meta.json``, check every leaf, then map it.
 
-What ``load_memmap`` does, level by level from the root:
+Opening a tree (:func:`open_tree`) costs O(metadata of the root): it opens the root directory,
+keeps its descriptor, and validates the root ``meta.json``. Each level is then *loaded* when it
+is first needed (:meth:`PendingLevel.load`): its leaves are checked and mapped, and its
+sub-levels' ``meta.json`` files are validated, relative to the held root descriptor, so every
+file comes from the directory that was opened even if the prefix is re-saved meanwhile.
+:func:`read_tree` loads every level at once.
+
+What loading does, level by level from the root:
 
 1. open the level's directory (sub-directories relative to their parent's descriptor, never
    following symbolic links) and its ``meta.json`` (regular file, at most 16 MiB, checked with
@@ -13,7 +20,8 @@ What ``load_memmap`` does, level by level from the root:
    entry records a checksum is hashed first and refused on a mismatch (``IntegrityError``).
 
 Reading never writes: a damaged tree raises a :class:`~memtree.errors.MemtreeError` naming the
-file and leaves every file as it was.
+file and leaves every file as it was (with a lazily opened tree, when the damaged level is first
+loaded).
 
 Example:
     >>> import tempfile, torch
@@ -33,13 +41,16 @@ import errno
 import os
 import pickle
 import stat
-from collections.abc import Iterable
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 import torch
 
 from .errors import (
     IntegrityError,
+    LeafSizeError,
     LimitError,
     MemtreeError,
     MemtreeKeyError,
@@ -53,12 +64,24 @@ from .errors import (
 from .fileio import file_checksum, open_checked, read_fd, storage_error, tensor_checksum
 from .format import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
 from .keys import META_NAME
-from .level import Level
+from .level import Level, Value
 from .mmap_tensor import map_leaf
 from .nontensor import NonTensor, UnloadedPickle
 from .recover import is_uncommitted_name
 
-__all__ = ["read_tree", "read_meta", "read_meta_bytes", "select_entries", "open_dir", "META_FLAGS", "KeySelection", "normalize_keys"]
+__all__ = [
+    "read_tree",
+    "open_tree",
+    "PendingLevel",
+    "load_pending_at",
+    "read_meta",
+    "read_meta_bytes",
+    "select_entries",
+    "open_dir",
+    "META_FLAGS",
+    "KeySelection",
+    "normalize_keys",
+]
 
 KeySelection = Union[str, tuple[str, ...]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -185,11 +208,50 @@ def read_tree(
     allow_pickle: bool = False,
     verify: bool = False,
 ) -> Level:
-    """Load a tree's structure and leaves (see the module docstring for the steps).
+    """Load a tree's structure and every selected leaf now (see the module docstring).
 
     Raises:
         IntegrityError: ``verify=True`` and a leaf's bytes do not match its recorded checksum.
         MemtreeError: the directory is missing, damaged, hostile, or lacks a requested key.
+    """
+    return open_tree(
+        prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify
+    ).load_all()
+
+
+def open_tree(
+    prefix: str | os.PathLike[str],
+    *,
+    keys: Iterable[KeySelection] | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    device: torch.device | str | None = None,
+    allow_pickle: bool = False,
+    verify: bool = False,
+    written: Mapping[tuple[str, ...], LevelMeta] | None = None,
+) -> PendingLevel:
+    """Open a tree and validate its root ``meta.json``; its levels load when asked for.
+
+    The root directory's descriptor stays open until every :class:`PendingLevel` of this tree
+    is gone, and every later file is opened relative to it.
+
+    ``written`` is for the writer that has just committed ``prefix`` (still holding its lock):
+    the metadata it wrote, by directory path from the root, used instead of reading every
+    ``meta.json`` back.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.level import Level
+        >>> from memtree.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3), "sub": Level((), {})}))
+        >>> root = open_tree(d)
+        >>> [e.key for e in root.meta.entries], type(root.load()["sub"]).__name__
+        (['x', 'sub'], 'PendingLevel')
+
+    Raises:
+        NotCommittedError: ``prefix`` is a staging directory or an old copy of an unfinished write.
+        MemtreeError: the root is missing, damaged, hostile, or lacks a requested key.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
@@ -202,12 +264,212 @@ def read_tree(
         )
     dev = torch.device(device) if device is not None else torch.device("cpu")
     selection = normalize_keys(keys) if keys is not None else None
-    reader = _Reader(mode, mmap, dev, allow_pickle, verify)
-    fd = open_dir(root, root, None)
+    source = _Source(root, open_dir(root, root, None), _Reader(mode, mmap, dev, allow_pickle, verify), written)
+    meta = source.meta((), root, source.fd)
+    return PendingLevel(source, (), root, (), select_entries(meta, selection, (), root), selection)
+
+
+_LOCK = threading.RLock()  # loading a pending level (threads share trees)
+_SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
+
+
+def _after_fork_in_child() -> None:  # a fork while another thread held the lock must not deadlock
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def load_pending_at(prefix: str | os.PathLike[str]) -> None:
+    """Load every still-pending level of the trees this process opened from ``prefix``.
+
+    Called before ``prefix`` is replaced by a new save: an opened tree's levels load on first
+    use, relative to the old directory, which the save deletes. Loaded levels map their files,
+    and mappings keep the old data readable after the deletion, as with an eager load. (Trees
+    opened by *other* processes cannot be helped: their unloaded levels raise a clear
+    :class:`~memtree.errors.MissingLeafError` once the old directory is gone.)
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.level import Level
+        >>> from memtree.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
+        >>> root = open_tree(d)
+        >>> load_pending_at(d)
+        >>> _ = write_tree(d, Level((), {"x": torch.zeros(3)}))
+        >>> root.load()["x"].tolist()
+        [0, 1, 2]
+    """
+    if not _SOURCES:
+        return
     try:
-        return reader.level(fd, root, selection, (), 0)
-    finally:
-        os.close(fd)
+        st = os.stat(prefix)
+    except OSError:
+        return
+    for source in list(_SOURCES):
+        try:
+            same = os.path.samestat(os.fstat(source.fd), st)
+        except OSError:
+            continue
+        if same:
+            source.load_everything()
+
+
+class _Source:
+    """An opened tree: the root directory's descriptor (closed with the last reference)."""
+
+    def __init__(
+        self, root: str, fd: int, reader: _Reader, written: Mapping[tuple[str, ...], LevelMeta] | None
+    ) -> None:
+        self.root = root
+        self.fd = fd
+        self.reader = reader
+        self.written = written or {}
+        self.pending: weakref.WeakSet[PendingLevel] = weakref.WeakSet()
+        weakref.finalize(self, os.close, fd)
+        _SOURCES.add(self)
+
+    def load_everything(self) -> None:
+        """Load (and keep) every pending level of this tree, and the levels below them."""
+        with _LOCK:
+            todo = list(self.pending)
+            while todo:
+                todo.extend(v for v in todo.pop().load().values() if isinstance(v, PendingLevel))
+
+    def meta(self, dirs: tuple[str, ...], where: str, dir_fd: int) -> LevelMeta:
+        """The validated ``meta.json`` of the level ``dirs`` (open as ``dir_fd``)."""
+        known = self.written.get(dirs)
+        if known is not None:
+            return known
+        return read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+
+    def open_level(self, dirs: tuple[str, ...]) -> int:
+        """A new descriptor of the level ``dirs`` below the root (never following links)."""
+        fd = os.dup(self.fd)
+        where = self.root
+        for name in dirs:
+            where = os.path.join(where, name)
+            try:
+                child = open_dir(name, where, fd)
+            finally:
+                os.close(fd)
+            fd = child
+        return fd
+
+    def removed(self) -> bool:
+        """True when the opened root directory has been deleted (e.g. replaced by a re-save)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+
+@dataclasses.dataclass(eq=False)
+class PendingLevel:
+    """A level whose ``meta.json`` is validated and whose entries are not loaded yet.
+
+    Attributes:
+        dirs: the directory names from the root to this level.
+        where: the level's directory (for messages).
+        keys: the key path from the root.
+        meta: the validated ``meta.json``, with only the selected entries.
+        selection: the ``keys=`` selection below this level (``None``: everything).
+    """
+
+    source: _Source
+    dirs: tuple[str, ...]
+    where: str
+    keys: tuple[str, ...]
+    meta: LevelMeta
+    selection: _Trie | None
+    _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.source.pending.add(self)
+
+    @property
+    def batch_size(self) -> tuple[int, ...]:
+        """The level's batch size."""
+        return self.meta.batch_size
+
+    @property
+    def type(self) -> str:
+        """The level's stored container type (``"TensorTree"`` or a registered class name)."""
+        return self.meta.type
+
+    def load(self) -> dict[str, Value | PendingLevel]:
+        """This level's entries: leaves checked and mapped (or read), sub-levels pending.
+
+        Loaded once: later calls return the same entries.
+
+        Raises:
+            MemtreeError: a leaf or a sub-level's ``meta.json`` is missing, damaged or hostile;
+                :class:`~memtree.errors.MissingLeafError` also when the tree was deleted or
+                replaced since it was opened.
+        """
+        with _LOCK:
+            if self._loaded is None:
+                self._loaded = self._open_and_load()
+            return self._loaded
+
+    def _open_and_load(self) -> dict[str, Value | PendingLevel]:
+        try:
+            fd = self.source.open_level(self.dirs)
+            try:
+                return self._load(fd)
+            finally:
+                os.close(fd)
+        except MissingLeafError as err:
+            if self.source.removed():
+                raise MissingLeafError(
+                    f"the tree at {self.source.root} was deleted or replaced (re-saved) after it "
+                    f"was opened, before {self.where} was loaded; levels load when first used, so "
+                    "load the tree again (load_memmap(..., lazy=False) loads every leaf at once)"
+                ) from err
+            raise
+
+    def _load(self, fd: int) -> dict[str, Value | PendingLevel]:
+        reader, sel = self.source.reader, self.selection
+        out: dict[str, Value | PendingLevel] = {}
+        for entry in self.meta.entries:
+            sub = sel.get(entry.key) if sel is not None else None
+            path = self.keys + (entry.key,)
+            if isinstance(entry, LeafMeta):
+                if sub is not None:
+                    raise MemtreeKeyError(
+                        f"key {path!r} is a tensor leaf at {self.where}; it has no sub-key "
+                        f"{next(iter(sub))!r}"
+                    )
+                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
+            elif isinstance(entry, ChildMeta):
+                where = os.path.join(self.where, entry.dir)
+                dirs = self.dirs + (entry.dir,)
+                child_fd = open_dir(entry.dir, where, fd)
+                try:
+                    meta = self.source.meta(dirs, where, child_fd)
+                finally:
+                    os.close(child_fd)
+                if meta.batch_size[: len(self.meta.batch_size)] != self.meta.batch_size:
+                    raise MetaFormatError(
+                        f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} does "
+                        f"not start with the parent's {list(self.meta.batch_size)}; the tree is damaged"
+                    )
+                meta = select_entries(meta, sub, path, where)
+                out[entry.key] = PendingLevel(self.source, dirs, where, path, meta, sub)
+            elif isinstance(entry, JsonMeta):
+                out[entry.key] = NonTensor(entry.value)
+            else:
+                out[entry.key] = NonTensor(reader.pickled(fd, self.where, entry))
+        return out
+
+    def load_all(self) -> Level:
+        """This level and every level below it, loaded now."""
+        entries = {
+            k: v.load_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
+        }
+        return Level(self.meta.batch_size, entries, self.meta.type)
 
 
 class _Reader:
@@ -218,52 +480,14 @@ class _Reader:
         self.allow_pickle = allow_pickle
         self.verify = verify
 
-    def level(
-        self,
-        dir_fd: int,
-        where: str,
-        selection: _Trie | None,
-        path: tuple[str, ...],
-        depth: int,
-        parent_batch: tuple[int, ...] = (),
-    ) -> Level:
-        meta = read_meta(dir_fd, where, depth=depth, root=depth == 0)
-        if meta.batch_size[: len(parent_batch)] != parent_batch:
-            raise MetaFormatError(
-                f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} does not "
-                f"start with the parent's {list(parent_batch)}; the tree is damaged"
-            )
-        entries = select_entries(meta, selection, path, where).entries
-        out = Level(meta.batch_size, {}, meta.type)
-        for entry in entries:
-            sub = selection.get(entry.key) if selection is not None else None
-            if isinstance(entry, LeafMeta):
-                if sub is not None:
-                    raise MemtreeKeyError(
-                        f"key {path + (entry.key,)!r} is a tensor leaf at {where}; it has no "
-                        f"sub-key {next(iter(sub))!r}"
-                    )
-                out.entries[entry.key] = self.leaf(dir_fd, where, entry, path)
-            elif isinstance(entry, ChildMeta):
-                child_where = os.path.join(where, entry.dir)
-                child_fd = open_dir(entry.dir, child_where, dir_fd)
-                try:
-                    out.entries[entry.key] = self.level(
-                        child_fd, child_where, sub, path + (entry.key,), depth + 1, meta.batch_size
-                    )
-                finally:
-                    os.close(child_fd)
-            elif isinstance(entry, JsonMeta):
-                out.entries[entry.key] = NonTensor(entry.value)
-            else:
-                out.entries[entry.key] = NonTensor(self.pickled(dir_fd, where, entry))
-        return out
-
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
         if self.device.type == "meta":
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         path = os.path.join(where, entry.file)
-        fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
+        try:
+            fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
+        except LeafSizeError:
+            fd = self.open_grown(dir_fd, where, entry, path)
         check = self.verify and entry.checksum is not None
         try:
             if self.mmap:
@@ -284,6 +508,28 @@ class _Reader:
         if self.device.type != "cpu":
             tensor = tensor.to(self.device)
         return tensor
+
+    @staticmethod
+    def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str) -> int:
+        """The leaf's file when the tree grew (``append_``...) after this ``meta.json`` was read.
+
+        The file must then match the level's *current* ``meta.json`` exactly, as the same leaf
+        with more rows; the rows the older view covers are unchanged by growth, so the old view
+        is mapped. Otherwise the size mismatch is damage: raises ``LeafSizeError``.
+        """
+        try:
+            current = read_meta(dir_fd, where, depth=0, root=False)
+        except MemtreeError:
+            current = None
+        now = next((e for e in current.entries if e.key == entry.key), None) if current else None
+        if not (
+            isinstance(now, LeafMeta)
+            and now != entry
+            and (now.file, now.dtype, now.shape[1:]) == (entry.file, entry.dtype, entry.shape[1:])
+            and now.file_nbytes > entry.file_nbytes
+        ):
+            return open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # raises again
+        return open_checked(entry.file, now.file_nbytes, path, dir_fd=dir_fd)
 
     @staticmethod
     def check(found: str, entry: LeafMeta, path: str, parents: tuple[str, ...]) -> None:

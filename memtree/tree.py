@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from math import prod
 from typing import Any, Union
@@ -35,7 +36,7 @@ from .keys import validate_key
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor
 from .nontensor import NonTensor
-from .read import KeySelection, read_tree
+from .read import KeySelection, PendingLevel, load_pending_at, normalize_keys, open_tree
 from .registry import class_for
 from .write import share_tree, write_tree
 
@@ -44,6 +45,15 @@ __all__ = ["TensorTree", "load_memmap", "Key"]
 Key = Union[str, tuple[str, ...]]
 _MISSING: Any = object()
 _REPR_MAX_LINES = 60
+_LOAD_LOCK = threading.RLock()  # one lazy level loads at a time (threads share trees)
+
+
+def _new_load_lock() -> None:  # a fork while another thread held the lock must not deadlock
+    global _LOAD_LOCK
+    _LOAD_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_load_lock)
 
 
 def _is_str_key(key: object) -> bool:
@@ -114,6 +124,53 @@ class TensorTree:
         >>> t.shape, len(t)
         (torch.Size([2]), 2)
     """
+
+    #: A level opened lazily (``load_memmap``): its entries load on first access of ``_data``.
+    _pending: tuple[PendingLevel, str] | None = None
+
+    @property
+    def _data(self) -> dict[str, Any]:
+        """The entries (loading them first if this level was opened lazily)."""
+        if self._pending is not None:
+            self._load_pending()
+        return self._entries
+
+    @_data.setter
+    def _data(self, entries: dict[str, Any]) -> None:
+        self._entries = entries
+        self._pending = None
+
+    def _load_pending(self) -> None:
+        with _LOAD_LOCK:
+            if self._pending is None:  # another thread loaded it meanwhile
+                return
+            level, unknown_classes = self._pending
+            entries: dict[str, Any] = {}
+            for k, v in level.load().items():
+                entries[k] = TensorTree._lazy(v, self._device, unknown_classes) if isinstance(v, PendingLevel) else v
+            self._data = entries
+
+    @classmethod
+    def _lazy(cls, level: PendingLevel, device: torch.device | None, unknown_classes: str) -> TensorTree:
+        """A tree of a lazily opened level: its class and batch size now, its entries on use."""
+        target = class_for(level.type, unknown_classes, level.keys) or cls
+        out = target._empty(torch.Size(level.batch_size), device)
+        out._pending = (level, unknown_classes)
+        return out
+
+    def _load_selected(self, selection: dict[str, Any] | None) -> None:
+        """Load the levels on the paths a ``keys=`` selection names (raising for absent keys)."""
+        if selection is None:
+            return
+        for key, sub in selection.items():
+            child = self._data.get(key)
+            if isinstance(child, TensorTree):
+                child._load_selected(sub)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickle/copy: every lazy level loaded first
+        for _ in self._walk():
+            pass
+        return self.__dict__
 
     def __init__(
         self,
@@ -753,11 +810,13 @@ class TensorTree:
     @classmethod
     def _from_level(
         cls,
-        level: Level,
+        level: Level | PendingLevel,
         device: torch.device | None = None,
         unknown_classes: str = "error",
         path: tuple[str, ...] = (),
     ) -> TensorTree:
+        if isinstance(level, PendingLevel):
+            return cls._lazy(level, device, unknown_classes)
         target = class_for(level.type, unknown_classes, path) or cls  # a registered @tensorclass
         out = target._empty(torch.Size(level.batch_size), device)
         for k, v in level.entries.items():
@@ -767,7 +826,9 @@ class TensorTree:
                 out._data[k] = v
         return out
 
-    def _adopt(self, level: Level) -> None:
+    def _adopt(self, level: Level | PendingLevel) -> None:
+        if isinstance(level, PendingLevel):  # the sub-trees this tree holds map their files now
+            level = level.load_all()
         for k, v in level.entries.items():
             if isinstance(v, Level):
                 self._data[k]._adopt(v)
@@ -880,11 +941,13 @@ class TensorTree:
         )
         return type(self)._from_level(level, self._device)
 
-    def _write(self, prefix: str | os.PathLike[str] | None, **options: Any) -> Level:
+    def _write(self, prefix: str | os.PathLike[str] | None, **options: Any) -> Level | PendingLevel:
         """Write through :func:`memtree.write.write_tree` (or share memory when no prefix)."""
         if prefix is None:
             return share_tree(self._to_level(), like=options.get("like", False))
-        return write_tree(prefix, self._to_level(), **options)
+        level = self._to_level()
+        load_pending_at(prefix)  # trees opened from prefix keep their data when it is replaced
+        return write_tree(prefix, level, **options)
 
     @classmethod
     def load_memmap(
@@ -898,9 +961,17 @@ class TensorTree:
         allow_pickle: bool = False,
         verify: bool = False,
         unknown_classes: str = "error",
+        lazy: bool = True,
         **remote: Any,
     ) -> TensorTree:
-        """Load a tree written by :meth:`memmap`: validates every file, reads no leaf data.
+        """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
+
+        Returns after validating the root ``meta.json`` only. A level (a sub-tree) is loaded
+        the first time its entries are used (``tree["a"]``, ``keys()``, ``to_module``...): its
+        leaf files are checked (regular file of exactly the right size, no symbolic link) and
+        mapped, and its sub-levels' ``meta.json`` files validated. No leaf data is read. Files
+        are opened relative to the tree's directory as it was when loaded: re-saving the prefix
+        meanwhile never mixes two versions (the old levels raise instead, if deleted).
 
         Args:
             prefix: the tree's directory, or an fsspec URL (``"s3://bucket/tree"``,
@@ -920,6 +991,9 @@ class TensorTree:
             unknown_classes: a level stored as a ``@tensorclass`` comes back as that class when
                 it is registered (its module imported); otherwise ``"error"`` raises
                 :class:`~memtree.UnknownClassError` and ``"tree"`` loads it as a plain tree.
+            lazy: ``False`` loads every level before returning, so that a damaged or missing
+                file raises here rather than on first use. ``verify=True``, ``mmap=False``,
+                ``device`` other than CPU/meta, and remote URLs always load everything at once.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
                 ``chunk_bytes``, ``retries``, ``fsync`` (see :func:`memtree.remote.load`).
 
@@ -939,11 +1013,17 @@ class TensorTree:
             raise TypeError(f"load_memmap() got options for remote URLs only ({sorted(remote)}) with the local path {prefix!r}")
         from .interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir  # layer above
 
+        dev = torch.device(device) if device is not None else None
         if is_tensordict_dir(prefix):  # tensordict's layout, read-only compatibility (SPEC §5)
             level = read_tensordict_dir(prefix, keys=keys, mode=mode, mmap=mmap, device=device)
-        else:
-            level = read_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
-        return cls._from_level(level, torch.device(device) if device is not None else None, unknown_classes)
+            return cls._from_level(level, dev, unknown_classes)
+        root = open_tree(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
+        lazy = lazy and not verify and mmap and (dev is None or dev.type in ("cpu", "meta"))
+        if not lazy:
+            return cls._from_level(root.load_all(), dev, unknown_classes)
+        tree = cls._lazy(root, dev, unknown_classes)
+        tree._load_selected(normalize_keys(keys) if keys is not None else None)
+        return tree
 
     # --------------------------------------------------------------------------- modules
     @classmethod

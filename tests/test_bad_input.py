@@ -105,14 +105,22 @@ def snapshot(root) -> dict:
 
 
 def expect_error(prefix, exc, root=None, **kw):
-    """load_memmap(prefix, **kw) raises exc (a MemtreeError) and nothing on disk changes."""
+    """Loading raises exc (a MemtreeError) and nothing on disk changes.
+
+    Both ways: ``load_memmap(prefix, lazy=False, **kw)`` raises it, and so does a lazily opened
+    tree, at the latest when every level is loaded (``keys(include_nested=True)``).
+    """
     root = root if root is not None else Path(prefix).parent
     before = snapshot(root)
-    with pytest.raises(exc) as ei:
-        memtree.load_memmap(prefix, **kw)
-    assert isinstance(ei.value, memtree.MemtreeError), type(ei.value)
+    errors = []
+    for lazy in (False, True):
+        with pytest.raises(exc) as ei:
+            memtree.load_memmap(prefix, lazy=lazy, **kw).keys(include_nested=True)
+        assert isinstance(ei.value, memtree.MemtreeError), type(ei.value)
+        errors.append(ei.value)
+    assert str(errors[0]) == str(errors[1])
     assert snapshot(root) == before
-    return ei.value
+    return errors[0]
 
 
 def set_root(prefix: Path, meta) -> None:
@@ -605,11 +613,6 @@ _CHILD_SCRIPT = textwrap.dedent(
     """
     import sys, torch, memtree
     kw = eval(sys.argv[2])
-    try:
-        tree = memtree.load_memmap(sys.argv[1], **kw)
-    except memtree.MemtreeError as e:
-        print("ERR", type(e).__name__)
-        sys.exit(1)
     total = 0.0
     def walk(t):
         global total
@@ -619,6 +622,12 @@ _CHILD_SCRIPT = textwrap.dedent(
                 walk(v)
             elif isinstance(v, torch.Tensor):
                 total += float(v.as_subclass(torch.Tensor).reshape(-1).view(torch.uint8).double().sum())
+    try:
+        tree = memtree.load_memmap(sys.argv[1], **kw)
+        tree.keys(include_nested=True)  # levels load lazily: load them all before reading data
+    except memtree.MemtreeError as e:
+        print("ERR", type(e).__name__)
+        sys.exit(1)
     walk(tree)
     print("OK", total)
     sys.exit(0)
@@ -964,8 +973,8 @@ def test_stray_pickle_is_never_executed(tmp_path, tree_dir):
         pickle.dump(_Evil(str(marker)), f)
     with open(tree_dir / "b" / "meta.pickle", "wb") as f:
         pickle.dump(_Evil(str(marker)), f)
-    memtree.load_memmap(tree_dir)
-    memtree.load_memmap(tree_dir, allow_pickle=True)
+    memtree.load_memmap(tree_dir).keys(include_nested=True)
+    memtree.load_memmap(tree_dir, allow_pickle=True).keys(include_nested=True)
     assert not marker.exists()
 
 
@@ -1061,6 +1070,7 @@ def _fuzz_load(pristine: Path, mutate, kw=None):
         before = snapshot(work)
         try:
             tree = memtree.load_memmap(work / "tree", **kw)
+            tree.keys(include_nested=True)  # load every lazily opened level
         except memtree.MemtreeError as e:
             event(f"refused: {type(e).__name__}")
         except Exception as e:  # pragma: no cover - the failure we are looking for

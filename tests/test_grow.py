@@ -218,7 +218,7 @@ def test_loader_refuses_a_file_that_does_not_hold_capacity_rows(tmp_path):
     buf.append_(item(5))
     os.truncate(d / "obs.memmap", 6 * 3 * 4)  # the logical size is not enough
     with pytest.raises(memtree.LeafSizeError, match="obs.memmap"):
-        memtree.load_memmap(d)
+        memtree.load_memmap(d, lazy=False)
 
 
 @pytest.mark.parametrize("capacity", [4, -1, 2.5, True, None])

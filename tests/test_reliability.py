@@ -840,7 +840,7 @@ def test_verify_tree_of_a_grown_tree_checks_the_capacity(parent):
     assert problem.kind == "size" and problem.expected.startswith(f"{capacity * 4} bytes")
     assert f"capacity {capacity}" in problem.expected and problem.found == "28 bytes"
     with pytest.raises(memtree.LeafSizeError):
-        memtree.load_memmap(parent / "t")
+        memtree.load_memmap(parent / "t", lazy=False)
 
 
 def test_verify_agrees_with_load(parent):
@@ -926,7 +926,7 @@ def test_reader_process_keeps_old_data_while_tree_is_overwritten(parent, mode):
 
 def _read_after_truncation(prefix, conn):
     faulthandler.disable()  # the SIGBUS below is expected: no traceback dump
-    tree = memtree.load_memmap(prefix, mode="r")
+    tree = memtree.load_memmap(prefix, mode="r", lazy=False)
     conn.send("mapped")
     conn.recv()
     conn.send(int(plain(tree["big"]).sum()))  # touches pages the file no longer has
@@ -1079,7 +1079,7 @@ def _write(prefix):
 
 
 def _load(prefix, mode="r"):
-    memtree.load_memmap(prefix, mode=mode)
+    memtree.load_memmap(prefix, mode=mode, lazy=False)
 
 
 def test_permission_denied_on_write_gives_storage_error(shared_tmp):

@@ -428,8 +428,10 @@ def test_allow_pickle_round_trip_needs_allow_pickle_on_load(tmp_path):
         assert kinds[k]["file"].endswith(".pickle")
         assert os.path.isfile(prefix / kinds[k]["file"])
     with pytest.raises(memtree.PickleNotAllowedError) as ei:
-        memtree.load_memmap(prefix)
+        memtree.load_memmap(prefix, lazy=False)
     assert isinstance(ei.value, memtree.MemtreeError)
+    with pytest.raises(memtree.PickleNotAllowedError):  # lazily: when the level is first used
+        memtree.load_memmap(prefix)["x"]
     back = memtree.load_memmap(prefix, allow_pickle=True)
     assert back["tup"] == (1, 2, "three")
     assert back["big"] == 2**70
@@ -849,7 +851,7 @@ def test_partial_load_ignores_damage_outside_selection(tmp_path):
     assert torch.equal(plain(back["b", "c"]), torch.arange(3) * 2)
     # the full load does notice
     with pytest.raises(memtree.MemtreeError):
-        memtree.load_memmap(prefix)
+        memtree.load_memmap(prefix, lazy=False)
 
 
 def test_partial_load_never_opens_unrelated_meta(tmp_path):

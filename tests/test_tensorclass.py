@@ -286,7 +286,7 @@ def test_unknown_class_is_a_clear_error_naming_the_key(tmp_path):
     tree.memmap(tmp_path / "t")
     _set_type(tmp_path / "t" / "step" / "obs" / "meta.json", "elsewhere.Observation")
     with pytest.raises(memtree.UnknownClassError, match=r"\('step', 'obs'\).*'elsewhere.Observation'") as ei:
-        memtree.load_memmap(tmp_path / "t")
+        memtree.load_memmap(tmp_path / "t", lazy=False)
     assert isinstance(ei.value, memtree.MetaFormatError)
     assert "unknown_classes='tree'" in str(ei.value)
 
