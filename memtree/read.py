@@ -185,11 +185,17 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
                 f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
                 "a meta.json; it was not written by memtree (or tensordict)"
             )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_META_BYTES + 1)
+        parts = []  # to the end of the file, which may have grown since fstat (the parser checks)
+        left = MAX_META_BYTES + 1
+        while left > 0:
+            part = os.read(fd, min(left, max(st.st_size + 1, 65536)))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
     finally:
         os.close(fd)
-    return data, path
+    return b"".join(parts), path
 
 
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
@@ -347,14 +353,16 @@ class _Source:
 
     def open_level(self, dirs: tuple[str, ...]) -> int:
         """A new descriptor of the level ``dirs`` below the root (never following links)."""
-        fd = os.dup(self.fd)
-        where = self.root
+        if not dirs:
+            return os.dup(self.fd)
+        fd, where = self.fd, self.root
         for name in dirs:
             where = os.path.join(where, name)
             try:
                 child = open_dir(name, where, fd)
             finally:
-                os.close(fd)
+                if fd != self.fd:
+                    os.close(fd)
             fd = child
         return fd
 
