@@ -3,7 +3,9 @@ tensors, open it, touch every byte, read one tensor.
 
 Every system is a :class:`Store` row; its ``kind`` says which library does the work:
 
-* ``memtree`` / ``tensordict``: ``memmap(path, num_threads=n)`` and ``load_memmap(path)``;
+* ``memtree`` / ``tensordict``: ``memmap(path, num_threads=n)`` and ``load_memmap(path)``
+  (memtree's is lazy: the root ``meta.json`` at open, each level on first use; the ``memtree
+  eager`` row reads the same files with ``load_memmap(path, lazy=False)``);
 * ``safetensors``: ``save_file``; read with ``safe_open`` (lazy) or ``load_file`` (eager);
 * ``torch``: ``torch.save``; read with ``torch.load`` or ``torch.load(mmap=True)``;
 * ``tensorizer``: ``TensorSerializer.write_state_dict``; read eagerly or with ``lazy_load``;
@@ -68,6 +70,8 @@ def store_systems(many_files: bool) -> list[Store]:
     rows: list[Store] = []
     for kind in ("memtree", "tensordict"):
         rows.append(Store(f"{kind} t0", kind, 0, reader="mmap"))
+        if kind == "memtree":  # load_memmap(lazy=False): every level validated and mapped at open
+            rows.append(Store("memtree eager", kind, saves=False, reader="eager", source="memtree t0"))
         rows.append(Store(f"{kind} t2", kind, 2))
         rows.append(Store(f"{kind} t8", kind, 8))
     rows += [
@@ -223,7 +227,7 @@ class Handle:
         if store.kind == "memtree":
             from memtree import load_memmap
 
-            self.obj: Any = load_memmap(path)
+            self.obj: Any = load_memmap(path, lazy=r != "eager")
         elif store.kind == "tensordict":
             from tensordict import TensorDict
 
