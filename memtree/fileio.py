@@ -61,7 +61,9 @@ __all__ = [
     "CHUNK_BYTES",
     "byte_view",
     "write_fd",
+    "pwrite_from",
     "allocate_fd",
+    "preallocate_fd",
     "create_leaf",
     "write_file_replace",
     "replacing_file",
@@ -84,6 +86,11 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 64 * 1024 * 1024
+#: Leaf files at least this large get their blocks in one ``fallocate`` before the data is
+#: written: the page-cache writes then skip delayed allocation (W1 in ``benchmarks/``: 1 GiB in
+#: 195 leaves 0.80 s preallocated vs 1.37 s not, on ext4). Smaller files gain nothing from the
+#: extra system call.
+PREALLOCATE_MIN = 1024 * 1024
 #: Slice size when a checksum is computed during a write: small enough to stay in the CPU cache
 #: between ``pwrite`` and the hash, large enough that the extra syscalls cost nothing.
 DIGEST_SLICE = 4 * 1024 * 1024
@@ -92,6 +99,27 @@ _READ_FLAGS = (
     os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 )
 _PROC_FD = os.path.isdir("/proc/self/fd")
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Any:
+    """A C library function that sets ``errno`` (``None`` where the platform lacks it)."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: Linux ``fallocate(2)``: unlike ``os.posix_fallocate`` it never falls back to writing zeros
+#: into every block where the filesystem cannot preallocate.
+_fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+#: Wraps raw memory in a read-only ``memoryview`` without copying (CPython's C API).
+_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_view_of_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_view_of_memory.restype = ctypes.py_object
+_PYBUF_READ = 0x100
 
 
 def storage_error(err: OSError, what: str) -> StorageError:
@@ -181,12 +209,28 @@ def file_checksum(fd: int, nbytes: int, algorithm: str) -> str:
     return f"{algorithm}:{digest.hexdigest()}"
 
 
-def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | None = None) -> None:
-    """Write a contiguous CPU tensor's bytes at ``offset`` with ``pwrite`` (GIL released).
+def pwrite_from(
+    fd: int, address: int, nbytes: int, offset: int = 0, digest: Digest | None = None
+) -> None:
+    """``pwrite`` ``nbytes`` of memory at ``address`` to ``offset`` of ``fd``: no copy, GIL released.
 
-    With ``digest``, each slice is hashed right after it is written (one pass over the data).
+    The memory must stay valid during the call: pass ``t.data_ptr()`` and ``t.nbytes`` of a
+    contiguous CPU tensor ``t`` that the caller holds. With ``digest``, see :func:`write_fd`.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> t = torch.arange(3, dtype=torch.int16)
+        >>> fd = os.open(os.path.join(tempfile.mkdtemp(), "f"), os.O_RDWR | os.O_CREAT)
+        >>> pwrite_from(fd, t.data_ptr(), t.nbytes, 1)
+        >>> os.pread(fd, 8, 0)
+        b'\\x00\\x00\\x00\\x01\\x00\\x02\\x00'
+        >>> os.close(fd)
     """
-    view = byte_view(tensor)
+    if nbytes:
+        _pwrite_view(fd, _view_of_memory(address, nbytes, _PYBUF_READ), offset, digest)
+
+
+def _pwrite_view(fd: int, view: memoryview, offset: int, digest: Digest | None) -> None:
     step = CHUNK_BYTES if digest is None else DIGEST_SLICE
     done = 0
     total = len(view)
@@ -198,6 +242,33 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
         if digest is not None:
             digest.update(part[:n])
         done += n
+
+
+def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | None = None) -> None:
+    """Write a contiguous CPU tensor's bytes at ``offset`` with ``pwrite`` (GIL released).
+
+    With ``digest``, each slice is hashed right after it is written (one pass over the data).
+    A plain tensor's memory is written as it is (:func:`pwrite_from`: about 1 µs of overhead,
+    which matters for 20,000 small leaves); other tensors go through :func:`byte_view`.
+    """
+    if tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+        pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
+    else:
+        _pwrite_view(fd, byte_view(tensor), offset, digest)
+
+
+def preallocate_fd(fd: int, nbytes: int) -> None:
+    """Allocate the blocks of a new file that is about to be filled, where that is cheap.
+
+    A hint: nothing happens for files under :data:`PREALLOCATE_MIN` bytes or where the
+    filesystem cannot preallocate. A full disk or quota raises here, before any data is copied.
+    """
+    if nbytes < PREALLOCATE_MIN or _fallocate is None:
+        return
+    if _fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OSError(err, os.strerror(err))
 
 
 def allocate_fd(fd: int, nbytes: int, *, reserve: bool) -> None:
@@ -243,6 +314,7 @@ def create_leaf(
                 raise ValueError("a checksum needs the data: create_leaf(tensor=None) writes none")
             allocate_fd(fd, nbytes, reserve=reserve)
         else:
+            preallocate_fd(fd, nbytes)
             write_fd(fd, tensor, 0, digest)
         if fsync:
             os.fsync(fd)
@@ -414,18 +486,9 @@ _AT_FDCWD = -100
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
-def _libc_renameat2() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _libc_renameat2()
+_renameat2 = _libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 
 
 def _rename2(a: str, b: str, flags: int) -> bool:
