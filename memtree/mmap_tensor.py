@@ -53,11 +53,14 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
 _NEVER_WRAP = frozenset({"as_subclass", "__reduce_ex__", "__deepcopy__"})
+_GETITEM = torch.Tensor.__getitem__
 _SETITEM = torch.Tensor.__setitem__
 
 ShapeArg = Any
 #: Bytes of copies of one row written per ``pwrite`` when a value broadcasts over many rows.
 _BROADCAST_BYTES = 1 << 20
+#: Index tensor dtypes that ``index_select`` takes.
+_GATHER_DTYPES = (torch.int64, torch.int32)
 #: Integer dtypes of row-index tensors (uint8 index tensors are masks to torch).
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 #: A file's identity: ``(st_dev, st_ino)``.
@@ -320,8 +323,10 @@ class MemoryMappedTensor(torch.Tensor):
 
         Defined here (not only in ``__torch_function__``) because filling a dataset row by row
         is a hot loop, and torch's dispatch to ``__torch_function__`` costs as much as the
-        ``pwrite`` itself.
+        ``pwrite`` itself; under an active ``TorchFunctionMode`` it dispatches as usual.
         """
+        if torch._C._is_torch_function_mode_enabled():
+            return super().__setitem__(idx, value)  # through __torch_function__: the mode sees it
         if getattr(self, "_readonly", False):
             _check_writable(self)
         if type(idx) is int and _pwrite_row(self, idx, value):
@@ -329,6 +334,19 @@ class MemoryMappedTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if not _pwrite_setitem(self, idx, value):
                 _SETITEM(self, idx, value)
+
+    def __getitem__(self, idx: Any) -> Any:
+        """``t[idx]``: views stay ``MemoryMappedTensor``; gathers are ordinary tensors.
+
+        Defined here for the same reason as ``__setitem__``: random batch reads are a hot loop.
+        """
+        if torch._C._is_torch_function_mode_enabled():
+            return super().__getitem__(idx)  # through __torch_function__: the mode sees it
+        with torch._C.DisableTorchFunctionSubclass():
+            rows = _gather_rows(self, idx)
+            if rows is not None:
+                return rows
+            return _wrap_views(_GETITEM(self, idx), self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickle/torch.save: an ordinary tensor
         with torch._C.DisableTorchFunctionSubclass():
@@ -709,9 +727,36 @@ def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
     return True
 
 
+def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
+    """``src[idx]`` for a 1-D int64/int32 index tensor (a random batch), else None.
+
+    ``index_select`` copies whole rows; torch's advanced indexing copies element by element,
+    several times slower on rows of kilobytes (W3: 256 images of 12 KiB). Same values, shape
+    and dtype; out-of-range indices are left to torch (its ``IndexError``).
+    """
+    if isinstance(idx, tuple) and len(idx) == 1:
+        idx = idx[0]
+    if not (
+        isinstance(idx, torch.Tensor)
+        and idx.ndim == 1
+        and idx.dtype in _GATHER_DTYPES
+        and idx.is_cpu
+        and src.ndim
+    ):
+        return None
+    if idx.numel():
+        n = src.shape[0]
+        low, high = (int(x) for x in torch.aminmax(idx))
+        if low < -n or high >= n:
+            return None
+        if low < 0:
+            idx = torch.where(idx < 0, idx + n, idx)
+    return torch.index_select(src, 0, idx)
+
+
 def _wrap_views(out: Any, src: MemoryMappedTensor) -> Any:
     if isinstance(out, torch.Tensor):
-        if type(out) is torch.Tensor and out.device == src.device and (
+        if type(out) is torch.Tensor and out.is_cpu and (
             out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
         ):
             return MemoryMappedTensor._wrap(out, getattr(src, "_file", None), src.readonly)

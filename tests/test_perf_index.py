@@ -441,3 +441,68 @@ def test_in_place_layout_changes_are_seen_by_later_row_writes(tmp_path):
     assert bits(MMT.from_filename(tmp_path / "x.memmap", torch.float32, (9,))) == bits(
         expected.as_strided((9,), (1,), 0)
     )
+
+
+# ------------------------------------------------------------------------------ batch reads
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        torch.tensor([5, 0, 9, 5]),
+        torch.tensor([-1, -10, 3], dtype=torch.int32),
+        torch.tensor([], dtype=torch.int64),
+        (torch.tensor([2, 1]),),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.complex64, torch.bool])
+def test_batch_reads_match_torch_indexing(tmp_path, index, dtype):
+    expected = torch.arange(10 * 6).reshape(10, 2, 3).to(dtype)
+    mt = MMT.from_tensor(expected, filename=tmp_path / "x.memmap")
+    out = mt[index]
+    assert type(out) is torch.Tensor  # a copy, not a view of the file
+    assert out.dtype == dtype and out.shape == expected[index].shape
+    assert bits(out) == bits(expected[index])
+    assert bits(mt[1::2][index[0] // 2 if isinstance(index, tuple) else index // 2]) == bits(
+        expected[1::2][index[0] // 2 if isinstance(index, tuple) else index // 2]
+    )
+
+
+def test_batch_reads_out_of_range_raise_torch_index_error(tmp_path):
+    mt = MMT.zeros((4, 2), filename=tmp_path / "x.memmap")
+    for index in (torch.tensor([0, 4]), torch.tensor([-5])):
+        with pytest.raises(IndexError):
+            torch.zeros(4, 2)[index]
+        with pytest.raises(IndexError):
+            mt[index]
+
+
+def test_tree_batch_reads_see_rows_written_by_index(tmp_path):
+    data = dataset(tmp_path / "d", n=100)
+    for i in (3, 50, 99):
+        data[i] = item(i)
+    batch = data[torch.tensor([99, 3, 7, -50])]
+    assert batch.batch_size == torch.Size([4])
+    assert batch["label"].tolist() == [99, 3, 0, 50]
+    assert batch["img"][:, 0, 0, 0].tolist() == [99, 3, 0, 50]
+
+
+def test_torch_function_modes_see_row_reads_and_writes(tmp_path, monkeypatch):
+    mt = MMT.zeros((6, 2), dtype=torch.int64, filename=tmp_path / "x.memmap")
+    seen = []
+    pwrites = []
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda *args: pwrites.append(args[2]) or real(*args))
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        mt[1] = torch.tensor([4, 5])
+        batch = mt[torch.tensor([1, 0])]
+    assert seen.count("__setitem__") == 1 and seen.count("__getitem__") == 1
+    assert pwrites == [16]  # the write still took the pwrite path
+    assert batch.tolist() == [[4, 5], [0, 0]]
