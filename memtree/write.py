@@ -9,11 +9,13 @@ committed"):
    exists.
 2. :func:`write_tree` takes the destination's writer lock ``.<name>.memtree.lock`` (cleaning up
    after a writer that crashed, see :mod:`memtree.recover`), creates ``.<name>.memtree-tmp-<hex>``
-   next to the destination, writes the leaves (in a thread pool when ``num_threads > 0``,
-   hashing them on the way with ``checksum=``), then each level's ``meta.json`` deepest first and
-   the root's last, and renames the staging directory onto the destination: ``RENAME_NOREPLACE``
-   for a new destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two
-   journaled renames where the filesystem lacks it).
+   next to the destination, writes the leaves (each file opened once, filled with ``pwrite``
+   straight from the tensor's memory, hashed on the way with ``checksum=``; by ``num_threads``
+   threads when there is enough work for them), then each level's ``meta.json`` and the root's
+   last, and renames the staging directory onto the destination: ``RENAME_NOREPLACE`` for a new
+   destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
+   renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
+   background thread (:func:`wait_for_removals`), so that the caller need not wait for it.
 3. The written files are mapped (still under the lock) and returned as a ``Level`` of
    ``MemoryMappedTensor``.
 
@@ -31,19 +33,23 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import shutil
 import stat
+import threading
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from math import prod
+from typing import TypeVar
 
 import orjson
 import torch
 
-from .dtypes import dtype_name, itemsize
+from .dtypes import dtype_name
 from .errors import (
     DestinationExistsError,
     DtypeError,
@@ -92,17 +98,25 @@ __all__ = [
     "share_tree",
     "destination_state",
     "publish",
+    "wait_for_removals",
 ]
 
+T = TypeVar("T")
 
-@dataclass
+
+@dataclass(slots=True)
 class LeafJob:
-    """One file to write: where (relative path), what, and how big."""
+    """One file to write: where (relative path), what, and how big; ``key`` is the tree key."""
 
     rel: str
-    where: str
+    key: tuple[str, ...]
     tensor: torch.Tensor
     nbytes: int
+
+    @property
+    def where(self) -> str:
+        """The key as error messages show it (``'w'`` or ``('a', 'w')``)."""
+        return _key_label(self.key)
 
 
 @dataclass
@@ -126,6 +140,11 @@ class WritePlan:
     def total_bytes(self) -> int:
         """Bytes of leaf data the write needs on disk."""
         return sum(j.nbytes for j in self.leaves)
+
+    @property
+    def total_files(self) -> int:
+        """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
+        return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
 
 
 def _key_label(path: tuple[str, ...]) -> str:
@@ -225,30 +244,31 @@ def _plan_leaf(
     like: bool,
     copy_existing: bool,
 ) -> LeafMeta:
-    where = _key_label(kpath)
+    dtype = tensor.dtype
     try:
-        dtype_name(tensor.dtype)
+        dtype_name(dtype)
     except DtypeError as err:
-        raise DtypeError(f"leaf {where}: {err}") from None
+        raise DtypeError(f"leaf {_key_label(kpath)}: {err}") from None
     if tensor.layout != torch.strided or tensor.is_nested:
-        raise DtypeError(f"leaf {where}: {tensor.layout} tensors cannot be stored; use .to_dense()")
+        raise DtypeError(
+            f"leaf {_key_label(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
+        )
     if not like:
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             raise DtypeError(
-                f"leaf {where} is on the meta device and has no data; use memmap_like() to "
-                "allocate files for it, or load real weights first"
+                f"leaf {_key_label(kpath)} is on the meta device and has no data; use "
+                "memmap_like() to allocate files for it, or load real weights first"
             )
-        if isinstance(tensor, MemoryMappedTensor) and tensor.filename is not None and not copy_existing:
+        if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
             target = os.path.join(dest, rel) if dest else None
-            if tensor.filename != target:
+            if tensor.filename is not None and not copy_existing and tensor.filename != target:
                 raise ExistingMemmapError(
-                    f"leaf {where} is already memory-mapped from {tensor.filename}; pass "
-                    "copy_existing=True to copy it into the new prefix"
+                    f"leaf {_key_label(kpath)} is already memory-mapped from {tensor.filename}; "
+                    "pass copy_existing=True to copy it into the new prefix"
                 )
     shape = tuple(tensor.shape)
-    nbytes = prod(shape) * itemsize(tensor.dtype)
-    plan.leaves.append(LeafJob(rel, where, tensor, nbytes))
-    return LeafMeta(key, name, tensor.dtype, shape)
+    plan.leaves.append(LeafJob(rel, kpath, tensor, tensor.nbytes))
+    return LeafMeta(key, name, dtype, shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +276,18 @@ def _plan_leaf(
 
 #: Seconds a writer waits for another writer of the same destination before raising LockError.
 LOCK_TIMEOUT = 1.0
+#: Bytes of data that cost about as much to write as creating one file (for sizing the threads).
+FILE_COST = 64 * 1024
+#: Work (data bytes + ``FILE_COST`` per file) each writer thread should have at least: below it,
+#: starting a thread (~0.1 ms) costs more than it saves, so a small tree is written by fewer
+#: threads than ``num_threads``, or by the calling thread alone.
+THREAD_MIN_WORK = 4 * 1024 * 1024
+#: An overwrite of a tree of at least this many files and directories deletes the old copy in a
+#: background thread (a deletion of 20,000 files takes seconds); smaller old copies are deleted
+#: before the write returns.
+BACKGROUND_REMOVAL_FILES = 256
+#: How often (seconds) a visible progress bar is advanced while writer threads run.
+_PROGRESS_INTERVAL = 0.1
 
 
 def destination_state(dest: str, existsok: bool) -> str:
@@ -302,6 +334,23 @@ def _is_memtree_meta(path: str) -> bool:
         os.close(fd)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a plan is built.
+
+    A plan of 20,000 leaves allocates ~100,000 objects, which would trigger collections of the
+    whole heap (~0.2 s with torch loaded) although none of them is garbage.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def write_tree(
     prefix: str | os.PathLike[str],
     level: Level,
@@ -322,7 +371,8 @@ def write_tree(
     Args:
         prefix: destination directory (created with its parents if needed).
         like: create zero-filled (sparse) files instead of copying data (``memmap_like``).
-        num_threads: leaf files written concurrently by this many threads (0: this thread).
+        num_threads: write files with up to this many threads (0: this thread); fewer when the
+            tree is too small to keep them busy (:data:`THREAD_MIN_WORK` each).
         existsok: allow replacing an existing memtree directory (atomically).
         fsync: fsync files and directories so the commit survives power loss.
         reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
@@ -341,10 +391,12 @@ def write_tree(
     if like and checksum is not None:
         raise ValueError("memmap_like writes no data, so it records no checksum; pass checksum=None")
     dest = os.path.realpath(os.fspath(prefix))
-    plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)
+    with _gc_paused():
+        plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)
     parent, name = os.path.split(dest)
     try:
-        os.makedirs(parent, exist_ok=True)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
     except OSError as err:
         raise storage_error(err, f"creating the parent directory of {dest}") from err
     with WriterLock(lock_path(parent, name), dest, timeout=LOCK_TIMEOUT) as lock:
@@ -363,13 +415,73 @@ def write_tree(
         point("staging_created")
         try:
             _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
-            publish(staging, dest, state, fsync, lock)
+            publish(
+                staging, dest, state, fsync, lock,
+                background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
+            )
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, OSError) and not isinstance(err, MemtreeError):
                 raise storage_error(err, f"writing {dest}") from err
             raise
         return _map_written(dest, level, plan, mode)
+
+
+def _thread_count(num_threads: int, files: int, nbytes: int) -> int:
+    """How many writer threads ``files`` files of ``nbytes`` bytes in all keep busy (0: none)."""
+    if num_threads < 2 or files < 2:
+        return 0
+    useful = (nbytes + FILE_COST * files) // THREAD_MIN_WORK
+    return min(num_threads, files, useful) if useful >= 2 else 0
+
+
+def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress | None = None) -> None:
+    """``work(item)`` for every item, by ``threads`` threads (0: this thread, in order).
+
+    Each thread takes the next item in order when it is done with one, so big and small files
+    spread evenly; ``bar`` advances by what ``work`` returns. The first failure (any exception,
+    ``KeyboardInterrupt`` included) stops every thread before its next item and is raised here
+    once they have all stopped.
+    """
+    if bar is None:
+        bar = Progress(progress=False)
+    if threads == 0:
+        for item in items:
+            bar.update(work(item))
+        return
+    todo = iter(items)  # shared: each next() hands one item to one thread
+    done = [0] * threads
+    failures: list[BaseException] = []
+
+    def worker(slot: int) -> None:
+        try:
+            for item in todo:
+                if failures:
+                    return
+                done[slot] += work(item)
+        except BaseException as err:  # noqa: BLE001 - raised by the calling thread
+            failures.append(err)
+
+    started: list[threading.Thread] = []
+    try:
+        for slot in range(threads):
+            t = threading.Thread(target=worker, args=(slot,), name=f"memtree-write-{slot}")
+            t.start()
+            started.append(t)
+        reported = 0
+        for t in started:
+            while t.is_alive():
+                t.join(_PROGRESS_INTERVAL if bar.active else None)
+                now = sum(done)
+                bar.update(now - reported)
+                reported = now
+    except BaseException as err:  # interrupted while waiting: stop the threads before raising
+        failures.append(err)
+        for t in started:
+            t.join()
+        raise
+    if failures:
+        raise failures[0]
 
 
 def _write_staging(
@@ -384,43 +496,25 @@ def _write_staging(
 ) -> None:
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
-            os.mkdir(os.path.join(staging, lp.rel))
+            os.mkdir(f"{staging}/{lp.rel}")
     point("before_leaves")
     sums: dict[str, str] = {}
 
-    def job(j: LeafJob) -> None:
-        data = None if like else to_storable(j.tensor, j.where)
+    def write_leaf(j: LeafJob) -> int:
+        data = None if like else _storable(j)
         try:
             digest = create_leaf(
-                os.path.join(staging, j.rel), data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
+                f"{staging}/{j.rel}", data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
             )
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
         if digest is not None:
             sums[j.rel] = digest
         point("after_leaf")
+        return j.nbytes
 
-    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)
-    with Progress(total=plan.total_bytes, desc="memmap", unit="B", progress=progress) as bar:
-        if num_threads > 0 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="memtree-write") as pool:
-                futures = {pool.submit(job, j): j for j in jobs}
-                try:
-                    for f in as_completed(futures):
-                        f.result()  # the first failure is raised once running threads stopped
-                        bar.update(futures[f].nbytes)
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
-        else:
-            for j in jobs:
-                job(j)
-                bar.update(j.nbytes)
-    for rel, data in plan.pickles:
-        write_small_file(os.path.join(staging, rel), data, fsync=fsync)
-    for lp in plan.levels:  # deepest first, the root's meta.json last
-        directory = os.path.join(staging, lp.rel)
+    def write_meta(lp: LevelPlan) -> int:
+        directory = f"{staging}/{lp.rel}" if lp.rel else staging
         meta = lp.meta
         if sums:
             meta = replace(meta, entries=tuple(_with_checksum(e, lp.rel, sums) for e in meta.entries))
@@ -430,10 +524,39 @@ def _write_staging(
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
             os.chmod(staging, 0o755)
-        write_small_file(os.path.join(directory, META_NAME), dump_level(meta), fsync=fsync)
+        write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
         if fsync:
             fsync_dir(directory)
+        return 0
+
+    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
+    data_bytes = 0 if like else plan.total_bytes
+    with Progress(total=plan.total_bytes, desc="memmap", unit="B", progress=progress) as bar:
+        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), data_bytes), bar)
+    for rel, data in plan.pickles:
+        write_small_file(f"{staging}/{rel}", data, fsync=fsync)
+    *children, root = plan.levels  # deepest first, the root's meta.json last
+    _run(children, write_meta, _thread_count(num_threads, len(children), 0))
+    write_meta(root)
     point("after_root_meta")
+
+
+def _storable(job: LeafJob) -> torch.Tensor:
+    """The tensor to write for a planned leaf: itself when it is a plain contiguous CPU tensor.
+
+    :func:`plan_write` has checked dtype, layout and device; only the copy, when one is needed,
+    is left to :func:`~memtree.mmap_tensor.to_storable`.
+    """
+    tensor = job.tensor
+    if (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
+        return tensor
+    return to_storable(tensor, job.where)
 
 
 def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
@@ -442,8 +565,67 @@ def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
     return entry
 
 
-def publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) -> None:
-    """Make the complete staging tree the destination, in one atomic step (see format.md)."""
+_removals: list[threading.Thread] = []
+_removals_lock = threading.Lock()
+
+
+def _remove_old(path: str, background: bool) -> None:
+    """Delete an old tree that no name but its hidden one refers to any more.
+
+    ``background``: in a (non-daemon) thread, which the interpreter waits for at exit; a process
+    killed meanwhile leaves the hidden directory to :func:`memtree.recover`.
+    """
+    if background:
+        t = threading.Thread(
+            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="memtree-remove-old"
+        )
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: delete it here
+            pass
+        else:
+            with _removals_lock:
+                _removals[:] = [r for r in _removals if r.is_alive()]
+                _removals.append(t)
+            return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_removals(timeout: float | None = None) -> bool:
+    """Wait until the old trees that overwrites are deleting in the background are gone.
+
+    An overwrite of a large tree (:data:`BACKGROUND_REMOVAL_FILES`) returns as soon as the new
+    tree is published; its old copy, already renamed to a hidden staging name that nothing
+    loads, is deleted by a background thread. The interpreter waits for those threads at exit.
+
+    Args:
+        timeout: the most seconds to wait (``None``: until done).
+
+    Returns:
+        True when no deletion is running any more.
+
+    Example:
+        >>> wait_for_removals(timeout=10)
+        True
+    """
+    with _removals_lock:
+        pending = list(_removals)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in pending:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with _removals_lock:
+        _removals[:] = [r for r in _removals if r.is_alive()]
+        return not _removals
+
+
+def publish(
+    staging: str, dest: str, state: str, fsync: bool, lock: WriterLock, *, background_removal: bool = False
+) -> None:
+    """Make the complete staging tree the destination, in one atomic step (see format.md).
+
+    ``background_removal``: when an old tree is replaced, delete it in a background thread
+    (:func:`wait_for_removals`) instead of before returning.
+    """
     parent = os.path.dirname(dest)
     point("before_publish")
     if state == "absent":
@@ -465,7 +647,7 @@ def publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) 
         if fsync:
             fsync_dir(parent)
         point("before_old_removed")
-        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old tree
+        _remove_old(staging, background_removal)  # staging now holds the old tree
         return
     else:  # no RENAME_EXCHANGE on this filesystem: two renames, journaled for recovery
         old = old_path(parent, os.path.basename(dest))
@@ -482,7 +664,7 @@ def publish(staging: str, dest: str, state: str, fsync: bool, lock: WriterLock) 
         point("after_publish")
         if fsync:
             fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_old(old, background_removal)
         return
     point("after_publish")
     if fsync:
