@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from .dtypes import dtype_name, itemsize
 from .errors import DtypeError, ReadOnlyError
-from .fileio import map_fd, open_checked, storage_error, write_file_replace
+from .fileio import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
 
 __all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
 
@@ -478,7 +478,9 @@ class _Rows(NamedTuple):
     base: int  # file offset of row 0
     shape: torch.Size  # of one row
     dtype: torch.dtype
-    storage: int  # address of the mapping (to spot values read from it)
+    storage: int  # address range of the mapping (to spot values read from it)
+    storage_end: int
+    buffer: type[ctypes.Array[ctypes.c_char]]  # one row of memory, for pwrite
 
 
 def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
@@ -506,6 +508,7 @@ def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
             step = strides[0] if shape[0] > 1 else row_numel
             if row_numel and step >= row_numel:
                 item = dst.element_size()
+                storage = dst.untyped_storage()
                 rows = _Rows(
                     shape[0],
                     row_numel * item,
@@ -513,7 +516,9 @@ def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
                     dst.storage_offset() * item,
                     shape[1:],
                     dst.dtype,
-                    dst.untyped_storage().data_ptr(),
+                    storage.data_ptr(),
+                    storage.data_ptr() + storage.nbytes(),
+                    ctypes.c_char * (row_numel * item),
                 )
     dst._rows = rows
     return rows
@@ -603,17 +608,6 @@ def _aliases(src: torch.Tensor, dst: MemoryMappedTensor, rows: _Rows) -> bool:
     return src.untyped_storage().data_ptr() == rows.storage
 
 
-def _pwrite_from(fd: int, address: int, nbytes: int, offset: int) -> None:
-    """``pwrite`` ``nbytes`` of memory at ``address`` (of a live, contiguous CPU tensor)."""
-    done = 0
-    while done < nbytes:
-        buf = (ctypes.c_char * (nbytes - done)).from_address(address + done)
-        n = os.pwrite(fd, buf, offset + done)
-        if n <= 0:  # pragma: no cover - pwrite on a regular file raises instead
-            raise OSError(errno.EIO, "short write")
-        done += n
-
-
 def _runs(rows: slice | torch.Tensor, contiguous: bool) -> list[tuple[int, int, int]]:
     """``(first file row, first source row, rows)`` for each run of consecutive rows."""
     if isinstance(rows, slice):
@@ -654,14 +648,20 @@ def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
         and value.is_contiguous()
         and not value.is_conj()
         and not value.is_neg()
-        and value.untyped_storage().data_ptr() != rows.storage
     ):
+        return False
+    address = value.data_ptr()
+    if rows.storage <= address < rows.storage_end:  # read from the mapping written
         return False
     writer = _WRITERS.get(dst._file)  # type: ignore[arg-type]
     if writer is None:
         return False
+    nbytes, offset = rows.nbytes, rows.base + (i % n) * rows.step
     try:
-        _pwrite_from(writer.fd, value.data_ptr(), rows.nbytes, rows.base + (i % n) * rows.step)
+        # one pwrite from the value's memory (what fileio.pwrite_from does, minus its setup)
+        done = os.pwrite(writer.fd, rows.buffer.from_address(address), offset)
+        if done < nbytes:  # a short write: the rest by the general helper
+            pwrite_from(writer.fd, address + done, nbytes - done, offset + done)
     except OSError as err:
         raise storage_error(err, f"writing a row of {dst.filename}") from err
     return True
@@ -715,11 +715,11 @@ def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
         for first, k, m in runs:
             offset = base + first * step
             if not one_row:
-                _pwrite_from(writer.fd, address + k * row_bytes, m * row_bytes, offset)
+                pwrite_from(writer.fd, address + k * row_bytes, m * row_bytes, offset)
                 continue
             while m:
                 part = min(m, per_block)
-                _pwrite_from(writer.fd, address, part * row_bytes, offset)
+                pwrite_from(writer.fd, address, part * row_bytes, offset)
                 offset += part * row_bytes
                 m -= part
     except OSError as err:
