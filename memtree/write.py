@@ -443,14 +443,14 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
     ``KeyboardInterrupt`` included) stops every thread before its next item and is raised here
     once they have all stopped.
     """
-    if bar is None:
-        bar = Progress(progress=False)
     if threads == 0:
         for item in items:
-            bar.update(work(item))
+            done = work(item)
+            if bar is not None:
+                bar.update(done)
         return
     todo = iter(items)  # shared: each next() hands one item to one thread
-    done = [0] * threads
+    finished = [0] * threads
     failures: list[BaseException] = []
 
     def worker(slot: int) -> None:
@@ -458,7 +458,7 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
             for item in todo:
                 if failures:
                     return
-                done[slot] += work(item)
+                finished[slot] += work(item)
         except BaseException as err:  # noqa: BLE001 - raised by the calling thread
             failures.append(err)
 
@@ -471,10 +471,11 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
         reported = 0
         for t in started:
             while t.is_alive():
-                t.join(_PROGRESS_INTERVAL if bar.active else None)
-                now = sum(done)
-                bar.update(now - reported)
-                reported = now
+                t.join(_PROGRESS_INTERVAL if bar is not None and bar.active else None)
+                if bar is not None:
+                    now = sum(finished)
+                    bar.update(now - reported)
+                    reported = now
     except BaseException as err:  # interrupted while waiting: stop the threads before raising
         failures.append(err)
         for t in started:
@@ -530,9 +531,9 @@ def _write_staging(
         return 0
 
     jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
-    data_bytes = 0 if like else plan.total_bytes
-    with Progress(total=plan.total_bytes, desc="memmap", unit="B", progress=progress) as bar:
-        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), data_bytes), bar)
+    total = plan.total_bytes
+    with Progress(total=total, desc="memmap", unit="B", progress=progress) as bar:
+        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
     *children, root = plan.levels  # deepest first, the root's meta.json last
