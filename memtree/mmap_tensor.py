@@ -732,7 +732,9 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
 
     ``index_select`` copies whole rows; torch's advanced indexing copies element by element,
     several times slower on rows of kilobytes (W3: 256 images of 12 KiB). Same values, shape
-    and dtype; out-of-range indices are left to torch (its ``IndexError``).
+    and dtype. Negative or out-of-range rows, which ``index_select`` refuses, are left to
+    torch's indexing (it wraps the negative ones and raises its own ``IndexError``); no bounds
+    are computed beforehand, as small temporaries between the large batches fragment the heap.
     """
     if isinstance(idx, tuple) and len(idx) == 1:
         idx = idx[0]
@@ -744,14 +746,10 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
         and src.ndim
     ):
         return None
-    if idx.numel():
-        n = src.shape[0]
-        low, high = (int(x) for x in torch.aminmax(idx))
-        if low < -n or high >= n:
-            return None
-        if low < 0:
-            idx = torch.where(idx < 0, idx + n, idx)
-    return torch.index_select(src, 0, idx)
+    try:
+        return torch.index_select(src, 0, idx)
+    except IndexError:
+        return None
 
 
 def _wrap_views(out: Any, src: MemoryMappedTensor) -> Any:
