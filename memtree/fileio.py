@@ -249,9 +249,17 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
 
     With ``digest``, each slice is hashed right after it is written (one pass over the data).
     A plain tensor's memory is written as it is (:func:`pwrite_from`: about 1 µs of overhead,
-    which matters for 20,000 small leaves); other tensors go through :func:`byte_view`.
+    which matters for 20,000 small leaves); other tensors go through :func:`byte_view`, which
+    also serves subclasses whose ``data_ptr()`` is no real memory (wrapper subclasses such as
+    :class:`~memtree.offload.OffloadedTensor` produce their data on demand).
     """
-    if tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+    if (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
         pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
     else:
         _pwrite_view(fd, byte_view(tensor), offset, digest)

@@ -137,6 +137,25 @@ def test_full_disk_at_preallocation_is_a_storage_error(tmp_path, monkeypatch, ov
         assert_tree_equal_to(memtree.load_memmap(prefix), leaf_dict(old))
 
 
+def offloaded_tensor(tmp_path, value: torch.Tensor) -> torch.Tensor:
+    """A wrapper subclass (no storage of its own: ``data_ptr()`` is not its data) holding ``value``."""
+    from memtree import empty_init, offload
+
+    TensorTree({"weight": value}).memmap(tmp_path / "offload")
+    with empty_init():
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.empty(value.shape))
+    offload(module, tmp_path / "offload")
+    assert type(module.weight).__name__ == "OffloadedTensor"
+    return module.weight
+
+
+def src_bytes(t: torch.Tensor) -> bytes:
+    plain = torch.empty(t.shape, dtype=t.dtype)
+    plain.copy_(t.detach())
+    return plain.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def test_write_fd_writes_every_kind_of_tensor_exactly(tmp_path):
     """The no-copy view of a plain tensor, and the fallback for everything else."""
     src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -148,15 +167,17 @@ def test_write_fd_writes_every_kind_of_tensor_exactly(tmp_path):
         "transposed": src.t(),
         "bfloat16": src.to(torch.bfloat16),
         "complex": torch.complex(src, -src),
+        "parameter": torch.nn.Parameter(src.clone()),
+        "wrapper subclass": offloaded_tensor(tmp_path, src),
     }
     for name, t in cases.items():
-        path = tmp_path / name
+        path = tmp_path / name.replace(" ", "_")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fileio.write_fd(fd, t, 3)
         finally:
             os.close(fd)
-        expected = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        expected = src_bytes(t)
         assert path.read_bytes() == (b"\0" * 3 + expected if expected else b""), name
 
 
