@@ -95,6 +95,7 @@ def leaf_opens(monkeypatch):
 
 def test_thousand_item_writes_open_each_leaf_file_at_most_once(tmp_path, leaf_opens, pwrite_only):
     data = dataset(tmp_path / "d", n=5000)
+    files = {data["img"].filename, data["label"].filename}  # mapped now (trees open lazily)
     leaf_opens.clear()
     pwrite_only.clear()
     g = torch.Generator().manual_seed(0)
@@ -102,7 +103,7 @@ def test_thousand_item_writes_open_each_leaf_file_at_most_once(tmp_path, leaf_op
     for k, i in enumerate(rows):
         data[i] = item(k)
     assert len(pwrite_only) == 2000  # one pwrite per leaf and item
-    assert sorted(leaf_opens) == sorted({data["img"].filename, data["label"].filename})
+    assert sorted(leaf_opens) == sorted(files)  # one write descriptor per leaf file
     for k, i in enumerate(rows[-5:], start=995):
         assert data["img"][i].eq(k % 256).all() and int(data["label"][i]) == k
 
