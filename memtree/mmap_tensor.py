@@ -59,6 +59,7 @@ _SETITEM = torch.Tensor.__setitem__
 ShapeArg = Any
 #: Bytes of copies of one row written per ``pwrite`` when a value broadcasts over many rows.
 _BROADCAST_BYTES = 1 << 20
+_UNKNOWN: Any = object()  # a row layout not computed yet
 #: Index tensor dtypes that ``index_select`` takes.
 _GATHER_DTYPES = (torch.int64, torch.int32)
 #: Integer dtypes of row-index tensors (uint8 index tensors are masks to torch).
@@ -423,10 +424,7 @@ class _Writers:
         """A write descriptor of ``file``, or None when only the mapping can reach the file."""
         writer = file.writer
         if writer is not None:
-            try:
-                self.open.move_to_end(id(file))
-            except KeyError:  # evicted just now: this write still holds the descriptor
-                pass
+            self.touch(file)
             return writer
         with self.lock:
             writer = file.writer
@@ -453,6 +451,13 @@ class _Writers:
                 if evicted is not None:
                     evicted.writer = None
             return writer
+
+    def touch(self, file: _MappedFile) -> None:
+        """Mark ``file``'s descriptor as just used."""
+        try:
+            self.open.move_to_end(id(file))
+        except KeyError:  # evicted just now: the caller still holds the descriptor
+            pass
 
     def forget(self) -> None:
         """Drop every descriptor at once (in a new child: the parent's lock may be held)."""
@@ -490,10 +495,9 @@ def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
     In-place operations that may change the layout (``set_``, ``resize_``, ``.data = ``...)
     drop the cache (``__torch_function__``).
     """
-    try:
-        return dst.__dict__["_rows"]  # type: ignore[no-any-return]
-    except KeyError:
-        pass
+    rows = dst.__dict__.get("_rows", _UNKNOWN)
+    if rows is not _UNKNOWN:
+        return rows  # type: ignore[no-any-return]
     with torch._C.DisableTorchFunctionSubclass():
         rows = None
         shape = dst.shape
@@ -631,19 +635,21 @@ def _runs(rows: slice | torch.Tensor, contiguous: bool) -> list[tuple[int, int, 
 def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
     """``dst[i] = value`` for a value that needs no conversion: one ``pwrite``, no tensor made.
 
-    The hot loop of filling a dataset item by item. False: take :func:`_pwrite_setitem`.
+    The hot loop of filling a dataset item by item (so the cached lookups are inlined here).
+    False: take :func:`_pwrite_setitem`.
     """
-    rows = _row_layout(dst)
+    rows = dst.__dict__.get("_rows", _UNKNOWN)
+    if rows is _UNKNOWN:
+        rows = _row_layout(dst)
     if rows is None:
         return False
     n = rows.count
     if not -n <= i < n:
         raise IndexError(f"index {i} is out of bounds for dimension 0 with size {n}")
-    if not (
+    if not (  # the value's data is written as is (autograd aside, as on the general path)
         type(value) is torch.Tensor
         and value.dtype is rows.dtype
         and value.is_cpu
-        and not value.requires_grad
         and value.shape == rows.shape
         and value.is_contiguous()
         and not value.is_conj()
@@ -653,9 +659,14 @@ def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
     address = value.data_ptr()
     if rows.storage <= address < rows.storage_end:  # read from the mapping written
         return False
-    writer = _WRITERS.get(dst._file)  # type: ignore[arg-type]
+    file = dst._file
+    writer = file.writer if file is not None else None
     if writer is None:
-        return False
+        writer = _WRITERS.get(file)  # type: ignore[arg-type]
+        if writer is None:
+            return False
+    else:
+        _WRITERS.touch(file)  # type: ignore[arg-type]
     nbytes, offset = rows.nbytes, rows.base + (i % n) * rows.step
     try:
         # one pwrite from the value's memory (what fileio.pwrite_from does, minus its setup)
