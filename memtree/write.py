@@ -65,7 +65,6 @@ from .fileio import (
     create_leaf,
     exchange,
     fsync_dir,
-    open_checked,
     rename_noreplace,
     storage_error,
     write_small_file,
@@ -84,9 +83,10 @@ from .format import (
 )
 from .keys import META_NAME, encode_level
 from .level import Level
-from .mmap_tensor import MemoryMappedTensor, map_leaf, to_storable
+from .mmap_tensor import MemoryMappedTensor, to_storable
 from .nontensor import NonTensor, check_json, json_problem
 from .progress import Progress
+from .read import PendingLevel, open_tree
 from .recover import lock_path, old_path, recover_locked, staging_path
 
 __all__ = [
@@ -365,8 +365,11 @@ def write_tree(
     mode: str = "r+",
     checksum: str | None = None,
     progress: bool | None = None,
-) -> Level:
-    """Write ``level`` under ``prefix`` atomically and return it mapped from the new files.
+) -> PendingLevel:
+    """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
+
+    The returned :class:`~memtree.read.PendingLevel` maps each level's files when it is loaded
+    (``TensorTree.memmap`` wraps it in a tree whose levels load on first use).
 
     Args:
         prefix: destination directory (created with its parents if needed).
@@ -424,7 +427,10 @@ def write_tree(
             if isinstance(err, OSError) and not isinstance(err, MemtreeError):
                 raise storage_error(err, f"writing {dest}") from err
             raise
-        return _map_written(dest, level, plan, mode)
+        # the new tree, opened lazily from the metadata just written (while still locked, so it
+        # is this very tree): its leaves are mapped when used, not re-opened here
+        written = {tuple(lp.rel.split("/")) if lp.rel else (): lp.meta for lp in plan.levels}
+        return open_tree(dest, mode=mode, allow_pickle=True, written=written)
 
 
 def _thread_count(num_threads: int, files: int, nbytes: int) -> int:
@@ -670,32 +676,6 @@ def publish(
     point("after_publish")
     if fsync:
         fsync_dir(parent)
-
-
-def _map_written(dest: str, level: Level, plan: WritePlan, mode: str) -> Level:
-    metas = {lp.rel: lp.meta for lp in plan.levels}
-
-    def rebuild(lvl: Level, rel: str) -> Level:
-        out = Level(lvl.batch_size, {}, lvl.type)
-        for entry in metas[rel].entries:
-            value = lvl.entries[entry.key]
-            if isinstance(entry, LeafMeta):
-                path = os.path.join(dest, rel, entry.file)
-                fd = open_checked(path, entry.nbytes, path)
-                try:
-                    out.entries[entry.key] = map_leaf(
-                        fd, path, entry.dtype, entry.shape, readonly=mode == "r"
-                    )
-                finally:
-                    os.close(fd)
-            elif isinstance(entry, ChildMeta):
-                assert isinstance(value, Level)
-                out.entries[entry.key] = rebuild(value, f"{rel}/{entry.dir}" if rel else entry.dir)
-            else:
-                out.entries[entry.key] = value
-        return out
-
-    return rebuild(level, "")
 
 
 def share_tree(level: Level, *, like: bool = False) -> Level:
