@@ -324,6 +324,9 @@ class TensorTree:
         return self._index(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if type(key) is int:  # data[i] = item: the hot loop of filling a dataset
+            self._assign(key, value)
+            return
         if isinstance(key, str) or (isinstance(key, tuple) and key and _is_str_key(key)):
             path = _key_tuple(key)
             node = self
@@ -547,19 +550,21 @@ class TensorTree:
         return out
 
     def _assign(self, idx: Any, value: Any) -> None:
-        idx = _expand_ellipsis(idx, self.ndim)
+        if type(idx) is not int:  # an int holds no Ellipsis
+            idx = _expand_ellipsis(idx, self.ndim)
+        data = self._data  # a property (lazy levels): read it once
         if isinstance(value, (TensorTree, Mapping)):
             items = value._data.items() if isinstance(value, TensorTree) else value.items()
             for k, v in items:
-                if k not in self._data:
+                mine = data.get(k)
+                if mine is None:
                     raise MemtreeKeyError(f"cannot assign key {k!r} at {idx!r}: the tree has no such key")
-                mine = self._data[k]
                 if isinstance(mine, TensorTree):
                     mine._assign(idx, v)
                 elif isinstance(mine, torch.Tensor):
                     mine[idx] = v.data if isinstance(v, NonTensor) else v
         else:
-            for v in self._data.values():
+            for v in data.values():
                 if isinstance(v, TensorTree):
                     v._assign(idx, value)
                 elif isinstance(v, torch.Tensor):
