@@ -16,8 +16,9 @@ committed"):
    destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
    renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
    background thread (:func:`wait_for_removals`), so that the caller need not wait for it.
-3. The written files are mapped (still under the lock) and returned as a ``Level`` of
-   ``MemoryMappedTensor``.
+3. The new tree is returned opened lazily (:class:`~memtree.read.PendingLevel`) from the
+   metadata just written, still under the lock: no ``meta.json`` is read back and no leaf
+   file is opened until a level is used.
 
 Any failure before the rename removes the staging directory and leaves the destination as it was.
 ``memtree._faults.point`` marks each step for the crash tests.
@@ -27,7 +28,7 @@ Example:
     >>> from memtree.level import Level
     >>> from memtree.write import write_tree
     >>> out = write_tree(tempfile.mkdtemp() + "/t", Level((), {"x": torch.ones(2)}))
-    >>> out.entries["x"].filename.endswith("x.memmap")
+    >>> out.load()["x"].filename.endswith("x.memmap")
     True
 """
 
@@ -417,7 +418,7 @@ def write_tree(
             raise storage_error(err, f"preparing to write {dest}") from err
         point("staging_created")
         try:
-            _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
+            metas = _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
             publish(
                 staging, dest, state, fsync, lock,
                 background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
@@ -429,7 +430,7 @@ def write_tree(
             raise
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
-        written = {tuple(lp.rel.split("/")) if lp.rel else (): lp.meta for lp in plan.levels}
+        written = {tuple(rel.split("/")) if rel else (): meta for rel, meta in metas.items()}
         return open_tree(dest, mode=mode, allow_pickle=True, written=written)
 
 
@@ -500,12 +501,15 @@ def _write_staging(
     reserve: bool,
     checksum: str | None,
     progress: bool | None,
-) -> None:
+) -> dict[str, LevelMeta]:
+    """Write the plan's files into ``staging``; returns each level's metadata as written (with
+    checksums and the root's ``save_id``), by directory relative to the root."""
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
             os.mkdir(f"{staging}/{lp.rel}")
     point("before_leaves")
     sums: dict[str, str] = {}
+    written: dict[str, LevelMeta] = {}
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
@@ -534,6 +538,7 @@ def _write_staging(
         write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
         if fsync:
             fsync_dir(directory)
+        written[lp.rel] = meta
         return 0
 
     jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
@@ -546,6 +551,7 @@ def _write_staging(
     _run(children, write_meta, _thread_count(num_threads, len(children), 0))
     write_meta(root)
     point("after_root_meta")
+    return written
 
 
 def _storable(job: LeafJob) -> torch.Tensor:

@@ -421,3 +421,21 @@ assert len([n for n in __import__("os").listdir({str(tmp_path)!r})]) == 2  # sti
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(memtree.__file__).parents[1]), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert os.listdir(tmp_path) == ["t"]
+
+
+# ----------------------------------------------------------------------------- the returned tree
+
+
+@pytest.mark.parametrize("checksum", [None, "sha256"])
+def test_returned_tree_holds_the_metadata_as_written(tmp_path, checksum):
+    """write_tree opens the new tree from what it wrote (no meta.json read back), exactly."""
+    from memtree.format import parse_level
+    from memtree.level import Level
+
+    level = Level((2,), {"x": torch.arange(4).reshape(2, 2), "sub": Level((2,), {"y": torch.ones(2, 3)})})
+    root = write_mod.write_tree(tmp_path / "t", level, checksum=checksum)
+    on_disk = parse_level((tmp_path / "t" / "meta.json").read_bytes(), "meta.json")
+    assert root.meta == on_disk and on_disk.save_id is not None
+    sub = root.load()["sub"]
+    assert sub.meta == parse_level((tmp_path / "t" / "sub" / "meta.json").read_bytes(), "sub/meta.json")
+    assert (sub.meta.entries[0].checksum is not None) == (checksum is not None)
