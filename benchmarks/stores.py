@@ -196,16 +196,13 @@ def save(store: Store, layout: Layout, tensors: list[torch.Tensor], path: str) -
         finally:
             os.close(fd)
         return None
-    if kind == "raw-files":
+    if kind == "raw-files":  # every directory first, then the files (the faster order on ext4)
         os.mkdir(path)
-        made = {path}
+        for d in dict.fromkeys(os.path.join(path, *key[:-1]) for key, _, _ in layout):
+            os.makedirs(d, exist_ok=True)
         for (key, _, _), t in zip(layout, tensors):
-            d = os.path.join(path, *key[:-1])
-            if d not in made:
-                os.makedirs(d, exist_ok=True)
-                made.add(d)
             fd = os.open(
-                os.path.join(d, key[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+                os.path.join(path, *key), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
             )
             try:
                 _write_all(fd, _bytes(t))
