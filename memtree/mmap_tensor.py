@@ -40,7 +40,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from .dtypes import dtype_name, itemsize
-from .errors import DtypeError, ReadOnlyError
+from .errors import DtypeError, MissingLeafError, ReadOnlyError
 from .fileio import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
 
 __all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
@@ -798,11 +798,18 @@ def _rebuild_from_file(
     stride: tuple[int, ...],
     offset: int,
     readonly: bool,
+    file_id: _FileId | None = None,
 ) -> MemoryMappedTensor:
     fd = open_checked(path, nbytes, path, strict_size=False)  # a growable leaf's file may be longer
     try:
-        flat = map_fd(fd, path, nbytes, writable=not readonly)
         file = _mapped_file(fd, path)
+        if file_id is not None and file.file_id != file_id:
+            raise MissingLeafError(
+                f"{path} is no longer the file this tensor was mapped from (the tree was re-saved, "
+                "or the file replaced, after the sending process mapped it), so the receiving "
+                "process cannot map the same data; load the tree again before sending it"
+            )
+        flat = map_fd(fd, path, nbytes, writable=not readonly)
     finally:
         os.close(fd)
     base = flat.view(dtype)
@@ -829,6 +836,7 @@ def _reduce_mmt(t: MemoryMappedTensor) -> tuple[Any, ...]:
                 plain.stride(),
                 plain.storage_offset(),
                 t.readonly,
+                t._file.file_id,
             ),
         )
 

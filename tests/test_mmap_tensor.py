@@ -591,3 +591,19 @@ def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):
         assert len(got) == 4
         out = torch.cat(got)
     assert torch.equal(out, t)
+
+
+def test_sending_a_tensor_whose_file_was_replaced_is_refused(tmp_path):
+    """A receiver (DataLoader worker) maps the path again: it must be the very file the sender mapped."""
+    from multiprocessing.reduction import ForkingPickler
+
+    path = tmp_path / "x.memmap"
+    mt = MMT.from_tensor(torch.arange(4.0), filename=path)
+    sent = bytes(ForkingPickler.dumps(mt))
+    assert pickle.loads(sent).tolist() == [0.0, 1.0, 2.0, 3.0]  # same file: mapped again
+    replacement = tmp_path / "y.memmap"
+    replacement.write_bytes(torch.full((4,), 9.0).numpy().tobytes())
+    os.replace(replacement, path)  # a re-save puts a new file (new inode) at the same path
+    with pytest.raises(memtree.MissingLeafError, match="no longer the file"):
+        pickle.loads(sent)
+    assert mt.tolist() == [0.0, 1.0, 2.0, 3.0]  # the sender's mapping still shows its data

@@ -135,6 +135,12 @@ def parent(tmp_path) -> Path:
     return d
 
 
+@pytest.fixture(autouse=True)
+def threads_even_for_small_trees(monkeypatch):
+    """num_threads=N starts real writer threads here, however small the test's tree."""
+    monkeypatch.setattr(write_mod, "THREAD_MIN_WORK", 1)
+
+
 @pytest.fixture
 def short_lock(monkeypatch):
     monkeypatch.setattr(write_mod, "LOCK_TIMEOUT", 0.05)
