@@ -44,6 +44,7 @@ import stat
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Union
 
 import torch
@@ -74,6 +75,7 @@ __all__ = [
     "open_tree",
     "PendingLevel",
     "load_pending_at",
+    "loading_lock",
     "read_meta",
     "read_meta_bytes",
     "select_entries",
@@ -285,6 +287,17 @@ def _after_fork_in_child() -> None:  # a fork while another thread held the lock
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def loading_lock() -> AbstractContextManager[bool]:
+    """The re-entrant lock held while a pending level loads (callers that publish the loaded
+    entries, like the tree layer, hold it too, so that a level is loaded and published once).
+
+    Example:
+        >>> with loading_lock():
+        ...     pass
+    """
+    return _LOCK
 
 
 def load_pending_at(prefix: str | os.PathLike[str]) -> None:

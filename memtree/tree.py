@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from math import prod
 from typing import Any, Union
@@ -36,7 +35,7 @@ from .keys import validate_key
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor
 from .nontensor import NonTensor
-from .read import KeySelection, PendingLevel, load_pending_at, normalize_keys, open_tree
+from .read import KeySelection, PendingLevel, load_pending_at, loading_lock, normalize_keys, open_tree
 from .registry import class_for
 from .write import share_tree, write_tree
 
@@ -45,15 +44,6 @@ __all__ = ["TensorTree", "load_memmap", "Key"]
 Key = Union[str, tuple[str, ...]]
 _MISSING: Any = object()
 _REPR_MAX_LINES = 60
-_LOAD_LOCK = threading.RLock()  # one lazy level loads at a time (threads share trees)
-
-
-def _new_load_lock() -> None:  # a fork while another thread held the lock must not deadlock
-    global _LOAD_LOCK
-    _LOAD_LOCK = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_new_load_lock)
 
 
 def _is_str_key(key: object) -> bool:
@@ -141,7 +131,7 @@ class TensorTree:
         self._pending = None
 
     def _load_pending(self) -> None:
-        with _LOAD_LOCK:
+        with loading_lock():
             if self._pending is None:  # another thread loaded it meanwhile
                 return
             level, unknown_classes = self._pending
