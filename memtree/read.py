@@ -303,7 +303,8 @@ def loading_lock() -> AbstractContextManager[bool]:
 def load_pending_at(prefix: str | os.PathLike[str]) -> None:
     """Load every still-pending level of the trees this process opened from ``prefix``.
 
-    Called before ``prefix`` is replaced by a new save: an opened tree's levels load on first
+    :func:`memtree.write.write_tree` calls it (under the destination's writer lock) before it
+    replaces ``prefix``: an opened tree's levels load on first
     use, relative to the old directory, which the save deletes. Loaded levels map their files,
     and mappings keep the old data readable after the deletion, as with an eager load. (Trees
     opened by *other* processes cannot be helped: their unloaded levels raise a clear

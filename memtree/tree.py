@@ -35,7 +35,7 @@ from .keys import validate_key
 from .level import Level
 from .mmap_tensor import MemoryMappedTensor
 from .nontensor import NonTensor
-from .read import KeySelection, PendingLevel, load_pending_at, loading_lock, normalize_keys, open_tree
+from .read import KeySelection, PendingLevel, loading_lock, normalize_keys, open_tree
 from .registry import class_for
 from .write import share_tree, write_tree
 
@@ -940,9 +940,7 @@ class TensorTree:
         """Write through :func:`memtree.write.write_tree` (or share memory when no prefix)."""
         if prefix is None:
             return share_tree(self._to_level(), like=options.get("like", False))
-        level = self._to_level()
-        load_pending_at(prefix)  # trees opened from prefix keep their data when it is replaced
-        return write_tree(prefix, level, **options)
+        return write_tree(prefix, self._to_level(), **options)
 
     @classmethod
     def load_memmap(

@@ -87,7 +87,7 @@ from .level import Level
 from .mmap_tensor import MemoryMappedTensor, to_storable
 from .nontensor import NonTensor, check_json, json_problem
 from .progress import Progress
-from .read import PendingLevel, open_tree
+from .read import PendingLevel, load_pending_at, open_tree
 from .recover import lock_path, old_path, recover_locked, staging_path
 
 __all__ = [
@@ -408,6 +408,7 @@ def write_tree(
             recover_locked(parent, name, lock)
             point("after_lock")
             state = destination_state(dest, existsok)
+            load_pending_at(dest)  # trees this process opened from dest keep their data
             check_free_space(parent, plan.total_bytes, f"writing {dest}")
             staging = staging_path(parent, name)
             lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)

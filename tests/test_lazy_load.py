@@ -124,6 +124,18 @@ def test_resaving_the_prefix_in_this_process_keeps_the_opened_version(tmp_path):
     assert memtree.load_memmap(tmp_path / "t")["o0", "i0", "x0"].tolist() == [0.5] * 3
 
 
+def test_any_writer_to_the_prefix_keeps_the_opened_version(tmp_path):
+    from memtree.level import Level
+    from memtree.write import write_tree
+
+    old = nested(fill=0.0)
+    old.memmap(tmp_path / "t")
+    tree = memtree.load_memmap(tmp_path / "t")
+    write_tree(tmp_path / "t", Level((), {"other": torch.ones(2)}))  # the store layer directly
+    assert_leaf_equal(tree["o2", "i3", "x4"], old["o2", "i3", "x4"])
+    assert list(memtree.load_memmap(tmp_path / "t").keys()) == ["other"]
+
+
 def _resave(path: str) -> None:
     nested(fill=0.5).memmap(path)
 
