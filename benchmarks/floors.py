@@ -1,0 +1,170 @@
+"""Back-to-back checks behind the explanations in RESULTS.md ("The targets not met").
+
+Each check alternates memtree with a bare floor in one process, round after round (the order
+flips every round), and prints medians and the median of the per-round ratios, which is steadier
+on a noisy disk than two rows measured minutes apart.
+
+Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMPDIR``):
+
+    .venv/bin/python benchmarks/floors.py w3 [ROUNDS]          # memmap_like vs its floors
+    .venv/bin/python benchmarks/floors.py save w2 [ROUNDS] [THREADS]   # memmap vs raw-files
+    .venv/bin/python benchmarks/floors.py save w1 [ROUNDS] [THREADS] [SIZE_GIB]  # vs raw
+    .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum, lazy / eager
+
+``w3`` also times the atomic commit's own system calls without memtree (lock file + flock,
+staging directory, files, ``meta.json``, ``renameat2``, map, unlock): the least any save that
+cannot leave a half-written tree costs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import memtree  # noqa: E402
+from memtree.fileio import rename_noreplace  # noqa: E402
+from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
+from workloads import w1_layout, w2_layout  # noqa: E402
+
+W3_FILES = (("img.memmap", 1_000_000 * 3 * 64 * 64), ("label.memmap", 1_000_000 * 8))
+
+
+def _map(path: str, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    os.close(fd)
+
+
+def _w3_bare(p: str) -> None:
+    os.mkdir(p)
+    for name, nbytes in W3_FILES:
+        fd = os.open(os.path.join(p, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+        _map(os.path.join(p, name), nbytes)
+
+
+def _w3_commit_syscalls(p: str) -> None:
+    parent, name = os.path.split(p)
+    lock = os.path.join(parent, f".{name}.memtree.lock")
+    lfd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(lfd, b" " * 64, 0)  # the journal
+    staging = os.path.join(parent, f".{name}.memtree-tmp-{uuid.uuid4().hex}")
+    os.mkdir(staging, 0o755)
+    for file, nbytes in W3_FILES:
+        fd = os.open(os.path.join(staging, file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+    fd = os.open(os.path.join(staging, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, b'{"format":"memtree"}')
+    os.close(fd)
+    rename_noreplace(staging, p)
+    for file, nbytes in W3_FILES:
+        _map(os.path.join(p, file), nbytes)
+    os.unlink(lock)
+    os.close(lfd)
+
+
+def _alternate(systems: dict[str, Callable[[str], Any]], rounds: int, fresh: bool) -> None:
+    wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
+    names = list(systems)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    ratios: dict[str, list[float]] = {k: [] for k in names[1:]}
+    try:
+        for i in range(rounds + 1):  # round 0 is a warm-up
+            took = {}
+            for k in names if i % 2 else names[::-1]:
+                p = os.path.join(wd, f"{k.replace(' ', '_')}-{i}")
+                if fresh:
+                    memtree.write.wait_for_removals()
+                    os.sync()
+                t0 = time.perf_counter()
+                out = systems[k](p)
+                took[k] = time.perf_counter() - t0
+                del out
+                if fresh:
+                    shutil.rmtree(p, ignore_errors=True)
+            if i:
+                for k in names:
+                    times[k].append(took[k])
+                for k in names[1:]:
+                    ratios[k].append(took[k] / took[names[0]])
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+    print(f"{names[0]}: median {statistics.median(times[names[0]]) * 1e3:.3f} ms ({rounds} rounds)")
+    for k in names[1:]:
+        print(f"{k}: median {statistics.median(times[k]) * 1e3:.3f} ms, "
+              f"median ratio to {names[0]} {statistics.median(ratios[k]):.2f}")
+
+
+def main(argv: list[str]) -> None:
+    what = argv[0] if argv else "w3"
+    if what == "w3":
+        datum = memtree.TensorTree(
+            {"img": torch.zeros(3, 64, 64, dtype=torch.uint8), "label": torch.zeros((), dtype=torch.int64)}
+        ).expand(1_000_000)
+        _alternate(
+            {
+                "bare mkdir+ftruncate+map": _w3_bare,
+                "commit syscalls only": _w3_commit_syscalls,
+                "memtree memmap_like": lambda p: datum.memmap_like(p),
+            },
+            int(argv[1]) if len(argv) > 1 else 50,
+            fresh=False,
+        )
+    elif what == "save":
+        which = argv[1]
+        rounds = int(argv[2]) if len(argv) > 2 else 5
+        threads = int(argv[3]) if len(argv) > 3 else 2
+        size = float(argv[4]) if len(argv) > 4 else 0.25
+        layout = (w1_layout if which == "w1" else w2_layout)({"quick": False, "size_gib": size})
+        prepare_index(layout)
+        tensors = make_tensors(layout)
+        data = nest(layout, tensors)
+        kind = "raw-files" if which == "w2" else "raw"
+        _alternate(
+            {
+                kind: lambda p: save(Store(kind, kind), layout, tensors, p),
+                f"memtree t{threads}": lambda p: memtree.TensorTree(data).memmap(p, num_threads=threads),
+            },
+            rounds,
+            fresh=True,
+        )
+    elif what == "touch":
+        layout = w1_layout({"quick": False, "size_gib": 1})
+        wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
+        path = os.path.join(wd, "t")
+        try:
+            memtree.TensorTree(nest(layout, make_tensors(layout))).memmap(path, num_threads=2)
+
+            def touch(**kw: Any) -> Callable[[str], float]:
+                def run(_: str) -> float:
+                    tree = memtree.load_memmap(path, **kw)
+                    return sum(float(tree[key].sum()) for key, _, _ in layout)
+                return run
+
+            _alternate(
+                {"eager (lazy=False)": touch(lazy=False), "lazy": touch(), "lazy, mode='r'": touch(mode="r")},
+                int(argv[1]) if len(argv) > 1 else 5,
+                fresh=False,
+            )
+        finally:
+            shutil.rmtree(wd, ignore_errors=True)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
