@@ -3,7 +3,9 @@
 The rules every function here follows (see ``../shared/RELIABILITY.md`` §0):
 
 * data is written with ``pwrite`` straight from the tensor's memory (no copy through numpy or
-  ``bytes``), never through a mapping, so a full disk raises ``ENOSPC`` instead of SIGBUS;
+  ``bytes``), never through a mapping, so a full disk raises ``ENOSPC`` instead of SIGBUS; data
+  that already lies in another file as it is (a :class:`FileRange`) is copied file to file by
+  :func:`copy_range`, without passing through the process's memory;
 * a file is checked (regular file, exact size, opened without following symlinks) **before** it
   is mapped, and is mapped through the already-opened descriptor, so that mapping can never
   create or extend a file;
@@ -41,6 +43,7 @@ import uuid
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -62,6 +65,8 @@ __all__ = [
     "byte_view",
     "write_fd",
     "pwrite_from",
+    "FileRange",
+    "copy_range",
     "allocate_fd",
     "preallocate_fd",
     "create_leaf",
@@ -94,6 +99,11 @@ PREALLOCATE_MIN = 1024 * 1024
 #: Slice size when a checksum is computed during a write: small enough to stay in the CPU cache
 #: between ``pwrite`` and the hash, large enough that the extra syscalls cost nothing.
 DIGEST_SLICE = 4 * 1024 * 1024
+#: The buffer of :func:`copy_range` where the kernel cannot copy between the files itself (or a
+#: checksum needs the bytes): the most memory a file-to-file copy ever holds.
+COPY_BUFFER = 8 * 1024 * 1024
+#: ``copy_file_range`` errors that mean "not between these files": copy through a buffer instead.
+_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = (
     os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -265,6 +275,89 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
         _pwrite_view(fd, byte_view(tensor), offset, digest)
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """A leaf's data that lies, byte for byte, in another open file: ``nbytes`` at ``offset``.
+
+    :func:`create_leaf` copies it with :func:`copy_range` instead of writing from memory. The
+    descriptor belongs to whoever made the range and must stay open until the copy is done.
+
+    Attributes:
+        fd: the source file, open for reading.
+        offset: where the data starts in it.
+        nbytes: the data's size.
+        what: the data and the file, for messages (``"tensor 'w' of /ckpt/model.pt"``).
+    """
+
+    fd: int
+    offset: int
+    nbytes: int
+    what: str
+
+
+def copy_range(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    nbytes: int,
+    digest: Digest | None = None,
+) -> None:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset``.
+
+    In the kernel with ``copy_file_range(2)`` (file to file: no byte passes through this
+    process's memory; short copies are continued). Where the kernel cannot copy between these
+    two files (``EXDEV``, ``EINVAL``, ``ENOSYS``, ``EOPNOTSUPP``, or no progress), or the
+    platform lacks the call, the rest goes through ``pread``/``pwrite`` and one buffer of at most
+    :data:`COPY_BUFFER` bytes. With ``digest``, always the buffer: each piece is hashed as it
+    is written (one pass over the data, as in :func:`write_fd`).
+
+    Raises:
+        EOFError: the source ends before ``src_offset + nbytes`` (the caller names it).
+        OSError: a read or write failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> src = os.open(os.path.join(d, "a"), os.O_RDWR | os.O_CREAT)
+        >>> dst = os.open(os.path.join(d, "b"), os.O_RDWR | os.O_CREAT)
+        >>> _ = os.write(src, b"0123456789")
+        >>> copy_range(src, 2, dst, 1, 5)
+        >>> os.pread(dst, 8, 0)
+        b'\\x0023456'
+        >>> os.close(src), os.close(dst)
+        (None, None)
+    """
+    done = 0
+    kernel_copy = getattr(os, "copy_file_range", None) if digest is None else None
+    while kernel_copy is not None and done < nbytes:
+        try:
+            n = kernel_copy(
+                src_fd,
+                dst_fd,
+                min(nbytes - done, CHUNK_BYTES),
+                src_offset + done,
+                dst_offset + done,
+            )
+        except OSError as err:
+            if err.errno not in _NO_KERNEL_COPY:
+                raise
+            break
+        if n <= 0:  # the end of the source, or a file the kernel cannot copy: pread tells which
+            break
+        done += n
+    if done == nbytes:
+        return
+    buf = bytearray(min(nbytes - done, COPY_BUFFER))
+    view = memoryview(buf)
+    while done < nbytes:
+        n = os.preadv(src_fd, [view[: min(len(buf), nbytes - done)]], src_offset + done)
+        if n <= 0:
+            raise EOFError(f"the file ends at byte {src_offset + done:,}")
+        _pwrite_view(dst_fd, view[:n], dst_offset + done, digest)
+        done += n
+
+
 def preallocate_fd(fd: int, nbytes: int) -> None:
     """Allocate the blocks of a new file that is about to be filled, where that is cheap.
 
@@ -293,7 +386,7 @@ def allocate_fd(fd: int, nbytes: int, *, reserve: bool) -> None:
 
 def create_leaf(
     name: str,
-    tensor: torch.Tensor | None,
+    tensor: torch.Tensor | FileRange | None,
     nbytes: int,
     *,
     dir_fd: int | None = None,
@@ -305,7 +398,8 @@ def create_leaf(
 
     Args:
         name: file name (relative to ``dir_fd`` when given).
-        tensor: contiguous CPU tensor whose bytes to write, or ``None`` for a file of zeros
+        tensor: contiguous CPU tensor whose bytes to write; a :class:`FileRange` of ``nbytes``
+            bytes to copy file to file (:func:`copy_range`); or ``None`` for a file of zeros
             (sparse unless ``reserve``).
         nbytes: the file's size.
         checksum: ``"crc32"`` or ``"sha256"`` to hash the bytes while writing them (needs
@@ -313,14 +407,30 @@ def create_leaf(
 
     Returns:
         ``"<algorithm>:<hex>"`` of the written bytes when ``checksum`` is set, else None.
+
+    Raises:
+        StorageError: a :class:`FileRange`'s file ends before the range does (``EIO``).
     """
     digest = new_digest(checksum) if checksum is not None else None
+    if isinstance(tensor, FileRange) and tensor.nbytes != nbytes:
+        raise ValueError(f"{tensor.what} has {tensor.nbytes:,} bytes, but the leaf needs {nbytes:,}")
     fd = os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)
     try:
         if tensor is None:
             if digest is not None:
                 raise ValueError("a checksum needs the data: create_leaf(tensor=None) writes none")
             allocate_fd(fd, nbytes, reserve=reserve)
+        elif isinstance(tensor, FileRange):
+            preallocate_fd(fd, nbytes)
+            try:
+                copy_range(tensor.fd, tensor.offset, fd, 0, nbytes, digest)
+            except EOFError as err:
+                raise StorageError(
+                    errno.EIO,
+                    f"{tensor.what} spans bytes {tensor.offset:,}..{tensor.offset + nbytes:,}, but "
+                    f"{err}: the file was truncated or replaced while it was read; check it and "
+                    "try again",
+                ) from None
         else:
             preallocate_fd(fd, nbytes)
             write_fd(fd, tensor, 0, digest)

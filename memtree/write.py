@@ -11,7 +11,8 @@ committed"):
    after a writer that crashed, see :mod:`memtree.recover`), creates ``.<name>.memtree-tmp-<hex>``
    next to the destination, writes the leaves (each file opened once, filled with ``pwrite``
    straight from the tensor's memory, hashed on the way with ``checksum=``; by ``num_threads``
-   threads when there is enough work for them), then each level's ``meta.json`` and the root's
+   threads when there is enough work for them; a leaf whose bytes lie in another file, such as a
+   checkpoint's tensor, is copied file to file), then each level's ``meta.json`` and the root's
    last, and renames the staging directory onto the destination: ``RENAME_NOREPLACE`` for a new
    destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
    renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
@@ -60,6 +61,7 @@ from .errors import (
 )
 from ._faults import point
 from .fileio import (
+    FileRange,
     WriterLock,
     check_checksum_option,
     check_free_space,
@@ -518,6 +520,8 @@ def _write_staging(
             digest = create_leaf(
                 f"{staging}/{j.rel}", data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
             )
+        except MemtreeError:
+            raise
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
         if digest is not None:
@@ -555,8 +559,11 @@ def _write_staging(
     return written
 
 
-def _storable(job: LeafJob) -> torch.Tensor:
-    """The tensor to write for a planned leaf: itself when it is a plain contiguous CPU tensor.
+def _storable(job: LeafJob) -> torch.Tensor | FileRange:
+    """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
+    tensor; the :class:`~memtree.fileio.FileRange` its ``file_range()`` method names, for a
+    leaf whose bytes lie in another file as they are (a
+    :class:`~memtree.interop.lazy.LazyLeaf` of a checkpoint: copied file to file); else a copy.
 
     :func:`plan_write` has checked dtype, layout and device; only the copy, when one is needed,
     is left to :func:`~memtree.mmap_tensor.to_storable`.
@@ -570,6 +577,11 @@ def _storable(job: LeafJob) -> torch.Tensor:
         and not tensor.is_neg()
     ):
         return tensor
+    file_range = getattr(tensor, "file_range", None)
+    if file_range is not None:
+        found: FileRange | None = file_range()
+        if found is not None:
+            return found
     return to_storable(tensor, job.where)
 
 

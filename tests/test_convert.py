@@ -1,8 +1,11 @@
-"""``memtree convert``: every source and destination, bit-exact; --dtype; atomic results; and the
-peak memory of a ~500 MB conversion measured in a subprocess."""
+"""``memtree convert``: every source and destination, bit-exact; --dtype; atomic results; the
+file-to-file copy of a checkpoint's contiguous tensors (and its fallbacks); and the peak memory
+of a ~500 MB conversion measured in a subprocess."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -14,9 +17,14 @@ import pytest
 import torch
 
 import memtree
+from memtree import fileio
 from memtree.cli import main
 from memtree.dtypes import DTYPE_NAMES, dtype_from_name
-from memtree.interop import open_checkpoint
+from memtree.interop import TorchSaveReader, open_checkpoint
+from memtree.interop.checkpoint_file import CheckpointFile
+from memtree.interop.lazy import LazyLeaf
+from memtree.level import Level
+from memtree.write import write_tree
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"
@@ -178,14 +186,234 @@ def _corrupt_storage(path: Path, key: str) -> None:
         f.write(b"\xde\xad\xbe\xef")
 
 
-@pytest.mark.parametrize("dst_name", ["tree", "out.safetensors"])
-def test_a_failure_mid_stream_leaves_nothing(tmp_path: Path, dst_name: str) -> None:
+@pytest.mark.parametrize(("dst_name", "dtype"), [("tree", "float16"), ("out.safetensors", None)])
+def test_a_failure_mid_stream_leaves_nothing(tmp_path: Path, dst_name: str, dtype: str) -> None:
     pt = tmp_path / "c.pt"
     torch.save({f"t{i}": torch.full((64,), float(i)) for i in range(4)}, pt)
     _corrupt_storage(pt, "2")
-    with pytest.raises(memtree.CheckpointFormatError, match="CRC-32"):
-        memtree.convert(pt, tmp_path / dst_name)
+    with pytest.raises(memtree.CheckpointFormatError, match="CRC-32"):  # read, so checked
+        memtree.convert(pt, tmp_path / dst_name, dtype=dtype)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["c.pt"]
+
+
+def test_file_to_file_copies_are_the_files_bytes_unchecked_like_torch_load_mmap(
+    tmp_path: Path,
+) -> None:
+    pt = tmp_path / "c.pt"
+    torch.save({f"t{i}": torch.full((64,), float(i)) for i in range(4)}, pt)
+    _corrupt_storage(pt, "2")
+    memtree.convert(pt, tmp_path / "tree")  # the bytes are never read: no CRC-32 check
+    damaged = torch.load(pt, mmap=True, weights_only=True)["t2"]
+    assert as_bytes(memtree.load_memmap(tmp_path / "tree")["t2"]) == as_bytes(damaged)
+
+
+# -- the file-to-file copy ---------------------------------------------------------------------
+@pytest.fixture
+def views(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of contiguous tensors (some at storage offsets, some sharing a storage) and
+    of strided views, every one of them named flat (no dots)."""
+    base = random_tensor((64, 48), torch.float32, 1)
+    sd = {
+        "base": base,
+        "row": base[5],
+        "rows": base[8:40],
+        "tied": base,
+        "cols": base[:, 1::3],
+        "t": base.t(),
+        "expanded": torch.arange(4.0).expand(3, 4),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "ids": random_tensor((1000,), torch.int64, 2),
+        "mask": random_tensor((7, 3), torch.bool, 3),
+        "half": random_tensor((33,), torch.bfloat16, 4),
+    }
+    path = tmp_path / "views.pt"
+    torch.save(sd, path)
+    return path, sd
+
+
+class Spies:
+    """Counts of the file-to-file copies and of the reads into memory during a conversion."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.copied: list[int] = []  # bytes per copy_file_range call
+        self.read_keys: list[str] = []  # tensors read into memory with pread (CheckpointFile)
+        self.preads: list[int] = []  # every os.preadv, by buffer size
+        copy_file_range, preadv, read_into = (
+            os.copy_file_range,
+            os.preadv,
+            CheckpointFile.read_into,
+        )
+
+        def spy_copy(src: int, dst: int, count: int, *args: int) -> int:
+            n = copy_file_range(src, dst, count, *args)
+            self.copied.append(n)
+            return n
+
+        def spy_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            self.preads.append(sum(len(b) for b in buffers))
+            return preadv(fd, buffers, offset)
+
+        def spy_read_into(cf: CheckpointFile, out: torch.Tensor, offset: int, what: str = "") -> None:
+            self.read_keys.append(what.removeprefix("tensor ").strip("'"))
+            read_into(cf, out, offset, what)
+
+        monkeypatch.setattr(os, "copy_file_range", spy_copy)
+        monkeypatch.setattr(os, "preadv", spy_preadv)
+        monkeypatch.setattr(CheckpointFile, "read_into", spy_read_into)
+
+
+def loaded_bytes(path: Path) -> dict[str, bytes]:
+    return {k: as_bytes(v) for k, v in flat_tensors(memtree.load_memmap(path)).items()}
+
+
+def test_contiguous_tensors_are_copied_file_to_file_not_read(
+    views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pt, sd = views
+    spies = Spies(monkeypatch)
+    memtree.convert(pt, tmp_path / "tree")
+    assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
+    strided = sorted(k for k, v in sd.items() if not v.is_contiguous())
+    assert sorted(spies.read_keys) == strided  # only these went through memory
+    assert len(spies.preads) == len(strided)  # one pread each: no copy went through a buffer
+    copied = sum(v.nbytes for v in sd.values() if v.is_contiguous())
+    assert sum(spies.copied) == copied and len(spies.copied) == sum(
+        1 for v in sd.values() if v.is_contiguous() and v.numel()
+    )
+
+
+def test_a_cast_reads_floating_point_tensors_and_copies_the_others(
+    views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pt, sd = views
+    spies = Spies(monkeypatch)
+    memtree.convert(pt, tmp_path / "tree", dtype="float16")
+    expected = {
+        k: as_bytes(v.to(torch.float16) if v.dtype.is_floating_point else v) for k, v in sd.items()
+    }
+    assert loaded_bytes(tmp_path / "tree") == expected
+    uncast = [v for v in sd.values() if not v.dtype.is_floating_point and v.is_contiguous()]
+    assert sum(spies.copied) == sum(v.nbytes for v in uncast) > 0
+    assert sorted(spies.read_keys) == sorted(k for k, v in sd.items() if v.dtype.is_floating_point)
+
+
+@pytest.mark.parametrize("how", ["EXDEV", "ENOSYS", "missing", "short", "zero"])
+def test_copies_fall_back_to_a_small_buffer(
+    views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    _, views_sd = views
+    sd = {k: v for k, v in views_sd.items() if v.is_contiguous()}  # storages still shared
+    pt = tmp_path / "contiguous.pt"
+    torch.save(sd, pt)
+    real = os.copy_file_range
+    calls: list[int] = []
+
+    def kernel_copy(src: int, dst: int, count: int, *args: int) -> int:
+        calls.append(count)
+        if how in ("EXDEV", "ENOSYS"):
+            raise OSError(getattr(errno, how), os.strerror(getattr(errno, how)))
+        if how == "zero":  # as for files the kernel cannot copy (procfs on older kernels)
+            return 0
+        return real(src, dst, min(count, 1000), *args)  # short copies
+
+    if how == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", kernel_copy)
+    monkeypatch.setattr(fileio, "COPY_BUFFER", 4096)
+    buffers: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(
+        os, "preadv", lambda fd, bufs, off: buffers.append(len(bufs[0])) or preadv(fd, bufs, off)
+    )
+    memtree.convert(pt, tmp_path / "tree")
+    assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
+    big = sd["base"].nbytes
+    if how == "short":  # continued in the kernel, never read
+        assert len(calls) >= big // 1000 and not buffers
+    else:  # through the small buffer, never a whole tensor at once
+        assert max(buffers) == 4096 < big and sum(buffers) >= sum(v.nbytes for v in sd.values())
+
+
+def test_copy_range_continues_short_copies_and_refuses_a_short_source(tmp_path: Path) -> None:
+    data = os.urandom(100_000)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT)
+    try:
+        fileio.copy_range(src, 10, dst, 5, 90_000)
+        assert os.pread(dst, 100_000, 0) == bytes(5) + data[10:90_010]
+        with pytest.raises(EOFError, match="100,000"):
+            fileio.copy_range(src, 50_000, dst, 0, 60_000)
+        digest = fileio.new_digest("sha256")
+        fileio.copy_range(src, 0, dst, 0, 100_000, digest)
+        assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+        assert os.pread(dst, 100_000, 0) == data
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_a_checksum_hashes_the_copied_bytes(
+    views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
+) -> None:
+    pt, sd = views
+    spies = Spies(monkeypatch)
+    with TorchSaveReader(pt) as reader:
+        level = Level(
+            (),
+            {
+                k: LazyLeaf(
+                    v.shape,
+                    v.dtype,
+                    (lambda k: lambda: reader.read(k, mmap=False))(k),
+                    (lambda k: lambda: reader.file_range(k))(k),
+                )
+                for k, v in sd.items()
+            },
+        )
+        write_tree(tmp_path / "tree", level, checksum=algorithm)
+    assert not spies.copied  # a checksum needs the bytes: read through the small buffer
+    assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
+    meta = json.loads((tmp_path / "tree" / "meta.json").read_bytes())
+    sums = {e["key"]: e["checksum"] for e in meta["entries"] if "checksum" in e}
+    assert sums == {
+        k: fileio.tensor_checksum(v.contiguous(), algorithm) for k, v in sd.items()
+    }
+    assert memtree.verify_tree(tmp_path / "tree").ok
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9, -22])
+def test_a_truncated_checkpoint_gives_a_clear_error_and_no_tree(tmp_path: Path, keep: float) -> None:
+    pt = tmp_path / "t.pt"
+    torch.save({"w": torch.randn(4096), "b": torch.randn(8)}, pt)
+    data = pt.read_bytes()
+    pt.write_bytes(data[: int(len(data) * keep) if keep >= 0 else len(data) + int(keep)])
+    with pytest.raises(memtree.CheckpointFormatError, match=str(pt)):
+        memtree.convert(pt, tmp_path / "tree")
+    assert not (tmp_path / "tree").exists()
+
+
+def test_a_checkpoint_truncated_during_the_copy_gives_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pt = tmp_path / "t.pt"
+    torch.save({"a": torch.randn(8), "w": torch.randn(4096)}, pt)
+    file_range = TorchSaveReader.file_range
+
+    def truncate_first(reader: TorchSaveReader, key: str) -> fileio.FileRange | None:
+        span = file_range(reader, key)
+        if key == "w":  # the reader checked the file when it was opened; it shrinks now
+            os.truncate(pt, span.offset + 100)
+        return span
+
+    monkeypatch.setattr(TorchSaveReader, "file_range", truncate_first)
+    with pytest.raises(memtree.StorageError, match="truncated") as err:
+        memtree.convert(pt, tmp_path / "tree")
+    assert "tensor 'w'" in str(err.value) and str(pt) in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["t.pt"]
 
 
 def test_legacy_and_unknown_sources_fail_with_a_clear_message(tmp_path: Path, capsys) -> None:
@@ -267,7 +495,9 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     size, largest = (tmp_path / "big.pt").stat().st_size, numel * 4
     assert size > 500 * 2**20
-    for dst, cast in (("tree", 1.0), ("out.safetensors", 1.5)):  # + a bfloat16 copy while casting
+    # to a tree, tensors are copied file to file (no tensor is held); to safetensors, each is
+    # read, plus a bfloat16 copy while casting
+    for dst, cast in (("tree", 0.0), ("out.safetensors", 1.5)):
         growth, exact = stats[dst]["growth"], stats[dst]["exact"]
         print(
             f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "

@@ -82,6 +82,35 @@ def test_same_values_and_strides_as_torch_load(tmp_path: Path) -> None:
             assert type(got) is torch.Tensor  # parameters come back as plain tensors
 
 
+def test_file_range_names_the_bytes_of_contiguous_tensors_only(tmp_path: Path) -> None:
+    base = random_tensor((6, 8), torch.float32, 1)
+    sd = {
+        "base": base,
+        "row": base[2],  # contiguous, at an offset of the storage
+        "rows": base[1:4],  # contiguous, a part of the storage
+        "tied": base,  # the same storage again
+        "column": base[:, 3:4],  # one column: strided
+        "cols": base[:, 1::3],
+        "t": base.t(),
+        "expanded": torch.arange(4.0).expand(3, 4),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(3, dtype=torch.int16),
+    }
+    path = tmp_path / "views.pt"
+    torch.save(sd, path)
+    with TorchSaveReader(path) as reader:
+        for key, expected in sd.items():
+            span = reader.file_range(key)
+            if not expected.is_contiguous():
+                assert span is None, key
+                continue
+            assert span is not None and span.nbytes == expected.nbytes, key
+            assert os.pread(span.fd, span.nbytes, span.offset) == as_bytes(expected), key
+            assert repr(key) in span.what and str(path) in span.what
+        base_span, row_span = reader.file_range("base"), reader.file_range("row")
+        assert row_span.offset == base_span.offset + 2 * 8 * 4
+
+
 def test_mapped_views_of_one_storage_share_memory(tmp_path: Path) -> None:
     base = torch.arange(12, dtype=torch.int64)
     path = tmp_path / "shared.pt"
@@ -265,6 +294,18 @@ def test_damaged_records_give_memtree_errors(tmp_path: Path) -> None:
         open_checkpoint(junk)
     with pytest.raises(memtree.CheckpointFormatError, match="directory"):
         open_checkpoint(tmp_path)
+
+
+def test_a_record_placed_past_the_end_of_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hostile.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    info = _storage_member(path)
+    with open(path, "r+b") as f:  # a local header whose extra field pushes the data past the end
+        f.seek(info.header_offset + 28)
+        f.write(b"\xff\xff")
+    with pytest.raises(memtree.CheckpointFormatError, match="data/0") as err:
+        TorchSaveReader(path)
+    assert str(path) in str(err.value) and "truncated" in str(err.value)
 
 
 def test_non_dict_checkpoints_are_refused(tmp_path: Path) -> None:

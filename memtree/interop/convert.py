@@ -6,9 +6,12 @@ destination's name).
 
 How memory stays bounded by the largest tensor (not the file): the source is opened lazily and
 turned into a :class:`~memtree.level.Level` whose tensor leaves are
-:class:`~memtree.interop.lazy.LazyLeaf` objects. Each leaf reads its bytes with ``pread`` into
-a new tensor (never through a mapping, whose pages would stay resident), casts it if asked, and
-is dropped once its file is written:
+:class:`~memtree.interop.lazy.LazyLeaf` objects. Going to a memtree directory, a contiguous
+tensor of a ``torch.save`` file that is not cast is copied from the checkpoint into its leaf
+file **file to file** (``copy_file_range``: no byte passes through the process, which holds no
+tensor at all; its record's CRC-32 is not checked, as with ``torch.load(mmap=True)``). Every
+other leaf reads its bytes with ``pread`` into a new tensor (never through a mapping, whose
+pages would stay resident), is cast if asked, and is dropped once its file is written:
 
 * to a memtree directory, the Level goes through :func:`memtree.write.write_tree` unchanged:
   the same plan, staging directory and atomic commit as ``TensorTree.memmap`` (no second commit
@@ -46,7 +49,7 @@ import torch
 
 from ..dtypes import dtype_from_name, itemsize
 from ..errors import DestinationExistsError, DtypeError, KeyCollisionError, NotAMemtreeError
-from ..fileio import open_checked, read_fd
+from ..fileio import FileRange, open_checked, read_fd
 from ..keys import META_NAME
 from ..level import Level
 from ..mmap_tensor import MemoryMappedTensor
@@ -54,10 +57,11 @@ from ..nontensor import NonTensor, json_problem
 from ..progress import Progress
 from ..read import read_tree
 from ..write import write_tree
-from .checkpoint import checkpoint_kind, open_checkpoint
+from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
-from .safetensors_file import write_safetensors
+from .safetensors_file import SafetensorsReader, write_safetensors
 from .tensordict_dir import is_tensordict_dir, read_tensordict_dir
+from .torchsave import TorchSaveReader
 
 __all__ = ["ConvertResult", "convert", "source_kind", "parse_dtype"]
 
@@ -178,8 +182,13 @@ class _Stream:
         self.close: Callable[[], None] = lambda: None
 
     def leaf(
-        self, shape: torch.Size, dtype: torch.dtype, read: Callable[[], torch.Tensor]
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        read: Callable[[], torch.Tensor],
+        file_range: Callable[[], FileRange | None] | None = None,
     ) -> LazyLeaf:
+        """A leaf read by ``read`` (and cast), or copied from ``file_range`` when not cast."""
         out_dtype = _cast_dtype(dtype, self.cast)
         nbytes = shape.numel() * itemsize(out_dtype)
         self.tensors += 1
@@ -192,17 +201,33 @@ class _Stream:
             self.on_read(nbytes)
             return t
 
-        return LazyLeaf(shape, out_dtype, load)
+        def copy_from() -> FileRange | None:
+            found = file_range() if file_range is not None else None
+            if found is not None:
+                self.on_read(nbytes)
+            return found
 
-    def from_checkpoint(self, src: str, allow_pickle: bool, flat_keys: bool) -> None:
-        ckpt = open_checkpoint(src, allow_pickle=allow_pickle)
+        uncast = file_range is not None and out_dtype == dtype
+        return LazyLeaf(shape, out_dtype, load, copy_from if uncast else None)
+
+    def from_checkpoint(self, src: str, kind: str, allow_pickle: bool, flat_keys: bool) -> None:
+        if kind == "torch":
+            reader: TorchSaveReader | SafetensorsReader = TorchSaveReader(
+                src, allow_pickle=allow_pickle
+            )
+        else:
+            reader = SafetensorsReader(src)
+        ckpt = Checkpoint(reader, kind)
         self.close = ckpt.close
         self.metadata = ckpt.metadata
         for key in ckpt:
             shape, dtype = ckpt.tensor_spec(key)
             path = (key,) if flat_keys else _split(ckpt.key_path(key))
             read = (lambda k: lambda: ckpt.read(k, mmap=False))(key)
-            _insert(self.level, path, self.leaf(shape, dtype, read), key)
+            file_range = None
+            if isinstance(reader, TorchSaveReader):
+                file_range = (lambda r, k: lambda: r.file_range(k))(reader, key)
+            _insert(self.level, path, self.leaf(shape, dtype, read, file_range), key)
         for key, value in ckpt.non_tensors.items():
             ok, value = _json_value(value)
             if not ok:
@@ -325,7 +350,7 @@ def convert(
     stream = _Stream(cast)
     try:
         if kind in ("torch", "safetensors"):
-            stream.from_checkpoint(src_path, allow_pickle, flat_keys)
+            stream.from_checkpoint(src_path, kind, allow_pickle, flat_keys)
         else:
             stream.from_directory(src_path, kind, allow_pickle)
         result.dropped = list(stream.dropped)

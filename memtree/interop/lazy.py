@@ -6,6 +6,11 @@ It is how conversions stream through memtree's ordinary write path: a
 same atomic commit), and each leaf's data is loaded at the moment its file is written and
 dropped right after, so the process holds one tensor at a time instead of the whole checkpoint.
 
+A leaf whose bytes lie as they are in a file (a contiguous tensor of a ``torch.save`` checkpoint,
+not cast) also knows that place: :meth:`LazyLeaf.file_range` returns it as a
+:class:`~memtree.fileio.FileRange`, and the writer then copies the bytes file to file
+(``copy_file_range``) instead of loading them: the process holds none of them.
+
 Shape, dtype, device and layout queries never load anything. Any operation on a ``LazyLeaf``
 (``detach``, ``contiguous``, arithmetic...) loads it, runs on the loaded tensor and returns
 ordinary tensors; every use loads it again (nothing is cached, which is what bounds memory).
@@ -29,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import CheckpointFormatError
+from ..fileio import FileRange
 
 __all__ = ["LazyLeaf"]
 
@@ -40,18 +46,34 @@ class LazyLeaf(torch.Tensor):
         shape: the tensor's shape.
         dtype: the tensor's dtype.
         load: returns the data (a tensor of exactly this shape and dtype).
+        file_range: returns where the data lies as it is in an open file, if it does (else
+            ``None``); see :meth:`file_range`.
     """
 
     _load: Callable[[], torch.Tensor]
+    _file_range: Callable[[], FileRange | None] | None
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(
-        cls, shape: Sequence[int], dtype: torch.dtype, load: Callable[[], torch.Tensor]
+        cls,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        load: Callable[[], torch.Tensor],
+        file_range: Callable[[], FileRange | None] | None = None,
     ) -> LazyLeaf:
         out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device="cpu")
         out._load = load
+        out._file_range = file_range
         return out
+
+    def file_range(self) -> FileRange | None:
+        """Where the data lies byte for byte in an open file (``None``: only ``load`` has it).
+
+        :func:`memtree.write.write_tree` asks for it before loading a leaf, and copies the range
+        into the leaf file without reading it into memory.
+        """
+        return None if self._file_range is None else self._file_range()
 
     def materialize(self) -> torch.Tensor:
         """Load the data now (an ordinary tensor) and check it matches the declared spec."""

@@ -23,7 +23,14 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
    local file header (30 bytes + name + extra field), and only the bytes the tensor spans are
    read (``pread`` into a new tensor: peak memory is that tensor) or mapped (zero copy, like
    ``torch.load(mmap=True)``). Tensors that are views of one storage (tied weights, slices) each
-   read their own span; mapped, they share memory.
+   read their own span; mapped, they share memory;
+4. or names, for a contiguous tensor, the byte range of the file that holds it
+   (:meth:`TorchSaveReader.file_range`): a conversion copies that range into the leaf file
+   file to file, and the process never holds the tensor.
+
+Every range is checked against its record and the file before it is read, mapped or copied.
+The CRC-32 of a record is checked when a ``pread`` reads it whole; mapped views and file-to-file
+copies do not read the bytes, so they are not checked (as with ``torch.load(mmap=True)``).
 
 ``allow_pickle=True`` lets other globals through to :class:`pickle.Unpickler` (trusted files
 only); tensors stay lazy either way. Legacy (pre-zip) checkpoints are refused with
@@ -64,6 +71,7 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
+from ..fileio import FileRange
 from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [
@@ -169,6 +177,17 @@ class TensorRef:
         return self.offset, 1 + sum(
             (n - 1) * s for n, s in zip(self.size, self.stride, strict=True)
         )
+
+    def is_contiguous(self) -> bool:
+        """True if the tensor's elements lie in order, one after another (as ``torch``'s)."""
+        if prod(self.size) == 0:
+            return True
+        expected = 1
+        for n, s in zip(reversed(self.size), reversed(self.stride), strict=True):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
 
 
 def _int(v: Any) -> bool:
@@ -534,6 +553,16 @@ class TorchSaveReader(Closing):
         ref = self.ref(key)
         return ref.shape, ref.dtype
 
+    def _byte_range(self, key: str) -> tuple[TensorRef, int, int]:
+        """``(ref, start, nbytes)``: the bytes of the file that ``key``'s tensor spans, checked
+        against the file (the record was checked when the pickle was read)."""
+        ref = self.ref(key)
+        first, count = ref.span()
+        size = itemsize(ref.dtype)
+        start, nbytes = ref.storage.data_offset + first * size, count * size
+        self._file.check_range(start, nbytes, f"tensor {key!r}")
+        return ref, start, nbytes
+
     def read(self, key: str, *, mmap: bool = True) -> torch.Tensor:
         """Read one tensor.
 
@@ -543,16 +572,13 @@ class TorchSaveReader(Closing):
                 False: a new tensor filled with ``pread`` (the CRC-32 of the record is checked
                 when the tensor spans it whole).
         """
-        ref = self.ref(key)
-        first, count = ref.span()
-        size = itemsize(ref.dtype)
-        start = ref.storage.data_offset + first * size
-        if mmap and start % size == 0:
-            flat = self._file.mapped()[start : start + count * size].view(ref.dtype)
+        ref, start, nbytes = self._byte_range(key)
+        if mmap and start % itemsize(ref.dtype) == 0:
+            flat = self._file.mapped()[start : start + nbytes].view(ref.dtype)
             return torch.as_strided(flat, ref.size, ref.stride, flat.storage_offset())
-        buf = torch.empty(count, dtype=ref.dtype)
+        buf = torch.empty(nbytes // itemsize(ref.dtype), dtype=ref.dtype)
         self._file.read_into(buf, start, f"tensor {key!r}")
-        if count * size == ref.storage.nbytes and count and ref.storage.crc:
+        if nbytes == ref.storage.nbytes and nbytes and ref.storage.crc:
             crc = zlib.crc32(buf.view(torch.uint8).numpy())
             if crc != ref.storage.crc:
                 raise CheckpointFormatError(
@@ -560,6 +586,26 @@ class TorchSaveReader(Closing):
                     f"data/{ref.storage.key}); the file is damaged: download or save it again"
                 )
         return torch.as_strided(buf, ref.size, ref.stride, 0)
+
+    def file_range(self, key: str) -> FileRange | None:
+        """The bytes of the file that hold ``key``'s tensor as it is, if it is contiguous.
+
+        ``None`` for a strided view (transposed, sliced with a step, expanded): :meth:`read`
+        it. The range is valid while the reader is open; its CRC-32 is not checked.
+
+        Example:
+            >>> import os, tempfile, torch
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.pt")
+            >>> torch.save({"w": torch.arange(6.0).reshape(2, 3)}, path)
+            >>> with TorchSaveReader(path) as r:
+            ...     span = r.file_range("w")
+            ...     torch.frombuffer(os.pread(span.fd, span.nbytes, span.offset), dtype=torch.float32)
+            tensor([0., 1., 2., 3., 4., 5.])
+        """
+        ref, start, nbytes = self._byte_range(key)
+        if not ref.is_contiguous():
+            return None
+        return FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
 
     def close(self) -> None:
         """Close the file (tensors already read or mapped stay valid)."""
