@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import orjson
 import torch
 
+from .dtypes import itemsize
 from .errors import (
     DestinationExistsError,
     InsufficientSpaceError,
@@ -74,6 +75,7 @@ __all__ = [
     "replacing_file",
     "check_free_space",
     "open_checked",
+    "open_leaf",
     "map_fd",
     "read_fd",
     "storage_error",
@@ -533,6 +535,13 @@ def open_checked(
     Raises:
         MissingLeafError, UnsafePathError (symlink, FIFO, directory...), LeafSizeError.
     """
+    return open_leaf(name, nbytes, where, dir_fd=dir_fd, strict_size=strict_size)[0]
+
+
+def open_leaf(
+    name: str, nbytes: int, where: str, *, dir_fd: int | None = None, strict_size: bool = True
+) -> tuple[int, os.stat_result]:
+    """:func:`open_checked`, also returning the ``fstat`` it checked (the file's identity)."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -562,20 +571,23 @@ def open_checked(
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
-def map_fd(fd: int, path: str, nbytes: int, *, writable: bool) -> torch.Tensor:
-    """Map the first ``nbytes`` of an open, checked file as a flat ``uint8`` tensor.
+def map_fd(
+    fd: int, path: str, nbytes: int, *, writable: bool, dtype: torch.dtype = torch.uint8
+) -> torch.Tensor:
+    """Map the first ``nbytes`` of an open, checked file as a flat tensor of ``dtype``.
 
-    ``writable=True`` maps shared (writes reach the file); ``False`` maps private
-    copy-on-write (the file can never change through it).
+    ``nbytes`` is a multiple of the dtype's item size. ``writable=True`` maps shared (writes
+    reach the file); ``False`` maps private copy-on-write (the file can never change through
+    it).
     """
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=dtype)
     source = f"/proc/self/fd/{fd}" if _PROC_FD else path
     try:
-        return torch.from_file(source, shared=writable, size=nbytes, dtype=torch.uint8)
+        return torch.from_file(source, shared=writable, size=nbytes // itemsize(dtype), dtype=dtype)
     except RuntimeError as err:  # torch reopens the file (read-write when shared): find out why
         try:
             os.close(os.open(source, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC))

@@ -776,16 +776,26 @@ def _wrap_views(out: Any, src: MemoryMappedTensor) -> Any:
 
 
 def map_leaf(
-    fd: int, path: str, dtype: torch.dtype, shape: tuple[int, ...], *, readonly: bool
+    fd: int,
+    path: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    *,
+    readonly: bool,
+    st: os.stat_result | None = None,
 ) -> MemoryMappedTensor:
-    """Map an open, already size-checked leaf file as a ``MemoryMappedTensor``."""
+    """Map an open, already size-checked leaf file as a ``MemoryMappedTensor``.
+
+    ``st`` is the descriptor's ``fstat`` when the caller has it (the file's identity).
+    """
     nbytes = prod(shape) * itemsize(dtype)
-    flat = map_fd(fd, path, nbytes, writable=not readonly)
-    return MemoryMappedTensor._wrap(flat.view(dtype).view(shape), _mapped_file(fd, path), readonly)
+    flat = map_fd(fd, path, nbytes, writable=not readonly, dtype=dtype)
+    return MemoryMappedTensor._wrap(flat.view(shape), _mapped_file(fd, path, st), readonly)
 
 
-def _mapped_file(fd: int, path: str) -> _MappedFile:
-    st = os.fstat(fd)
+def _mapped_file(fd: int, path: str, st: os.stat_result | None = None) -> _MappedFile:
+    if st is None:
+        st = os.fstat(fd)
     return _MappedFile(path, (st.st_dev, st.st_ino))
 
 

@@ -62,7 +62,7 @@ from .errors import (
     PickleNotAllowedError,
     UnsafePathError,
 )
-from .fileio import file_checksum, open_checked, read_fd, storage_error, tensor_checksum
+from .fileio import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
 from .format import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
 from .keys import META_NAME
 from .level import Level, Value
@@ -187,17 +187,21 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
                 f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
                 "a meta.json; it was not written by memtree (or tensordict)"
             )
-        parts = []  # to the end of the file, which may have grown since fstat (the parser checks)
-        left = MAX_META_BYTES + 1
-        while left > 0:
-            part = os.read(fd, min(left, max(st.st_size + 1, 65536)))
-            if not part:
-                break
-            parts.append(part)
-            left -= len(part)
+        want = st.st_size + 1  # one byte more: a short read is the end of the file
+        data = os.read(fd, want)
+        if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
+            parts = [data]
+            left = MAX_META_BYTES + 1 - len(data)
+            while left > 0:
+                part = os.read(fd, min(left, 1 << 20))
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            data = b"".join(parts)
     finally:
         os.close(fd)
-    return b"".join(parts), path
+    return data, path
 
 
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
@@ -279,6 +283,29 @@ def open_tree(
 
 _LOCK = threading.RLock()  # loading a pending level (threads share trees)
 _SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
+
+#: How many pending levels, in all, may keep their directory open from their parent's load, so
+#: that loading them later opens no directory. Beyond it a level re-opens its directory from the
+#: tree's root when it loads (the same directory: every name is resolved from the held root).
+MAX_HELD_DIRS = 128
+_held_dirs = 0  # changed under _LOCK
+
+
+def _hold_dir(fd: int) -> int | None:
+    """``fd`` (a level directory just opened, under ``_LOCK``) if it may stay open, else None."""
+    global _held_dirs
+    if _held_dirs < MAX_HELD_DIRS:
+        _held_dirs += 1
+        return fd
+    os.close(fd)
+    return None
+
+
+def _release_dir(fd: int) -> None:
+    global _held_dirs
+    with _LOCK:
+        os.close(fd)
+        _held_dirs -= 1
 
 
 def _after_fork_in_child() -> None:  # a fork while another thread held the lock must not deadlock
@@ -406,10 +433,19 @@ class PendingLevel:
     keys: tuple[str, ...]
     meta: LevelMeta
     selection: _Trie | None
+    #: The level's directory, kept open from its parent's load (see :data:`_HELD_DIRS`).
+    _fd: int | None = dataclasses.field(default=None, repr=False)
     _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.source.pending.add(self)
+
+    def __del__(self) -> None:  # never loaded: let its held directory go
+        if self._fd is not None:
+            try:
+                _release_dir(self._fd)
+            except (OSError, TypeError):  # TypeError: module globals torn down at interpreter exit
+                pass
 
     @property
     def batch_size(self) -> tuple[int, ...]:
@@ -438,11 +474,17 @@ class PendingLevel:
 
     def _open_and_load(self) -> dict[str, Value | PendingLevel]:
         try:
-            fd = self.source.open_level(self.dirs)
+            if self._fd is None:
+                fd = self.source.open_level(self.dirs)
+                try:
+                    return self._load(fd)
+                finally:
+                    os.close(fd)
             try:
-                return self._load(fd)
+                return self._load(self._fd)
             finally:
-                os.close(fd)
+                fd, self._fd = self._fd, None
+                _release_dir(fd)
         except MissingLeafError as err:
             if self.source.removed():
                 raise MissingLeafError(
@@ -471,15 +513,18 @@ class PendingLevel:
                 child_fd = open_dir(entry.dir, where, fd)
                 try:
                     meta = self.source.meta(dirs, where, child_fd)
-                finally:
+                    if meta.batch_size[: len(self.meta.batch_size)] != self.meta.batch_size:
+                        raise MetaFormatError(
+                            f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} "
+                            f"does not start with the parent's {list(self.meta.batch_size)}; the "
+                            "tree is damaged"
+                        )
+                    meta = select_entries(meta, sub, path, where)
+                except BaseException:
                     os.close(child_fd)
-                if meta.batch_size[: len(self.meta.batch_size)] != self.meta.batch_size:
-                    raise MetaFormatError(
-                        f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} does "
-                        f"not start with the parent's {list(self.meta.batch_size)}; the tree is damaged"
-                    )
-                meta = select_entries(meta, sub, path, where)
-                out[entry.key] = PendingLevel(self.source, dirs, where, path, meta, sub)
+                    raise
+                held = _hold_dir(child_fd)
+                out[entry.key] = PendingLevel(self.source, dirs, where, path, meta, sub, held)
             elif isinstance(entry, JsonMeta):
                 out[entry.key] = NonTensor(entry.value)
             else:
@@ -507,15 +552,17 @@ class _Reader:
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         path = os.path.join(where, entry.file)
         try:
-            fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
+            fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
         except LeafSizeError:
-            fd = self.open_grown(dir_fd, where, entry, path)
+            fd, st = self.open_grown(dir_fd, where, entry, path), None
         check = self.verify and entry.checksum is not None
         try:
             if self.mmap:
                 if check:
                     self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
-                tensor: torch.Tensor = map_leaf(fd, path, entry.dtype, entry.shape, readonly=self.readonly)
+                tensor: torch.Tensor = map_leaf(
+                    fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st
+                )
             else:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype)
                 read_fd(fd, tensor)

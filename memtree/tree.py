@@ -413,11 +413,17 @@ class TensorTree:
 
     def items(self, include_nested: bool = False, leaves_only: bool = False) -> list[tuple[Key, Any]]:
         """``(key, value)`` pairs, with the same options as :meth:`keys`."""
-        return [(k, self[k]) for k in self.keys(include_nested, leaves_only)]
+        if not include_nested:
+            return [(k, self[k]) for k in self.keys(False, leaves_only)]
+        return [
+            (p[0] if len(p) == 1 else p, v.data if isinstance(v, NonTensor) else v)
+            for p, v in self._walk()
+            if not (leaves_only and isinstance(v, TensorTree))
+        ]
 
     def values(self, include_nested: bool = False, leaves_only: bool = False) -> list[Any]:
         """Values, with the same options as :meth:`keys`."""
-        return [self[k] for k in self.keys(include_nested, leaves_only)]
+        return [v for _, v in self.items(include_nested, leaves_only)]
 
     def update(self, other: Mapping[str, Any] | TensorTree) -> TensorTree:
         """Set every key of ``other`` into this tree (merging sub-trees); returns ``self``."""

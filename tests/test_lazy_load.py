@@ -202,6 +202,34 @@ def test_the_root_descriptor_is_released_once_every_level_is_loaded(tmp_path):
     assert _fds() == before
 
 
+def test_each_level_directory_is_opened_once_over_a_full_walk(tmp_path, opened):
+    nested().memmap(tmp_path / "t")
+    opened.clear()
+    memtree.load_memmap(tmp_path / "t").keys(include_nested=True)
+    dirs = [p for p in opened if not p.endswith((".memmap", "meta.json"))]
+    # the root, then each sub-level once (kept open from its parent's load, not re-walked)
+    assert sorted(dirs) == sorted([str(tmp_path / "t")] + [f"o{i}" for i in range(3)] + [f"i{j}" for j in range(4)] * 3)
+
+
+def test_held_level_directories_are_bounded_and_released(tmp_path, monkeypatch):
+    from memtree import read
+
+    monkeypatch.setattr(read, "MAX_HELD_DIRS", 5)
+    expected = TensorTree({f"s{i}": {"x": torch.full((2,), float(i))} for i in range(12)})
+    expected.memmap(tmp_path / "t")
+    before = _fds()
+    tree = memtree.load_memmap(tmp_path / "t")
+    tree.keys()  # loads the root: 12 pending sub-levels, at most 5 keep their directory open
+    assert _fds() == before + 1 + 5
+    for key, value in expected.items(include_nested=True, leaves_only=True):  # the others re-open
+        assert_leaf_equal(tree[key], value, str(key))
+    assert _fds() == before
+    tree = memtree.load_memmap(tmp_path / "t")
+    tree.keys()
+    del tree  # dropped before its levels loaded: the held directories close with it
+    assert _fds() == before
+
+
 def test_meta_device_and_mode_r_stay_lazy(tmp_path, opened):
     nested().memmap(tmp_path / "t")
     opened.clear()
