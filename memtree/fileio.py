@@ -206,14 +206,15 @@ def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
     return f"{algorithm}:{digest.hexdigest()}"
 
 
-def file_checksum(fd: int, nbytes: int, algorithm: str) -> str:
-    """``"<algorithm>:<hex>"`` of the first ``nbytes`` of an open file, read with ``pread``."""
+def file_checksum(fd: int, nbytes: int, algorithm: str, offset: int = 0) -> str:
+    """``"<algorithm>:<hex>"`` of ``nbytes`` of an open file from ``offset``, read with ``pread``
+    through one buffer of at most :data:`DIGEST_SLICE` bytes."""
     digest = new_digest(algorithm)
     buf = bytearray(min(nbytes, DIGEST_SLICE))
     view = memoryview(buf)
     done = 0
     while done < nbytes:
-        n = os.preadv(fd, [view[: min(len(buf), nbytes - done)]], done)
+        n = os.preadv(fd, [view[: min(len(buf), nbytes - done)]], offset + done)
         if n <= 0:
             raise OSError(errno.EIO, f"unexpected end of file after {done} of {nbytes} bytes")
         digest.update(view[:n])

@@ -186,25 +186,31 @@ def _corrupt_storage(path: Path, key: str) -> None:
         f.write(b"\xde\xad\xbe\xef")
 
 
-@pytest.mark.parametrize(("dst_name", "dtype"), [("tree", "float16"), ("out.safetensors", None)])
+@pytest.mark.parametrize(
+    ("dst_name", "dtype"), [("tree", None), ("tree", "float16"), ("out.safetensors", None)]
+)
 def test_a_failure_mid_stream_leaves_nothing(tmp_path: Path, dst_name: str, dtype: str) -> None:
     pt = tmp_path / "c.pt"
     torch.save({f"t{i}": torch.full((64,), float(i)) for i in range(4)}, pt)
     _corrupt_storage(pt, "2")
-    with pytest.raises(memtree.CheckpointFormatError, match="CRC-32"):  # read, so checked
+    with pytest.raises(memtree.CheckpointFormatError, match="CRC-32"):  # copied, cast or read: checked
         memtree.convert(pt, tmp_path / dst_name, dtype=dtype)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["c.pt"]
 
 
-def test_file_to_file_copies_are_the_files_bytes_unchecked_like_torch_load_mmap(
-    tmp_path: Path,
+def test_file_to_file_copies_check_the_crc_through_a_small_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pt = tmp_path / "c.pt"
     torch.save({f"t{i}": torch.full((64,), float(i)) for i in range(4)}, pt)
     _corrupt_storage(pt, "2")
-    memtree.convert(pt, tmp_path / "tree")  # the bytes are never read: no CRC-32 check
-    damaged = torch.load(pt, mmap=True, weights_only=True)["t2"]
-    assert as_bytes(memtree.load_memmap(tmp_path / "tree")["t2"]) == as_bytes(damaged)
+    reads: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(sum(len(b) for b in bufs)) or real(fd, bufs, off))
+    with pytest.raises(memtree.CheckpointFormatError, match="'t2' fails its CRC-32"):
+        memtree.convert(pt, tmp_path / "tree")
+    assert reads and all(n <= 4 * 2**20 for n in reads)  # through one small buffer
+    assert not (tmp_path / "tree").exists()
 
 
 # -- the file-to-file copy ---------------------------------------------------------------------
@@ -276,7 +282,9 @@ def test_contiguous_tensors_are_copied_file_to_file_not_read(
     assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
     strided = sorted(k for k, v in sd.items() if not v.is_contiguous())
     assert sorted(spies.read_keys) == strided  # only these went through memory
-    assert len(spies.preads) == len(strided)  # one pread each: no copy went through a buffer
+    # one pread each for them; a copy of a whole record also has its CRC-32 read (small buffer)
+    whole = [v for v in sd.values() if v.is_contiguous() and v.numel() and v.untyped_storage().nbytes() == v.nbytes]
+    assert len(spies.preads) == len(strided) + len(whole)
     copied = sum(v.nbytes for v in sd.values() if v.is_contiguous())
     assert sum(spies.copied) == copied and len(spies.copied) == sum(
         1 for v in sd.values() if v.is_contiguous() and v.numel()
@@ -322,6 +330,7 @@ def test_copies_fall_back_to_a_small_buffer(
     else:
         monkeypatch.setattr(os, "copy_file_range", kernel_copy)
     monkeypatch.setattr(fileio, "COPY_BUFFER", 4096)
+    monkeypatch.setattr(fileio, "DIGEST_SLICE", 4096)  # the CRC-32 pass before each whole record
     buffers: list[int] = []
     preadv = os.preadv
     monkeypatch.setattr(
@@ -330,10 +339,12 @@ def test_copies_fall_back_to_a_small_buffer(
     memtree.convert(pt, tmp_path / "tree")
     assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
     big = sd["base"].nbytes
-    if how == "short":  # continued in the kernel, never read
-        assert len(calls) >= big // 1000 and not buffers
+    crc_read = sum(v.nbytes for v in sd.values() if v.untyped_storage().nbytes() == v.nbytes)
+    if how == "short":  # continued in the kernel; only the CRC-32 pass reads
+        assert len(calls) >= big // 1000 and sum(buffers) == crc_read
     else:  # through the small buffer, never a whole tensor at once
-        assert max(buffers) == 4096 < big and sum(buffers) >= sum(v.nbytes for v in sd.values())
+        assert max(buffers) == 4096 < big
+        assert sum(buffers) == sum(v.nbytes for v in sd.values() if v.numel()) + crc_read
 
 
 def test_copy_range_continues_short_copies_and_refuses_a_short_source(tmp_path: Path) -> None:

@@ -29,8 +29,9 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
    file to file, and the process never holds the tensor.
 
 Every range is checked against its record and the file before it is read, mapped or copied.
-The CRC-32 of a record is checked when a ``pread`` reads it whole; mapped views and file-to-file
-copies do not read the bytes, so they are not checked (as with ``torch.load(mmap=True)``).
+The CRC-32 of a record is checked when a ``pread`` reads it whole, and before a file-to-file
+copy of a whole record (read through one buffer of at most 4 MiB); mapped views are not
+checked (as with ``torch.load(mmap=True)``).
 
 ``allow_pickle=True`` lets other globals through to :class:`pickle.Unpickler` (trusted files
 only); tensors stay lazy either way. Legacy (pre-zip) checkpoints are refused with
@@ -71,7 +72,7 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from ..fileio import FileRange
+from ..fileio import FileRange, file_checksum, storage_error
 from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [
@@ -578,20 +579,27 @@ class TorchSaveReader(Closing):
             return torch.as_strided(flat, ref.size, ref.stride, flat.storage_offset())
         buf = torch.empty(nbytes // itemsize(ref.dtype), dtype=ref.dtype)
         self._file.read_into(buf, start, f"tensor {key!r}")
-        if nbytes == ref.storage.nbytes and nbytes and ref.storage.crc:
-            crc = zlib.crc32(buf.view(torch.uint8).numpy())
-            if crc != ref.storage.crc:
-                raise CheckpointFormatError(
-                    f"{self.path}: tensor {key!r} fails its CRC-32 check (record "
-                    f"data/{ref.storage.key}); the file is damaged: download or save it again"
-                )
+        if self._whole_record(ref, nbytes):
+            self._check_crc(key, ref, zlib.crc32(buf.view(torch.uint8).numpy()))
         return torch.as_strided(buf, ref.size, ref.stride, 0)
+
+    @staticmethod
+    def _whole_record(ref: TensorRef, nbytes: int) -> bool:
+        return nbytes == ref.storage.nbytes and nbytes > 0 and bool(ref.storage.crc)
+
+    def _check_crc(self, key: str, ref: TensorRef, crc: int) -> None:
+        if crc != ref.storage.crc:
+            raise CheckpointFormatError(
+                f"{self.path}: tensor {key!r} fails its CRC-32 check (record "
+                f"data/{ref.storage.key}); the file is damaged: download or save it again"
+            )
 
     def file_range(self, key: str) -> FileRange | None:
         """The bytes of the file that hold ``key``'s tensor as it is, if it is contiguous.
 
         ``None`` for a strided view (transposed, sliced with a step, expanded): :meth:`read`
-        it. The range is valid while the reader is open; its CRC-32 is not checked.
+        it. The range is valid while the reader is open. A range that is a whole record is
+        checked against the record's CRC-32 first (``CheckpointFormatError``).
 
         Example:
             >>> import os, tempfile, torch
@@ -605,6 +613,12 @@ class TorchSaveReader(Closing):
         ref, start, nbytes = self._byte_range(key)
         if not ref.is_contiguous():
             return None
+        if self._whole_record(ref, nbytes):  # read through one small buffer, never held whole
+            try:
+                digest = file_checksum(self._file.fd, nbytes, "crc32", start)
+            except OSError as err:
+                raise storage_error(err, f"reading tensor {key!r} of {self.path}") from err
+            self._check_crc(key, ref, int(digest.partition(":")[2], 16))
         return FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
 
     def close(self) -> None:
