@@ -9,16 +9,20 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py w3 [ROUNDS]          # memmap_like vs its floors
     .venv/bin/python benchmarks/floors.py save w2 [ROUNDS] [THREADS]   # memmap vs raw-files
     .venv/bin/python benchmarks/floors.py save w1 [ROUNDS] [THREADS] [SIZE_GIB]  # vs raw
-    .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum, lazy / eager
+    .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum: raw, format floor, memtree
 
 ``w3`` also times the atomic commit's own system calls without memtree (lock file + flock,
 staging directory, files, ``meta.json``, ``renameat2``, map, unlock): the least any save that
-cannot leave a half-written tree costs.
+cannot leave a half-written tree costs. ``touch`` also times the *format floor*: the same
+directory read with bare calls and no checks at all (open each level's directory and
+``meta.json``, decode it, open and map each leaf), the least any reader of this on-disk format
+pays over the one-file raw limit.
 """
 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import shutil
 import statistics
@@ -30,9 +34,11 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import orjson  # noqa: E402
 import torch  # noqa: E402
 
 import memtree  # noqa: E402
+from memtree.dtypes import dtype_from_name  # noqa: E402
 from memtree.fileio import rename_noreplace  # noqa: E402
 from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
 from workloads import w1_layout, w2_layout  # noqa: E402
@@ -75,6 +81,31 @@ def _w3_commit_syscalls(p: str) -> None:
         _map(os.path.join(p, file), nbytes)
     os.unlink(lock)
     os.close(lfd)
+
+
+def _bare_walk(root: str) -> list[torch.Tensor]:
+    """Map every leaf of a memtree directory with bare calls and no checks at all: per level,
+    open the directory, read and decode ``meta.json``; per leaf, open, ``fstat`` and map it.
+    The least any reader of this format (a file per leaf, a ``meta.json`` per level) does."""
+    out: list[torch.Tensor] = []
+    todo = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    while todo:
+        dfd = todo.pop()
+        fd = os.open("meta.json", os.O_RDONLY, dir_fd=dfd)
+        doc = orjson.loads(os.read(fd, os.fstat(fd).st_size + 1))
+        os.close(fd)
+        for e in doc["entries"]:
+            if e["kind"] == "tensor":
+                fd = os.open(e["file"], os.O_RDWR, dir_fd=dfd)
+                os.fstat(fd)
+                dtype = dtype_from_name(e["dtype"])
+                t = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=math.prod(e["shape"]), dtype=dtype)
+                out.append(t.view(e["shape"]))
+                os.close(fd)
+            elif e["kind"] == "tree":
+                todo.append(os.open(e["dir"], os.O_RDONLY | os.O_DIRECTORY, dir_fd=dfd))
+        os.close(dfd)
+    return out
 
 
 def _alternate(systems: dict[str, Callable[[str], Any]], rounds: int, fresh: bool) -> None:
@@ -145,9 +176,14 @@ def main(argv: list[str]) -> None:
     elif what == "touch":
         layout = w1_layout({"quick": False, "size_gib": 1})
         wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
-        path = os.path.join(wd, "t")
+        path, raw = os.path.join(wd, "t"), os.path.join(wd, "raw.bin")
         try:
-            memtree.TensorTree(nest(layout, make_tensors(layout))).memmap(path, num_threads=2)
+            tensors = make_tensors(layout)
+            memtree.TensorTree(nest(layout, tensors)).memmap(path, num_threads=2)
+            with open(raw, "wb") as f:
+                for t in tensors:
+                    f.write(t.contiguous().view(-1).view(torch.uint8).numpy())
+            del tensors
 
             def touch(**kw: Any) -> Callable[[str], float]:
                 def run(_: str) -> float:
@@ -155,8 +191,27 @@ def main(argv: list[str]) -> None:
                     return sum(float(tree[key].sum()) for key, _, _ in layout)
                 return run
 
+            def one_file(_: str) -> float:  # the raw limit: every tensor in one mapped file
+                fd = os.open(raw, os.O_RDONLY)
+                flat = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=os.fstat(fd).st_size, dtype=torch.uint8)
+                os.close(fd)
+                total, at = 0.0, 0
+                for _, shape, dtype in layout:
+                    n = math.prod(shape) * dtype.itemsize
+                    total += float(flat[at : at + n].view(dtype).view(shape).sum())
+                    at += n
+                return total
+
             _alternate(
-                {"eager (lazy=False)": touch(lazy=False), "lazy": touch(), "lazy, mode='r'": touch(mode="r")},
+                {
+                    "raw: one file, one mapping": one_file,
+                    "format floor: same files, bare calls, no checks": lambda _: sum(
+                        float(t.sum()) for t in _bare_walk(path)
+                    ),
+                    "eager (lazy=False)": touch(lazy=False),
+                    "lazy": touch(),
+                    "lazy, mode='r'": touch(mode="r"),
+                },
                 int(argv[1]) if len(argv) > 1 else 5,
                 fresh=False,
             )
