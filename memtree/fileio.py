@@ -206,11 +206,13 @@ def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
     return f"{algorithm}:{digest.hexdigest()}"
 
 
-def file_checksum(fd: int, nbytes: int, algorithm: str, offset: int = 0) -> str:
+def file_checksum(
+    fd: int, nbytes: int, algorithm: str, offset: int = 0, buffer: int | None = None
+) -> str:
     """``"<algorithm>:<hex>"`` of ``nbytes`` of an open file from ``offset``, read with ``pread``
-    through one buffer of at most :data:`DIGEST_SLICE` bytes."""
+    through one buffer of ``buffer`` bytes (default :data:`DIGEST_SLICE`)."""
     digest = new_digest(algorithm)
-    buf = bytearray(min(nbytes, DIGEST_SLICE))
+    buf = bytearray(min(nbytes, buffer or DIGEST_SLICE))
     view = memoryview(buf)
     done = 0
     while done < nbytes:
