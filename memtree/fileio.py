@@ -66,6 +66,7 @@ __all__ = [
     "byte_view",
     "write_fd",
     "pwrite_from",
+    "is_plain_memory",
     "FileRange",
     "copy_range",
     "allocate_fd",
@@ -268,16 +269,27 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
     also serves subclasses whose ``data_ptr()`` is no real memory (wrapper subclasses such as
     :class:`~memtree.offload.OffloadedTensor` produce their data on demand).
     """
-    if (
+    if is_plain_memory(tensor):
+        pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
+    else:
+        _pwrite_view(fd, byte_view(tensor), offset, digest)
+
+
+def is_plain_memory(tensor: torch.Tensor) -> bool:
+    """True for a plain, contiguous CPU tensor whose memory holds its bytes as they are (no
+    subclass, no lazy conjugate or negation bit): it can be written from ``data_ptr()``.
+
+    Example:
+        >>> is_plain_memory(torch.ones(2, 3)), is_plain_memory(torch.ones(2, 3).t())
+        (True, False)
+    """
+    return (
         type(tensor) is torch.Tensor
         and tensor.is_cpu
         and tensor.is_contiguous()
         and not tensor.is_conj()
         and not tensor.is_neg()
-    ):
-        pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
-    else:
-        _pwrite_view(fd, byte_view(tensor), offset, digest)
+    )
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from .fileio import (
     create_leaf,
     exchange,
     fsync_dir,
+    is_plain_memory,
     rename_noreplace,
     storage_error,
     write_small_file,
@@ -569,13 +570,7 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
     is left to :func:`~memtree.mmap_tensor.to_storable`.
     """
     tensor = job.tensor
-    if (
-        type(tensor) is torch.Tensor
-        and tensor.is_cpu
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    ):
+    if is_plain_memory(tensor):
         return tensor
     file_range = getattr(tensor, "file_range", None)
     if file_range is not None:
