@@ -10,13 +10,14 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py save w2 [ROUNDS] [THREADS]   # memmap vs raw-files
     .venv/bin/python benchmarks/floors.py save w1 [ROUNDS] [THREADS] [SIZE_GIB]  # vs raw
     .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum: raw, format floor, memtree
+    .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
 
 ``w3`` also times the atomic commit's own system calls without memtree (lock file + flock,
 staging directory, files, ``meta.json``, ``renameat2``, map, unlock): the least any save that
-cannot leave a half-written tree costs. ``touch`` also times the *format floor*: the same
-directory read with bare calls and no checks at all (open each level's directory and
-``meta.json``, decode it, open and map each leaf), the least any reader of this on-disk format
-pays over the one-file raw limit.
+cannot leave a half-written tree costs. ``touch`` and ``w4`` also time the *format floor*: the
+same directory read with the fewest calls and no checks at all (read and decode each level's
+``meta.json``, ``torch.from_file`` each leaf by path), the least any reader of this on-disk
+format pays, next to the one-file raw limit (``touch``) or safetensors (``w4``).
 """
 
 from __future__ import annotations
@@ -83,28 +84,26 @@ def _w3_commit_syscalls(p: str) -> None:
     os.close(lfd)
 
 
-def _bare_walk(root: str) -> list[torch.Tensor]:
-    """Map every leaf of a memtree directory with bare calls and no checks at all: per level,
-    open the directory, read and decode ``meta.json``; per leaf, open, ``fstat`` and map it.
-    The least any reader of this format (a file per leaf, a ``meta.json`` per level) does."""
-    out: list[torch.Tensor] = []
-    todo = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+def _bare_walk(root: str) -> dict[str, torch.Tensor]:
+    """Map every leaf of a memtree directory with the fewest calls and no checks at all: per
+    level, read and decode ``meta.json``; per leaf, ``torch.from_file`` by path (its own open,
+    ``fstat``, ``mmap``, close). The least any reader of this format (a file per leaf, a
+    ``meta.json`` per level) does. Returns the tensors by dotted key."""
+    out: dict[str, torch.Tensor] = {}
+    todo = [("", root)]
     while todo:
-        dfd = todo.pop()
-        fd = os.open("meta.json", os.O_RDONLY, dir_fd=dfd)
-        doc = orjson.loads(os.read(fd, os.fstat(fd).st_size + 1))
-        os.close(fd)
+        prefix, where = todo.pop()
+        with open(os.path.join(where, "meta.json"), "rb") as f:
+            doc = orjson.loads(f.read())
         for e in doc["entries"]:
             if e["kind"] == "tensor":
-                fd = os.open(e["file"], os.O_RDWR, dir_fd=dfd)
-                os.fstat(fd)
-                dtype = dtype_from_name(e["dtype"])
-                t = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=math.prod(e["shape"]), dtype=dtype)
-                out.append(t.view(e["shape"]))
-                os.close(fd)
+                t = torch.from_file(
+                    os.path.join(where, e["file"]), shared=True, size=math.prod(e["shape"]),
+                    dtype=dtype_from_name(e["dtype"]),
+                )
+                out[prefix + e["key"]] = t.view(e["shape"])
             elif e["kind"] == "tree":
-                todo.append(os.open(e["dir"], os.O_RDONLY | os.O_DIRECTORY, dir_fd=dfd))
-        os.close(dfd)
+                todo.append((prefix + e["key"] + ".", os.path.join(where, e["dir"])))
     return out
 
 
@@ -205,8 +204,8 @@ def main(argv: list[str]) -> None:
             _alternate(
                 {
                     "raw: one file, one mapping": one_file,
-                    "format floor: same files, bare calls, no checks": lambda _: sum(
-                        float(t.sum()) for t in _bare_walk(path)
+                    "format floor: same files, fewest calls, no checks": lambda _: sum(
+                        float(t.sum()) for t in _bare_walk(path).values()
                     ),
                     "eager (lazy=False)": touch(lazy=False),
                     "lazy": touch(),
@@ -215,6 +214,39 @@ def main(argv: list[str]) -> None:
                 int(argv[1]) if len(argv) > 1 else 5,
                 fresh=False,
             )
+        finally:
+            shutil.rmtree(wd, ignore_errors=True)
+    elif what == "w4":  # W4's load + bind (the model is built first, outside the timing)
+        import w4_model
+
+        from safetensors.torch import load_file
+
+        wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
+        cfg = {"quick": False, "workdir": wd}
+        try:
+            w4_model.prepare(cfg)
+            base = w4_model._wd(cfg)
+            rounds = int(argv[1]) if len(argv) > 1 else 21
+            models: dict[str, list[Any]] = {}
+            for name in ("st", "floor", "mt"):  # built beforehand: only load + bind is timed
+                with memtree.empty_init():
+                    models[name] = [w4_model._build(cfg) for _ in range(rounds + 1)]
+
+            def bind(name: str, load: Callable[[Any], Any]) -> Callable[[str], Any]:
+                return lambda _: load(models[name].pop())
+
+            wrapped = {
+                "safetensors load_file + assign": bind(
+                    "st", lambda m: m.load_state_dict(load_file(os.path.join(base, "model.safetensors")), assign=True)
+                ),
+                "format floor (bare walk, no checks) + assign": bind(
+                    "floor", lambda m: m.load_state_dict(_bare_walk(os.path.join(base, "memtree")), assign=True)
+                ),
+                "memtree load_memmap + to_module": bind(
+                    "mt", lambda m: memtree.load_memmap(os.path.join(base, "memtree")).to_module(m)
+                ),
+            }
+            _alternate(wrapped, rounds, fresh=False)
         finally:
             shutil.rmtree(wd, ignore_errors=True)
     else:
