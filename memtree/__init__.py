@@ -24,6 +24,7 @@ from .ops import cat, stack
 from .recover import recover
 from .tensorclass import tensorclass
 from .tree import TensorTree, load_memmap
+from . import grow  # noqa: E402,F401  (registers its step of the crash recovery with recover())
 from .verify import Problem, VerifyReport, verify_tree
 
 __version__ = "0.1.0"

@@ -579,10 +579,14 @@ def open_leaf(
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{where} is not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_size != nbytes and (strict_size or st.st_size < nbytes):
-            raise LeafSizeError(
-                f"leaf file {where} has {st.st_size:,} bytes, expected {nbytes:,}: the write was "
-                "interrupted or the file was changed; re-save the tree"
+            why = (
+                "a growth (append_, extend_, resize_) was killed before it committed, and "
+                "memtree.recover() on the tree's parent directory cuts the file back; or the file "
+                "was changed: then re-save the tree"
+                if st.st_size > nbytes
+                else "the write was interrupted or the file was changed; re-save the tree"
             )
+            raise LeafSizeError(f"leaf file {where} has {st.st_size:,} bytes, expected {nbytes:,}: {why}")
     except BaseException:
         os.close(fd)
         raise

@@ -53,8 +53,8 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from math import prod
@@ -86,7 +86,7 @@ from .level import Level
 from .mmap_tensor import MemoryMappedTensor, map_leaf, to_storable
 from .nontensor import NonTensor
 from .read import open_dir, read_meta
-from .recover import lock_path, recover_locked, staging_path
+from .recover import lock_path, recover_locked, register_journal_step, staging_path
 from .tree import TensorTree
 from .write import LOCK_TIMEOUT, publish
 
@@ -96,7 +96,6 @@ __all__ = ["GROWTH_FACTOR", "extend_level", "resize_level"]
 GROWTH_FACTOR = 2
 _WRITE_FLAGS = os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _ZEROS = bytes(4 * 1024 * 1024)
-_META_TMP = re.compile(re.escape(f".{META_NAME}{STAGING_MARK}") + "[0-9a-f]{32}")
 _LAST_COMMIT_MAX = 64
 
 
@@ -264,7 +263,6 @@ class _Growth:
         parent, name = os.path.split(self.dest)
         with WriterLock(lock_path(parent, name), self.dest, timeout=LOCK_TIMEOUT) as lock:
             recover_locked(parent, name, lock)
-            self._remove_crashed_meta(lock)
             self._read_metas()
             self._plan(self.current, rows, "", (), length)
             old_length = self.current.batch_size[0]
@@ -304,15 +302,6 @@ class _Growth:
             return out
 
     # -- step 1: read and check ----------------------------------------------------------------
-    def _remove_crashed_meta(self, lock: WriterLock) -> None:
-        """Delete the temporary ``meta.json`` a crashed growth of this tree left (journaled)."""
-        tmp = lock.read_journal().get("meta_tmp")
-        if type(tmp) is str and _META_TMP.fullmatch(tmp):
-            try:
-                os.unlink(os.path.join(self.dest, tmp))
-            except OSError:
-                pass
-
     def _read_metas(self) -> None:
         """Read every level's ``meta.json`` (none when this process committed them, unchanged)."""
         last = _LAST_COMMIT.get(self.dest)
@@ -524,7 +513,7 @@ class _Growth:
         metas[""] = replace(metas[""], save_id=self.save_id)
         if len(metas) == 1:
             tmp = f".{META_NAME}{STAGING_MARK}{os.urandom(16).hex()}"
-            lock.write_journal({"meta_tmp": tmp}, fsync=False)
+            lock.write_journal({"meta_tmp": tmp, GROWTH_JOURNAL: self.save_id}, fsync=False)
             path = os.path.join(self.dest, tmp)
             write_small_file(path, dump_level(metas[""]), fsync=self.fsync)
             try:
@@ -551,7 +540,7 @@ class _Growth:
         """A staging directory with ``metas`` and hard links to every leaf and pickle file."""
         parent, name = os.path.split(self.dest)
         staging = staging_path(parent, name)
-        lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
+        lock.write_journal({"staging": os.path.basename(staging), GROWTH_JOURNAL: self.save_id}, fsync=False)
         os.mkdir(staging, 0o700)
         try:
             for rel in sorted(metas, key=lambda r: r.count("/") + bool(r)):  # parents first
@@ -597,6 +586,73 @@ class _Growth:
             else:
                 out.entries[entry.key] = value
         return out
+
+
+#: The journal field of a growth's commit: the ``save_id`` it is about to commit.
+GROWTH_JOURNAL = "grow_save_id"
+
+
+def undo_interrupted_growth(dest: str, record: dict[str, Any]) -> list[str]:
+    """Cut back the leaf files that a growth lengthened and never committed (a journal step).
+
+    A growth lengthens the files that need more rows right before it commits the new
+    ``meta.json`` files. When its process dies in between, the committed ``meta.json`` files are
+    the old ones (their ``save_id`` is not the journaled one), and every leaf file longer than
+    its committed entry is cut back to that length: the tree loads as before the growth.
+
+    Returns:
+        What was done, one line per file.
+    """
+    pending = record.get(GROWTH_JOURNAL)
+    if type(pending) is not str:
+        return []
+    actions: list[str] = []
+    try:
+        root = open_dir(dest, dest, None)
+    except MemtreeError:
+        return []
+    try:
+        if read_meta(root, dest, depth=0, root=True).save_id == pending:
+            return []  # committed: the files are as long as the new meta.json files say
+        todo = [(root, dest, 0)]
+        while todo:
+            fd, where, depth = todo.pop()
+            try:
+                for entry in read_meta(fd, where, depth=depth, root=not depth).entries:
+                    if isinstance(entry, LeafMeta):
+                        actions.extend(_cut_back(fd, where, entry))
+                    elif isinstance(entry, ChildMeta):
+                        child = os.path.join(where, entry.dir)
+                        todo.append((open_dir(entry.dir, child, fd), child, depth + 1))
+            finally:
+                if fd != root:
+                    os.close(fd)
+    except MemtreeError:  # a damaged tree: the loader names the problem
+        pass
+    finally:
+        os.close(root)
+    return actions
+
+
+def _cut_back(dir_fd: int, where: str, entry: LeafMeta) -> list[str]:
+    path = os.path.join(where, entry.file)
+    try:
+        fd = os.open(entry.file, _WRITE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= entry.file_nbytes:
+            return []
+        os.ftruncate(fd, entry.file_nbytes)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return [f"cut {path} back to {entry.file_nbytes:,} bytes (its growth was interrupted)"]
+
+
+register_journal_step(undo_interrupted_growth)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -9,6 +9,11 @@ of siblings of the destination, all hidden (leading ``.``) and all in the same d
 * ``.<name>.memtree.lock``: the writer lock; it exists while a writer holds it, or after a
   writer died, and then holds the *journal* of that writer (its staging and old-copy names).
 
+A growth of a one-level tree (``append_``) also writes ``<name>/.meta.json.memtree-tmp-<32 hex>``
+and renames it over ``meta.json``; its journal names that file too. A growth that lengthens leaf
+files before committing their new capacity journals the save id it commits; the replay step
+:mod:`memtree.grow` registers cuts the files back when that commit never happened.
+
 A writer killed at any point leaves the destination either as it was or fully replaced, but it
 may leave a staging directory, an old copy or a lock file behind. They are cleaned up
 
@@ -42,11 +47,11 @@ import shutil
 import stat
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import LockError
 from .fileio import WriterLock, rename_noreplace
-from .keys import STAGING_MARK
+from .keys import META_NAME, STAGING_MARK
 
 __all__ = [
     "LOCK_SUFFIX",
@@ -57,6 +62,9 @@ __all__ = [
     "is_uncommitted_name",
     "recover_locked",
     "recover",
+    "META_TMP",
+    "JournalStep",
+    "register_journal_step",
 ]
 
 #: Suffix of the writer lock file ``.<name>.memtree.lock``.
@@ -65,6 +73,8 @@ LOCK_SUFFIX = ".memtree.lock"
 OLD_MARK = ".memtree-old-"
 
 _SIBLING = re.compile(r"\.(?P<name>.+)\.memtree(?:-(?P<kind>tmp|old)-[0-9a-f]{32}|(?P<lock>\.lock))", re.S)
+#: The temporary ``meta.json`` of a growth, inside the tree (journaled as ``meta_tmp``).
+META_TMP = re.compile(re.escape(f".{META_NAME}{STAGING_MARK}") + "[0-9a-f]{32}")
 
 
 def staging_path(parent: str, name: str) -> str:
@@ -123,6 +133,22 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+#: A writer's own step of the journal replay: ``step(destination, journal) -> actions``. The
+#: layers above register theirs (:mod:`memtree.grow` undoes an interrupted growth's file growth).
+JournalStep = Callable[[str, dict[str, Any]], list[str]]
+_JOURNAL_STEPS: list[JournalStep] = []
+
+
+def register_journal_step(step: JournalStep) -> None:
+    """Run ``step`` in every journal replay (:func:`recover_locked`), after the names are handled.
+
+    Example:
+        >>> register_journal_step(lambda dst, record: [])
+        >>> _ = _JOURNAL_STEPS.pop()
+    """
+    _JOURNAL_STEPS.append(step)
+
+
 def recover_locked(parent: str, name: str, lock: WriterLock) -> list[str]:
     """Replay the journal of a crashed writer of ``<parent>/<name>`` (the caller holds ``lock``).
 
@@ -148,6 +174,17 @@ def recover_locked(parent: str, name: str, lock: WriterLock) -> list[str]:
     if staging is not None and _is_real_dir(os.path.join(parent, staging)):
         _remove(os.path.join(parent, staging))
         actions.append(f"removed staging directory: {os.path.join(parent, staging)}")
+    meta_tmp = record.get("meta_tmp")
+    if type(meta_tmp) is str and META_TMP.fullmatch(meta_tmp):
+        path = os.path.join(dst, meta_tmp)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+                actions.append(f"removed temporary meta.json of an interrupted growth: {path}")
+        except OSError:
+            pass
+    for step in _JOURNAL_STEPS:
+        actions.extend(step(dst, record))
     return actions
 
 

@@ -314,6 +314,69 @@ def test_failed_capacity_growth_truncates_back_and_keeps_the_tree(tmp_path, monk
     assert memtree.load_memmap(d)["pairs", "v"][:, 0, 0].tolist() == [0.0, 1.0]
 
 
+@pytest.mark.parametrize("cleanup", ["recover", "next write"])
+def test_a_growth_killed_before_its_rename_is_cleaned_up(tmp_path, cleanup):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d)  # one level: the growth renames a temporary meta.json over meta.json
+    buf.append_(item(0))
+
+    def child():
+        real = os.rename
+
+        def die(src, dst, *args, **kwargs):
+            if os.path.basename(os.fspath(dst)) == "meta.json":
+                os._exit(3)  # killed between writing the new meta.json and renaming it
+            return real(src, dst, *args, **kwargs)
+
+        os.rename = die
+        memtree.load_memmap(d).append_(item(1))
+        os._exit(0)
+
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 3
+    left = [n for n in os.listdir(d) if n.startswith(".meta.json")]
+    assert len(left) == 1
+    with pytest.raises(memtree.LeafSizeError, match=r"memtree\.recover\(\)"):  # the file grew
+        memtree.load_memmap(d, lazy=False)
+    if cleanup == "recover":
+        actions = memtree.recover(tmp_path)
+        assert any("temporary meta.json" in a and left[0] in a for a in actions), actions
+        assert any("cut" in a and "obs.memmap" in a for a in actions), actions
+    else:  # a writer replays the journal under the lock before it replaces the tree
+        memtree.TensorTree({"obs": torch.zeros(1, 3), "step": torch.zeros(1, dtype=torch.int64)},
+                           batch_size=[1]).memmap(d, existsok=True)
+    assert not [n for n in os.listdir(d) if n.startswith(".meta.json")]
+    assert sorted(os.listdir(tmp_path)) == ["buf"]
+    assert memtree.load_memmap(d)["step"].tolist() == [0]
+    memtree.load_memmap(d).append_(item(1))
+    assert memtree.load_memmap(d)["step"].tolist() == [0, 1]
+
+
+def test_a_nested_growth_killed_before_its_exchange_is_cut_back_by_recover(tmp_path):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d, nested=True)
+    buf.append_(item(0, True))
+    sizes = {p: p.stat().st_size for p in d.rglob("*.memmap")}
+
+    def child():
+        grow.publish = lambda *args, **kwargs: os._exit(3)  # killed after the files grew
+        memtree.load_memmap(d).append_(item(1, True))
+        os._exit(0)
+
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 3
+    assert any(p.stat().st_size > sizes[p] for p in sizes)  # lengthened, never committed
+    actions = memtree.recover(tmp_path)
+    assert any(a.startswith("removed staging directory") for a in actions), actions
+    assert {p: p.stat().st_size for p in d.rglob("*.memmap")} == sizes
+    assert sorted(os.listdir(tmp_path)) == ["buf"]
+    assert memtree.load_memmap(d, lazy=False)["pairs", "v"][:, 0, 0].tolist() == [0.0]
+
+
 # ------------------------------------------------------------------------------ concurrent readers
 
 
