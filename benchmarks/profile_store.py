@@ -6,6 +6,7 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/profile_store.py w2-open      # load_memmap of them
     .venv/bin/python benchmarks/profile_store.py w3-write     # 1,000 random data[i] = item
     .venv/bin/python benchmarks/profile_store.py w1-save --size-gib 1
+    .venv/bin/python benchmarks/profile_store.py w1-touch      # load_memmap + sum of every leaf
     .venv/bin/python benchmarks/profile_store.py w2-save --quick --top 15
 
 Prints the top functions by cumulative and by own time. For system calls, run the same
@@ -36,7 +37,7 @@ def _case(name: str, cfg: dict[str, Any], wd: str) -> Callable[[], Any]:
     from memtree import TensorTree, load_memmap
 
     path = os.path.join(wd, "tree")
-    if name in ("w1-save", "w2-save", "w2-open", "w2-touch"):
+    if name in ("w1-save", "w1-touch", "w2-save", "w2-open", "w2-touch"):
         layout = (w1_layout if name.startswith("w1") else w2_layout)(cfg)
         data = nest(layout, make_tensors(layout))
         if name.endswith("save"):
@@ -77,7 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("case", choices=["w1-save", "w2-save", "w2-open", "w2-touch", "w3-write"])
+    p.add_argument("case", choices=["w1-save", "w1-touch", "w2-save", "w2-open", "w2-touch", "w3-write"])
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true")
