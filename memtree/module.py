@@ -256,6 +256,9 @@ class _Source:
             assert found is not None
             return found
         t = self.entries[name]
+        if type(t) is MemoryMappedTensor:  # no __torch_function__ round trip per attribute
+            with torch._C.DisableTorchFunctionSubclass():
+                return t.shape, t.dtype
         return t.shape, t.dtype
 
     def get(self, name: str) -> Any:
