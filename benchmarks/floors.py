@@ -7,12 +7,16 @@ on a noisy disk than two rows measured minutes apart.
 Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMPDIR``):
 
     .venv/bin/python benchmarks/floors.py w3 [ROUNDS]          # memmap_like vs its floors
-    .venv/bin/python benchmarks/floors.py save w2 [ROUNDS] [THREADS]   # memmap vs raw-files
-    .venv/bin/python benchmarks/floors.py save w1 [ROUNDS] [THREADS] [SIZE_GIB]  # vs raw
+    .venv/bin/python benchmarks/floors.py save w2 [ROUNDS] [THREADS]   # memmap vs raw-files (and tensordict)
+    .venv/bin/python benchmarks/floors.py save w1 [ROUNDS] [THREADS] [SIZE_GIB]  # vs raw (and tensordict)
     .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum: raw, format floor, memtree
+    .venv/bin/python benchmarks/floors.py touch-cold [ROUNDS]  # the same, every file evicted first
     .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
 
-``w3`` also times the atomic commit's own system calls without memtree (lock file + flock,
+``save`` also runs tensordict's ``memmap`` at the same thread count when it is installed: how
+far the incumbent is from the same floor, in the same rounds. ``touch-cold`` evicts every file
+of the three systems from the page cache (``fdatasync`` + ``POSIX_FADV_DONTNEED``) before each
+system runs. ``w3`` also times the atomic commit's own system calls without memtree (lock file + flock,
 staging directory, files, ``meta.json``, ``renameat2``, map, unlock): the least any save that
 cannot leave a half-written tree costs. ``touch`` and ``w4`` also time the *format floor*: the
 same directory read with the fewest calls and no checks at all (read and decode each level's
@@ -41,6 +45,7 @@ import torch  # noqa: E402
 import memtree  # noqa: E402
 from memtree.dtypes import dtype_from_name  # noqa: E402
 from memtree.fileio import rename_noreplace  # noqa: E402
+from harness import evict  # noqa: E402
 from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
 from workloads import w1_layout, w2_layout  # noqa: E402
 
@@ -107,7 +112,15 @@ def _bare_walk(root: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _alternate(systems: dict[str, Callable[[str], Any]], rounds: int, fresh: bool) -> None:
+def _alternate(
+    systems: dict[str, Callable[[str], Any]],
+    rounds: int,
+    fresh: bool,
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Run the systems round after round (the first is the reference of the ratios); ``fresh``:
+    sync before each system and delete its output after; ``before``: called before each system
+    (untimed)."""
     wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
     names = list(systems)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -120,6 +133,8 @@ def _alternate(systems: dict[str, Callable[[str], Any]], rounds: int, fresh: boo
                 if fresh:
                     memtree.write.wait_for_removals()
                     os.sync()
+                if before is not None:
+                    before()
                 t0 = time.perf_counter()
                 out = systems[k](p)
                 took[k] = time.perf_counter() - t0
@@ -164,15 +179,16 @@ def main(argv: list[str]) -> None:
         tensors = make_tensors(layout)
         data = nest(layout, tensors)
         kind = "raw-files" if which == "w2" else "raw"
-        _alternate(
-            {
-                kind: lambda p: save(Store(kind, kind), layout, tensors, p),
-                f"memtree t{threads}": lambda p: memtree.TensorTree(data).memmap(p, num_threads=threads),
-            },
-            rounds,
-            fresh=True,
-        )
-    elif what == "touch":
+        systems: dict[str, Callable[[str], Any]] = {
+            kind: lambda p: save(Store(kind, kind), layout, tensors, p),
+            f"memtree t{threads}": lambda p: memtree.TensorTree(data).memmap(p, num_threads=threads),
+        }
+        if Store("tensordict", "tensordict").missing() is None:
+            systems[f"tensordict t{threads}"] = lambda p: save(
+                Store("tensordict", "tensordict", threads), layout, tensors, p
+            )
+        _alternate(systems, rounds, fresh=True)
+    elif what in ("touch", "touch-cold"):
         layout = w1_layout({"quick": False, "size_gib": 1})
         wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
         path, raw = os.path.join(wd, "t"), os.path.join(wd, "raw.bin")
@@ -213,6 +229,7 @@ def main(argv: list[str]) -> None:
                 },
                 int(argv[1]) if len(argv) > 1 else 5,
                 fresh=False,
+                before=(lambda: evict([path, raw], "fadvise")) if what == "touch-cold" else None,
             )
         finally:
             shutil.rmtree(wd, ignore_errors=True)

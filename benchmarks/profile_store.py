@@ -7,6 +7,7 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/profile_store.py w3-write     # 1,000 random data[i] = item
     .venv/bin/python benchmarks/profile_store.py w1-save --size-gib 1
     .venv/bin/python benchmarks/profile_store.py w1-touch      # load_memmap + sum of every leaf
+    .venv/bin/python benchmarks/profile_store.py w4-bind       # load_memmap + to_module, W4's model
     .venv/bin/python benchmarks/profile_store.py w2-save --quick --top 15
 
 Prints the top functions by cumulative and by own time. For system calls, run the same
@@ -46,6 +47,16 @@ def _case(name: str, cfg: dict[str, Any], wd: str) -> Callable[[], Any]:
         if name == "w2-open":
             return lambda: load_memmap(path)
         return lambda: [float(t.sum()) for t in load_memmap(path).values(True, True)]
+    if name == "w4-bind":  # the model is built beforehand, under empty_init: only load + bind
+        import w4_model
+
+        from memtree import empty_init
+
+        w4_model.prepare(dict(cfg, workdir=wd))
+        with empty_init():
+            model = w4_model._build(dict(cfg, workdir=wd))
+        src = os.path.join(w4_model._wd(dict(cfg, workdir=wd)), "memtree")
+        return lambda: load_memmap(src).to_module(model)
     if name == "w3-write":
         n = 2_000 if cfg["quick"] else 1_000_000
         datum = TensorTree(
@@ -78,7 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("case", choices=["w1-save", "w1-touch", "w2-save", "w2-open", "w2-touch", "w3-write"])
+    p.add_argument("case", choices=["w1-save", "w1-touch", "w2-save", "w2-open", "w2-touch", "w3-write", "w4-bind"])
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true")
@@ -88,8 +99,8 @@ def main() -> None:
     wd = tempfile.mkdtemp(prefix="memtree-profile-", dir=os.environ.get("BENCH_TMP"))
     try:
         fn = _case(args.case, cfg, wd)
-        if args.case.endswith("save"):
-            fn()  # warm-up, then profile a second write (replacing the first)
+        if args.case.endswith(("save", "bind")):
+            fn()  # warm-up, then profile a second run (a save replaces the first)
         os.sync()  # earlier writes' dirty pages must not throttle the profiled run
         prof = cProfile.Profile()
         prof.enable()
