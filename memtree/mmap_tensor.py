@@ -790,7 +790,9 @@ def map_leaf(
     """
     nbytes = prod(shape) * itemsize(dtype)
     flat = map_fd(fd, path, nbytes, writable=not readonly, dtype=dtype)
-    return MemoryMappedTensor._wrap(flat.view(shape), _mapped_file(fd, path, st), readonly)
+    if len(shape) != 1:  # a 1-d leaf is the flat mapping itself
+        flat = flat.view(shape)
+    return MemoryMappedTensor._wrap(flat, _mapped_file(fd, path, st), readonly)
 
 
 def _mapped_file(fd: int, path: str, st: os.stat_result | None = None) -> _MappedFile:

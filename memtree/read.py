@@ -499,15 +499,15 @@ class PendingLevel:
         out: dict[str, Value | PendingLevel] = {}
         for entry in self.meta.entries:
             sub = sel.get(entry.key) if sel is not None else None
-            path = self.keys + (entry.key,)
-            if isinstance(entry, LeafMeta):
+            if type(entry) is LeafMeta:
                 if sub is not None:
                     raise MemtreeKeyError(
-                        f"key {path!r} is a tensor leaf at {self.where}; it has no sub-key "
-                        f"{next(iter(sub))!r}"
+                        f"key {self.keys + (entry.key,)!r} is a tensor leaf at {self.where}; it "
+                        f"has no sub-key {next(iter(sub))!r}"
                     )
                 out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
-            elif isinstance(entry, ChildMeta):
+            elif type(entry) is ChildMeta:
+                path = self.keys + (entry.key,)
                 where = os.path.join(self.where, entry.dir)
                 dirs = self.dirs + (entry.dir,)
                 child_fd = open_dir(entry.dir, where, fd)
@@ -544,11 +544,13 @@ class _Reader:
         self.readonly = mode == "r"
         self.mmap = mmap
         self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.on_meta = device.type == "meta"
         self.allow_pickle = allow_pickle
         self.verify = verify
 
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
-        if self.device.type == "meta":
+        if self.on_meta:
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         path = os.path.join(where, entry.file)
         try:
@@ -574,7 +576,7 @@ class _Reader:
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
             os.close(fd)
-        if self.device.type != "cpu":
+        if not self.on_cpu:
             tensor = tensor.to(self.device)
         return tensor
 
@@ -613,7 +615,7 @@ class _Reader:
 
     def pickled(self, dir_fd: int, where: str, entry: PickleMeta) -> Any:
         path = os.path.join(where, entry.file)
-        if self.device.type == "meta":  # structure only: never open (let alone unpickle) it
+        if self.on_meta:  # structure only: never open (let alone unpickle) it
             return UnloadedPickle(path)
         if not self.allow_pickle:
             raise PickleNotAllowedError(
