@@ -12,6 +12,7 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum: raw, format floor, memtree
     .venv/bin/python benchmarks/floors.py touch-cold [ROUNDS]  # the same, every file evicted first
     .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
+    .venv/bin/python benchmarks/floors.py w4-ready [ROUNDS]    # the same with the model's build (W4's "ready")
 
 ``save`` also runs tensordict's ``memmap`` at the same thread count when it is installed: how
 far the incumbent is from the same floor, in the same rounds. ``touch-cold`` evicts every file
@@ -233,7 +234,7 @@ def main(argv: list[str]) -> None:
             )
         finally:
             shutil.rmtree(wd, ignore_errors=True)
-    elif what == "w4":  # W4's load + bind (the model is built first, outside the timing)
+    elif what in ("w4", "w4-ready"):  # W4's load + bind (w4: the model is built beforehand)
         import w4_model
 
         from safetensors.torch import load_file
@@ -245,12 +246,21 @@ def main(argv: list[str]) -> None:
             base = w4_model._wd(cfg)
             rounds = int(argv[1]) if len(argv) > 1 else 21
             models: dict[str, list[Any]] = {}
-            for name in ("st", "floor", "mt"):  # built beforehand: only load + bind is timed
-                with memtree.empty_init():
-                    models[name] = [w4_model._build(cfg) for _ in range(rounds + 1)]
+            if what == "w4":  # built beforehand: only load + bind is timed
+                for name in ("st", "floor", "mt"):
+                    with memtree.empty_init():
+                        models[name] = [w4_model._build(cfg) for _ in range(rounds + 1)]
 
             def bind(name: str, load: Callable[[Any], Any]) -> Callable[[str], Any]:
-                return lambda _: load(models[name].pop())
+                if what == "w4":
+                    return lambda _: load(models[name].pop())
+
+                def ready(_: str) -> Any:  # w4-ready: build + load + bind, as run.py's W4 rows
+                    with memtree.empty_init() if name == "mt" else torch.device("meta"):
+                        model = w4_model._build(cfg)
+                    return load(model)
+
+                return ready
 
             wrapped = {
                 "safetensors load_file + assign": bind(
