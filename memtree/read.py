@@ -499,14 +499,14 @@ class PendingLevel:
         out: dict[str, Value | PendingLevel] = {}
         for entry in self.meta.entries:
             sub = sel.get(entry.key) if sel is not None else None
-            if type(entry) is LeafMeta:
+            if isinstance(entry, LeafMeta):
                 if sub is not None:
                     raise MemtreeKeyError(
                         f"key {self.keys + (entry.key,)!r} is a tensor leaf at {self.where}; it "
                         f"has no sub-key {next(iter(sub))!r}"
                     )
                 out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
-            elif type(entry) is ChildMeta:
+            elif isinstance(entry, ChildMeta):
                 path = self.keys + (entry.key,)
                 where = os.path.join(self.where, entry.dir)
                 dirs = self.dirs + (entry.dir,)

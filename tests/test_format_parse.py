@@ -91,6 +91,10 @@ def _with(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 @example(batch=[], first=_with(TENSOR, shape=[True, 3]), second=None)
 @example(batch=[2], first=_with(TENSOR, shape=[3, 3]), second=None)
 @example(batch=[], first=_with(TENSOR, shape=[2**40, 2**40]), second=None)
+@example(batch=[], first=_with(TENSOR, shape=[1] * 65), second=None)  # more dims than MAX_NDIM
+@example(batch=[], first=_with(TENSOR, shape=[0] * 65), second=None)
+@example(batch=[], first=_with(TENSOR, shape=[2**61]), second=None)  # float32: bytes over MAX_NBYTES
+@example(batch=[], first=_with(TENSOR, shape=[2**60]), second=None)  # exactly MAX_NBYTES
 @example(batch=[], first=_with(TENSOR, key=""), second=None)
 @example(batch=[], first=_with(TENSOR, file="../w.memmap"), second=None)
 @example(batch=[], first=_with(TENSOR, dtype="float64x"), second=None)
@@ -136,3 +140,21 @@ def test_short_path_is_taken_for_plain_entries(monkeypatch: pytest.MonkeyPatch) 
         fmt.LeafMeta("w", "w.memmap", fmt.dtype_from_name("float32"), (2, 3)),
         fmt.ChildMeta("sub", "sub"),
     )
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (_with(TENSOR, file="v.memmap"), "entries[1].key repeats the key 'w'"),
+        (_with(TENSOR, key="v", file="W.memmap"), "entries[1] reuses the file name 'W.memmap' (case-insensitively)"),
+        (_with(TREE, key="v", dir="w.memmap"), "entries[1] reuses the file name 'w.memmap' (case-insensitively)"),
+    ],
+)
+def test_repeated_keys_and_file_names_name_the_entry(second: dict[str, Any], message: str) -> None:
+    doc = {
+        "format": "memtree", "version": fmt.VERSION, "type": "TensorTree", "byteorder": "little",
+        "batch_size": [], "entries": [TENSOR, second],
+    }
+    with pytest.raises(MemtreeError) as err:
+        fmt.parse_level(orjson.dumps(doc), "t/meta.json")
+    assert message in str(err.value)
