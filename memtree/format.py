@@ -314,7 +314,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         if entry.key in keys:
             raise c.fail(f"entries[{i}].key", f"repeats the key {entry.key!r:.80}")
         keys.add(entry.key)
-        name = entry.dir if type(entry) is ChildMeta else getattr(entry, "file", "")
+        name = entry.dir if isinstance(entry, ChildMeta) else getattr(entry, "file", "")
         if name:
             folded = name.lower()
             if folded in names:
@@ -338,16 +338,21 @@ def _reject_duplicate_fields(data: bytes, c: _Checker) -> None:
     json.loads(data, object_pairs_hook=pairs)
 
 
+_PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_CHILD_FIELDS = frozenset({"key", "kind", "dir"})
+
+
 def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> Entry:
     """One entry of ``entries``, with every check and its precise message."""
     if type(raw) is not dict:
         raise c.fail(p, "must be a JSON object")
     kind = raw.get("kind")
     if kind == "tensor":
-        raw = c.obj(raw, p, {"key", "kind", "file", "dtype", "shape"}, {"checksum", "capacity"})
+        raw = c.obj(raw, p, _PLAIN_LEAF_FIELDS, _LEAF_OPTIONAL)
         return _parse_leaf(c, raw, p, batch_size)
     if kind == "tree":
-        raw = c.obj(raw, p, {"key", "kind", "dir"}, set())
+        raw = c.obj(raw, p, _CHILD_FIELDS, frozenset())
         return ChildMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["dir"], f"{p}.dir", ""))
     if kind == "json":
         raw = c.obj(raw, p, {"key", "kind", "value"}, set())
@@ -356,10 +361,6 @@ def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> 
         raw = c.obj(raw, p, {"key", "kind", "file"}, set())
         return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))
     raise c.fail(f"{p}.kind", f"must be tensor, tree, json or pickle, got {kind!r:.40}")
-
-
-_PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})
-_CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
