@@ -44,8 +44,8 @@ import orjson  # noqa: E402
 import torch  # noqa: E402
 
 import memtree  # noqa: E402
-from memtree.dtypes import dtype_from_name  # noqa: E402
-from memtree.fileio import rename_noreplace  # noqa: E402
+from memtree.format.dtypes import dtype_from_name  # noqa: E402
+from memtree.store.files import rename_noreplace  # noqa: E402
 from harness import evict, resident_fraction  # noqa: E402
 from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
 from workloads import w1_layout, w2_layout  # noqa: E402
@@ -141,7 +141,7 @@ def _alternate(
             for k in names if i % 2 else names[::-1]:
                 p = os.path.join(wd, f"{k.replace(' ', '_')}-{i}")
                 if fresh:
-                    memtree.write.wait_for_removals()
+                    memtree.store.write.wait_for_removals()
                     os.sync()
                 if before is not None:
                     before()

@@ -12,20 +12,20 @@ Example:
 
 from __future__ import annotations
 
-from .dataset import BatchIndexSampler, batch_loader, collate
+from .tree.dataset import BatchIndexSampler, batch_loader, collate
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .interop import convert, open_checkpoint, save_safetensors
-from .mmap_tensor import MemoryMappedTensor
-from .module import LoadResult, empty_init, init_missing, load_into_module
-from .nontensor import NonTensor
-from .offload import OffloadedTensor, offload
-from .ops import cat, stack
-from .recover import recover
-from .tensorclass import tensorclass
-from .tree import TensorTree, load_memmap
-from . import grow  # noqa: E402,F401  (registers its step of the crash recovery with recover())
-from .verify import Problem, VerifyReport, verify_tree
+from .store.mapped import MemoryMappedTensor
+from .nn.empty_init import empty_init, init_missing
+from .nn.loading import LoadResult, load_into_module
+from .format.values import NonTensor
+from .nn.offloading import OffloadedTensor, offload
+from .tree.ops import cat, stack
+from .store.recovery import recover
+from .tree.records import tensorclass
+from .tree.tensortree import TensorTree, load_memmap
+from .store.verify import Problem, VerifyReport, verify_tree
 
 __version__ = "0.1.0"
 

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 import memtree
-from memtree import NonTensor, TensorTree, cli
+from memtree import NonTensor, TensorTree
+from memtree.cli import main as cli_main
+from memtree.cli.main import COMMANDS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,7 +107,7 @@ def test_info_of_a_missing_directory_is_one_line_exit_1(tmp_path: Path) -> None:
 
 def test_info_of_a_directory_that_is_not_a_memtree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "stray.txt").write_text("x")
-    assert cli.main(["info", str(tmp_path)]) == 1
+    assert cli_main(["info", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err),
                           str(tmp_path), "meta.json", "not a memtree directory")
@@ -132,7 +134,7 @@ def test_info_of_a_corrupt_directory_names_the_file_and_exits_1(
     if damage == "garbage_root_meta":  # end to end once; the other cases in-process (faster)
         assert_one_line_error(run_cli("info", str(sample)), *expected)
         return
-    assert cli.main(["info", str(sample)]) == 1
+    assert cli_main(["info", str(sample)]) == 1
     captured = capsys.readouterr()
     assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err), *expected)
 
@@ -140,7 +142,7 @@ def test_info_of_a_corrupt_directory_names_the_file_and_exits_1(
 def test_info_refuses_an_uncommitted_staging_directory(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
     staging = sample.parent / f".ckpt.memtree-tmp-{'ab' * 16}"
     shutil.copytree(sample, staging)
-    assert cli.main(["info", str(staging)]) == 1
+    assert cli_main(["info", str(staging)]) == 1
     captured = capsys.readouterr()
     assert_one_line_error(subprocess.CompletedProcess([], 1, captured.out, captured.err),
                           str(staging), "staging directory", "memtree.recover()")
@@ -196,7 +198,7 @@ def io_main(argv: list[str]) -> str:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = cli.main(argv)
+        code = cli_main(argv)
     assert code == 0
     return buf.getvalue()
 
@@ -257,7 +259,7 @@ def test_info_shows_odd_keys_on_one_line(tmp_path: Path) -> None:
 
 
 def test_format_bytes_uses_binary_units() -> None:
-    from memtree.commands.info import format_bytes
+    from memtree.cli.info import format_bytes
 
     assert [format_bytes(n) for n in (0, 1023, 1024, 5 * 2**30 + 2**29)] == ["0 B", "1023 B", "1.0 KiB", "5.5 GiB"]
 
@@ -272,7 +274,7 @@ def test_format_bytes_uses_binary_units() -> None:
 )
 def test_usage_errors_exit_2_with_usage_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
+        cli_main(argv)
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert "usage: memtree" in captured.err and "error:" in captured.err
@@ -293,15 +295,15 @@ def test_usage_error_end_to_end_exits_2_without_traceback() -> None:
 def test_top_level_help_lists_every_command() -> None:
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
-    for module in cli.COMMANDS:
+    for module in COMMANDS:
         assert module.NAME in proc.stdout, module.NAME
 
 
-@pytest.mark.parametrize("module", cli.COMMANDS, ids=[m.NAME for m in cli.COMMANDS])
+@pytest.mark.parametrize("module", COMMANDS, ids=[m.NAME for m in COMMANDS])
 def test_every_command_has_help(module, capsys: pytest.CaptureFixture[str]) -> None:
     assert isinstance(module.HELP, str) and len(module.HELP) > 10
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([module.NAME, "--help"])
+        cli_main([module.NAME, "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: memtree {module.NAME}")
@@ -321,6 +323,6 @@ def test_console_script_runs_info(sample: Path) -> None:
 
 
 def test_main_returns_1_for_library_errors_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["info", str(tmp_path / "missing")]) == 1
+    assert cli_main(["info", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("memtree: error: ") and err.count("\n") == 1

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import memtree
-from memtree import fileio
+from memtree.store import files as fileio
 from memtree.cli import main
-from memtree.dtypes import DTYPE_NAMES, dtype_from_name
+from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.interop import TorchSaveReader, open_checkpoint
 from memtree.interop.checkpoint_file import CheckpointFile
 from memtree.interop import torchsave
 from memtree.interop.lazy import LazyLeaf
-from memtree.level import Level
-from memtree.write import write_tree
+from memtree.format.level import Level
+from memtree.store.write import write_tree
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"

@@ -24,7 +24,9 @@ import pytest
 import torch
 
 import memtree
-from memtree import TensorTree, _faults, fileio
+from memtree import TensorTree
+from memtree.store import faults as _faults
+from memtree.store import files as fileio
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memtree import MemtreeError
-from memtree import format as fmt
+from memtree.format import schema as fmt
 
 ODD_VALUES = st.one_of(
     st.none(),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memtree
-from memtree import grow
+from memtree.store import grow
 
 
 @memtree.tensorclass(name="tests.grow.Step")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.dtypes import dtype_from_name
+from memtree.format.dtypes import dtype_from_name
 from memtree.interop import read_tensordict_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"

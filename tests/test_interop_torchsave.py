@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.dtypes import DTYPE_NAMES, dtype_from_name
+from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.interop import TorchSaveReader, open_checkpoint
 
 DTYPES = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]

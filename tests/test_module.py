@@ -26,7 +26,7 @@ from memtree import (
     load_into_module,
     load_memmap,
 )
-from memtree.module import TIED_KEY
+from memtree.tree.bind import TIED_KEY
 
 
 # --------------------------------------------------------------------------------- models
@@ -443,13 +443,6 @@ def test_a_file_source_loads_through_memtree_interop(tmp_path) -> None:
     assert load_into_module(fresh, tmp_path / "model.pt") == LoadResult([], [])
     x = torch.randn(2, 3, 12, 12)
     assert torch.equal(fresh(x), model(x))
-
-
-def test_a_file_source_without_memtree_interop_is_a_clear_error(tmp_path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "memtree.interop", None)  # makes the import fail
-    (tmp_path / "model.pt").write_bytes(b"not read")
-    with pytest.raises(SourceError, match="model.pt is a file.*memtree.interop"):
-        load_into_module(convnet(), tmp_path / "model.pt")
 
 
 def test_unknown_source_kinds_are_refused() -> None:

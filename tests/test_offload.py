@@ -21,7 +21,7 @@ from memtree import (
     load_memmap,
     offload,
 )
-from memtree.offload import OffloadedTensor
+from memtree.nn.offloading import OffloadedTensor
 
 from test_module import TinyLM, convnet, tokens, trained_convnet
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import memtree
 from memtree import MemoryMappedTensor as MMT
 from memtree import TensorTree
-from memtree import mmap_tensor
+from memtree.store import mapped as mmap_tensor
 
 pytestmark = pytest.mark.timeout(120)
 

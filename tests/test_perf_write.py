@@ -24,8 +24,9 @@ import pytest
 import torch
 
 import memtree
-from memtree import TensorTree, fileio
-from memtree import write as write_mod
+from memtree import TensorTree
+from memtree.store import files as fileio
+from memtree.store import write as write_mod
 from treeutil import assert_tree_equal_to, leaf_dict
 
 pytestmark = pytest.mark.timeout(120)
@@ -407,7 +408,8 @@ def test_interpreter_exit_waits_for_the_removal(tmp_path):
     code = f"""
 import shutil, time, threading
 import torch
-from memtree import TensorTree, write
+from memtree import TensorTree
+from memtree.store import write
 write.BACKGROUND_REMOVAL_FILES = 0
 real = shutil.rmtree
 def slow(path, *a, **kw):
@@ -429,8 +431,8 @@ assert len([n for n in __import__("os").listdir({str(tmp_path)!r})]) == 2  # sti
 @pytest.mark.parametrize("checksum", [None, "sha256"])
 def test_returned_tree_holds_the_metadata_as_written(tmp_path, checksum):
     """write_tree opens the new tree from what it wrote (no meta.json read back), exactly."""
-    from memtree.format import parse_level
-    from memtree.level import Level
+    from memtree.format.schema import parse_level
+    from memtree.format.level import Level
 
     level = Level((2,), {"x": torch.arange(4).reshape(2, 2), "sub": Level((2,), {"y": torch.ones(2, 3)})})
     root = write_mod.write_tree(tmp_path / "t", level, checksum=checksum)

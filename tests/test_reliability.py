@@ -32,10 +32,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import memtree
-from memtree import TensorTree, fileio
-from memtree import write as write_mod
+from memtree import TensorTree
+from memtree.store import files as fileio
+from memtree.store import write as write_mod
 
-recover_mod = importlib.import_module("memtree.recover")  # memtree.recover is the function
+recover_mod = importlib.import_module("memtree.store.recovery")
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -521,7 +521,7 @@ def test_s3_leaf_shorter_than_meta_is_refused(s3_options):
 
 
 def test_s3_second_writer_cannot_clobber_a_commit(s3_options):
-    from memtree.remote import _commit, _Remote
+    from memtree.store.remote import _commit, _Remote
 
     url = "s3://memtree-bucket/conflict"
     upload(TensorTree({"a": torch.ones(1)}), url, storage_options=s3_options)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.format import TYPE_NAME_MAX, is_type_name, parse_level
+from memtree.format.schema import TYPE_NAME_MAX, is_type_name, parse_level
 
 
 @memtree.tensorclass

@@ -20,9 +20,9 @@ Example:
 from __future__ import annotations
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .convert import ConvertResult, convert
+from .conversion import ConvertResult, convert
 from .safetensors_file import SafetensorsReader, save_safetensors
-from .tensordict_dir import read_tensordict_dir
+from ..store.tensordict import read_tensordict_dir
 from .torchsave import TorchSaveReader
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import TypeVar
 import torch
 
 from ..errors import CheckpointFormatError, StorageError
-from ..fileio import CHUNK_BYTES, byte_view, map_fd, storage_error
+from ..store.files import CHUNK_BYTES, byte_view, map_fd, storage_error
 
 _Self = TypeVar("_Self", bound="Closing")
 

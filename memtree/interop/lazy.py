@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import CheckpointFormatError
-from ..fileio import FileRange
+from ..store.files import FileRange
 
 __all__ = ["LazyLeaf"]
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_from_name, itemsize
+from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
     CheckpointFormatError,
     DtypeError,
@@ -55,9 +55,9 @@ from ..errors import (
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..fileio import replacing_file, write_fd
-from ..mmap_tensor import to_storable
-from ..tree import TensorTree
+from ..store.files import replacing_file, write_fd
+from ..store.mapped import to_storable
+from ..format.level import as_level
 from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [
@@ -435,9 +435,10 @@ def save_safetensors(
 
 
 def _flat_items(obj: Any, prefix: tuple[str, ...], sep: str) -> Iterable[tuple[str, torch.Tensor]]:
-    for key, value in obj.items():
+    level = as_level(obj)
+    for key, value in (level.entries if level is not None else obj).items():
         path = prefix + (key,)
-        if isinstance(value, (TensorTree, Mapping)):
+        if isinstance(value, Mapping) or as_level(value) is not None:
             yield from _flat_items(value, path, sep)
         elif isinstance(value, torch.Tensor):
             yield sep.join(path), value

@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtypes import dtype_from_name, itemsize
+from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
     CheckpointFormatError,
     KeyCollisionError,
@@ -72,7 +72,7 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from ..fileio import FileRange, file_checksum, storage_error
+from ..store.files import FileRange, file_checksum, storage_error
 from .checkpoint_file import CheckpointFile, Closing
 
 __all__ = [

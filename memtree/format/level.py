@@ -1,0 +1,53 @@
+"""``Level``: the neutral nested structure passed between the tree layer and the store.
+
+The tree layer (:mod:`memtree.tree`) turns a ``TensorTree`` into a ``Level`` to write it and turns
+a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.write`,
+:mod:`memtree.read`) never sees the user-facing class. Entries keep the tree's key order.
+
+Example:
+    >>> import torch
+    >>> from memtree.level import Level
+    >>> Level((2,), {"x": torch.zeros(2, 3), "sub": Level((2,), {})}).batch_size
+    (2,)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from .schema import TREE_TYPE
+from .values import NonTensor
+
+__all__ = ["Level", "Value", "as_level"]
+
+
+@dataclass
+class Level:
+    """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values)."""
+
+    batch_size: tuple[int, ...]
+    entries: dict[str, "Value"] = field(default_factory=dict)
+    type: str = TREE_TYPE
+
+
+Value = Union[torch.Tensor, Level, NonTensor]
+
+
+def as_level(obj: Any) -> Level | None:
+    """``obj`` as a ``Level``: itself, or what its ``__memtree_level__()`` returns; else ``None``.
+
+    The layers below the tree accept a :class:`~memtree.TensorTree` through this protocol (as
+    ``os.fspath`` accepts path-like objects), so they never import the tree layer.
+
+    Example:
+        >>> import memtree, torch
+        >>> as_level(memtree.TensorTree({"x": torch.zeros(1)})).entries["x"].shape
+        torch.Size([1])
+    """
+    if isinstance(obj, Level):
+        return obj
+    method = getattr(type(obj), "__memtree_level__", None)
+    return method(obj) if method is not None else None

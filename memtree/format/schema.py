@@ -1,0 +1,432 @@
+"""The ``meta.json`` schema of format version 1: data classes, serialisation, validation.
+
+Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
+``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
+checked, names must be single safe path components, sizes are computed with Python ints (no
+overflow), and any problem raises :class:`~memtree.errors.MetaFormatError` naming the file and
+the field. The schema is documented in ``docs/format.md``.
+
+Example:
+    >>> import torch
+    >>> from memtree.format import LevelMeta, LeafMeta, dump_level, parse_level
+    >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", torch.float32, (2, 3)),))
+    >>> parse_level(dump_level(meta), "meta.json") == meta
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Union
+
+import orjson
+import torch
+
+from .dtypes import dtype_from_name, dtype_name, itemsize
+from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "TREE_TYPE",
+    "MAX_META_BYTES",
+    "MAX_DEPTH",
+    "TYPE_NAME_MAX",
+    "is_type_name",
+    "LeafMeta",
+    "ChildMeta",
+    "JsonMeta",
+    "PickleMeta",
+    "Entry",
+    "LevelMeta",
+    "dump_level",
+    "parse_level",
+]
+
+FORMAT = "memtree"
+VERSION = 1
+TREE_TYPE = "TensorTree"
+
+MAX_META_BYTES = 16 * 1024 * 1024
+MAX_DEPTH = 256
+MAX_ENTRIES = 1_000_000
+MAX_NDIM = 64
+MAX_NBYTES = 2**62
+CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
+#: Longest ``type`` (registered class name) a level may carry.
+TYPE_NAME_MAX = 200
+_TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+    raise ImportError("memtree's format is little-endian; big-endian hosts are not supported")
+
+
+def is_type_name(name: object) -> bool:
+    """True if ``name`` can be a level's ``type``: dotted ASCII words, each starting with a letter.
+
+    Python paths of private modules or scripts (``__main__.X``, ``pkg._impl.X``) are not names.
+
+    Example:
+        >>> is_type_name("TensorTree"), is_type_name("rl.Transition"), is_type_name("__main__.X")
+        (True, True, False)
+    """
+    if type(name) is not str or len(name) > TYPE_NAME_MAX:
+        return False
+    return _TYPE_NAME.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class LeafMeta:
+    """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
+
+    ``capacity`` (growable leaves only) is the number of rows along dim 0 that the file holds;
+    the tensor is the first ``shape[0]`` of them.
+    """
+
+    key: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    checksum: str | None = None
+    capacity: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes (``numel × itemsize``)."""
+        return prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def file_nbytes(self) -> int:
+        """Exact size of the leaf's file in bytes: ``nbytes``, or ``capacity`` rows of it."""
+        if self.capacity is None:
+            return self.nbytes
+        return self.capacity * prod(self.shape[1:]) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ChildMeta:
+    """A sub-tree stored in the sub-directory ``dir``."""
+
+    key: str
+    dir: str
+
+
+@dataclass(frozen=True)
+class JsonMeta:
+    """A non-tensor leaf stored inline as a JSON value."""
+
+    key: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class PickleMeta:
+    """A non-tensor leaf pickled into ``file`` (only with ``allow_pickle=True``)."""
+
+    key: str
+    file: str
+
+
+Entry = Union[LeafMeta, ChildMeta, JsonMeta, PickleMeta]
+
+
+@dataclass(frozen=True)
+class LevelMeta:
+    """One level of a tree: its batch size and its entries in key order."""
+
+    batch_size: tuple[int, ...]
+    entries: tuple[Entry, ...]
+    type: str = TREE_TYPE
+    save_id: str | None = None
+
+
+def _entry_dict(e: Entry) -> dict[str, Any]:
+    if isinstance(e, LeafMeta):
+        d: dict[str, Any] = {
+            "key": e.key,
+            "kind": "tensor",
+            "file": e.file,
+            "dtype": dtype_name(e.dtype),
+            "shape": list(e.shape),
+        }
+        if e.capacity is not None:
+            d["capacity"] = e.capacity
+        if e.checksum is not None:
+            d["checksum"] = e.checksum
+        return d
+    if isinstance(e, ChildMeta):
+        return {"key": e.key, "kind": "tree", "dir": e.dir}
+    if isinstance(e, JsonMeta):
+        return {"key": e.key, "kind": "json", "value": e.value}
+    return {"key": e.key, "kind": "pickle", "file": e.file}
+
+
+def dump_level(meta: LevelMeta) -> bytes:
+    """Serialise one level's ``meta.json`` (compact orjson bytes).
+
+    JSON values must already have passed :func:`memtree.nontensor.check_json`.
+    """
+    d: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "type": meta.type,
+        "byteorder": "little",
+        "batch_size": list(meta.batch_size),
+    }
+    if meta.save_id is not None:
+        d["save_id"] = meta.save_id
+    d["entries"] = [_entry_dict(e) for e in meta.entries]
+    return orjson.dumps(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+class _Checker:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, pointer: str, problem: str) -> MetaFormatError:
+        return MetaFormatError(
+            f"{self.where}: {pointer} {problem}. The file is damaged or was not written by "
+            "memtree; re-save the tree (or restore it from a backup)"
+        )
+
+    def obj(
+        self, v: Any, pointer: str, required: AbstractSet[str], optional: AbstractSet[str]
+    ) -> dict[str, Any]:
+        if type(v) is not dict:
+            raise self.fail(pointer, f"must be a JSON object, got {type(v).__name__}")
+        missing = required - v.keys()
+        if missing:
+            raise self.fail(pointer, f"lacks field(s) {sorted(missing)}")
+        extra = v.keys() - required - optional
+        if extra:
+            raise self.fail(pointer, f"has unknown field(s) {sorted(extra)}")
+        return v
+
+    def string(self, v: Any, pointer: str) -> str:
+        if type(v) is not str or not v:
+            raise self.fail(pointer, f"must be a non-empty string, got {v!r:.80}")
+        return v
+
+    def ints(self, v: Any, pointer: str) -> tuple[int, ...]:
+        if type(v) is not list or len(v) > MAX_NDIM:
+            raise self.fail(pointer, f"must be a list of at most {MAX_NDIM} ints, got {v!r:.80}")
+        for i, x in enumerate(v):
+            if type(x) is not int or x < 0:
+                raise self.fail(f"{pointer}[{i}]", f"must be an int >= 0, got {x!r:.40}")
+        return tuple(v)
+
+    def name(self, v: Any, pointer: str, suffix: str) -> str:
+        if not is_safe_name(v, suffix):
+            what = f"a single safe file name ending in {suffix!r}" if suffix else "a single safe directory name"
+            if type(v) is not str or not _leaves_directory(v):
+                raise self.fail(pointer, f"must be {what}, got {v!r:.80}")
+            raise UnsafePathError(
+                f"{self.where}: {pointer} must be {what}, got {v!r:.80}; memtree never opens a "
+                "path that could leave the tree's directory. The file is damaged or hostile"
+            )
+        return str(v)
+
+
+def _leaves_directory(name: str) -> bool:
+    """True for names that would resolve outside their directory (or are not one component)."""
+    return name in ("", ".", "..") or any(ch in name for ch in "/\\\0") or name.startswith(".")
+
+
+_LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
+_LEVEL_OPTIONAL = frozenset({"save_id"})
+
+
+def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
+    """Parse and validate one ``meta.json``.
+
+    Args:
+        data: the file's bytes (the caller enforces :data:`MAX_META_BYTES` before reading).
+        where: the file's path, for error messages.
+        depth: nesting depth of this level (0 for the root), checked against :data:`MAX_DEPTH`.
+
+    Raises:
+        MetaFormatError: malformed JSON or schema violation.
+        UnsupportedVersionError: another format, or a version this reader does not know.
+        LimitError: too deep, too many entries, too large a leaf.
+    """
+    c = _Checker(where)
+    if depth > MAX_DEPTH:
+        raise LimitError(f"{where}: tree nesting exceeds {MAX_DEPTH} levels")
+    if len(data) > MAX_META_BYTES:
+        raise LimitError(f"{where}: meta.json has {len(data)} bytes, limit is {MAX_META_BYTES}")
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as err:
+        raise c.fail("content", f"is not valid UTF-8 JSON ({err})") from None
+    if type(doc) is not dict:
+        raise c.fail("top level", f"must be a JSON object, got {type(doc).__name__}")
+    if len(orjson.dumps(doc)) != len(data):  # not memtree's canonical bytes: check duplicates
+        _reject_duplicate_fields(data, c)
+    if doc.get("format") != FORMAT or "version" not in doc:
+        raise UnsupportedVersionError(
+            f"{where}: not a memtree meta.json (format={doc.get('format')!r:.40}, "
+            f"version={doc.get('version')!r:.20}); load tensordict directories and other formats "
+            "through their own readers"
+        )
+    if doc["version"] != VERSION or type(doc["version"]) is not int:
+        raise UnsupportedVersionError(
+            f"{where}: format version {doc['version']!r:.20} is not supported by this memtree "
+            f"(it reads version {VERSION}); upgrade memtree to read this tree"
+        )
+    doc = c.obj(doc, "top level", _LEVEL_FIELDS, _LEVEL_OPTIONAL)
+    if doc["byteorder"] != "little":
+        raise c.fail("byteorder", f"must be 'little', got {doc['byteorder']!r:.40}")
+    kind_of_tree = c.string(doc["type"], "type")
+    if not is_type_name(kind_of_tree):
+        raise c.fail(
+            "type",
+            f"must be {TREE_TYPE!r} or a class name (dotted words of letters, digits and '_', "
+            f"each starting with a letter, at most {TYPE_NAME_MAX} characters), got "
+            f"{kind_of_tree!r:.60}",
+        )
+    save_id = c.string(doc["save_id"], "save_id") if "save_id" in doc else None
+    batch_size = c.ints(doc["batch_size"], "batch_size")
+    raw_entries = doc["entries"]
+    if type(raw_entries) is not list:
+        raise c.fail("entries", "must be a list")
+    if len(raw_entries) > MAX_ENTRIES:
+        raise LimitError(f"{where}: {len(raw_entries)} entries, limit is {MAX_ENTRIES}")
+
+    entries: list[Entry] = []
+    keys: set[str] = set()
+    names: set[str] = set()
+    for i, raw in enumerate(raw_entries):
+        entry = _plain_entry(raw, batch_size)
+        if entry is None:  # anything unusual: the full checks, and their messages
+            entry = _parse_entry(c, raw, f"entries[{i}]", batch_size)
+        if entry.key in keys:
+            raise c.fail(f"entries[{i}].key", f"repeats the key {entry.key!r:.80}")
+        keys.add(entry.key)
+        name = entry.dir if isinstance(entry, ChildMeta) else getattr(entry, "file", "")
+        if name:
+            folded = name.lower()
+            if folded in names:
+                raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
+            names.add(folded)
+        entries.append(entry)
+    return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+
+
+def _reject_duplicate_fields(data: bytes, c: _Checker) -> None:
+    """orjson keeps the last of duplicate object fields silently; refuse such files instead."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise c.fail("an object", f"repeats the field {key!r:.80}")
+            seen.add(key)
+        return dict(items)
+
+    json.loads(data, object_pairs_hook=pairs)
+
+
+_PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_CHILD_FIELDS = frozenset({"key", "kind", "dir"})
+
+
+def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> Entry:
+    """One entry of ``entries``, with every check and its precise message."""
+    if type(raw) is not dict:
+        raise c.fail(p, "must be a JSON object")
+    kind = raw.get("kind")
+    if kind == "tensor":
+        raw = c.obj(raw, p, _PLAIN_LEAF_FIELDS, _LEAF_OPTIONAL)
+        return _parse_leaf(c, raw, p, batch_size)
+    if kind == "tree":
+        raw = c.obj(raw, p, _CHILD_FIELDS, frozenset())
+        return ChildMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["dir"], f"{p}.dir", ""))
+    if kind == "json":
+        raw = c.obj(raw, p, {"key", "kind", "value"}, set())
+        return JsonMeta(c.string(raw["key"], f"{p}.key"), raw["value"])
+    if kind == "pickle":
+        raw = c.obj(raw, p, {"key", "kind", "file"}, set())
+        return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))
+    raise c.fail(f"{p}.kind", f"must be tensor, tree, json or pickle, got {kind!r:.40}")
+
+
+def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
+    """The common entries (a tensor without checksum or capacity, a sub-tree), checked inline;
+    ``None`` otherwise.
+
+    Accepts exactly what :func:`_parse_entry` accepts for such an entry, faster (a level of a
+    20,000-leaf tree, or the ~90 small levels of a model, are parsed in a fraction of the
+    time); anything it does not accept goes through :func:`_parse_entry`, which raises the
+    precise error.
+    """
+    if type(raw) is not dict:
+        return None
+    fields = raw.keys()
+    if fields == _CHILD_FIELDS:
+        key, name = raw["key"], raw["dir"]
+        if raw["kind"] != "tree" or type(key) is not str or not key or not is_safe_name(name, ""):
+            return None
+        return ChildMeta(key, name)
+    if fields != _PLAIN_LEAF_FIELDS or raw["kind"] != "tensor":
+        return None
+    key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
+    if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
+        return None
+    dtype = dtype_from_name(dtype_str)
+    if dtype is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
+        return None
+    for x in shape:
+        if type(x) is not int or x < 0:
+            return None
+    dims = tuple(shape)
+    if dims[: len(batch_size)] != batch_size or prod(dims) * itemsize(dtype) > MAX_NBYTES:
+        return None
+    return LeafMeta(key, file, dtype, dims)
+
+
+def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
+    key = c.string(raw["key"], f"{p}.key")
+    file = c.name(raw["file"], f"{p}.file", LEAF_SUFFIX)
+    dtype_str = raw["dtype"]
+    dtype = dtype_from_name(dtype_str) if type(dtype_str) is str else None
+    if dtype is None:
+        raise c.fail(
+            f"{p}.dtype",
+            f"names no dtype memtree can read here: {dtype_str!r:.40} "
+            "(see docs/format.md for the list; float8 types need a recent torch)",
+        )
+    shape = c.ints(raw["shape"], f"{p}.shape")
+    if shape[: len(batch_size)] != batch_size:
+        raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
+    nbytes = prod(shape) * itemsize(dtype)
+    if nbytes > MAX_NBYTES:
+        raise c.fail(f"{p}.shape", f"{list(shape)} would need {nbytes} bytes, beyond any file")
+    capacity = raw.get("capacity")
+    if "capacity" in raw:
+        if type(capacity) is not int or not shape or capacity < shape[0]:
+            raise c.fail(
+                f"{p}.capacity",
+                f"must be an int >= shape[0] on a leaf with at least one dim, got {capacity!r:.40} "
+                f"for shape {list(shape)}",
+            )
+        if capacity * prod(shape[1:]) * itemsize(dtype) > MAX_NBYTES:
+            raise c.fail(f"{p}.capacity", f"{capacity} rows of {list(shape[1:])} exceed any file")
+    checksum = raw.get("checksum")
+    if checksum is not None:
+        algo, _, digest = checksum.partition(":") if type(checksum) is str else ("", "", "")
+        if CHECKSUM_ALGORITHMS.get(algo) != len(digest) or not all(
+            ch in "0123456789abcdef" for ch in digest
+        ):
+            raise c.fail(f"{p}.checksum", f"must be 'crc32:<8 hex>' or 'sha256:<64 hex>', got {checksum!r:.80}")
+    return LeafMeta(key, file, dtype, shape, checksum, capacity)

@@ -1,0 +1,1 @@
+"""``torch.nn`` integration: modules to trees and back, loading into modules, offloading."""

@@ -1,0 +1,152 @@
+"""Modules without allocated weights: :func:`empty_init`, then :func:`init_missing` for the rest.
+
+Example:
+    >>> from torch import nn
+    >>> with empty_init():
+    ...     m = nn.Linear(3, 2)
+    >>> m.weight.device.type, init_missing(m), m.weight.device.type
+    ('meta', ['weight', 'bias'], 'cpu')
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..tree.bind import module_groups, names_list, set_slot
+
+__all__ = ["empty_init", "init_missing"]
+
+
+def _direct_tensors(m: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    for store in (m._parameters, m._buffers):
+        for attr, t in store.items():
+            if t is not None:
+                yield store, attr, t
+
+
+def _fresh(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+
+
+def init_missing(module: nn.Module, *, device: torch.device | str | None = None) -> list[str]:
+    """Allocate and initialise every tensor of ``module`` still on the meta device.
+
+    After :func:`empty_init` and a partial :func:`load_into_module` (a new head, a layer the
+    checkpoint lacks), the tensors no source provided are still meta tensors and the module
+    cannot run. This allocates each of them on ``device`` and initialises it with its
+    sub-module's own ``reset_parameters()`` (or ``_reset_parameters()``), without touching that
+    sub-module's loaded tensors. Tensors of a sub-module that has neither are zero-filled, with a
+    warning naming them. Tied tensors stay tied.
+
+    Args:
+        module: the module to complete.
+        device: where to allocate (default: the CPU).
+
+    Returns:
+        The dotted names that were initialised (``[]`` if nothing was on the meta device).
+
+    Example:
+        >>> from torch import nn
+        >>> with empty_init():
+        ...     m = nn.Linear(3, 2)
+        >>> init_missing(m), m.weight.device.type
+        (['weight', 'bias'], 'cpu')
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    fresh_ids: set[int] = set()
+    owners: dict[int, nn.Module] = {}
+    names: list[str] = []
+    for group in module_groups(module, extra_state=False):
+        if group.tensor.device.type != "meta":
+            continue
+        value = _fresh(group.tensor, dev)
+        set_slot(group, value)
+        fresh_ids.add(id(value))
+        names.extend(group.names)
+        for slot in group.slots:
+            owners[id(slot.owner)] = slot.owner
+    zeroed: list[str] = []
+    with torch.no_grad():
+        for m in owners.values():
+            reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+            if not callable(reset):
+                for _store, attr, t in _direct_tensors(m):
+                    if id(t) in fresh_ids:
+                        t.zero_()
+                        zeroed.append(f"{type(m).__name__}.{attr}")
+                continue
+            # reset() initialises every tensor of the sub-module: hand it scratch tensors in place
+            # of the ones that were loaded, then put those back.
+            kept = [(store, attr, t) for store, attr, t in _direct_tensors(m) if id(t) not in fresh_ids]
+            for store, attr, t in kept:
+                store[attr] = _fresh(t, dev)
+            try:
+                reset()
+            finally:
+                for store, attr, t in kept:
+                    store[attr] = t
+    if zeroed:
+        warnings.warn(
+            "init_missing: these tensors' modules have no reset_parameters(); they were "
+            f"zero-filled: {names_list(zeroed)}",
+            stacklevel=2,
+        )
+    return names
+
+
+@contextmanager
+def empty_init() -> Iterator[None]:
+    """Build modules without allocating their weights: parameters go to the meta device.
+
+    Inside the context, every parameter and every *persistent* buffer registered by a module
+    constructor is moved to the meta device as soon as it is registered, so the constructor's
+    own initialisation (``reset_parameters``) runs on meta tensors and costs nothing. Bind real
+    weights afterwards with ``load_memmap(d).to_module(model)`` or :func:`load_into_module`.
+
+    *Non-persistent* buffers (``register_buffer(..., persistent=False)``: rotary frequencies,
+    position ids, causal masks) are never in a checkpoint, so they are kept as the constructor
+    computed them (on its device, usually the CPU): the model is runnable once the persistent
+    tensors are bound. Non-persistent buffers are usually small; their memory is allocated.
+
+    The context patches ``nn.Module.register_parameter``/``register_buffer`` for its duration
+    (like ``accelerate.init_empty_weights``): it affects modules built in other threads meanwhile.
+    A constructor that computes a weight eagerly before registering it (e.g.
+    ``nn.Parameter(torch.randn(n, m))``) still pays for that one tensor, briefly.
+
+    Example:
+        >>> from torch import nn
+        >>> with empty_init():
+        ...     big = nn.Linear(100_000, 10_000)   # 4 GB of float32: allocates nothing
+        >>> big.weight.device, big.weight.requires_grad
+        (device(type='meta'), True)
+    """
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def meta_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta" and not isinstance(p, nn.parameter.UninitializedParameter):
+            new = torch.Tensor._make_subclass(type(p), p.data.to("meta"), p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            self._parameters[name] = new
+
+    def meta_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if tensor is not None and persistent and not isinstance(tensor, nn.parameter.UninitializedBuffer):
+            tensor = tensor.to("meta")
+        register_buffer(self, name, tensor, persistent)
+
+    nn.Module.register_parameter = meta_parameter  # type: ignore[method-assign]
+    nn.Module.register_buffer = meta_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]

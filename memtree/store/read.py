@@ -1,0 +1,642 @@
+"""Loading a tree from a prefix: validate every ``meta.json``, check every leaf, then map it.
+
+Opening a tree (:func:`open_tree`) costs O(metadata of the root): it opens the root directory,
+keeps its descriptor, and validates the root ``meta.json``. Each level is then *loaded* when it
+is first needed (:meth:`PendingLevel.load`): its leaves are checked and mapped, and its
+sub-levels' ``meta.json`` files are validated, relative to the held root descriptor, so every
+file comes from the directory that was opened even if the prefix is re-saved meanwhile.
+:func:`read_tree` loads every level at once.
+
+What loading does, level by level from the root:
+
+1. open the level's directory (sub-directories relative to their parent's descriptor, never
+   following symbolic links) and its ``meta.json`` (regular file, at most 16 MiB, checked with
+   ``fstat`` before reading), and validate it with :func:`memtree.format.parse_level`;
+2. with ``keys=``, keep only the entries on the path to the requested keys (other sub-trees'
+   ``meta.json`` files and leaves are never opened);
+3. for each leaf: open it without following links, check it is a regular file of exactly
+   ``numel × itemsize`` bytes, and only then map it (or read it, with ``mmap=False``; or skip
+   the file entirely, with ``device="meta"``). With ``verify=True``, a leaf whose ``meta.json``
+   entry records a checksum is hashed first and refused on a mismatch (``IntegrityError``).
+
+Reading never writes: a damaged tree raises a :class:`~memtree.errors.MemtreeError` naming the
+file and leaves every file as it was (with a lazily opened tree, when the damaged level is first
+loaded).
+
+Example:
+    >>> import tempfile, torch
+    >>> from memtree.level import Level
+    >>> from memtree.write import write_tree
+    >>> from memtree.read import read_tree
+    >>> d = tempfile.mkdtemp() + "/t"
+    >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
+    >>> read_tree(d).entries["x"].tolist()
+    [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import pickle
+import stat
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Union
+
+import torch
+
+from ..errors import (
+    IntegrityError,
+    LeafSizeError,
+    LimitError,
+    MemtreeError,
+    MemtreeKeyError,
+    MetaFormatError,
+    MissingLeafError,
+    NotAMemtreeError,
+    NotCommittedError,
+    PickleNotAllowedError,
+    UnsafePathError,
+)
+from .files import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
+from ..format.schema import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
+from ..format.names import META_NAME
+from ..format.level import Level, Value
+from .mapped import map_leaf
+from ..format.values import NonTensor, UnloadedPickle
+from ..format.names import is_uncommitted_name
+
+__all__ = [
+    "read_tree",
+    "open_tree",
+    "PendingLevel",
+    "load_pending_at",
+    "loading_lock",
+    "read_meta",
+    "read_meta_bytes",
+    "select_entries",
+    "open_dir",
+    "META_FLAGS",
+    "KeySelection",
+    "normalize_keys",
+]
+
+KeySelection = Union[str, tuple[str, ...]]
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+
+_Trie = dict[str, Any]  # key -> sub-trie, or None for "everything below"
+
+
+def normalize_keys(keys: Iterable[KeySelection]) -> _Trie:
+    """Turn ``["a", ("b", "c")]`` into a selection trie ``{"a": None, "b": {"c": None}}``."""
+    if isinstance(keys, (str, tuple)):
+        keys = [keys]
+    trie: _Trie = {}
+    for key in keys:
+        parts = (key,) if isinstance(key, str) else tuple(key)
+        if not parts or not all(isinstance(p, str) and p for p in parts):
+            raise MemtreeKeyError(f"keys= entries must be non-empty str or tuples of str, got {key!r}")
+        node = trie
+        for part in parts[:-1]:
+            sub = node.setdefault(part, {})
+            if sub is None:  # a parent is already fully selected
+                break
+            node = sub
+        else:
+            node[parts[-1]] = None
+    return trie
+
+
+def select_entries(
+    meta: LevelMeta, selection: _Trie | None, path: tuple[str, ...], where: str
+) -> LevelMeta:
+    """The level with only the entries a ``keys=`` selection asks for, in selection order.
+
+    Raises:
+        MemtreeKeyError: a selected key is not at this level (names the key and the keys there).
+    """
+    if selection is None:
+        return meta
+    by_key = {e.key: e for e in meta.entries}
+    missing = [k for k in selection if k not in by_key]
+    if missing:
+        full = path + (missing[0],)
+        raise MemtreeKeyError(
+            f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
+            f"(keys there: {sorted(by_key)[:20]})"
+        )
+    return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
+
+
+def open_dir(name: str, where: str, dir_fd: int | None) -> int:
+    """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
+
+    Raises:
+        NotAMemtreeError, MissingLeafError, UnsafePathError, StorageError.
+    """
+    try:
+        return os.open(name, _DIR_FLAGS | (_NOFOLLOW if dir_fd is not None else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        if dir_fd is None:
+            raise NotAMemtreeError(f"{where} does not exist; check the path") from None
+        raise MissingLeafError(f"sub-tree directory {where} is missing; the tree is damaged") from None
+    except NotADirectoryError:
+        if dir_fd is None:
+            raise NotAMemtreeError(f"{where} is not a directory; a memtree is a directory") from None
+        raise UnsafePathError(f"{where} is not a directory (or is a symbolic link)") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{where} is a symbolic link; memtree does not follow links inside a tree"
+            ) from None
+        raise storage_error(err, f"opening {where}") from err
+
+
+def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
+    """The bytes of the ``meta.json`` in an open directory, and its path.
+
+    Opened without following links, refused unless it is a regular file of at most
+    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
+    """
+    path = os.path.join(where, META_NAME)
+    try:
+        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if root:
+            raise NotAMemtreeError(
+                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
+                "finished)"
+            ) from None
+        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
+        raise storage_error(err, f"opening {path}") from err
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file")
+        if st.st_size > MAX_META_BYTES:
+            raise LimitError(
+                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
+                "a meta.json; it was not written by memtree (or tensordict)"
+            )
+        want = st.st_size + 1  # one byte more: a short read is the end of the file
+        data = os.read(fd, want)
+        if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
+            parts = [data]
+            left = MAX_META_BYTES + 1 - len(data)
+            while left > 0:
+                part = os.read(fd, min(left, 1 << 20))
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            data = b"".join(parts)
+    finally:
+        os.close(fd)
+    return data, path
+
+
+def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
+    """Read and validate the ``meta.json`` in an open directory."""
+    data, path = read_meta_bytes(dir_fd, where, root=root)
+    return parse_level(data, path, depth=depth)
+
+
+def read_tree(
+    prefix: str | os.PathLike[str],
+    *,
+    keys: Iterable[KeySelection] | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    device: torch.device | str | None = None,
+    allow_pickle: bool = False,
+    verify: bool = False,
+) -> Level:
+    """Load a tree's structure and every selected leaf now (see the module docstring).
+
+    Raises:
+        IntegrityError: ``verify=True`` and a leaf's bytes do not match its recorded checksum.
+        MemtreeError: the directory is missing, damaged, hostile, or lacks a requested key.
+    """
+    return open_tree(
+        prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify
+    ).load_all()
+
+
+def open_tree(
+    prefix: str | os.PathLike[str],
+    *,
+    keys: Iterable[KeySelection] | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    device: torch.device | str | None = None,
+    allow_pickle: bool = False,
+    verify: bool = False,
+    written: Mapping[tuple[str, ...], LevelMeta] | None = None,
+) -> PendingLevel:
+    """Open a tree and validate its root ``meta.json``; its levels load when asked for.
+
+    The root directory's descriptor stays open until every :class:`PendingLevel` of this tree
+    is gone, and every later file is opened relative to it.
+
+    ``written`` is for the writer that has just committed ``prefix`` (still holding its lock):
+    the metadata it wrote, by directory path from the root, used instead of reading every
+    ``meta.json`` back.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.level import Level
+        >>> from memtree.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3), "sub": Level((), {})}))
+        >>> root = open_tree(d)
+        >>> [e.key for e in root.meta.entries], type(root.load()["sub"]).__name__
+        (['x', 'sub'], 'PendingLevel')
+
+    Raises:
+        NotCommittedError: ``prefix`` is a staging directory or an old copy of an unfinished write.
+        MemtreeError: the root is missing, damaged, hostile, or lacks a requested key.
+    """
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    root = os.path.realpath(os.fspath(prefix))
+    if is_uncommitted_name(os.path.basename(root)):
+        raise NotCommittedError(
+            f"{root} is the staging directory (or old copy) of a write that never finished; it "
+            "is not a committed tree. memtree.recover() on its parent directory restores or "
+            "deletes it"
+        )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    selection = normalize_keys(keys) if keys is not None else None
+    source = _Source(root, open_dir(root, root, None), _Reader(mode, mmap, dev, allow_pickle, verify), written)
+    meta = source.meta((), root, source.fd)
+    return PendingLevel(source, (), root, (), select_entries(meta, selection, (), root), selection)
+
+
+_LOCK = threading.RLock()  # loading a pending level (threads share trees)
+_SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
+
+#: How many pending levels, in all, may keep their directory open from their parent's load, so
+#: that loading them later opens no directory. Beyond it a level re-opens its directory from the
+#: tree's root when it loads (the same directory: every name is resolved from the held root).
+MAX_HELD_DIRS = 128
+_held_dirs = 0  # changed under _LOCK
+
+
+def _hold_dir(fd: int) -> int | None:
+    """``fd`` (a level directory just opened, under ``_LOCK``) if it may stay open, else None."""
+    global _held_dirs
+    if _held_dirs < MAX_HELD_DIRS:
+        _held_dirs += 1
+        return fd
+    os.close(fd)
+    return None
+
+
+def _release_dir(fd: int) -> None:
+    global _held_dirs
+    with _LOCK:
+        os.close(fd)
+        _held_dirs -= 1
+
+
+def _after_fork_in_child() -> None:  # a fork while another thread held the lock must not deadlock
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def loading_lock() -> AbstractContextManager[bool]:
+    """The re-entrant lock held while a pending level loads (callers that publish the loaded
+    entries, like the tree layer, hold it too, so that a level is loaded and published once).
+
+    Example:
+        >>> with loading_lock():
+        ...     pass
+    """
+    return _LOCK
+
+
+def load_pending_at(prefix: str | os.PathLike[str]) -> None:
+    """Load every still-pending level of the trees this process opened from ``prefix``.
+
+    :func:`memtree.write.write_tree` calls it (under the destination's writer lock) before it
+    replaces ``prefix``: an opened tree's levels load on first
+    use, relative to the old directory, which the save deletes. Loaded levels map their files,
+    and mappings keep the old data readable after the deletion, as with an eager load. (Trees
+    opened by *other* processes cannot be helped: their unloaded levels raise a clear
+    :class:`~memtree.errors.MissingLeafError` once the old directory is gone.)
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.level import Level
+        >>> from memtree.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
+        >>> root = open_tree(d)
+        >>> load_pending_at(d)
+        >>> _ = write_tree(d, Level((), {"x": torch.zeros(3)}))
+        >>> root.load()["x"].tolist()
+        [0, 1, 2]
+    """
+    if not _SOURCES:
+        return
+    try:
+        st = os.stat(prefix)
+    except OSError:
+        return
+    for source in list(_SOURCES):
+        try:
+            same = os.path.samestat(os.fstat(source.fd), st)
+        except OSError:
+            continue
+        if same:
+            source.load_everything()
+
+
+class _Source:
+    """An opened tree: the root directory's descriptor (closed with the last reference)."""
+
+    def __init__(
+        self, root: str, fd: int, reader: _Reader, written: Mapping[tuple[str, ...], LevelMeta] | None
+    ) -> None:
+        self.root = root
+        self.fd = fd
+        self.reader = reader
+        self.written = written or {}
+        self.pending: weakref.WeakSet[PendingLevel] = weakref.WeakSet()
+        weakref.finalize(self, os.close, fd)
+        _SOURCES.add(self)
+
+    def load_everything(self) -> None:
+        """Load (and keep) every pending level of this tree, and the levels below them."""
+        with _LOCK:
+            todo = list(self.pending)
+            while todo:
+                todo.extend(v for v in todo.pop().load().values() if isinstance(v, PendingLevel))
+
+    def meta(self, dirs: tuple[str, ...], where: str, dir_fd: int) -> LevelMeta:
+        """The validated ``meta.json`` of the level ``dirs`` (open as ``dir_fd``)."""
+        known = self.written.get(dirs)
+        if known is not None:
+            return known
+        return read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+
+    def open_level(self, dirs: tuple[str, ...]) -> int:
+        """A new descriptor of the level ``dirs`` below the root (never following links)."""
+        if not dirs:
+            return os.dup(self.fd)
+        fd, where = self.fd, self.root
+        for name in dirs:
+            where = os.path.join(where, name)
+            try:
+                child = open_dir(name, where, fd)
+            finally:
+                if fd != self.fd:
+                    os.close(fd)
+            fd = child
+        return fd
+
+    def removed(self) -> bool:
+        """True when the opened root directory has been deleted (e.g. replaced by a re-save)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+
+@dataclasses.dataclass(eq=False)
+class PendingLevel:
+    """A level whose ``meta.json`` is validated and whose entries are not loaded yet.
+
+    Attributes:
+        dirs: the directory names from the root to this level.
+        where: the level's directory (for messages).
+        keys: the key path from the root.
+        meta: the validated ``meta.json``, with only the selected entries.
+        selection: the ``keys=`` selection below this level (``None``: everything).
+    """
+
+    source: _Source
+    dirs: tuple[str, ...]
+    where: str
+    keys: tuple[str, ...]
+    meta: LevelMeta
+    selection: _Trie | None
+    #: The level's directory, kept open from its parent's load (see :data:`_HELD_DIRS`).
+    _fd: int | None = dataclasses.field(default=None, repr=False)
+    _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.source.pending.add(self)
+
+    def __del__(self) -> None:  # never loaded: let its held directory go
+        if self._fd is not None:
+            try:
+                _release_dir(self._fd)
+            except (OSError, TypeError):  # TypeError: module globals torn down at interpreter exit
+                pass
+
+    @property
+    def batch_size(self) -> tuple[int, ...]:
+        """The level's batch size."""
+        return self.meta.batch_size
+
+    @property
+    def type(self) -> str:
+        """The level's stored container type (``"TensorTree"`` or a registered class name)."""
+        return self.meta.type
+
+    def load(self) -> dict[str, Value | PendingLevel]:
+        """This level's entries: leaves checked and mapped (or read), sub-levels pending.
+
+        Loaded once: later calls return the same entries.
+
+        Raises:
+            MemtreeError: a leaf or a sub-level's ``meta.json`` is missing, damaged or hostile;
+                :class:`~memtree.errors.MissingLeafError` also when the tree was deleted or
+                replaced since it was opened.
+        """
+        with _LOCK:
+            if self._loaded is None:
+                self._loaded = self._open_and_load()
+            return self._loaded
+
+    def _open_and_load(self) -> dict[str, Value | PendingLevel]:
+        try:
+            if self._fd is None:
+                fd = self.source.open_level(self.dirs)
+                try:
+                    return self._load(fd)
+                finally:
+                    os.close(fd)
+            try:
+                return self._load(self._fd)
+            finally:
+                fd, self._fd = self._fd, None
+                _release_dir(fd)
+        except MissingLeafError as err:
+            if self.source.removed():
+                raise MissingLeafError(
+                    f"the tree at {self.source.root} was deleted or replaced (re-saved) after it "
+                    f"was opened, before {self.where} was loaded; levels load when first used, so "
+                    "load the tree again (load_memmap(..., lazy=False) loads every leaf at once)"
+                ) from err
+            raise
+
+    def _load(self, fd: int) -> dict[str, Value | PendingLevel]:
+        reader, sel = self.source.reader, self.selection
+        out: dict[str, Value | PendingLevel] = {}
+        for entry in self.meta.entries:
+            sub = sel.get(entry.key) if sel is not None else None
+            if isinstance(entry, LeafMeta):
+                if sub is not None:
+                    raise MemtreeKeyError(
+                        f"key {self.keys + (entry.key,)!r} is a tensor leaf at {self.where}; it "
+                        f"has no sub-key {next(iter(sub))!r}"
+                    )
+                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
+            elif isinstance(entry, ChildMeta):
+                path = self.keys + (entry.key,)
+                where = os.path.join(self.where, entry.dir)
+                dirs = self.dirs + (entry.dir,)
+                child_fd = open_dir(entry.dir, where, fd)
+                try:
+                    meta = self.source.meta(dirs, where, child_fd)
+                    if meta.batch_size[: len(self.meta.batch_size)] != self.meta.batch_size:
+                        raise MetaFormatError(
+                            f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} "
+                            f"does not start with the parent's {list(self.meta.batch_size)}; the "
+                            "tree is damaged"
+                        )
+                    meta = select_entries(meta, sub, path, where)
+                except BaseException:
+                    os.close(child_fd)
+                    raise
+                held = _hold_dir(child_fd)
+                out[entry.key] = PendingLevel(self.source, dirs, where, path, meta, sub, held)
+            elif isinstance(entry, JsonMeta):
+                out[entry.key] = NonTensor(entry.value)
+            else:
+                out[entry.key] = NonTensor(reader.pickled(fd, self.where, entry))
+        return out
+
+    def load_all(self) -> Level:
+        """This level and every level below it, loaded now."""
+        entries = {
+            k: v.load_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
+        }
+        return Level(self.meta.batch_size, entries, self.meta.type)
+
+
+class _Reader:
+    def __init__(self, mode: str, mmap: bool, device: torch.device, allow_pickle: bool, verify: bool) -> None:
+        self.readonly = mode == "r"
+        self.mmap = mmap
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.on_meta = device.type == "meta"
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+
+    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
+        if self.on_meta:
+            return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        path = os.path.join(where, entry.file)
+        try:
+            fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
+        except LeafSizeError:
+            fd, st = self.open_grown(dir_fd, where, entry, path), None
+        check = self.verify and entry.checksum is not None
+        try:
+            if self.mmap:
+                if check:
+                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
+                tensor: torch.Tensor = map_leaf(
+                    fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st
+                )
+            else:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype)
+                read_fd(fd, tensor)
+                if check:  # hash the bytes just read: one pass over the file
+                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents)
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {path}") from err
+        finally:
+            os.close(fd)
+        if not self.on_cpu:
+            tensor = tensor.to(self.device)
+        return tensor
+
+    @staticmethod
+    def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str) -> int:
+        """The leaf's file when the tree grew (``append_``...) after this ``meta.json`` was read.
+
+        The file must then match the level's *current* ``meta.json`` exactly, as the same leaf
+        with more rows; the rows the older view covers are unchanged by growth, so the old view
+        is mapped. Otherwise the size mismatch is damage: raises ``LeafSizeError``.
+        """
+        try:
+            current = read_meta(dir_fd, where, depth=0, root=False)
+        except MemtreeError:
+            current = None
+        now = next((e for e in current.entries if e.key == entry.key), None) if current else None
+        if not (
+            isinstance(now, LeafMeta)
+            and now != entry
+            and (now.file, now.dtype, now.shape[1:]) == (entry.file, entry.dtype, entry.shape[1:])
+            and now.file_nbytes > entry.file_nbytes
+        ):
+            return open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # raises again
+        return open_checked(entry.file, now.file_nbytes, path, dir_fd=dir_fd)
+
+    @staticmethod
+    def check(found: str, entry: LeafMeta, path: str, parents: tuple[str, ...]) -> None:
+        if found != entry.checksum:
+            key = parents + (entry.key,)
+            raise IntegrityError(
+                f"leaf {key if len(key) > 1 else key[0]!r} at {path} is damaged: its meta.json "
+                f"records checksum {entry.checksum}, the file has {found}. The file changed "
+                "after it was written; restore it or re-save the tree (`memtree verify DIR` "
+                "lists every damaged leaf)"
+            )
+
+    def pickled(self, dir_fd: int, where: str, entry: PickleMeta) -> Any:
+        path = os.path.join(where, entry.file)
+        if self.on_meta:  # structure only: never open (let alone unpickle) it
+            return UnloadedPickle(path)
+        if not self.allow_pickle:
+            raise PickleNotAllowedError(
+                f"non-tensor leaf {entry.key!r} is pickled in {path}; unpickling can run arbitrary "
+                "code, so it is loaded only with allow_pickle=True (trusted files only)"
+            )
+        try:
+            fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise MissingLeafError(f"pickled leaf file {path} is missing; the tree is damaged") from None
+        except OSError as err:
+            raise UnsafePathError(f"cannot open {path} safely: {err}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnsafePathError(f"{path} is not a regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return pickle.load(f)
+        finally:
+            os.close(fd)
+
+
+def _algorithm(entry: LeafMeta) -> str:
+    assert entry.checksum is not None
+    return entry.checksum.partition(":")[0]

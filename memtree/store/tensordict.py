@@ -1,0 +1,467 @@
+"""Reading directories written by tensordict's ``memmap`` (read-only compatibility, SPEC §5).
+
+tensordict's layout, as its ``memmap``/``load_memmap`` write and read it (tensordict is never
+imported)::
+
+    prefix/
+    ├── meta.json      {"<key>": {"dtype": "torch.float32", "shape": [..], "device": "cpu",
+    │                             "is_nested": false},          # a tensor leaf
+    │                   "<sub>": {"type": "TensorDict"},          # a sub-directory
+    │                   "shape": [batch...], "device": "cpu",
+    │                   "_type": "<class 'tensordict._td.TensorDict'>", ...}
+    ├── <key>.memmap   raw bytes (key percent-encoded: ``a/b`` -> ``a%2Fb``)
+    └── <sub>/meta.json
+        A sub-directory's own ``_type`` says what it is: a TensorDict (a level), NonTensorData
+        (``"data"``: a JSON value; without it, a pickle sidecar), NonTensorStack (``"data"``: a
+        list), a tensorclass (its content in ``<sub>/_tensordict/``), or a kind memtree does not
+        read (LazyStackedTensorDict, sub-tensordicts).
+
+What memtree does with it:
+
+* every ``meta.json`` is validated like memtree's own (size limit before reading, JSON,
+  duplicate fields, field types, dtype from memtree's closed table, shapes, batch sizes,
+  nesting depth): a malformed one raises :class:`~memtree.errors.MetaFormatError` naming the
+  file and the field. Class names in ``_type`` are matched as text, never imported;
+* file names are derived from keys with tensordict's encoding (with its fallback to the legacy
+  raw name), must be one path component, and are opened relative to their directory without
+  following symbolic links, so nothing outside ``prefix`` is ever opened;
+* leaves are checked before mapping (regular file, at least ``numel × itemsize`` bytes) and
+  mapped like memtree's own. **Only here**, two tensordict quirks are tolerated: a leaf file a
+  few bytes longer than needed (its first ``numel × itemsize`` bytes are used), and no file for a
+  zero-element leaf;
+* non-tensor data comes from the JSON ``"data"`` field; pickle sidecars are **never** executed,
+  even with ``allow_pickle=True``: such a key raises
+  :class:`~memtree.errors.PickleNotAllowedError` (load the other keys with ``keys=``);
+* memtree never writes this layout: save a loaded tree with ``memmap(new_prefix,
+  copy_existing=True)`` or ``memtree convert`` to get a memtree directory.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from memtree.interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, "meta.json"), "w") as f:
+    ...     _ = f.write('{"x": {"dtype": "torch.int32", "shape": [2], "device": "cpu", '
+    ...                 '"is_nested": false}, "shape": [2], "device": "cpu", '
+    ...                 '"_type": "<class \\'tensordict._td.TensorDict\\'>"}')
+    >>> torch.tensor([1, 2], dtype=torch.int32).numpy().tofile(os.path.join(d, "x.memmap"))
+    >>> is_tensordict_dir(d), read_tensordict_dir(d).entries["x"].tolist()
+    (True, [1, 2])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterable
+from math import prod
+from typing import Any
+
+import torch
+
+from ..format.dtypes import dtype_from_name, itemsize
+from ..errors import (
+    DtypeError,
+    LimitError,
+    MemtreeError,
+    MemtreeKeyError,
+    MetaFormatError,
+    MissingLeafError,
+    PickleNotAllowedError,
+    UnsafePathError,
+    UnsupportedVersionError,
+)
+from .files import open_checked, read_fd, storage_error
+from ..format.schema import MAX_DEPTH, MAX_ENTRIES, MAX_META_BYTES, MAX_NBYTES, MAX_NDIM
+from ..format.names import META_NAME
+from ..format.level import Level
+from .mapped import map_leaf
+from ..format.values import NonTensor
+from .read import KeySelection, normalize_keys, open_dir, read_meta_bytes
+
+__all__ = ["is_tensordict_dir", "read_tensordict_dir"]
+
+_NAME_MAX = 255
+# Characters tensordict percent-encodes in file names (``_FS_UNSAFE_CHARS`` in its
+# ``_utils_key_json``): path separators, characters Windows forbids, space, '%' and controls.
+_UNSAFE = set('/<>:"|?*\\ \0%') | {chr(i) for i in range(32)} | {chr(127)}
+_ENCODE = str.maketrans({c: f"%{ord(c):02X}" for c in _UNSAFE})
+
+
+def _encode(key: str) -> str:
+    if key in (".", ".."):
+        return "%2E" * len(key)
+    return key.translate(_ENCODE)
+
+
+def _legacy_ok(key: str) -> bool:
+    """tensordict's rule for raw (unencoded) legacy names that stay inside their directory."""
+    return not ("/" in key or "\\" in key or "\0" in key or key in (".", "..")) and not (
+        len(key) >= 2 and key[0].isalpha() and key[1] == ":"
+    )
+
+
+def _kind(type_name: Any) -> str:
+    """Classify a ``_type`` string (``"<class 'tensordict._td.TensorDict'>"``) without importing."""
+    if type(type_name) is not str:
+        return "invalid"
+    name = type_name.removeprefix("<class '").removesuffix("'>").rpartition(".")[2]
+    return {
+        "TensorDict": "tensordict",
+        "NonTensorData": "nontensor",
+        "NonTensorStack": "stack",
+        "LazyStackedTensorDict": "unsupported",
+        "_SubTensorDict": "unsupported",
+        "SubTensorDict": "unsupported",
+        "PersistentTensorDict": "unsupported",
+    }.get(name, "tensorclass")
+
+
+def _read_json(dir_fd: int, where: str) -> Any:
+    """Parse the ``meta.json`` of an open directory, refusing oversized or malformed files."""
+    data, path = read_meta_bytes(dir_fd, where, root=False)
+    return _parse_json(data, path)
+
+
+def _parse_json(data: bytes, path: str) -> Any:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise _fail(path, "an object", f"repeats the field {k!r:.80}")
+            out[k] = v
+        return out
+
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
+    except MetaFormatError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise _fail(path, "content", f"is not valid UTF-8 JSON ({err})") from None
+
+
+def _fail(path: str, pointer: str, problem: str) -> MetaFormatError:
+    return MetaFormatError(
+        f"{path}: {pointer} {problem}. The tensordict directory is damaged or was not written by "
+        "tensordict's memmap; re-save it with tensordict (or restore it from a backup)"
+    )
+
+
+def is_tensordict_dir(prefix: str | os.PathLike[str]) -> bool:
+    """True if ``prefix/meta.json`` looks like tensordict's (a ``_type`` field, no memtree format).
+
+    Never raises: anything unreadable is left to memtree's own loader to report.
+    """
+    try:
+        path = os.path.join(os.fspath(prefix), META_NAME)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_META_BYTES:
+            return False
+        with open(path, "rb") as f:
+            data = f.read(MAX_META_BYTES + 1)
+        if data.startswith(b'{"format":"memtree"'):  # how memtree writes it: no need to parse
+            return False
+        doc = json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return type(doc) is dict and "_type" in doc and "format" not in doc
+
+
+def read_tensordict_dir(
+    prefix: str | os.PathLike[str],
+    *,
+    keys: Iterable[KeySelection] | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    device: torch.device | str | None = None,
+) -> Level:
+    """Load a directory written by tensordict's ``memmap`` as a :class:`~memtree.level.Level`.
+
+    Args:
+        prefix: the directory (its root ``meta.json`` has tensordict's ``_type`` field).
+        keys: load only these keys (str or tuples of str); other sub-directories are not opened.
+        mode: ``"r+"`` maps leaves writable (writes reach tensordict's files), ``"r"``
+            read-only.
+        mmap: ``False`` reads leaves into memory instead of mapping them.
+        device: ``"meta"`` opens no leaf file; another device copies the leaves there.
+
+    Raises:
+        MetaFormatError: a malformed ``meta.json``.
+        UnsupportedVersionError: a container kind memtree does not read (lazy stacks...).
+        PickleNotAllowedError: a key whose value only exists as a pickle sidecar.
+        MissingLeafError, LeafSizeError, UnsafePathError: damaged or hostile files.
+    """
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    root = os.path.realpath(os.fspath(prefix))
+    reader = _TensordictReader(
+        readonly=mode == "r",
+        mmap=mmap,
+        device=torch.device(device) if device is not None else torch.device("cpu"),
+    )
+    fd = open_dir(root, root, None)
+    try:
+        doc = _read_json(fd, root)
+        return reader.container(
+            fd, root, doc, normalize_keys(keys) if keys is not None else None, (), 0, ()
+        )
+    finally:
+        os.close(fd)
+
+
+class _TensordictReader:
+    def __init__(self, *, readonly: bool, mmap: bool, device: torch.device) -> None:
+        self.readonly = readonly
+        self.mmap = mmap
+        self.device = device
+
+    def container(
+        self,
+        dir_fd: int,
+        where: str,
+        doc: Any,
+        selection: dict[str, Any] | None,
+        path: tuple[str, ...],
+        depth: int,
+        parent_batch: tuple[int, ...],
+    ) -> Level:
+        """A TensorDict level, or a tensorclass (whose content is its ``_tensordict`` level)."""
+        meta = os.path.join(where, META_NAME)
+        if depth > MAX_DEPTH:
+            raise LimitError(f"{meta}: nesting exceeds {MAX_DEPTH} levels")
+        if type(doc) is not dict:
+            raise _fail(meta, "top level", f"must be a JSON object, got {type(doc).__name__}")
+        kind = _kind(doc.get("_type"))
+        if kind == "tensorclass":
+            return self.tensorclass(dir_fd, where, doc, selection, path, depth, parent_batch)
+        if kind == "unsupported":
+            raise self.unsupported(meta, doc["_type"])
+        if kind != "tensordict":
+            raise _fail(meta, "_type", f"must name a TensorDict here, got {doc.get('_type')!r:.80}")
+        batch = self.ints(doc.get("shape"), meta, "shape")
+        if batch[: len(parent_batch)] != parent_batch:
+            raise _fail(
+                meta,
+                "shape",
+                f"{list(batch)} does not start with the parent's batch size {list(parent_batch)}",
+            )
+        entries = {k: v for k, v in doc.items() if type(v) is dict}
+        if len(entries) > MAX_ENTRIES:
+            raise LimitError(f"{meta}: {len(entries)} entries, limit is {MAX_ENTRIES}")
+        if selection is not None:
+            missing = [k for k in selection if k not in entries]
+            if missing:
+                full = path + (missing[0],)
+                raise MemtreeKeyError(
+                    f"key {full if len(full) > 1 else full[0]!r} is not in the tensordict "
+                    "directory "
+                    f"{where} (keys there: {sorted(entries)[:20]})"
+                )
+            entries = {k: entries[k] for k in selection}
+        out = Level(batch, {})
+        for key, entry in entries.items():
+            if not key:
+                raise _fail(meta, "a key", "is empty, which memtree keys cannot be")
+            sub = selection.get(key) if selection is not None else None
+            pointer = f"[{key!r:.80}]"
+            if "type" in entry:
+                if type(entry["type"]) is not str:
+                    raise _fail(meta, f"{pointer}.type", "must be a string")
+                out.entries[key] = self.child(dir_fd, where, key, sub, path + (key,), depth, batch)
+                continue
+            if sub is not None:
+                raise MemtreeKeyError(
+                    f"key {path + (key,)!r} is a tensor leaf in {where}; it has no sub-keys"
+                )
+            out.entries[key] = self.leaf(dir_fd, where, meta, key, entry, batch)
+        return out
+
+    def tensorclass(
+        self,
+        dir_fd: int,
+        where: str,
+        doc: dict[str, Any],
+        selection: dict[str, Any] | None,
+        path: tuple[str, ...],
+        depth: int,
+        parent_batch: tuple[int, ...],
+    ) -> Level:
+        meta = os.path.join(where, META_NAME)
+        if not self.exists(dir_fd, "_tensordict"):
+            raise self.unsupported(meta, doc["_type"])
+        extra = doc.get("_non_tensordict", {})
+        if type(extra) is not dict:
+            raise _fail(meta, "_non_tensordict", "must be a JSON object")
+        inner_selection = None
+        if selection is not None:
+            inner_selection = {k: v for k, v in selection.items() if k not in extra}
+        child_where = os.path.join(where, "_tensordict")
+        child_fd = open_dir("_tensordict", child_where, dir_fd)
+        try:
+            level = self.container(
+                child_fd,
+                child_where,
+                _read_json(child_fd, child_where),
+                inner_selection,
+                path,
+                depth + 1,
+                parent_batch,
+            )
+        finally:
+            os.close(child_fd)
+        for key, value in extra.items():
+            if key and (selection is None or key in selection):
+                level.entries[key] = NonTensor(value)
+        return level
+
+    def child(
+        self,
+        dir_fd: int,
+        where: str,
+        key: str,
+        selection: dict[str, Any] | None,
+        path: tuple[str, ...],
+        depth: int,
+        batch: tuple[int, ...],
+    ) -> Level | NonTensor:
+        name = self.name(dir_fd, where, key, "")
+        child_where = os.path.join(where, name)
+        child_fd = open_dir(name, child_where, dir_fd)
+        try:
+            doc = _read_json(child_fd, child_where)
+            meta = os.path.join(child_where, META_NAME)
+            kind = _kind(doc.get("_type")) if type(doc) is dict else "invalid"
+            if kind in ("nontensor", "stack"):
+                if selection is not None:
+                    raise MemtreeKeyError(
+                        f"key {path!r} is non-tensor data in {where}; it has no sub-keys"
+                    )
+                if "data" not in doc:
+                    raise PickleNotAllowedError(
+                        f"key {path if len(path) > 1 else path[0]!r} of the tensordict "
+                        "directory is "
+                        f"stored as a pickle in {child_where}; memtree never executes tensordict's "
+                        "pickle sidecars (not even with allow_pickle=True). Load the other "
+                        "keys with "
+                        "keys=[...], or re-save the value as JSON-serialisable data with tensordict"
+                    )
+                if kind == "stack" and type(doc["data"]) is not list:
+                    raise _fail(meta, "data", "of a NonTensorStack must be a list")
+                return NonTensor(doc["data"])
+            if kind == "invalid" and type(doc) is dict:
+                raise _fail(
+                    meta, "_type", f"must be a class name string, got {doc.get('_type')!r:.80}"
+                )
+            return self.container(child_fd, child_where, doc, selection, path, depth + 1, batch)
+        finally:
+            os.close(child_fd)
+
+    def leaf(
+        self,
+        dir_fd: int,
+        where: str,
+        meta: str,
+        key: str,
+        entry: dict[str, Any],
+        batch: tuple[int, ...],
+    ) -> torch.Tensor:
+        pointer = f"[{key!r:.80}]"
+        dtype_str = entry.get("dtype")
+        dtype = None
+        if type(dtype_str) is str and dtype_str.startswith("torch."):
+            dtype = dtype_from_name(dtype_str[len("torch.") :])
+        if dtype is None:
+            raise _fail(
+                meta, f"{pointer}.dtype", f"names no dtype memtree can read: {dtype_str!r:.40}"
+            )
+        shape = self.ints(entry.get("shape"), meta, f"{pointer}.shape")
+        if shape[: len(batch)] != batch:
+            raise _fail(
+                meta,
+                f"{pointer}.shape",
+                f"{list(shape)} does not start with the batch size {list(batch)}",
+            )
+        nested = entry.get("is_nested", False)
+        if type(nested) is not bool:
+            raise _fail(meta, f"{pointer}.is_nested", "must be true or false")
+        if nested:
+            raise DtypeError(
+                f"leaf {key!r} of {where} is a nested (jagged) tensor; memtree stores only "
+                "strided tensors: convert it with tensordict first (e.g. to a padded tensor)"
+            )
+        nbytes = prod(shape) * itemsize(dtype)
+        if nbytes > MAX_NBYTES:
+            raise _fail(
+                meta,
+                f"{pointer}.shape",
+                f"{list(shape)} would need {nbytes} bytes, beyond any file",
+            )
+        if self.device.type == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        name = self.name(dir_fd, where, key, ".memmap", missing_ok=nbytes == 0)
+        if name is None:  # tensordict writes no file for a zero-element leaf
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        path = os.path.join(where, name)
+        fd = open_checked(name, nbytes, path, dir_fd=dir_fd, strict_size=False)
+        try:
+            if self.mmap:
+                tensor: torch.Tensor = map_leaf(fd, path, dtype, shape, readonly=self.readonly)
+            else:
+                tensor = torch.empty(shape, dtype=dtype)
+                read_fd(fd, tensor)
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {path}") from err
+        finally:
+            os.close(fd)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
+    def name(
+        self, dir_fd: int, where: str, key: str, suffix: str, *, missing_ok: bool = False
+    ) -> Any:
+        """The file name of ``key`` in ``dir_fd``: tensordict's encoded name, or the legacy one."""
+        candidates = [_encode(key) + suffix]
+        if _legacy_ok(key) and key + suffix != candidates[0]:
+            candidates.append(key + suffix)
+        for name in candidates:
+            if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+                raise UnsafePathError(
+                    f"key {key!r:.80} in {where} maps to a file name longer than {_NAME_MAX} bytes"
+                )
+            if self.exists(dir_fd, name):
+                return name
+        if missing_ok:
+            return None
+        what = "sub-directory" if not suffix else "leaf file"
+        raise MissingLeafError(
+            f"{what} {os.path.join(where, candidates[0])} of key {key!r:.80} is missing; the "
+            "tensordict directory is damaged: re-save it, or load the other keys with keys=[...]"
+        )
+
+    @staticmethod
+    def unsupported(meta: str, type_name: str) -> UnsupportedVersionError:
+        return UnsupportedVersionError(
+            f"{meta}: _type {type_name!r:.80} is a tensordict container memtree does not read "
+            "(lazy stacks and sub-tensordicts are not supported); densify it with tensordict "
+            "first, e.g. td.contiguous().memmap(new_prefix)"
+        )
+
+    @staticmethod
+    def exists(dir_fd: int, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise storage_error(err, f"checking {name}") from err
+        return True
+
+    @staticmethod
+    def ints(v: Any, meta: str, pointer: str) -> tuple[int, ...]:
+        if type(v) is not list or len(v) > MAX_NDIM:
+            raise _fail(meta, pointer, f"must be a list of at most {MAX_NDIM} ints, got {v!r:.80}")
+        for i, x in enumerate(v):
+            if type(x) is not int or x < 0:
+                raise _fail(meta, f"{pointer}[{i}]", f"must be an int >= 0, got {x!r:.40}")
+        return tuple(v)

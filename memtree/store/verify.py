@@ -1,0 +1,278 @@
+"""Check a whole tree on disk and report every problem (``memtree verify DIR``).
+
+:func:`verify_tree` walks a tree like the loader does (same validation of every ``meta.json``,
+same checks of every leaf file: regular file, not a link, exact size), but instead of stopping at
+the first problem it records each one and goes on, and it compares every leaf's recorded checksum
+(``checksum="crc32"``/``"sha256"`` at write time) with the file's bytes. It never maps a file,
+never unpickles, and never writes.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from memtree import TensorTree, verify_tree
+    >>> d = tempfile.mkdtemp() + "/t"
+    >>> _ = TensorTree({"a": torch.arange(4), "b": {"c": torch.ones(2)}}).memmap(d, checksum="crc32")
+    >>> verify_tree(d).ok
+    True
+    >>> with open(os.path.join(d, "a.memmap"), "r+b") as f:
+    ...     _ = f.write(b"X")
+    >>> [(p.kind, p.key) for p in verify_tree(d).problems]
+    [('checksum', ('a',))]
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..format.dtypes import dtype_name
+from ..errors import (
+    LeafSizeError,
+    LimitError,
+    MemtreeError,
+    MetaFormatError,
+    MissingLeafError,
+    NotAMemtreeError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedVersionError,
+)
+from .files import file_checksum, open_checked
+from ..format.schema import ChildMeta, LeafMeta, PickleMeta
+from ..format.names import META_NAME
+from .progress import Progress
+from .read import META_FLAGS, open_dir, read_meta
+from ..format.names import is_uncommitted_name
+
+__all__ = ["Problem", "VerifyReport", "verify_tree"]
+
+_KINDS: tuple[tuple[type[MemtreeError], str], ...] = (
+    (NotAMemtreeError, "not-a-tree"),
+    (UnsupportedVersionError, "version"),
+    (LimitError, "limit"),
+    (MetaFormatError, "meta"),
+    (MissingLeafError, "missing"),
+    (LeafSizeError, "size"),
+    (UnsafePathError, "unsafe"),
+    (StorageError, "io"),
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a tree.
+
+    Attributes:
+        path: the file or directory concerned.
+        key: the key path of the leaf or sub-tree (``()`` for the root).
+        kind: ``"checksum"``, ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
+            ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
+            (batch sizes that do not nest), ``"not-a-tree"``, ``"not-committed"`` or ``"io"``.
+        expected: what the metadata promises (e.g. ``"24 bytes"``, ``"crc32:1a2b3c4d"``), when
+            it applies.
+        found: what is on disk, when it applies.
+        message: a full sentence, as the loader would raise it.
+    """
+
+    path: str
+    key: tuple[str, ...]
+    kind: str
+    expected: str | None
+    found: str | None
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    """The result of :func:`verify_tree`.
+
+    Attributes:
+        path: the tree's directory (resolved).
+        leaves: tensor leaves listed by the ``meta.json`` files that could be read.
+        checksummed: leaves whose recorded checksum was compared with the file.
+        problems: every problem found, in walk order.
+    """
+
+    path: str
+    leaves: int = 0
+    checksummed: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``memtree verify --json`` prints)."""
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "leaves": self.leaves,
+            "checksummed": self.checksummed,
+            "problems": [{**asdict(p), "key": list(p.key)} for p in self.problems],
+        }
+
+
+def _kind(err: MemtreeError) -> str:
+    for cls, kind in _KINDS:
+        if isinstance(err, cls):
+            return kind
+    return "error"
+
+
+class _Walker:
+    def __init__(self, report: VerifyReport, checksums: bool, bar: Progress) -> None:
+        self.report = report
+        self.checksums = checksums
+        self.bar = bar
+
+    def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
+            expected: str | None = None, found: str | None = None) -> None:
+        self.report.problems.append(Problem(path, key, kind, expected, found, message))
+
+    def level(self, dir_fd: int, where: str, key: tuple[str, ...], depth: int,
+              parent_batch: tuple[int, ...]) -> None:
+        try:
+            meta = read_meta(dir_fd, where, depth=depth, root=depth == 0)
+        except MemtreeError as err:
+            self.add(os.path.join(where, META_NAME), key, _kind(err), str(err))
+            return
+        if meta.batch_size[: len(parent_batch)] != parent_batch:
+            self.add(
+                os.path.join(where, META_NAME), key, "structure",
+                f"batch_size {list(meta.batch_size)} does not start with the parent's "
+                f"{list(parent_batch)}",
+                f"batch_size starting with {list(parent_batch)}", str(list(meta.batch_size)),
+            )
+        for entry in meta.entries:
+            if isinstance(entry, LeafMeta):
+                self.report.leaves += 1
+                self.leaf(dir_fd, where, entry, key + (entry.key,))
+                self.bar.update()
+            elif isinstance(entry, ChildMeta):
+                child_where = os.path.join(where, entry.dir)
+                try:
+                    child_fd = open_dir(entry.dir, child_where, dir_fd)
+                except MemtreeError as err:
+                    self.add(child_where, key + (entry.key,), _kind(err), str(err))
+                    continue
+                try:
+                    self.level(child_fd, child_where, key + (entry.key,), depth + 1, meta.batch_size)
+                finally:
+                    os.close(child_fd)
+            elif isinstance(entry, PickleMeta):
+                self.pickle_file(dir_fd, where, entry, key + (entry.key,))
+
+    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, key: tuple[str, ...]) -> None:
+        path = os.path.join(where, entry.file)
+        nbytes = entry.nbytes
+        expected = f"{entry.file_nbytes:,} bytes ({dtype_name(entry.dtype)} {list(entry.shape)}"
+        expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
+        try:
+            fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
+        except LeafSizeError as err:
+            size = os.stat(entry.file, dir_fd=dir_fd, follow_symlinks=False).st_size
+            self.add(path, key, "size", str(err), expected, f"{size:,} bytes")
+            return
+        except MissingLeafError as err:
+            self.add(path, key, "missing", str(err), expected, "no file")
+            return
+        except MemtreeError as err:
+            self.add(path, key, _kind(err), str(err), "a regular file", _file_kind(entry.file, dir_fd))
+            return
+        try:
+            if self.checksums and entry.checksum is not None:  # covers the tensor's bytes
+                found = file_checksum(fd, nbytes, entry.checksum.partition(":")[0])
+                self.report.checksummed += 1
+                if found != entry.checksum:
+                    self.add(
+                        path, key, "checksum",
+                        f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file "
+                        f"has {found}; the file changed after it was written",
+                        entry.checksum, found,
+                    )
+        except OSError as err:
+            self.add(path, key, "io", f"reading {path}: {err}")
+        finally:
+            os.close(fd)
+
+    def pickle_file(self, dir_fd: int, where: str, entry: PickleMeta, key: tuple[str, ...]) -> None:
+        path = os.path.join(where, entry.file)
+        try:
+            fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            self.add(path, key, "missing", f"pickled leaf file {path} is missing", "a file", "no file")
+            return
+        except OSError as err:
+            self.add(path, key, "unsafe", f"cannot open {path} safely: {err}", "a regular file",
+                     _file_kind(entry.file, dir_fd))
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self.add(path, key, "unsafe", f"{path} is not a regular file", "a regular file",
+                         _file_kind(entry.file, dir_fd))
+        finally:
+            os.close(fd)
+
+
+def _file_kind(name: str, dir_fd: int) -> str:
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    for test, label in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return label
+    return "a regular file"
+
+
+def verify_tree(
+    prefix: str | os.PathLike[str], *, checksums: bool = True, progress: bool | None = None
+) -> VerifyReport:
+    """Check every ``meta.json`` and leaf of the tree at ``prefix``; report every problem.
+
+    Args:
+        prefix: the tree's directory.
+        checksums: compare each leaf's recorded checksum with its file (reads every such
+            file once); ``False`` checks structure and sizes only (no leaf data is read).
+        progress: a progress bar of the leaves checked (:mod:`memtree.progress`): ``None``
+            on a terminal outside CI only, ``True``/``False`` forced.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True when the tree loads and every checksum
+        matches. Leaves saved without a checksum are checked for size only.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree import TensorTree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = TensorTree({"w": torch.ones(3)}).memmap(d, checksum="sha256")
+        >>> r = verify_tree(d)
+        >>> r.ok, r.leaves, r.checksummed
+        (True, 1, 1)
+    """
+    root = os.path.realpath(os.fspath(prefix))
+    report = VerifyReport(root)
+    with Progress(desc="verify", unit="leaf", progress=progress) as bar:
+        _verify(root, _Walker(report, checksums, bar))
+    return report
+
+
+def _verify(root: str, walker: _Walker) -> None:
+    if is_uncommitted_name(os.path.basename(root)):
+        walker.add(root, (), "not-committed",
+                   f"{root} is the staging directory (or old copy) of an unfinished write")
+        return
+    try:
+        fd = open_dir(root, root, None)
+    except MemtreeError as err:
+        walker.add(root, (), _kind(err), str(err))
+        return
+    try:
+        walker.level(fd, root, (), 0, ())
+    finally:
+        os.close(fd)

@@ -1,0 +1,710 @@
+"""Writing a tree to a prefix: plan, write into a staging directory, commit by rename.
+
+What ``memmap``/``memmap_``/``memmap_like`` write, in order (``docs/format.md``, "How a write is
+committed"):
+
+1. :func:`plan_write` turns a :class:`~memtree.level.Level` into a :class:`WritePlan` (pure: no
+   I/O): escaped names, one job per leaf, the metadata of every level. Every error the input
+   can cause (bad dtype, non-JSON value, foreign memmap...) is raised here, before any file
+   exists.
+2. :func:`write_tree` takes the destination's writer lock ``.<name>.memtree.lock`` (cleaning up
+   after a writer that crashed, see :mod:`memtree.recover`), creates ``.<name>.memtree-tmp-<hex>``
+   next to the destination, writes the leaves (each file opened once, filled with ``pwrite``
+   straight from the tensor's memory, hashed on the way with ``checksum=``; by ``num_threads``
+   threads when there is enough work for them; a leaf whose bytes lie in another file, such as a
+   checkpoint's tensor, is copied file to file), then each level's ``meta.json`` and the root's
+   last, and renames the staging directory onto the destination: ``RENAME_NOREPLACE`` for a new
+   destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
+   renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
+   background thread (:func:`wait_for_removals`), so that the caller need not wait for it.
+3. The new tree is returned opened lazily (:class:`~memtree.read.PendingLevel`) from the
+   metadata just written, still under the lock: no ``meta.json`` is read back and no leaf
+   file is opened until a level is used.
+
+Any failure before the rename removes the staging directory and leaves the destination as it was.
+``memtree._faults.point`` marks each step for the crash tests.
+
+Example:
+    >>> import tempfile, torch
+    >>> from memtree.level import Level
+    >>> from memtree.write import write_tree
+    >>> out = write_tree(tempfile.mkdtemp() + "/t", Level((), {"x": torch.ones(2)}))
+    >>> out.load()["x"].filename.endswith("x.memmap")
+    True
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+import orjson
+import torch
+
+from ..format.dtypes import dtype_name
+from ..errors import (
+    DestinationExistsError,
+    DtypeError,
+    ExistingMemmapError,
+    InvalidKeyError,
+    MemtreeError,
+)
+from .faults import point
+from .files import (
+    FileRange,
+    WriterLock,
+    check_checksum_option,
+    check_free_space,
+    create_leaf,
+    exchange,
+    fsync_dir,
+    is_plain_memory,
+    rename_noreplace,
+    storage_error,
+    write_small_file,
+)
+from ..format.schema import (
+    FORMAT,
+    ChildMeta,
+    Entry,
+    JsonMeta,
+    LeafMeta,
+    LevelMeta,
+    PickleMeta,
+    dump_level,
+)
+from ..format.names import META_NAME, encode_level
+from ..format.level import Level
+from .mapped import MemoryMappedTensor, to_storable
+from ..format.values import NonTensor, check_json, json_problem
+from .progress import Progress
+from .read import PendingLevel, load_pending_at, open_tree
+from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX, lock_path, old_path, staging_path
+from .recovery import recover_locked
+
+__all__ = [
+    "LeafJob",
+    "LevelPlan",
+    "WritePlan",
+    "plan_write",
+    "write_tree",
+    "share_tree",
+    "destination_state",
+    "publish",
+    "wait_for_removals",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class LeafJob:
+    """One file to write: where (relative path), what, and how big; ``key`` is the tree key."""
+
+    rel: str
+    key: tuple[str, ...]
+    tensor: torch.Tensor
+    nbytes: int
+
+    @property
+    def where(self) -> str:
+        """The key as error messages show it (``'w'`` or ``('a', 'w')``)."""
+        return _key_label(self.key)
+
+
+@dataclass
+class LevelPlan:
+    """One level's directory (relative, ``""`` for the root) and its metadata."""
+
+    rel: str
+    meta: LevelMeta
+    depth: int
+
+
+@dataclass
+class WritePlan:
+    """Everything a write will create, computed before any I/O."""
+
+    levels: list[LevelPlan] = field(default_factory=list)
+    leaves: list[LeafJob] = field(default_factory=list)
+    pickles: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of leaf data the write needs on disk."""
+        return sum(j.nbytes for j in self.leaves)
+
+    @property
+    def total_files(self) -> int:
+        """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
+        return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
+
+
+def _key_label(path: tuple[str, ...]) -> str:
+    return repr(path[0]) if len(path) == 1 else repr(path)
+
+
+def plan_write(
+    level: Level,
+    *,
+    dest: str | None = None,
+    like: bool = False,
+    allow_pickle: bool = False,
+    copy_existing: bool = False,
+) -> WritePlan:
+    """Plan the files of a write (pure; raises every input error before anything is written).
+
+    Args:
+        level: the tree to write.
+        dest: the final absolute prefix (to decide whether a memmapped leaf already lives there).
+        like: plan empty files of the same shapes and dtypes (``memmap_like``).
+        allow_pickle: pickle non-tensor values that JSON cannot hold.
+        copy_existing: copy leaves that are already memory-mapped elsewhere.
+    """
+    plan = WritePlan()
+    _plan_level(plan, level, "", (), 0, dest, like, allow_pickle, copy_existing)
+    plan.levels.sort(key=lambda lp: -lp.depth)  # deepest first, root last
+    return plan
+
+
+def _plan_level(
+    plan: WritePlan,
+    level: Level,
+    rel: str,
+    path: tuple[str, ...],
+    depth: int,
+    dest: str | None,
+    like: bool,
+    allow_pickle: bool,
+    copy_existing: bool,
+) -> None:
+    items = []
+    for key, value in level.entries.items():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKeyError(
+                f"key {_key_label(path + (key,))} contains a lone surrogate and cannot be "
+                "written to meta.json (UTF-8); rename it"
+            ) from None
+        if isinstance(value, torch.Tensor):
+            suffix = LEAF_SUFFIX
+        elif isinstance(value, Level):
+            suffix = ""
+        elif not _json_ok(value, path + (key,), allow_pickle):
+            suffix = PICKLE_SUFFIX
+        else:
+            suffix = None
+        items.append((key, value, suffix))
+    named = [(k, s) for k, _, s in items if s is not None]
+    names = iter(encode_level(named))
+
+    entries: list[Entry] = []
+    for key, value, suffix in items:
+        kpath = path + (key,)
+        name = next(names) if suffix is not None else ""
+        child_rel = f"{rel}/{name}" if rel else name
+        if isinstance(value, torch.Tensor):
+            entries.append(_plan_leaf(plan, value, key, name, child_rel, kpath, dest, like, copy_existing))
+        elif isinstance(value, Level):
+            entries.append(ChildMeta(key, name))
+            _plan_level(plan, value, child_rel, kpath, depth + 1, dest, like, allow_pickle, copy_existing)
+        elif suffix == PICKLE_SUFFIX:
+            data = value.data if isinstance(value, NonTensor) else value
+            plan.pickles.append((child_rel, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)))
+            entries.append(PickleMeta(key, name))
+        else:
+            entries.append(JsonMeta(key, value.data if isinstance(value, NonTensor) else value))
+    plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth))
+
+
+def _json_ok(value: object, path: tuple[str, ...], allow_pickle: bool) -> bool:
+    data = value.data if isinstance(value, NonTensor) else value
+    if allow_pickle:
+        return json_problem(data) is None
+    check_json(data, _key_label(path))
+    return True
+
+
+def _plan_leaf(
+    plan: WritePlan,
+    tensor: torch.Tensor,
+    key: str,
+    name: str,
+    rel: str,
+    kpath: tuple[str, ...],
+    dest: str | None,
+    like: bool,
+    copy_existing: bool,
+) -> LeafMeta:
+    dtype = tensor.dtype
+    try:
+        dtype_name(dtype)
+    except DtypeError as err:
+        raise DtypeError(f"leaf {_key_label(kpath)}: {err}") from None
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise DtypeError(
+            f"leaf {_key_label(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
+        )
+    if not like:
+        if tensor.is_meta:
+            raise DtypeError(
+                f"leaf {_key_label(kpath)} is on the meta device and has no data; use "
+                "memmap_like() to allocate files for it, or load real weights first"
+            )
+        if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
+            target = os.path.join(dest, rel) if dest else None
+            if tensor.filename is not None and not copy_existing and tensor.filename != target:
+                raise ExistingMemmapError(
+                    f"leaf {_key_label(kpath)} is already memory-mapped from {tensor.filename}; "
+                    "pass copy_existing=True to copy it into the new prefix"
+                )
+    shape = tuple(tensor.shape)
+    plan.leaves.append(LeafJob(rel, kpath, tensor, tensor.nbytes))
+    return LeafMeta(key, name, dtype, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# executing a plan
+
+#: Seconds a writer waits for another writer of the same destination before raising LockError.
+LOCK_TIMEOUT = 1.0
+#: Bytes of data that cost about as much to write as creating one file (for sizing the threads).
+FILE_COST = 64 * 1024
+#: Work (data bytes + ``FILE_COST`` per file) each writer thread should have at least: below it,
+#: starting a thread (~0.1 ms) costs more than it saves, so a small tree is written by fewer
+#: threads than ``num_threads``, or by the calling thread alone.
+THREAD_MIN_WORK = 4 * 1024 * 1024
+#: An overwrite of a tree of at least this many files and directories deletes the old copy in a
+#: background thread (a deletion of 20,000 files takes seconds); smaller old copies are deleted
+#: before the write returns.
+BACKGROUND_REMOVAL_FILES = 256
+#: How often (seconds) a visible progress bar is advanced while writer threads run.
+_PROGRESS_INTERVAL = 0.1
+
+
+def destination_state(dest: str, existsok: bool) -> str:
+    """``"absent"``, ``"empty"`` (an empty directory) or ``"tree"``; raise if it must not be replaced.
+
+    Constant cost: it looks at one entry of the directory and at its ``meta.json``.
+    """
+    try:
+        st = os.lstat(dest)
+    except FileNotFoundError:
+        return "absent"
+    if not stat.S_ISDIR(st.st_mode):
+        raise DestinationExistsError(
+            f"{dest} exists and is not a directory; choose another prefix or remove it"
+        )
+    with os.scandir(dest) as it:
+        if next(it, None) is None:
+            return "empty"
+    if not existsok:
+        raise DestinationExistsError(
+            f"{dest} already exists; pass existsok=True to replace it, or choose another prefix"
+        )
+    if _is_memtree_meta(os.path.join(dest, META_NAME)):
+        return "tree"
+    raise DestinationExistsError(
+        f"{dest} exists, is not empty and is not a memtree directory; memtree never replaces "
+        "it. Choose another prefix or empty it yourself"
+    )
+
+
+def _is_memtree_meta(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, 4096, 0)
+        return b'"format":"memtree"' in head or orjson.loads(head).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a plan is built.
+
+    A plan of 20,000 leaves allocates ~100,000 objects, which would trigger collections of the
+    whole heap (~0.2 s with torch loaded) although none of them is garbage.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def write_tree(
+    prefix: str | os.PathLike[str],
+    level: Level,
+    *,
+    like: bool = False,
+    num_threads: int = 0,
+    existsok: bool = True,
+    fsync: bool = False,
+    reserve: bool = False,
+    allow_pickle: bool = False,
+    copy_existing: bool = False,
+    mode: str = "r+",
+    checksum: str | None = None,
+    progress: bool | None = None,
+) -> PendingLevel:
+    """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
+
+    The returned :class:`~memtree.read.PendingLevel` maps each level's files when it is loaded
+    (``TensorTree.memmap`` wraps it in a tree whose levels load on first use).
+
+    Args:
+        prefix: destination directory (created with its parents if needed).
+        like: create zero-filled (sparse) files instead of copying data (``memmap_like``).
+        num_threads: write files with up to this many threads (0: this thread); fewer when the
+            tree is too small to keep them busy (:data:`THREAD_MIN_WORK` each).
+        existsok: allow replacing an existing memtree directory (atomically).
+        fsync: fsync files and directories so the commit survives power loss.
+        reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
+        allow_pickle: pickle non-tensor values JSON cannot hold.
+        copy_existing: copy leaves already memory-mapped from another prefix.
+        checksum: ``"crc32"`` or ``"sha256"`` records each leaf's checksum in ``meta.json``
+            (computed while writing); not with ``like``.
+        progress: a progress bar of the bytes written (:mod:`memtree.progress`): ``None``
+            on a terminal only, ``True``/``False`` forced.
+
+    Raises:
+        LockError: another writer is writing the same destination.
+        MemtreeError: any input or storage problem; the destination is then unchanged.
+    """
+    check_checksum_option(checksum)
+    if like and checksum is not None:
+        raise ValueError("memmap_like writes no data, so it records no checksum; pass checksum=None")
+    dest = os.path.realpath(os.fspath(prefix))
+    with _gc_paused():
+        plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)
+    parent, name = os.path.split(dest)
+    try:
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise storage_error(err, f"creating the parent directory of {dest}") from err
+    with WriterLock(lock_path(parent, name), dest, timeout=LOCK_TIMEOUT) as lock:
+        try:
+            recover_locked(parent, name, lock)
+            point("after_lock")
+            state = destination_state(dest, existsok)
+            load_pending_at(dest)  # trees this process opened from dest keep their data
+            check_free_space(parent, plan.total_bytes, f"writing {dest}")
+            staging = staging_path(parent, name)
+            lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
+            os.mkdir(staging, 0o700)
+        except MemtreeError:
+            raise
+        except OSError as err:
+            raise storage_error(err, f"preparing to write {dest}") from err
+        point("staging_created")
+        try:
+            metas = _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
+            publish(
+                staging, dest, state, fsync, lock,
+                background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
+            )
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, OSError) and not isinstance(err, MemtreeError):
+                raise storage_error(err, f"writing {dest}") from err
+            raise
+        # the new tree, opened lazily from the metadata just written (while still locked, so it
+        # is this very tree): its leaves are mapped when used, not re-opened here
+        written = {tuple(rel.split("/")) if rel else (): meta for rel, meta in metas.items()}
+        return open_tree(dest, mode=mode, allow_pickle=True, written=written)
+
+
+def _thread_count(num_threads: int, files: int, nbytes: int) -> int:
+    """How many writer threads ``files`` files of ``nbytes`` bytes in all keep busy (0: none)."""
+    if num_threads < 2 or files < 2:
+        return 0
+    useful = (nbytes + FILE_COST * files) // THREAD_MIN_WORK
+    return min(num_threads, files, useful) if useful >= 2 else 0
+
+
+def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress | None = None) -> None:
+    """``work(item)`` for every item, by ``threads`` threads (0: this thread, in order).
+
+    Each thread takes the next item in order when it is done with one, so big and small files
+    spread evenly; ``bar`` advances by what ``work`` returns. The first failure (any exception,
+    ``KeyboardInterrupt`` included) stops every thread before its next item and is raised here
+    once they have all stopped.
+    """
+    if threads == 0:
+        for item in items:
+            done = work(item)
+            if bar is not None:
+                bar.update(done)
+        return
+    todo = iter(items)  # shared: each next() hands one item to one thread
+    finished = [0] * threads
+    failures: list[BaseException] = []
+
+    def worker(slot: int) -> None:
+        try:
+            for item in todo:
+                if failures:
+                    return
+                finished[slot] += work(item)
+        except BaseException as err:  # noqa: BLE001 - raised by the calling thread
+            failures.append(err)
+
+    started: list[threading.Thread] = []
+    try:
+        for slot in range(threads):
+            t = threading.Thread(target=worker, args=(slot,), name=f"memtree-write-{slot}")
+            t.start()
+            started.append(t)
+        reported = 0
+        for t in started:
+            while t.is_alive():
+                t.join(_PROGRESS_INTERVAL if bar is not None and bar.active else None)
+                if bar is not None:
+                    now = sum(finished)
+                    bar.update(now - reported)
+                    reported = now
+    except BaseException as err:  # interrupted while waiting: stop the threads before raising
+        failures.append(err)
+        for t in started:
+            t.join()
+        raise
+    if failures:
+        raise failures[0]
+
+
+def _write_staging(
+    staging: str,
+    plan: WritePlan,
+    like: bool,
+    num_threads: int,
+    fsync: bool,
+    reserve: bool,
+    checksum: str | None,
+    progress: bool | None,
+) -> dict[str, LevelMeta]:
+    """Write the plan's files into ``staging``; returns each level's metadata as written (with
+    checksums and the root's ``save_id``), by directory relative to the root."""
+    for lp in reversed(plan.levels):  # root first: parents before children
+        if lp.rel:
+            os.mkdir(f"{staging}/{lp.rel}")
+    point("before_leaves")
+    sums: dict[str, str] = {}
+    written: dict[str, LevelMeta] = {}
+
+    def write_leaf(j: LeafJob) -> int:
+        data = None if like else _storable(j)
+        try:
+            digest = create_leaf(
+                f"{staging}/{j.rel}", data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
+            )
+        except MemtreeError:
+            raise
+        except OSError as err:
+            raise storage_error(err, f"writing leaf {j.where}") from err
+        if digest is not None:
+            sums[j.rel] = digest
+        point("after_leaf")
+        return j.nbytes
+
+    def write_meta(lp: LevelPlan) -> int:
+        directory = f"{staging}/{lp.rel}" if lp.rel else staging
+        meta = lp.meta
+        if sums:
+            meta = replace(meta, entries=tuple(_with_checksum(e, lp.rel, sums) for e in meta.entries))
+        if lp.rel:
+            point("before_meta")
+        else:
+            point("before_root_meta")
+            meta = replace(meta, save_id=uuid.uuid4().hex)
+            os.chmod(staging, 0o755)
+        write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
+        if fsync:
+            fsync_dir(directory)
+        written[lp.rel] = meta
+        return 0
+
+    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
+    total = plan.total_bytes
+    with Progress(total=total, desc="memmap", unit="B", progress=progress) as bar:
+        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+    for rel, data in plan.pickles:
+        write_small_file(f"{staging}/{rel}", data, fsync=fsync)
+    *children, root = plan.levels  # deepest first, the root's meta.json last
+    _run(children, write_meta, _thread_count(num_threads, len(children), 0))
+    write_meta(root)
+    point("after_root_meta")
+    return written
+
+
+def _storable(job: LeafJob) -> torch.Tensor | FileRange:
+    """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
+    tensor; the :class:`~memtree.fileio.FileRange` its ``file_range()`` method names, for a
+    leaf whose bytes lie in another file as they are (a
+    :class:`~memtree.interop.lazy.LazyLeaf` of a checkpoint: copied file to file); else a copy.
+
+    :func:`plan_write` has checked dtype, layout and device; only the copy, when one is needed,
+    is left to :func:`~memtree.mmap_tensor.to_storable`.
+    """
+    tensor = job.tensor
+    if is_plain_memory(tensor):
+        return tensor
+    file_range = getattr(tensor, "file_range", None)
+    if file_range is not None:
+        found: FileRange | None = file_range()
+        if found is not None:
+            return found
+    return to_storable(tensor, job.where)
+
+
+def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
+    if isinstance(entry, LeafMeta):
+        return replace(entry, checksum=sums[f"{rel}/{entry.file}" if rel else entry.file])
+    return entry
+
+
+_removals: list[threading.Thread] = []
+_removals_lock = threading.Lock()
+
+
+def _remove_old(path: str, background: bool) -> None:
+    """Delete an old tree that no name but its hidden one refers to any more.
+
+    ``background``: in a (non-daemon) thread, which the interpreter waits for at exit; a process
+    killed meanwhile leaves the hidden directory to :func:`memtree.recover`.
+    """
+    if background:
+        t = threading.Thread(
+            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="memtree-remove-old"
+        )
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: delete it here
+            pass
+        else:
+            with _removals_lock:
+                _removals[:] = [r for r in _removals if r.is_alive()]
+                _removals.append(t)
+            return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_removals(timeout: float | None = None) -> bool:
+    """Wait until the old trees that overwrites are deleting in the background are gone.
+
+    An overwrite of a large tree (:data:`BACKGROUND_REMOVAL_FILES`) returns as soon as the new
+    tree is published; its old copy, already renamed to a hidden staging name that nothing
+    loads, is deleted by a background thread. The interpreter waits for those threads at exit.
+
+    Args:
+        timeout: the most seconds to wait (``None``: until done).
+
+    Returns:
+        True when no deletion is running any more.
+
+    Example:
+        >>> wait_for_removals(timeout=10)
+        True
+    """
+    with _removals_lock:
+        pending = list(_removals)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in pending:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with _removals_lock:
+        _removals[:] = [r for r in _removals if r.is_alive()]
+        return not _removals
+
+
+def publish(
+    staging: str, dest: str, state: str, fsync: bool, lock: WriterLock, *, background_removal: bool = False
+) -> None:
+    """Make the complete staging tree the destination, in one atomic step (see format.md).
+
+    ``background_removal``: when an old tree is replaced, delete it in a background thread
+    (:func:`wait_for_removals`) instead of before returning.
+    """
+    parent = os.path.dirname(dest)
+    point("before_publish")
+    if state == "absent":
+        try:
+            renamed = rename_noreplace(staging, dest)
+        except FileExistsError:
+            renamed = False
+        if not renamed:
+            if os.path.lexists(dest):  # created by someone else (memtree writers hold the lock)
+                raise DestinationExistsError(
+                    f"{dest} appeared while memtree was writing it; nothing was replaced. "
+                    "Choose another prefix or remove it"
+                )
+            os.rename(staging, dest)  # no RENAME_NOREPLACE on this filesystem
+    elif state == "empty":
+        os.rename(staging, dest)  # replaces an empty directory, fails (ENOTEMPTY) on any other
+    elif exchange(staging, dest):
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
+        point("before_old_removed")
+        _remove_old(staging, background_removal)  # staging now holds the old tree
+        return
+    else:  # no RENAME_EXCHANGE on this filesystem: two renames, journaled for recovery
+        old = old_path(parent, os.path.basename(dest))
+        lock.write_journal(
+            {"staging": os.path.basename(staging), "old": os.path.basename(old)}, fsync=fsync
+        )
+        os.rename(dest, old)
+        point("between_renames")
+        try:
+            os.rename(staging, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
+        _remove_old(old, background_removal)
+        return
+    point("after_publish")
+    if fsync:
+        fsync_dir(parent)
+
+
+def share_tree(level: Level, *, like: bool = False) -> Level:
+    """Move every tensor leaf into anonymous shared memory (``memmap(prefix=None)``).
+
+    Leaves that are already ``MemoryMappedTensor`` stay where they are.
+    """
+    out = Level(level.batch_size, {}, level.type)
+    for key, value in level.entries.items():
+        if isinstance(value, Level):
+            out.entries[key] = share_tree(value, like=like)
+        elif isinstance(value, MemoryMappedTensor) and not like:
+            out.entries[key] = value
+        elif isinstance(value, torch.Tensor):
+            out.entries[key] = MemoryMappedTensor.from_tensor(value, copy_data=not like)
+        else:
+            out.entries[key] = value
+    return out
+

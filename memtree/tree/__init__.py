@@ -1,0 +1,1 @@
+"""The user-facing tree: :class:`~memtree.TensorTree`, typed records, stacking, datasets."""

@@ -1,0 +1,391 @@
+"""Binding tensors to ``nn.Module`` slots by flat dotted names; knows nothing of ``TensorTree``.
+
+The tree layer (:meth:`memtree.TensorTree.from_module`, :meth:`~memtree.TensorTree.to_module`)
+and :func:`memtree.load_into_module` are built on these steps:
+
+* :func:`module_groups`: a module's parameters, persistent buffers and extra states, grouped by
+  tensor identity (a tied tensor is one group with several names);
+* :func:`module_flat`: the flat ``(name, tensor)`` list and tie record a tree is built from;
+* :class:`Source`: any source seen as flat dotted names, shapes and dtypes known before data;
+* :func:`plan` matches groups to source names (raising on mismatches before any change) and
+  :func:`bind` installs the values.
+**Tied (shared) tensors.** A tensor reachable under several names (a language model's embedding
+and output projection, a sub-module used twice) is stored once, under its first name in
+``named_parameters(remove_duplicate=False)`` order. Every other name is recorded in a JSON
+non-tensor leaf at the root of the tree, ``tree["__tied__"] = {"decoder.weight":
+"embedding.weight"}`` (alias -> stored name), so the record survives ``memmap`` and
+``load_memmap``. On binding, ties are restored two ways: names that share one tensor in the
+*target* module (because its constructor tied them) all get the same bound parameter, and a
+name that the source lacks but lists in ``"__tied__"`` is bound to the stored tensor (the
+same ``nn.Parameter`` object as its canonical name, so the result is tied again even when the
+target module did not tie them itself).
+
+**What binding means.** A parameter becomes a new ``nn.Parameter`` that shares the source
+tensor's memory (``requires_grad`` is kept from the module's current parameter); a source
+that already is an ``nn.Parameter`` is bound as it is (the same object). A buffer becomes a
+plain tensor sharing the source's memory. ``MemoryMappedTensor`` leaves are bound as plain
+tensors over the same mapping, so that torch's fast paths (which skip tensor subclasses) run
+exactly as for an in-memory model. In-place updates of bound tensors (optimizer steps,
+BatchNorm running statistics in training mode) therefore write to the mapping: through to the
+files with ``load_memmap(..., mode="r+")`` (the default), or into private copy-on-write pages
+with ``mode="r"``, which :func:`load_into_module` uses for directory sources, so loading a
+checkpoint into a model never lets training change the checkpoint.
+
+Example:
+    >>> from torch import nn
+    >>> flat, ties = module_flat(nn.Linear(2, 3))
+    >>> [name for name, _ in flat], ties
+    (['weight', 'bias'], {})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ..errors import MemtreeKeyError, ShapeMismatchError, SourceError
+from ..format.values import NonTensor
+from ..store.mapped import MemoryMappedTensor
+
+__all__ = [
+    "TIED_KEY",
+    "KeyPrefix",
+    "Group",
+    "Source",
+    "Plan",
+    "module_groups",
+    "module_flat",
+    "aliases_from",
+    "source_from_leaves",
+    "prefixes",
+    "plan",
+    "bind",
+    "set_slot",
+    "names_list",
+]
+
+#: Root key of the JSON leaf that records tied tensors: ``{alias: stored name}``.
+TIED_KEY = "__tied__"
+_EXTRA_STATE = "_extra_state"
+_LIST_MAX = 10
+
+KeyPrefix = Union[str, tuple[str, ...]]
+"""A ``keys=`` entry: a dotted prefix (``"encoder.0"``) or a tuple (``("encoder", "0")``)."""
+
+
+@dataclass
+class _Slot:
+    owner: nn.Module
+    attr: str
+
+
+@dataclass
+class Group:
+    """Every name under which one tensor (or one extra state) is reachable in a module."""
+
+    kind: str  # "param", "buffer" or "extra"
+    names: list[str]
+    slots: list[_Slot]
+    tensor: Any  # the current tensor (None for "extra")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _has_extra_state(m: nn.Module) -> bool:
+    return type(m).get_extra_state is not nn.Module.get_extra_state
+
+
+def module_groups(module: nn.Module, *, extra_state: bool = True) -> list[Group]:
+    """The module's parameters, persistent buffers (and extra states), grouped by identity."""
+    by_id: dict[int, Group] = {}
+    groups: list[Group] = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        for kind, store in (("param", m._parameters), ("buffer", m._buffers)):
+            for attr, t in store.items():
+                if t is None or (kind == "buffer" and attr in m._non_persistent_buffers_set):
+                    continue
+                name = _join(path, attr)
+                group = by_id.get(id(t))
+                if group is None:
+                    group = by_id[id(t)] = Group(kind, [], [], t)
+                    groups.append(group)
+                if name not in group.names:
+                    group.names.append(name)
+                group.slots.append(_Slot(m, attr))
+        if extra_state and _has_extra_state(m):
+            groups.append(Group("extra", [_join(path, _EXTRA_STATE)], [_Slot(m, _EXTRA_STATE)], None))
+    return groups
+
+
+def module_flat(module: nn.Module, *, use_state_dict: bool = False) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """``module``'s tensors as flat ``(dotted name, tensor)`` pairs, and its ties ``{alias: name}``.
+
+    The tensors are the module's own (no copy); a tied tensor appears once, under its first
+    name. With ``use_state_dict``, from ``module.state_dict(keep_vars=True)`` (hooks and extra
+    states honoured).
+    """
+    flat: list[tuple[str, Any]] = []
+    aliases: dict[str, str] = {}
+    if use_state_dict:
+        first: dict[int, str] = {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                key = _storage_key(value)
+                if key in first:
+                    aliases[name] = first[key]
+                    continue
+                first[key] = name
+            flat.append((name, value))
+    else:
+        for group in module_groups(module, extra_state=False):
+            if isinstance(group.tensor, nn.parameter.UninitializedTensorMixin):
+                raise SourceError(
+                    f"{group.names[0]!r} is an uninitialized parameter of a lazy module; run one "
+                    "forward pass (or call initialize_parameters) before from_module"
+                )
+            flat.append((group.names[0], group.tensor))
+            aliases.update((alias, group.names[0]) for alias in group.names[1:])
+    return flat, aliases
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """Identity of a tensor's data (state_dict hooks may return new objects for one tensor)."""
+    if t.device.type == "meta" or t.numel() == 0:  # no data to compare: only the object counts
+        return id(t)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+@dataclass
+class Source:
+    """A source seen as flat dotted names, with shapes/dtypes known before any data is read."""
+
+    entries: dict[str, Any]  # dotted name -> tensor, non-tensor value, or a lazy mapping's key
+    aliases: dict[str, str] = field(default_factory=dict)
+    lazy: Mapping[str, Any] | None = None  # a lazy mapping (checkpoint file): read on get()
+
+    def is_tensor(self, name: str) -> bool:
+        if self.lazy is not None:
+            return self._lazy_spec(name) is not None
+        return isinstance(self.entries[name], torch.Tensor)
+
+    def _lazy_spec(self, name: str) -> tuple[torch.Size, torch.dtype] | None:
+        spec = getattr(self.lazy, "tensor_spec", None)
+        if spec is None:
+            value = self.lazy[name]  # type: ignore[index]
+            return (value.shape, value.dtype) if isinstance(value, torch.Tensor) else None
+        try:
+            shape, dtype = spec(name)
+        except (TypeError, ValueError, KeyError):
+            return None
+        return torch.Size(shape), dtype
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        if self.lazy is not None:
+            found = self._lazy_spec(name)
+            assert found is not None
+            return found
+        t = self.entries[name]
+        if type(t) is MemoryMappedTensor:  # no __torch_function__ round trip per attribute
+            with torch._C.DisableTorchFunctionSubclass():
+                return t.shape, t.dtype
+        return t.shape, t.dtype
+
+    def get(self, name: str) -> Any:
+        if self.lazy is not None:
+            return self.lazy[name]
+        return self.entries[name]
+
+
+def aliases_from(value: Any, where: str) -> dict[str, str]:
+    data = value.data if isinstance(value, NonTensor) else value
+    if not isinstance(data, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in data.items()
+    ):
+        raise SourceError(
+            f"{where}: {TIED_KEY!r} must map alias names to stored names (str -> str), got "
+            f"{type(data).__name__}; it is the record of tied tensors written by from_module"
+        )
+    return dict(data)
+
+
+def source_from_leaves(leaves: Iterable[tuple[tuple[str, ...], Any]], where: str = "tree") -> Source:
+    """A :class:`Source` from nested ``(key path, value)`` leaves: dotted names, ties read."""
+    entries: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for path, value in leaves:
+        if path == (TIED_KEY,):
+            aliases = aliases_from(value, where)
+            continue
+        name = ".".join(path)
+        if name in entries:
+            raise SourceError(
+                f"the {where} gives the dotted name {name!r} twice (as a nested key and as a key "
+                "containing '.'); rename one of them"
+            )
+        entries[name] = value
+    return Source(entries, aliases)
+
+
+def prefixes(keys: Iterable[KeyPrefix] | KeyPrefix | None) -> list[str] | None:
+    if keys is None:
+        return None
+    if isinstance(keys, (str, tuple)):
+        keys = [keys]
+    out = []
+    for key in keys:
+        if isinstance(key, tuple) and key and all(isinstance(k, str) and k for k in key):
+            out.append(".".join(key))
+        elif isinstance(key, str) and key:
+            out.append(key)
+        else:
+            raise MemtreeKeyError(
+                f"keys= entries are dotted prefixes ('encoder.0') or tuples of str "
+                f"(('encoder', '0')), got {key!r}"
+            )
+    return out
+
+
+def _selected(name: str, prefixes: list[str] | None) -> bool:
+    if prefixes is None:
+        return True
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@dataclass
+class Plan:
+    pairs: list[tuple[Group, str]]  # group -> source name bound to it
+    missing_names: list[str]
+    unexpected: list[str]
+
+
+def _describe(shape: Any, dtype: torch.dtype) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+def plan(groups: list[Group], src: Source, prefixes: list[str] | None) -> Plan:
+    """Match module groups to source names; raise on shape/dtype mismatches (before any change)."""
+    pairs: list[tuple[Group, str]] = []
+    missing_names: list[str] = []
+    consumed: set[str] = set()
+    mismatches: list[str] = []
+    for group in groups:
+        chosen_names = [n for n in group.names if _selected(n, prefixes)]
+        if not chosen_names:
+            continue
+        present = [n for n in group.names if n in src.entries]
+        consumed.update(present)
+        name = next(iter(present), None)
+        if name is None:
+            name = next((src.aliases[n] for n in group.names if src.aliases.get(n) in src.entries), None)
+        if name is None:
+            missing_names.extend(chosen_names)
+            continue
+        consumed.add(name)
+        if group.kind != "extra":
+            if not src.is_tensor(name):
+                mismatches.append(f"{name!r}: the source holds a non-tensor value, the module a tensor")
+                continue
+            shape, dtype = src.spec(name)
+            mine = group.tensor
+            if tuple(shape) != tuple(mine.shape) or dtype != mine.dtype:
+                where = name if name == group.names[0] else f"{group.names[0]} (from {name!r})"
+                mismatches.append(
+                    f"{where!r}: source {_describe(shape, dtype)}, module {_describe(mine.shape, mine.dtype)}"
+                )
+                continue
+        pairs.append((group, name))
+    if mismatches:
+        more = f" (and {len(mismatches) - _LIST_MAX} more)" if len(mismatches) > _LIST_MAX else ""
+        raise ShapeMismatchError(
+            "shape/dtype mismatch between the source and the module for "
+            + "; ".join(mismatches[:_LIST_MAX])
+            + more
+            + ". Nothing was changed: load into a module built with matching sizes, or leave "
+            "these keys out with keys= (or drop them from the source)"
+        )
+    consumed.update(a for a, target in src.aliases.items() if target in consumed)
+    unexpected = [n for n in src.entries if _selected(n, prefixes) and n not in consumed]
+    return Plan(pairs, missing_names, unexpected)
+
+
+def names_list(names: list[str]) -> str:
+    more = f" ... ({len(names)} in all)" if len(names) > _LIST_MAX else ""
+    return ", ".join(repr(n) for n in names[:_LIST_MAX]) + more
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a ``MemoryMappedTensor`` a plain tensor over the same memory."""
+    if isinstance(t, MemoryMappedTensor):
+        return t.as_subclass(torch.Tensor)
+    return t
+
+
+def set_slot(group: Group, value: Any) -> None:
+    for slot in group.slots:
+        if group.kind == "param":
+            slot.owner._parameters[slot.attr] = value
+        elif group.kind == "buffer":
+            slot.owner._buffers[slot.attr] = value
+        else:
+            slot.owner.set_extra_state(value)
+
+
+def _current(group: Group) -> Any:
+    if group.kind == "extra":
+        return group.slots[0].owner.get_extra_state()
+    return group.tensor
+
+
+def bind(plan: Plan, src: Source, convert: Callable[[str, str, Any], Any]) -> list[tuple[Group, Any]]:
+    """Bind every planned pair; returns ``(group, old value)`` for the swap tree.
+
+    ``convert(kind, name, value)`` turns a source value into what is bound; a parameter that
+    is not an ``nn.Parameter`` then is wrapped in one (``requires_grad`` from the module).
+    """
+    made: dict[tuple[str, str], Any] = {}  # one bound object per source name (keeps ties)
+    old: list[tuple[Group, Any]] = []
+    for group, name in plan.pairs:
+        old.append((group, _current(group)))
+        key = (group.kind, name)
+        value = made.get(key)
+        if value is None:
+            value = convert(group.kind, name, src.get(name))
+            if group.kind == "param" and not isinstance(value, nn.Parameter):
+                value = nn.Parameter(_plain(value), requires_grad=group.tensor.requires_grad)
+            elif group.kind == "buffer":
+                value = _plain(value.detach() if isinstance(value, nn.Parameter) else value)
+            made[key] = value
+        set_slot(group, value)
+        group.tensor = value if group.kind != "extra" else None
+    return old
+
+
+
+def to_module(src: Source, module: nn.Module) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """Bind every tensor of ``src`` into ``module`` (no copy); return the swapped-out tensors.
+
+    What :meth:`memtree.TensorTree.to_module` does: every source name must match a slot of the
+    module, checked before anything changes. Returns what was replaced, as :func:`module_flat`
+    returns it (to build the swap tree).
+
+    Raises:
+        MemtreeKeyError: a source name matches nothing in the module.
+        ShapeMismatchError: a shape or dtype differs from the module's tensor.
+    """
+    found = plan(module_groups(module), src, None)
+    if found.unexpected:
+        raise MemtreeKeyError(
+            f"to_module: {len(found.unexpected)} leaves of the tree match no parameter or buffer "
+            f"of {type(module).__name__}: {names_list(found.unexpected)}. Nothing was changed: "
+            "select the right sub-tree (tree['encoder'].to_module(model.encoder)), or use "
+            "memtree.load_into_module(..., strict=False) to skip them"
+        )
+    old = bind(found, src, lambda _kind, _name, value: value)
+    flat = [(group.names[0], value) for group, value in old]
+    return flat, {alias: g.names[0] for g, _ in old for alias in g.names[1:]}

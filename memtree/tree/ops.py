@@ -1,0 +1,108 @@
+"""Functions over several trees: :func:`stack` and :func:`cat`.
+
+Example:
+    >>> import torch, memtree
+    >>> a = memtree.TensorTree({"x": torch.zeros(3)})
+    >>> memtree.stack([a, a]).batch_size
+    torch.Size([2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import BatchSizeError, MemtreeKeyError
+from ..format.values import NonTensor
+from .tensortree import TensorTree
+
+__all__ = ["stack", "cat"]
+
+
+def _combine(
+    trees: Sequence[TensorTree],
+    batch_size: torch.Size,
+    fn: Callable[[list[torch.Tensor]], torch.Tensor],
+    what: str,
+    path: tuple[str, ...] = (),
+) -> TensorTree:
+    first = trees[0]
+    for other in trees[1:]:
+        if list(other._data) != list(first._data) and set(other._data) != set(first._data):
+            raise MemtreeKeyError(
+                f"cannot {what} trees with different keys at {path or 'the root'}: "
+                f"{sorted(first._data)} vs {sorted(other._data)}"
+            )
+    out = first._new_like(batch_size)
+    nd = first.ndim
+    for key, value in first._data.items():
+        values = [t._data[key] for t in trees]
+        if isinstance(value, TensorTree):
+            if not all(isinstance(v, TensorTree) for v in values):
+                raise MemtreeKeyError(f"cannot {what}: {path + (key,)!r} is a sub-tree in some trees only")
+            sub_bs = batch_size + value._batch_size[nd:]
+            out._data[key] = _combine(values, sub_bs, fn, what, path + (key,))
+        elif isinstance(value, torch.Tensor):
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                raise MemtreeKeyError(f"cannot {what}: {path + (key,)!r} is a tensor in some trees only")
+            out._data[key] = fn(values)
+        else:
+            if not all(isinstance(v, NonTensor) and v == value for v in values):
+                raise ValueError(
+                    f"cannot {what}: non-tensor leaf {path + (key,)!r} differs between trees "
+                    f"({[v.data if isinstance(v, NonTensor) else v for v in values][:4]}...)"
+                )
+            out._data[key] = value
+    return out
+
+
+def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
+    """Stack trees of equal batch size along a new batch dim ``dim``.
+
+    Example:
+        >>> import torch, memtree
+        >>> t = memtree.TensorTree({"x": torch.ones(2, 5)}, batch_size=[2])
+        >>> memtree.stack([t, t, t], dim=1)["x"].shape
+        torch.Size([2, 3, 5])
+    """
+    trees = list(trees)
+    if not trees:
+        raise ValueError("stack() needs at least one tree")
+    bs = trees[0].batch_size
+    for t in trees[1:]:
+        if t.batch_size != bs:
+            raise BatchSizeError(f"stack() needs equal batch sizes, got {list(bs)} and {list(t.batch_size)}")
+    nd = len(bs)
+    if not -nd - 1 <= dim <= nd:
+        raise IndexError(f"stack dim {dim} out of range for batch ndim {nd}")
+    d = dim % (nd + 1)
+    new_bs = torch.Size(list(bs[:d]) + [len(trees)] + list(bs[d:]))
+    return _combine(trees, new_bs, lambda vs: torch.stack(vs, d), "stack")
+
+
+def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
+    """Concatenate trees along the existing batch dim ``dim``.
+
+    Example:
+        >>> import torch, memtree
+        >>> t = memtree.TensorTree({"x": torch.ones(2, 5)}, batch_size=[2])
+        >>> memtree.cat([t, t]).batch_size
+        torch.Size([4])
+    """
+    trees = list(trees)
+    if not trees:
+        raise ValueError("cat() needs at least one tree")
+    nd = trees[0].ndim
+    if nd == 0:
+        raise BatchSizeError("cat() needs trees with at least one batch dim")
+    if not -nd <= dim < nd:
+        raise IndexError(f"cat dim {dim} out of range for batch ndim {nd}")
+    d = dim % nd
+    bs0 = trees[0].batch_size
+    for t in trees[1:]:
+        bs = t.batch_size
+        if len(bs) != nd or any(bs[i] != bs0[i] for i in range(nd) if i != d):
+            raise BatchSizeError(f"cat() along dim {d} needs matching batch sizes, got {list(bs0)} and {list(bs)}")
+    new_bs = torch.Size(list(bs0[:d]) + [sum(t.batch_size[d] for t in trees)] + list(bs0[d + 1 :]))
+    return _combine(trees, new_bs, lambda vs: torch.cat(vs, d), "cat")
