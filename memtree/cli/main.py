@@ -1,6 +1,6 @@
 """The ``memtree`` command line (also ``python -m memtree``).
 
-Each sub-command lives in its own module under :mod:`memtree.commands`. Exit codes: 0 success,
+Each sub-command lives in its own module under :mod:`memtree.cli`. Exit codes: 0 success,
 1 failure (a clear one-line error, no traceback for expected errors), 2 usage error.
 
 Example:

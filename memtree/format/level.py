@@ -1,12 +1,12 @@
 """``Level``: the neutral nested structure passed between the tree layer and the store.
 
-The tree layer (:mod:`memtree.tree`) turns a ``TensorTree`` into a ``Level`` to write it and turns
-a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.write`,
-:mod:`memtree.read`) never sees the user-facing class. Entries keep the tree's key order.
+The tree layer (:mod:`memtree.tree.tensortree`) turns a ``TensorTree`` into a ``Level`` to write it and turns
+a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.store.write`,
+:mod:`memtree.store.read`) never sees the user-facing class. Entries keep the tree's key order.
 
 Example:
     >>> import torch
-    >>> from memtree.level import Level
+    >>> from memtree.format.level import Level
     >>> Level((2,), {"x": torch.zeros(2, 3), "sub": Level((2,), {})}).batch_size
     (2,)
 """

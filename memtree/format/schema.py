@@ -8,7 +8,7 @@ the field. The schema is documented in ``docs/format.md``.
 
 Example:
     >>> import torch
-    >>> from memtree.format import LevelMeta, LeafMeta, dump_level, parse_level
+    >>> from memtree.format.schema import LevelMeta, LeafMeta, dump_level, parse_level
     >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", torch.float32, (2, 3)),))
     >>> parse_level(dump_level(meta), "meta.json") == meta
     True
@@ -170,7 +170,7 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
 def dump_level(meta: LevelMeta) -> bytes:
     """Serialise one level's ``meta.json`` (compact orjson bytes).
 
-    JSON values must already have passed :func:`memtree.nontensor.check_json`.
+    JSON values must already have passed :func:`memtree.format.values.check_json`.
     """
     d: dict[str, Any] = {
         "format": FORMAT,

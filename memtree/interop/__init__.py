@@ -4,7 +4,7 @@
   mapping of dotted keys to tensors (no pickle beyond tensors and plain data is executed);
 * :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
 * tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
-  :mod:`memtree.interop.tensordict_dir`);
+  :mod:`memtree.store.tensordict`);
 * :func:`convert` (the ``memtree convert`` command) streams any of these into a memtree
   directory or a ``.safetensors`` file, one tensor at a time.
 

@@ -5,7 +5,7 @@ memtree directory. Destinations: a memtree directory, or a ``.safetensors`` file
 destination's name).
 
 How memory stays bounded by the largest tensor (not the file): the source is opened lazily and
-turned into a :class:`~memtree.level.Level` whose tensor leaves are
+turned into a :class:`~memtree.format.level.Level` whose tensor leaves are
 :class:`~memtree.interop.lazy.LazyLeaf` objects. Going to a memtree directory, a contiguous
 tensor of a ``torch.save`` file that is not cast is copied from the checkpoint into its leaf
 file **file to file** (``copy_file_range``: no byte passes through the process, which holds no
@@ -13,7 +13,7 @@ tensor at all; its record's CRC-32 is not checked, as with ``torch.load(mmap=Tru
 other leaf reads its bytes with ``pread`` into a new tensor (never through a mapping, whose
 pages would stay resident), is cast if asked, and is dropped once its file is written:
 
-* to a memtree directory, the Level goes through :func:`memtree.write.write_tree` unchanged:
+* to a memtree directory, the Level goes through :func:`memtree.store.write.write_tree` unchanged:
   the same plan, staging directory and atomic commit as ``TensorTree.memmap`` (no second commit
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`

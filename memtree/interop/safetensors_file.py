@@ -18,7 +18,7 @@ Why memtree implements this small format itself instead of calling the ``safeten
   :class:`~memtree.errors.CheckpointFormatError` naming the key and the offsets, not a
   ``SafetensorError`` the caller has to know about;
 * **one dtype table**: names map onto memtree's closed dtype table
-  (:mod:`memtree.dtypes`), including ``F8_E8M0``, which ``safetensors.torch`` 0.8 writes but
+  (:mod:`memtree.format.dtypes`), including ``F8_E8M0``, which ``safetensors.torch`` 0.8 writes but
   cannot load;
 * **no extra runtime dependency** for reading and writing model files.
 

@@ -2,7 +2,7 @@
 
 A source is a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict`` or a
 checkpoint file (``torch.save``, ``.safetensors``, read lazily through :mod:`memtree.interop`);
-it is seen as flat dotted names (:class:`memtree.tree.bind.Source`), matched to the module's
+it is seen as flat dotted names (:class:`memtree.tree.tensortree.bind.Source`), matched to the module's
 slots and bound (see :mod:`memtree.tree.bind` for what binding means and how ties are kept).
 
 Example:
@@ -68,7 +68,7 @@ def _source_from_file(path: str) -> Source:
 
 
 def as_source(source: Any, *, mode: str = "r") -> Source:
-    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.bind.Source`."""
+    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.tensortree.bind.Source`."""
     if isinstance(source, Source):
         return source
     if isinstance(source, TensorTree):

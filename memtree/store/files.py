@@ -20,7 +20,7 @@ committed"): ``renameat2`` exchange and no-replace renames, directory fsync, and
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.fileio import write_file_replace, open_checked, map_fd
+    >>> from memtree.store.files import write_file_replace, open_checked, map_fd
     >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
     >>> write_file_replace(path, torch.arange(4, dtype=torch.int32), 16, existsok=False)
     >>> fd = open_checked(path, 16, "x")
@@ -267,7 +267,7 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
     A plain tensor's memory is written as it is (:func:`pwrite_from`: about 1 µs of overhead,
     which matters for 20,000 small leaves); other tensors go through :func:`byte_view`, which
     also serves subclasses whose ``data_ptr()`` is no real memory (wrapper subclasses such as
-    :class:`~memtree.offload.OffloadedTensor` produce their data on demand).
+    :class:`~memtree.nn.offloading.OffloadedTensor` produce their data on demand).
     """
     if is_plain_memory(tensor):
         pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from math import prod
@@ -571,7 +570,7 @@ def _map_rows(path: str, entry: LeafMeta) -> MemoryMappedTensor:
     """Map a leaf's whole file (all its capacity) and return its first ``shape[0]`` rows.
 
     Mapping the capacity lets the tensor travel to other processes as a reference to a file of
-    exactly its storage's size (see :mod:`memtree.mmap_tensor`).
+    exactly its storage's size (see :mod:`memtree.store.mapped`).
     """
     rows = entry.capacity if entry.capacity is not None else entry.shape[0]
     fd = open_checked(path, entry.file_nbytes, path)

@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 from dataclasses import dataclass, field

@@ -21,7 +21,7 @@ What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
    (:class:`~memtree.errors.RemoteChangedError` if the tree changed while it was read);
 5. the data lands in ordinary tensors, or with ``cache_dir=`` in a local cache entry: the
    leaves are downloaded into a hidden scratch directory (``.<entry>.memtree-download-<hex>``),
-   verified, then written by :func:`memtree.write.write_tree` (staging directory, writer lock,
+   verified, then written by :func:`memtree.store.write.write_tree` (staging directory, writer lock,
    rename) and the scratch directory is removed. A cache entry is a normal memtree named after
    the URL, the root ``meta.json`` bytes (which carry the save's random ``save_id``) and the
    selected keys; it is only ever mapped after its commit, and a later load of the same save

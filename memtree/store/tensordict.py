@@ -37,7 +37,7 @@ What memtree does with it:
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir
+    >>> from memtree.store.tensordict import is_tensordict_dir, read_tensordict_dir
     >>> d = tempfile.mkdtemp()
     >>> with open(os.path.join(d, "meta.json"), "w") as f:
     ...     _ = f.write('{"x": {"dtype": "torch.int32", "shape": [2], "device": "cpu", '
@@ -175,7 +175,7 @@ def read_tensordict_dir(
     mmap: bool = True,
     device: torch.device | str | None = None,
 ) -> Level:
-    """Load a directory written by tensordict's ``memmap`` as a :class:`~memtree.level.Level`.
+    """Load a directory written by tensordict's ``memmap`` as a :class:`~memtree.format.level.Level`.
 
     Args:
         prefix: the directory (its root ``meta.json`` has tensordict's ``_type`` field).

@@ -239,7 +239,7 @@ def verify_tree(
         prefix: the tree's directory.
         checksums: compare each leaf's recorded checksum with its file (reads every such
             file once); ``False`` checks structure and sizes only (no leaf data is read).
-        progress: a progress bar of the leaves checked (:mod:`memtree.progress`): ``None``
+        progress: a progress bar of the leaves checked (:mod:`memtree.store.progress`): ``None``
             on a terminal outside CI only, ``True``/``False`` forced.
 
     Returns:

@@ -3,12 +3,12 @@
 What ``memmap``/``memmap_``/``memmap_like`` write, in order (``docs/format.md``, "How a write is
 committed"):
 
-1. :func:`plan_write` turns a :class:`~memtree.level.Level` into a :class:`WritePlan` (pure: no
+1. :func:`plan_write` turns a :class:`~memtree.format.level.Level` into a :class:`WritePlan` (pure: no
    I/O): escaped names, one job per leaf, the metadata of every level. Every error the input
    can cause (bad dtype, non-JSON value, foreign memmap...) is raised here, before any file
    exists.
 2. :func:`write_tree` takes the destination's writer lock ``.<name>.memtree.lock`` (cleaning up
-   after a writer that crashed, see :mod:`memtree.recover`), creates ``.<name>.memtree-tmp-<hex>``
+   after a writer that crashed, see :mod:`memtree.store.recovery`), creates ``.<name>.memtree-tmp-<hex>``
    next to the destination, writes the leaves (each file opened once, filled with ``pwrite``
    straight from the tensor's memory, hashed on the way with ``checksum=``; by ``num_threads``
    threads when there is enough work for them; a leaf whose bytes lie in another file, such as a
@@ -17,7 +17,7 @@ committed"):
    destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
    renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
    background thread (:func:`wait_for_removals`), so that the caller need not wait for it.
-3. The new tree is returned opened lazily (:class:`~memtree.read.PendingLevel`) from the
+3. The new tree is returned opened lazily (:class:`~memtree.store.read.PendingLevel`) from the
    metadata just written, still under the lock: no ``meta.json`` is read back and no leaf
    file is opened until a level is used.
 
@@ -26,8 +26,8 @@ Any failure before the rename removes the staging directory and leaves the desti
 
 Example:
     >>> import tempfile, torch
-    >>> from memtree.level import Level
-    >>> from memtree.write import write_tree
+    >>> from memtree.format.level import Level
+    >>> from memtree.store.write import write_tree
     >>> out = write_tree(tempfile.mkdtemp() + "/t", Level((), {"x": torch.ones(2)}))
     >>> out.load()["x"].filename.endswith("x.memmap")
     True
@@ -371,7 +371,7 @@ def write_tree(
 ) -> PendingLevel:
     """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
 
-    The returned :class:`~memtree.read.PendingLevel` maps each level's files when it is loaded
+    The returned :class:`~memtree.store.read.PendingLevel` maps each level's files when it is loaded
     (``TensorTree.memmap`` wraps it in a tree whose levels load on first use).
 
     Args:
@@ -386,7 +386,7 @@ def write_tree(
         copy_existing: copy leaves already memory-mapped from another prefix.
         checksum: ``"crc32"`` or ``"sha256"`` records each leaf's checksum in ``meta.json``
             (computed while writing); not with ``like``.
-        progress: a progress bar of the bytes written (:mod:`memtree.progress`): ``None``
+        progress: a progress bar of the bytes written (:mod:`memtree.store.progress`): ``None``
             on a terminal only, ``True``/``False`` forced.
 
     Raises:
@@ -561,12 +561,12 @@ def _write_staging(
 
 def _storable(job: LeafJob) -> torch.Tensor | FileRange:
     """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
-    tensor; the :class:`~memtree.fileio.FileRange` its ``file_range()`` method names, for a
+    tensor; the :class:`~memtree.store.files.FileRange` its ``file_range()`` method names, for a
     leaf whose bytes lie in another file as they are (a
     :class:`~memtree.interop.lazy.LazyLeaf` of a checkpoint: copied file to file); else a copy.
 
     :func:`plan_write` has checked dtype, layout and device; only the copy, when one is needed,
-    is left to :func:`~memtree.mmap_tensor.to_storable`.
+    is left to :func:`~memtree.store.mapped.to_storable`.
     """
     tensor = job.tensor
     if is_plain_memory(tensor):

@@ -7,11 +7,11 @@ class is known only once the module that defines it has been imported in this pr
 unknown name is an :class:`~memtree.errors.UnknownClassError`, unless the caller asks for
 ``unknown_classes="tree"``.
 
-This module sits below :mod:`memtree.tree` (which resolves names while loading) and
-:mod:`memtree.tensorclass` (which registers classes); it holds no tree logic.
+This module sits below :mod:`memtree.tree.tensortree` (which resolves names while loading) and
+:mod:`memtree.tree.records` (which registers classes); it holds no tree logic.
 
 Example:
-    >>> from memtree.registry import class_for, register
+    >>> from memtree.tree.registry import class_for, register
     >>> class Point: ...
     >>> register("docs.Point", Point)
     >>> class_for("docs.Point", "error", ()) is Point, class_for("TensorTree", "error", ())

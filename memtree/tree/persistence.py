@@ -1,0 +1,357 @@
+"""A tree on disk and in modules: ``memmap``/``memmap_like``/``load_memmap``, growth, module binding.
+
+A mixin of :class:`~memtree.TensorTree`. What a write does is :func:`memtree.store.write.write_tree`;
+what a load checks is :mod:`memtree.store.read` (chosen by :func:`memtree.store.open.open_prefix`);
+growth is :mod:`memtree.store.grow`; binding into modules is :mod:`memtree.tree.bind`.
+
+Example:
+    >>> import torch, memtree
+    >>> import tempfile, torch, memtree
+    >>> d = tempfile.mkdtemp() + "/t"
+    >>> _ = memtree.TensorTree({"x": torch.arange(3)}).memmap(d)
+    >>> memtree.TensorTree.load_memmap(d)["x"].tolist()
+    [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..format.level import Level
+from ..store.mapped import MemoryMappedTensor
+from ..store.open import open_prefix
+from ..store.read import KeySelection, PendingLevel, normalize_keys
+from ..store.write import share_tree, write_tree
+from . import bind, growth
+
+if TYPE_CHECKING:
+    from .tensortree import TensorTree
+
+__all__ = ["Persistence"]
+
+
+class Persistence:
+    """Writing, loading, growing and module binding (mixed into :class:`~memtree.TensorTree`)."""
+
+    def is_memmap(self: TensorTree) -> bool:
+        """True if every tensor leaf is a :class:`MemoryMappedTensor`."""
+        return all(
+            isinstance(v, MemoryMappedTensor)
+            for v in self.values(include_nested=True, leaves_only=True)
+            if isinstance(v, torch.Tensor)
+        )
+
+    def memmap_(
+        self: TensorTree,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        copy_existing: bool = False,
+        num_threads: int = 0,
+        existsok: bool = True,
+        fsync: bool = False,
+        allow_pickle: bool = False,
+        checksum: str | None = None,
+        progress: bool | None = None,
+    ) -> TensorTree:
+        """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
+
+        The write is atomic: until it commits, ``prefix`` keeps its old content (if any).
+
+        Args:
+            prefix: destination directory; ``None`` moves leaves to anonymous shared memory.
+            copy_existing: copy leaves already memory-mapped from another prefix (else raise).
+            num_threads: write leaves with this many threads (0: in the calling thread).
+            existsok: allow replacing an existing memtree directory at ``prefix``.
+            fsync: also make the commit durable across power loss.
+            allow_pickle: pickle non-tensor values that JSON cannot hold exactly.
+            checksum: ``"crc32"`` (fast, catches accidental damage) or ``"sha256"`` (also
+                detects deliberate changes, given a trusted ``meta.json``) records each leaf's
+                checksum in ``meta.json``, computed in the same pass as the write; checked by
+                ``load_memmap(..., verify=True)`` and ``memtree verify``. ``None``: no checksum.
+            progress: a progress bar of the bytes written: ``None`` (default) only on a
+                terminal outside CI, ``True``/``False`` forced (tqdm optional).
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> t = memtree.TensorTree({"w": torch.ones(3)}).memmap_(tempfile.mkdtemp() + "/m")
+            >>> t.is_memmap()
+            True
+        """
+        self._adopt(
+            self._write(
+                prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
+                fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+            )
+        )
+        return self
+
+    def memmap(
+        self: TensorTree,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        copy_existing: bool = False,
+        num_threads: int = 0,
+        existsok: bool = True,
+        fsync: bool = False,
+        allow_pickle: bool = False,
+        checksum: str | None = None,
+        progress: bool | None = None,
+    ) -> TensorTree:
+        """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> t = memtree.TensorTree({"w": torch.ones(3)})
+            >>> m = t.memmap(tempfile.mkdtemp() + "/m", num_threads=2)
+            >>> m.is_memmap(), t.is_memmap()
+            (True, False)
+        """
+        level = self._write(
+            prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
+            fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+        )
+        return type(self)._from_level(level, self._device)
+
+    def memmap_like(
+        self: TensorTree,
+        prefix: str | os.PathLike[str] | None = None,
+        *,
+        num_threads: int = 0,
+        existsok: bool = True,
+        reserve: bool = False,
+        progress: bool | None = None,
+    ) -> TensorTree:
+        """A new memory-mapped tree of zeros with this tree's keys, shapes and dtypes.
+
+        No data is read or written: files are sparse (``reserve=True`` allocates their blocks),
+        so ``datum.expand(1_000_000).memmap_like(d)`` takes milliseconds. The free space is
+        checked first. Non-tensor leaves are kept.
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> datum = memtree.TensorTree({"img": torch.zeros(3, 64, 64, dtype=torch.uint8)})
+            >>> data = datum.expand(1000).memmap_like(tempfile.mkdtemp() + "/ds")
+            >>> data.batch_size, data["img"].shape
+            (torch.Size([1000]), torch.Size([1000, 3, 64, 64]))
+        """
+        level = self._write(
+            prefix, like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress
+        )
+        return type(self)._from_level(level, self._device)
+
+    def _write(self: TensorTree, prefix: str | os.PathLike[str] | None, **options: Any) -> Level | PendingLevel:
+        """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
+        if prefix is None:
+            return share_tree(self._to_level(), like=options.get("like", False))
+        return write_tree(prefix, self._to_level(), **options)
+
+    @classmethod
+    def load_memmap(
+        cls: type[TensorTree],
+        prefix: str | os.PathLike[str],
+        *,
+        device: torch.device | str | None = None,
+        keys: Iterable[KeySelection] | None = None,
+        mode: str = "r+",
+        mmap: bool = True,
+        allow_pickle: bool = False,
+        verify: bool = False,
+        unknown_classes: str = "error",
+        lazy: bool = True,
+        **remote: Any,
+    ) -> TensorTree:
+        """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
+
+        Returns after validating the root ``meta.json`` only. A level (a sub-tree) is loaded
+        the first time its entries are used (``tree["a"]``, ``keys()``, ``to_module``...): its
+        leaf files are checked (regular file of exactly the right size, no symbolic link) and
+        mapped, and its sub-levels' ``meta.json`` files validated. No leaf data is read. Files
+        are opened relative to the tree's directory as it was when loaded: re-saving the prefix
+        meanwhile never mixes two versions (the old levels raise instead, if deleted).
+
+        Args:
+            prefix: the tree's directory, or an fsspec URL (``"s3://bucket/tree"``,
+                ``"https://host/tree"``; not ``file://``) to load with :func:`memtree.remote.load`.
+            device: ``None``/``"cpu"``: leaves are mapped files; ``"meta"``: structure only (no
+                leaf file opened); another device: leaves are copied there.
+            keys: load only these keys (str or tuples); only the ``meta.json`` files on their
+                paths are opened.
+            mode: ``"r+"`` writes reach the files; ``"r"`` read-only (writes raise).
+            mmap: ``False`` reads leaves into ordinary memory with large reads (network
+                filesystems).
+            allow_pickle: unpickle non-tensor leaves that were saved with ``allow_pickle=True``
+                (trusted files only).
+            verify: hash every loaded leaf that records a checksum (``memmap(...,
+                checksum=...)``) and raise :class:`~memtree.IntegrityError` on a mismatch; reads
+                those files once. Leaves without a checksum are size-checked only, as always.
+            unknown_classes: a level stored as a ``@tensorclass`` comes back as that class when
+                it is registered (its module imported); otherwise ``"error"`` raises
+                :class:`~memtree.UnknownClassError` and ``"tree"`` loads it as a plain tree.
+            lazy: ``False`` loads every level before returning, so that a damaged or missing
+                file raises here rather than on first use. ``verify=True``, ``mmap=False``,
+                ``device`` other than CPU/meta, and remote URLs always load everything at once.
+            **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
+                ``chunk_bytes``, ``retries``, ``fsync`` (see :func:`memtree.remote.load`).
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> d = tempfile.mkdtemp() + "/m"
+            >>> _ = memtree.TensorTree({"a": torch.ones(2), "b": {"c": torch.zeros(1)}}).memmap(d)
+            >>> memtree.TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
+            ['b', ('b', 'c')]
+        """
+        dev = torch.device(device) if device is not None else None
+        root = open_prefix(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle,
+                           verify=verify, **remote)
+        if isinstance(root, Level):  # a remote tree or tensordict's layout: loaded whole
+            return cls._from_level(root, dev, unknown_classes)
+        lazy = lazy and not verify and mmap and (dev is None or dev.type in ("cpu", "meta"))
+        if not lazy:
+            return cls._from_level(root.load_all(), dev, unknown_classes)
+        tree = cls._lazy(root, dev, unknown_classes)
+        tree._load_selected(normalize_keys(keys) if keys is not None else None)
+        return tree
+
+    @classmethod
+    def from_module(cls: type[TensorTree], module: Any, *, use_state_dict: bool = False) -> TensorTree:
+        """A tree of ``module``'s parameters and persistent buffers, nested by module path.
+
+        The leaves are the module's own tensors (parameters stay ``nn.Parameter``): nothing is
+        copied until the tree is written with ``memmap``. Tied tensors are stored once; the other
+        names are recorded in ``tree["__tied__"]`` (see :mod:`memtree.tree.bind`). A module on
+        the meta device gives a tree of meta tensors, which ``memmap_like`` can allocate on disk.
+
+        Args:
+            module: any ``nn.Module``.
+            use_state_dict: build the tree from ``module.state_dict(keep_vars=True)`` instead
+                of the module's attributes, so that custom ``state_dict`` hooks and extra states
+                (``get_extra_state``) are honoured.
+
+        Example:
+            >>> import torch, memtree
+            >>> from torch import nn
+            >>> memtree.TensorTree.from_module(nn.Linear(2, 3))["weight"].shape
+            torch.Size([3, 2])
+        """
+        base = cls._base()
+        tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
+        return tree if cls is base else cls(tree)
+
+    def to_module(self: TensorTree, module: Any, *, return_swap: bool = True) -> TensorTree | None:
+        """Bind this tree's tensors as ``module``'s parameters and buffers, without copying.
+
+        Every tensor leaf must match a parameter, persistent buffer or extra state of the module
+        by its path (shapes and dtypes must agree); module tensors the tree does not hold are
+        left as they are. Everything is checked before anything changes. Works on modules built
+        under :func:`memtree.empty_init` (meta device).
+
+        Args:
+            module: the module to bind into.
+            return_swap: return the tensors that were replaced, as a tree (binding it back with
+                ``swap.to_module(module)`` restores the module).
+
+        Returns:
+            The swapped-out tensors as a tree, or ``None``.
+
+        Raises:
+            MemtreeKeyError: a tree leaf matches nothing in the module.
+            ShapeMismatchError: a leaf's shape or dtype differs from the module's tensor.
+
+        Example:
+            >>> import torch, memtree
+            >>> from torch import nn
+            >>> a, b = nn.Linear(2, 3), nn.Linear(2, 3)
+            >>> _ = memtree.TensorTree.from_module(a).to_module(b)
+            >>> b.weight.data_ptr() == a.weight.data_ptr()
+            True
+        """
+        leaves = self.items(include_nested=True, leaves_only=True)
+        src = bind.source_from_leaves(((k,) if isinstance(k, str) else k, v) for k, v in leaves)
+        flat, aliases = bind.to_module(src, module)
+        return self._base()._nest(flat, aliases) if return_swap else None
+
+    def append_(self: TensorTree, item: Any, *, fsync: bool = False) -> TensorTree:
+        """Append one item along the first batch dim, on disk and in this tree; returns ``self``.
+
+        The tree must be mapped from a prefix (``memmap(prefix)``, ``memmap_like(prefix)`` or
+        ``load_memmap``). Files grow in place, their capacity at least doubling (amortised O(1)
+        per item), existing rows are never rewritten, and the new length is committed like a
+        write; see :mod:`memtree.store.grow`.
+
+        Args:
+            item: a tree (or nested mapping) of batch size ``batch_size[1:]``.
+            fsync: also make the growth durable across power loss.
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> buf = memtree.TensorTree({"x": torch.zeros(0, 2)}, batch_size=[0]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.append_({"x": torch.ones(2)}).batch_size
+            torch.Size([1])
+        """
+        self._adopt_grown(growth.extend(self, item, single=True, fsync=fsync, base=self._base()))
+        return self
+
+    def extend_(self: TensorTree, rows: Any, *, fsync: bool = False) -> TensorTree:
+        """Append rows (a tree or mapping of batch size ``[k] + batch_size[1:]``); returns ``self``.
+
+        Like :meth:`append_` for ``k`` items at once (one commit).
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> buf = memtree.TensorTree({"x": torch.zeros(1)}, batch_size=[1]).memmap(tempfile.mkdtemp() + "/b")
+            >>> buf.extend_({"x": torch.arange(3.0)})["x"].tolist()
+            [0.0, 0.0, 1.0, 2.0]
+        """
+        self._adopt_grown(growth.extend(self, rows, single=False, fsync=fsync, base=self._base()))
+        return self
+
+    def resize_(self: TensorTree, length: int, *, fsync: bool = False) -> TensorTree:
+        """Set the first batch dim to ``length`` on disk and in this tree; returns ``self``.
+
+        New rows are zeros (sparse: no data written past the old capacity). A smaller length
+        keeps the files as they are (never truncated: other processes may map them).
+
+        Example:
+            >>> import tempfile, torch, memtree
+            >>> data = memtree.TensorTree({"x": torch.ones(2)}, batch_size=[2]).memmap(tempfile.mkdtemp() + "/d")
+            >>> data.resize_(4)["x"].tolist()
+            [1.0, 1.0, 0.0, 0.0]
+        """
+        self._adopt_grown(growth.resize(self, length, fsync=fsync))
+        return self
+
+    def _adopt_grown(self: TensorTree, level: Level) -> None:
+        self._batch_size = torch.Size(level.batch_size)
+        for k, v in level.entries.items():
+            if isinstance(v, Level):
+                self._data[k]._adopt_grown(v)
+            else:
+                self._data[k] = v
+
+    def __getitems__(self: TensorTree, indices: list[int]) -> TensorTree:
+        """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
+
+        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
+        (default collation does not know trees; see :mod:`memtree.tree.dataset`).
+
+        Example:
+            >>> import torch, memtree
+            >>> memtree.TensorTree({"x": torch.arange(5)}, batch_size=[5]).__getitems__([4, 0])["x"].tolist()
+            [4, 0]
+        """
+        return self[torch.as_tensor(indices, dtype=torch.long)]
+
+    def pin_memory(self: TensorTree) -> TensorTree:
+        """A copy in page-locked memory, for fast copies to the GPU (``DataLoader(pin_memory=True)``).
+
+        Example:
+            >>> import torch, memtree
+            >>> t = memtree.TensorTree({"x": torch.zeros(2)})
+            >>> t.pin_memory()["x"].is_pinned() if torch.cuda.is_available() else True
+            True
+        """
+        return self.apply(lambda t: t.pin_memory())
