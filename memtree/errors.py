@@ -53,6 +53,10 @@ __all__ = [
     "TensorclassError",
     "UnknownClassError",
     "NotGrowableError",
+    "InvalidArgumentError",
+    "InvalidIndexError",
+    "UnsizedTreeError",
+    "AmbiguousTruthError",
 ]
 
 
@@ -209,3 +213,19 @@ class UnknownClassError(MetaFormatError):
 
 class NotGrowableError(MemtreeError, ValueError):
     """A tree cannot grow in place: not mapped from a prefix, or its files changed on disk."""
+
+
+class InvalidArgumentError(MemtreeError, ValueError):
+    """An argument of a memtree function has a value it does not accept (a ``mode``, a length...)."""
+
+
+class InvalidIndexError(MemtreeError, IndexError):
+    """A dim or an index is out of range for the tree's batch dims."""
+
+
+class UnsizedTreeError(MemtreeError, TypeError):
+    """``len()`` of a tree with ``batch_size ()``: it has no first dim (like a 0-dim tensor)."""
+
+
+class AmbiguousTruthError(MemtreeError, ValueError):
+    """``bool(tree)``: a tree of several values has no single truth value; use ``.all()``/``.any()``."""

@@ -34,13 +34,13 @@ def test_repr_lists_one_line_per_entry_with_dtype_shape_and_location(tmp_path: P
         "  name: 'run'",
     ]
     lines = repr(load_memmap(tmp_path / "t", mode="r")).splitlines()
-    assert lines[1] == "  obs: float32[4, 3] memmap, read-only"
-    assert repr(load_memmap(tmp_path / "t")).splitlines()[3] == "    step: int64[4] memmap"
+    assert lines[1] == "  obs: float32[4, 3] cpu memmap, read-only"
+    assert repr(load_memmap(tmp_path / "t")).splitlines()[3] == "    step: int64[4] cpu memmap"
 
 
 def test_repr_marks_anonymous_shared_memory_leaves() -> None:
     tree = TensorTree({"a": torch.ones(2)}).memmap()
-    assert repr(tree).splitlines()[1] == "  a: float32[2] shared memory"
+    assert repr(tree).splitlines()[1] == "  a: float32[2] cpu shared memory"
 
 
 def test_repr_of_20000_leaves_is_truncated_with_an_exact_summary() -> None:
@@ -90,7 +90,7 @@ def test_html_nests_sub_trees_in_details_with_dtypes_shapes_and_files(tmp_path: 
     html = tree._repr_html_()
     assert balanced(html)
     assert html.count("<details") == 2  # the root and the sub-tree "info"
-    assert "<code>obs</code>: float32[4, 3] memmap" in html
+    assert "<code>obs</code>: float32[4, 3] cpu memmap" in html
     assert f'title="{tmp_path / "t" / "info" / "step.memmap"}"' in html
     assert ">info/step.memmap</span>" in html  # relative to the common directory...
     assert f"files in <code>{tmp_path / 't'}</code>" in html  # ...named once at the top

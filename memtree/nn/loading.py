@@ -25,7 +25,18 @@ from torch import nn
 
 from ..errors import MemtreeKeyError, SourceError
 from ..interop import open_checkpoint
-from ..tree.bind import TIED_KEY, KeyPrefix, Source, bind, module_groups, names_list, plan, prefixes, source_from_leaves
+from ..tree.bind import (
+    TIED_KEY,
+    KeyPrefix,
+    Source,
+    bind,
+    module_groups,
+    names_list,
+    plan,
+    prefixes,
+    source_from_leaves,
+    unmatched_prefixes,
+)
 from ..tree.tensortree import TensorTree, load_memmap
 
 __all__ = ["LoadResult", "as_source", "load_into_module"]
@@ -127,7 +138,8 @@ def load_into_module(
     Raises:
         ShapeMismatchError: a source tensor's shape or dtype differs from the module's (named
             with both sides); raised before anything changes, even with ``strict=False``.
-        MemtreeKeyError: ``strict=True`` and names are missing or unexpected.
+        MemtreeKeyError: ``strict=True`` and names are missing or unexpected; or a ``keys=``
+            entry names no tensor or sub-module of the module and nothing in the source.
         SourceError: the source is of an unknown kind or cannot be read.
 
     Example:
@@ -146,7 +158,15 @@ def load_into_module(
         torch.Size([1, 3])
     """
     src = as_source(source, mode="r")
-    found = plan(module_groups(module), src, prefixes(keys))
+    selected = prefixes(keys)
+    unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
+    if unmatched:
+        raise MemtreeKeyError(
+            f"load_into_module: keys= entries {unmatched[:10]} name no tensor or sub-module of "
+            f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
+            "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
+        )
+    found = plan(module_groups(module), src, selected)
     if strict and (found.missing_names or found.unexpected):
         parts = []
         if found.missing_names:

@@ -51,6 +51,7 @@ import torch
 from ..format.dtypes import itemsize
 from ..format.names import staging_path
 from ..errors import (
+    InvalidArgumentError,
     DestinationExistsError,
     InsufficientSpaceError,
     LeafSizeError,
@@ -189,7 +190,7 @@ class _Crc32:
 def check_checksum_option(checksum: str | None) -> None:
     """Refuse a ``checksum=`` value other than ``None``, ``"crc32"`` or ``"sha256"``."""
     if checksum is not None and checksum not in CHECKSUMS:
-        raise ValueError(f"checksum must be None, 'crc32' or 'sha256', got {checksum!r}")
+        raise InvalidArgumentError(f"checksum must be None, 'crc32' or 'sha256', got {checksum!r}")
 
 
 def new_digest(algorithm: str) -> Digest:

@@ -63,6 +63,7 @@ import torch
 
 from ..format.dtypes import itemsize
 from ..errors import (
+    InvalidArgumentError,
     MemtreeError,
     MemtreeKeyError,
     NotGrowableError,
@@ -161,7 +162,7 @@ def resize_level(current: Level, length: int, *, fsync: bool = False) -> Level:
     """
     check_growable(current)
     if type(length) is not int or length < 0:
-        raise ValueError(f"resize_ needs an int length >= 0, got {length!r}")
+        raise InvalidArgumentError(f"resize_ needs an int length >= 0, got {length!r}")
     return _Growth(current, fsync).run(length, None)
 
 

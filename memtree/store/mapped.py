@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ..format.dtypes import dtype_name, itemsize
 from ..errors import DtypeError, MissingLeafError, ReadOnlyError
 from .files import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
+from .options import check_mode
 
 __all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
 
@@ -275,8 +276,7 @@ class MemoryMappedTensor(torch.Tensor):
             MissingLeafError, LeafSizeError, UnsafePathError: the file is absent, of the wrong
                 size, or not a regular file.
         """
-        if mode not in ("r", "r+"):
-            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        check_mode(mode)
         path = os.path.abspath(os.fspath(filename))
         size = _parse_shape((shape,))
         nbytes = prod(size) * itemsize(dtype)

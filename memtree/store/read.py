@@ -51,6 +51,7 @@ import torch
 
 from ..errors import (
     IntegrityError,
+    KeyTypeError,
     LeafSizeError,
     LimitError,
     MemtreeError,
@@ -69,6 +70,7 @@ from ..format.level import Level, Value
 from .mapped import map_leaf
 from ..format.values import NonTensor, UnloadedPickle
 from ..format.names import is_uncommitted_name
+from .options import check_mode
 
 __all__ = [
     "read_tree",
@@ -97,9 +99,13 @@ def normalize_keys(keys: Iterable[KeySelection]) -> _Trie:
     """Turn ``["a", ("b", "c")]`` into a selection trie ``{"a": None, "b": {"c": None}}``."""
     if isinstance(keys, (str, tuple)):
         keys = [keys]
+    if not isinstance(keys, Iterable):
+        raise KeyTypeError(f"keys= takes a list of keys (str, or tuples of str), got {type(keys).__name__} {keys!r:.60}")
     trie: _Trie = {}
     for key in keys:
-        parts = (key,) if isinstance(key, str) else tuple(key)
+        if not isinstance(key, (str, tuple)) or not all(isinstance(p, str) for p in (key if isinstance(key, tuple) else ())):
+            raise KeyTypeError(f"keys= entries must be str or tuples of str, got {type(key).__name__} {key!r:.60}")
+        parts = (key,) if isinstance(key, str) else key
         if not parts or not all(isinstance(p, str) and p for p in parts):
             raise MemtreeKeyError(f"keys= entries must be non-empty str or tuples of str, got {key!r}")
         node = trie
@@ -131,6 +137,13 @@ def select_entries(
             f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
             f"(keys there: {sorted(by_key)[:20]})"
         )
+    for k, sub in selection.items():
+        if sub is not None and not isinstance(by_key[k], ChildMeta):
+            full = path + (k,)
+            raise MemtreeKeyError(
+                f"keys= asks for keys inside {full if len(full) > 1 else full[0]!r} at {where}, but it is a "
+                f"leaf, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
+            )
     return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
 
 
@@ -265,8 +278,7 @@ def open_tree(
         NotCommittedError: ``prefix`` is a staging directory or an old copy of an unfinished write.
         MemtreeError: the root is missing, damaged, hostile, or lacks a requested key.
     """
-    if mode not in ("r", "r+"):
-        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    check_mode(mode)
     root = os.path.realpath(os.fspath(prefix))
     if is_uncommitted_name(os.path.basename(root)):
         raise NotCommittedError(

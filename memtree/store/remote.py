@@ -112,6 +112,7 @@ from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor
 from .read import KeySelection, normalize_keys, read_tree, select_entries
 from .write import plan_write, write_tree
+from .options import check_mode
 
 __all__ = ["load", "upload", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
@@ -478,8 +479,7 @@ def load(
         >>> sorted(load("memory://ex/t", keys=[("b", "c")]).entries)
         ['b']
     """
-    if mode not in ("r", "r+"):
-        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    check_mode(mode)
     remote = _Remote(url, storage_options, num_threads, chunk_bytes, retries)
     selection = normalize_keys(keys) if keys is not None else None
     dev = torch.device(device) if device is not None else torch.device("cpu")

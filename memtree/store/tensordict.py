@@ -78,6 +78,7 @@ from ..format.level import Level
 from .mapped import map_leaf
 from ..format.values import NonTensor
 from .read import KeySelection, normalize_keys, open_dir, read_meta_bytes
+from .options import check_mode
 
 __all__ = ["is_tensordict_dir", "read_tensordict_dir"]
 
@@ -191,8 +192,7 @@ def read_tensordict_dir(
         PickleNotAllowedError: a key whose value only exists as a pickle sidecar.
         MissingLeafError, LeafSizeError, UnsafePathError: damaged or hostile files.
     """
-    if mode not in ("r", "r+"):
-        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    check_mode(mode)
     root = os.path.realpath(os.fspath(prefix))
     reader = _TensordictReader(
         readonly=mode == "r",

@@ -53,6 +53,7 @@ import torch
 
 from ..format.dtypes import dtype_name
 from ..errors import (
+    InvalidArgumentError,
     DestinationExistsError,
     DtypeError,
     ExistingMemmapError,
@@ -395,7 +396,7 @@ def write_tree(
     """
     check_checksum_option(checksum)
     if like and checksum is not None:
-        raise ValueError("memmap_like writes no data, so it records no checksum; pass checksum=None")
+        raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
         plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import numpy as np
 import torch
 
 from ..errors import BatchSizeError, KeyTypeError
 
-__all__ = ["Key", "is_str_key", "key_tuple", "fmt_key", "as_size", "expand_ellipsis"]
+__all__ = ["Key", "is_str_key", "key_tuple", "fmt_key", "as_size", "check_batch_index", "expand_ellipsis"]
 
 Key = Union[str, tuple[str, ...]]
 """A tree key: a str, or a tuple of str for a nested key."""
@@ -72,3 +73,33 @@ def expand_ellipsis(idx: Any, ndim: int) -> Any:
     pos = next(n for n, i in enumerate(items) if i is Ellipsis)
     fill = (slice(None),) * max(ndim - used, 0)
     return items[:pos] + fill + items[pos + 1 :]
+
+
+_INDEX_SCALARS = (int, slice, type(None), type(Ellipsis), torch.Tensor, np.ndarray, np.integer, np.bool_)
+
+
+def check_batch_index(idx: Any) -> None:
+    """Raise ``KeyTypeError`` unless ``idx`` can index batch dims (like a tensor's first dims).
+
+    A batch index is an int, a slice, ``None``, ``...``, an int or bool tensor or numpy array, a
+    list or ``range`` of ints or bools, or a tuple of these. Anything else (bytes, floats, str
+    mixed with indices...) is refused here, before any leaf is touched.
+
+    Example:
+        >>> check_batch_index((0, slice(1, 3)))
+        >>> check_batch_index(b"x")
+        Traceback (most recent call last):
+        ...
+        memtree.errors.KeyTypeError: b'x' is neither a key (str, or a tuple of str) nor a batch index (int, slice, None, ..., an int or bool tensor/array, a list of ints); got a bytes
+    """
+    for part in idx if type(idx) is tuple else (idx,):
+        if isinstance(part, _INDEX_SCALARS) or (
+            isinstance(part, (list, range)) and all(isinstance(i, (int, np.integer, np.bool_)) for i in part)
+        ):
+            continue
+        if isinstance(part, str):
+            raise KeyTypeError(f"cannot mix str keys and batch indices in {idx!r}")
+        raise KeyTypeError(
+            f"{idx!r:.80} is neither a key (str, or a tuple of str) nor a batch index (int, slice, "
+            f"None, ..., an int or bool tensor/array, a list of ints); got a {type(part).__name__}"
+        )

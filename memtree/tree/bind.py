@@ -62,6 +62,7 @@ __all__ = [
     "aliases_from",
     "source_from_leaves",
     "prefixes",
+    "unmatched_prefixes",
     "plan",
     "bind",
     "set_slot",
@@ -251,6 +252,13 @@ def prefixes(keys: Iterable[KeyPrefix] | KeyPrefix | None) -> list[str] | None:
     return out
 
 
+def unmatched_prefixes(prefixes: list[str], module: nn.Module, src: Source) -> list[str]:
+    """The ``keys=`` prefixes that name no tensor and no sub-module of ``module``, nor a source name."""
+    names = [n for n, _ in module.named_modules() if n] + [n for g in module_groups(module) for n in g.names]
+    names += list(src.entries)
+    return [p for p in prefixes if not any(_selected(n, [p]) for n in names)]
+
+
 def _selected(name: str, prefixes: list[str] | None) -> bool:
     if prefixes is None:
         return True
@@ -375,16 +383,25 @@ def to_module(src: Source, module: nn.Module) -> tuple[list[tuple[str, Any]], di
     returns it (to build the swap tree).
 
     Raises:
-        MemtreeKeyError: a source name matches nothing in the module.
+        MemtreeKeyError: a source name matches nothing in the module, or a tensor of the module
+            has no source name (``to_module`` binds the whole module; use
+            :func:`memtree.load_into_module` with ``strict=False`` for part of it).
         ShapeMismatchError: a shape or dtype differs from the module's tensor.
     """
     found = plan(module_groups(module), src, None)
-    if found.unexpected:
+    if found.missing_names or found.unexpected:
+        parts = []
+        if found.unexpected:
+            parts.append(
+                f"{len(found.unexpected)} leaves of the tree match no parameter or buffer: "
+                f"{names_list(found.unexpected)}"
+            )
+        if found.missing_names:
+            parts.append(f"the tree lacks {len(found.missing_names)} tensors: {names_list(found.missing_names)}")
         raise MemtreeKeyError(
-            f"to_module: {len(found.unexpected)} leaves of the tree match no parameter or buffer "
-            f"of {type(module).__name__}: {names_list(found.unexpected)}. Nothing was changed: "
-            "select the right sub-tree (tree['encoder'].to_module(model.encoder)), or use "
-            "memtree.load_into_module(..., strict=False) to skip them"
+            f"to_module into {type(module).__name__}: " + "; ".join(parts) + ". Nothing was changed: "
+            "bind the matching sub-tree into its sub-module (tree['encoder'].to_module(model.encoder)), "
+            "or use memtree.load_into_module(..., strict=False) to load what matches"
         )
     old = bind(found, src, lambda _kind, _name, value: value)
     flat = [(group.names[0], value) for group, value in old]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..errors import InvalidArgumentError
 from .ops import stack
 from .tensortree import TensorTree
 
@@ -88,7 +89,7 @@ class BatchIndexSampler(Sampler[torch.Tensor]):
         sort_indices: bool = True,
     ) -> None:
         if type(batch_size) is not int or batch_size <= 0:
-            raise ValueError(f"batch_size must be an int > 0, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be an int > 0, got {batch_size!r}")
         self.source = source
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import BatchSizeError, MemtreeKeyError
+from ..errors import BatchSizeError, InvalidArgumentError, InvalidIndexError, MemtreeKeyError, ShapeMismatchError
 from ..format.values import NonTensor
 from .tensortree import TensorTree
 
@@ -25,8 +25,10 @@ def _combine(
     batch_size: torch.Size,
     fn: Callable[[list[torch.Tensor]], torch.Tensor],
     what: str,
+    along: int | None,
     path: tuple[str, ...] = (),
 ) -> TensorTree:
+    """Combine leaf by leaf; ``along`` is the dim ``cat`` joins (``None``: ``stack``, shapes equal)."""
     first = trees[0]
     for other in trees[1:]:
         if list(other._data) != list(first._data) and set(other._data) != set(first._data):
@@ -42,19 +44,39 @@ def _combine(
             if not all(isinstance(v, TensorTree) for v in values):
                 raise MemtreeKeyError(f"cannot {what}: {path + (key,)!r} is a sub-tree in some trees only")
             sub_bs = batch_size + value._batch_size[nd:]
-            out._data[key] = _combine(values, sub_bs, fn, what, path + (key,))
+            out._data[key] = _combine(values, sub_bs, fn, what, along, path + (key,))
         elif isinstance(value, torch.Tensor):
             if not all(isinstance(v, torch.Tensor) for v in values):
                 raise MemtreeKeyError(f"cannot {what}: {path + (key,)!r} is a tensor in some trees only")
+            _check_leaves(values, what, along, path + (key,))
             out._data[key] = fn(values)
         else:
             if not all(isinstance(v, NonTensor) and v == value for v in values):
-                raise ValueError(
+                raise ShapeMismatchError(
                     f"cannot {what}: non-tensor leaf {path + (key,)!r} differs between trees "
                     f"({[v.data if isinstance(v, NonTensor) else v for v in values][:4]}...)"
                 )
             out._data[key] = value
     return out
+
+
+def _check_leaves(values: list[torch.Tensor], what: str, along: int | None, key: tuple[str, ...]) -> None:
+    """Same shape (but along ``along``) and device for every tree's leaf, or a clear error."""
+    first = values[0]
+    for v in values[1:]:
+        same = len(v.shape) == len(first.shape) and all(
+            a == b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != along
+        )
+        if not same:
+            raise ShapeMismatchError(
+                f"cannot {what}: leaf {key!r} has shape {list(first.shape)} in one tree and "
+                f"{list(v.shape)} in another" + ("" if along is None else f" (they may differ in dim {along} only)")
+            )
+        if v.device != first.device:
+            raise ShapeMismatchError(
+                f"cannot {what}: leaf {key!r} is on {first.device} in one tree and on {v.device} in "
+                "another; move the trees to one device first (tree.to(device))"
+            )
 
 
 def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
@@ -68,17 +90,17 @@ def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
     """
     trees = list(trees)
     if not trees:
-        raise ValueError("stack() needs at least one tree")
+        raise InvalidArgumentError("stack() needs at least one tree")
     bs = trees[0].batch_size
     for t in trees[1:]:
         if t.batch_size != bs:
             raise BatchSizeError(f"stack() needs equal batch sizes, got {list(bs)} and {list(t.batch_size)}")
     nd = len(bs)
     if not -nd - 1 <= dim <= nd:
-        raise IndexError(f"stack dim {dim} out of range for batch ndim {nd}")
+        raise InvalidIndexError(f"stack dim {dim} out of range for batch ndim {nd}")
     d = dim % (nd + 1)
     new_bs = torch.Size(list(bs[:d]) + [len(trees)] + list(bs[d:]))
-    return _combine(trees, new_bs, lambda vs: torch.stack(vs, d), "stack")
+    return _combine(trees, new_bs, lambda vs: torch.stack(vs, d), "stack", None)
 
 
 def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
@@ -92,12 +114,12 @@ def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
     """
     trees = list(trees)
     if not trees:
-        raise ValueError("cat() needs at least one tree")
+        raise InvalidArgumentError("cat() needs at least one tree")
     nd = trees[0].ndim
     if nd == 0:
         raise BatchSizeError("cat() needs trees with at least one batch dim")
     if not -nd <= dim < nd:
-        raise IndexError(f"cat dim {dim} out of range for batch ndim {nd}")
+        raise InvalidIndexError(f"cat dim {dim} out of range for batch ndim {nd}")
     d = dim % nd
     bs0 = trees[0].batch_size
     for t in trees[1:]:
@@ -105,4 +127,4 @@ def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
         if len(bs) != nd or any(bs[i] != bs0[i] for i in range(nd) if i != d):
             raise BatchSizeError(f"cat() along dim {d} needs matching batch sizes, got {list(bs0)} and {list(bs)}")
     new_bs = torch.Size(list(bs0[:d]) + [sum(t.batch_size[d] for t in trees)] + list(bs0[d + 1 :]))
-    return _combine(trees, new_bs, lambda vs: torch.cat(vs, d), "cat")
+    return _combine(trees, new_bs, lambda vs: torch.cat(vs, d), "cat", d)

@@ -245,8 +245,9 @@ class Persistence:
         """Bind this tree's tensors as ``module``'s parameters and buffers, without copying.
 
         Every tensor leaf must match a parameter, persistent buffer or extra state of the module
-        by its path (shapes and dtypes must agree); module tensors the tree does not hold are
-        left as they are. Everything is checked before anything changes. Works on modules built
+        by its path (shapes and dtypes must agree), and every tensor of the module must have its
+        leaf: a tree that lacks some raises (a module left half on the meta device would fail
+        later, far from the cause). Everything is checked before anything changes. Works on modules built
         under :func:`memtree.empty_init` (meta device).
 
         Args:
@@ -258,7 +259,9 @@ class Persistence:
             The swapped-out tensors as a tree, or ``None``.
 
         Raises:
-            MemtreeKeyError: a tree leaf matches nothing in the module.
+            MemtreeKeyError: a tree leaf matches nothing in the module, or a tensor of the module
+                has no leaf (use :func:`memtree.load_into_module` with ``strict=False`` to load
+                part of a module).
             ShapeMismatchError: a leaf's shape or dtype differs from the module's tensor.
 
         Example:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import TensorclassError, UnknownClassError
+from ..errors import InvalidArgumentError, TensorclassError, UnknownClassError
 from ..format.schema import TREE_TYPE, TYPE_NAME_MAX, is_type_name
 
 __all__ = ["RESERVED_PREFIX", "UNKNOWN_CLASSES", "register", "class_for"]
@@ -90,7 +90,7 @@ def class_for(type_name: str, unknown_classes: str, path: tuple[str, ...]) -> ty
         ValueError: ``unknown_classes`` is not one of :data:`UNKNOWN_CLASSES`.
     """
     if unknown_classes not in UNKNOWN_CLASSES:
-        raise ValueError(f"unknown_classes must be 'error' or 'tree', got {unknown_classes!r}")
+        raise InvalidArgumentError(f"unknown_classes must be 'error' or 'tree', got {unknown_classes!r}")
     if type_name == TREE_TYPE:
         return None
     cls = _CLASSES.get(type_name)

@@ -64,7 +64,7 @@ class TreeRepr:
             what = f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
             if isinstance(v, MemoryMappedTensor):
                 where = "shared memory" if v.filename is None else "memmap"
-                return what, where + (", read-only" if v.readonly else "")
+                return what, f"{v.device} {where}" + (", read-only" if v.readonly else "")
             if type(v) not in (torch.Tensor, torch.nn.Parameter):  # e.g. OffloadedTensor: name it
                 return what, f"{type(v).__name__}, {v.device}"
             return what, str(v.device)

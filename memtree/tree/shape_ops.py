@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import InvalidIndexError
 from ..format.values import NonTensor
 from .args import as_size
 
@@ -58,7 +59,7 @@ class ShapeOps:
     def unsqueeze(self: TensorTree, dim: int) -> TensorTree:
         """Insert a batch dim of size 1 at ``dim`` (in ``[-ndim-1, ndim]``)."""
         if not -self.ndim - 1 <= dim <= self.ndim:
-            raise IndexError(f"unsqueeze dim {dim} out of range for batch ndim {self.ndim}")
+            raise InvalidIndexError(f"unsqueeze dim {dim} out of range for batch ndim {self.ndim}")
         d = dim % (self.ndim + 1)
         new_bs = torch.Size(list(self._batch_size[:d]) + [1] + list(self._batch_size[d:]))
         return self._map(lambda t, _: t.unsqueeze(d), new_bs)
@@ -69,7 +70,7 @@ class ShapeOps:
             dims = [i for i, s in enumerate(self._batch_size) if s == 1]
         else:
             if not -self.ndim <= dim < self.ndim:
-                raise IndexError(f"squeeze dim {dim} out of range for batch ndim {self.ndim}")
+                raise InvalidIndexError(f"squeeze dim {dim} out of range for batch ndim {self.ndim}")
             d = dim % self.ndim
             dims = [d] if self._batch_size[d] == 1 else []
         new_bs = torch.Size([s for i, s in enumerate(self._batch_size) if i not in dims])

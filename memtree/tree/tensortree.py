@@ -29,14 +29,17 @@ from ..errors import (
     LockedError,
     MemtreeKeyError,
     ShapeMismatchError,
+    NonTensorValueError,
     SourceError,
+    UnsizedTreeError,
+    AmbiguousTruthError,
 )
 from ..format.names import validate_key
 from ..format.level import Level
 from ..format.values import NonTensor
 from ..store.read import PendingLevel, loading_lock
 from . import bind
-from .args import Key, as_size, expand_ellipsis, fmt_key, is_str_key, key_tuple
+from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
 from .registry import class_for
 from .persistence import Persistence
 from .repr import TreeRepr
@@ -158,6 +161,13 @@ class TensorTree(ShapeOps, Persistence, TreeRepr):
             return value
         if isinstance(value, Mapping):
             return TensorTree(value, batch_size=self._batch_size, device=self._device)
+        if isinstance(value, np.generic):  # numpy scalars are the JSON numbers/bools they hold
+            if not isinstance(value, (np.bool_, np.integer, np.floating)):
+                raise NonTensorValueError(
+                    f"value for key {key!r} is a numpy {type(value).__name__}, which memtree cannot "
+                    "store as a non-tensor value; store it as a tensor (torch.tensor(...)) instead"
+                )
+            value = value.item()
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
         if isinstance(value, torch.Tensor):
@@ -230,7 +240,7 @@ class TensorTree(ShapeOps, Persistence, TreeRepr):
 
     def __len__(self) -> int:
         if not self._batch_size:
-            raise TypeError("len() of a TensorTree with batch_size () is undefined (like a 0-dim tensor)")
+            raise UnsizedTreeError("len() of a TensorTree with batch_size () is undefined (like a 0-dim tensor)")
         return self._batch_size[0]
 
     def __iter__(self) -> Iterator[TensorTree]:
@@ -259,8 +269,7 @@ class TensorTree(ShapeOps, Persistence, TreeRepr):
         if isinstance(key, str) or (isinstance(key, tuple) and key and is_str_key(key)):
             value = self._lookup(key_tuple(key))
             return value.data if isinstance(value, NonTensor) else value
-        if isinstance(key, tuple) and any(isinstance(k, str) for k in key):
-            raise KeyTypeError(f"cannot mix str keys and batch indices in {key!r}")
+        check_batch_index(key)
         return self._index(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -287,8 +296,7 @@ class TensorTree(ShapeOps, Persistence, TreeRepr):
                     del parent._data[part]
                 raise
             return
-        if isinstance(key, tuple) and any(isinstance(k, str) for k in key):
-            raise KeyTypeError(f"cannot mix str keys and batch indices in {key!r}")
+        check_batch_index(key)
         self._assign(key, value)
 
     def __delitem__(self, key: Key) -> None:
@@ -553,7 +561,7 @@ class TensorTree(ShapeOps, Persistence, TreeRepr):
         return any(bool(v.any()) for v in self.values(include_nested=True, leaves_only=True) if isinstance(v, torch.Tensor))
 
     def __bool__(self) -> bool:
-        raise ValueError("the truth value of a TensorTree is ambiguous; use .all() or .any()")
+        raise AmbiguousTruthError("the truth value of a TensorTree is ambiguous; use .all() or .any()")
 
     # ----------------------------------------------------------------------- conversions
     def to_dict(self) -> dict[str, Any]:
