@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import memtree
 import memtree.dcp as mdcp
-from memtree.dcp import storage as dcp_storage
+from memtree.dcp import writer as dcp_writer
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -190,7 +190,7 @@ def test_chunk_runs_cover_exactly_the_chunk():
     full = torch.arange(4 * 5 * 6, dtype=torch.int32).reshape(4, 5, 6)
     for offsets, sizes in [((1, 0, 0), (2, 5, 6)), ((0, 2, 0), (4, 3, 6)), ((1, 1, 2), (3, 2, 3)), ((0, 0, 0), (4, 5, 6))]:
         chunk = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].contiguous()
-        starts, run = dcp_storage._runs(tuple(full.shape), offsets, sizes, 4)
+        starts, run = dcp_writer._runs(tuple(full.shape), offsets, sizes, 4)
         flat = full.reshape(-1).view(torch.uint8)
         pieces = [flat[s : s + run] for s in starts]
         assert torch.equal(torch.cat(pieces), chunk.reshape(-1).view(torch.uint8))
@@ -230,16 +230,16 @@ def _save_worker(rank: int, world: int, tmp: str) -> None:
     """A save that fails on rank 1 (must commit nothing), then a good one (one spawn for both)."""
     _init(rank, world, os.path.join(tmp, "pg-save"))
     try:
-        good = dcp_storage._write_chunk
+        good = dcp_writer._write_chunk
         if rank == 1:
             def broken(*args, **kwargs):
                 raise OSError(5, "injected write failure")
 
-            dcp_storage._write_chunk = broken
+            dcp_writer._write_chunk = broken
         with pytest.raises(memtree.DistributedCheckpointError, match="injected write failure") as info:
             mdcp.save(_sharded_state(world, zeros=False, v_dim=1), os.path.join(tmp, "faulty"))
         assert set(info.value.failures) == {1}
-        dcp_storage._write_chunk = good
+        dcp_writer._write_chunk = good
         mdcp.save(_sharded_state(world, zeros=False, v_dim=1), os.path.join(tmp, "ckpt"))
     finally:
         dist.destroy_process_group()
