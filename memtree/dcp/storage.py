@@ -47,6 +47,7 @@ import shutil
 import stat
 import uuid
 import warnings
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
@@ -532,7 +533,7 @@ class _Json:
     def fail(self, pointer: str, problem: str) -> MetaFormatError:
         return MetaFormatError(f"{self.where}: {pointer} {problem}; the checkpoint is damaged or not memtree's")
 
-    def obj(self, v: Any, p: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+    def obj(self, v: Any, p: str, required: set[str], optional: AbstractSet[str] = frozenset()) -> dict[str, Any]:
         if type(v) is not dict:
             raise self.fail(p, "must be a JSON object")
         if required - v.keys() or v.keys() - required - optional:
@@ -768,8 +769,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(),
-                            process_group=process_group, no_dist=no_dist)
+            metadata: Metadata = dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(),
+                                          process_group=process_group, no_dist=no_dist)
+            return metadata
     except CheckpointException as err:
         raise _convert(err, f"saving the checkpoint {writer.path}") from None
     except torch.distributed.DistError as err:  # a collective failed (a rank died, a timeout)
