@@ -6,7 +6,7 @@ build does not have are left out of the table, so a file naming one is refused c
 
 Example:
     >>> import torch
-    >>> from memtree.dtypes import dtype_name, dtype_from_name
+    >>> from memtree.format.dtypes import dtype_name, dtype_from_name
     >>> dtype_name(torch.bfloat16)
     'bfloat16'
     >>> dtype_from_name("bfloat16") is torch.bfloat16

@@ -6,7 +6,7 @@ a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.write`,
 
 Example:
     >>> import torch
-    >>> from memtree.level import Level
+    >>> from memtree.format.level import Level
     >>> Level((2,), {"x": torch.zeros(2, 3), "sub": Level((2,), {})}).batch_size
     (2,)
 """

@@ -8,7 +8,7 @@ the field. The schema is documented in ``docs/format.md``.
 
 Example:
     >>> import torch
-    >>> from memtree.format import LevelMeta, LeafMeta, dump_level, parse_level
+    >>> from memtree.format.schema import LevelMeta, LeafMeta, dump_level, parse_level
     >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", torch.float32, (2, 3)),))
     >>> parse_level(dump_level(meta), "meta.json") == meta
     True

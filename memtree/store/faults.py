@@ -12,12 +12,12 @@ The variable is read at import; a process that changes it afterwards (a forked t
 
 Example:
     >>> import os
-    >>> from memtree import _faults
+    >>> from memtree.store import faults
     >>> os.environ["MEMTREE_FAULT"] = "after_leaf:3"
-    >>> _faults.reload()
-    >>> _faults.armed()
+    >>> faults.reload()
+    >>> faults.armed()
     ('after_leaf', 3)
-    >>> del os.environ["MEMTREE_FAULT"]; _faults.reload()
+    >>> del os.environ["MEMTREE_FAULT"]; faults.reload()
 """
 
 from __future__ import annotations

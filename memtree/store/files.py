@@ -20,7 +20,7 @@ committed"): ``renameat2`` exchange and no-replace renames, directory fsync, and
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.fileio import write_file_replace, open_checked, map_fd
+    >>> from memtree.store.files import write_file_replace, open_checked, map_fd
     >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
     >>> write_file_replace(path, torch.arange(4, dtype=torch.int32), 16, existsok=False)
     >>> fd = open_checked(path, 16, "x")

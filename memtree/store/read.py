@@ -25,9 +25,9 @@ loaded).
 
 Example:
     >>> import tempfile, torch
-    >>> from memtree.level import Level
-    >>> from memtree.write import write_tree
-    >>> from memtree.read import read_tree
+    >>> from memtree.format.level import Level
+    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.read import read_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
     >>> read_tree(d).entries["x"].tolist()
@@ -253,8 +253,8 @@ def open_tree(
 
     Example:
         >>> import tempfile, torch
-        >>> from memtree.level import Level
-        >>> from memtree.write import write_tree
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3), "sub": Level((), {})}))
         >>> root = open_tree(d)
@@ -339,8 +339,8 @@ def load_pending_at(prefix: str | os.PathLike[str]) -> None:
 
     Example:
         >>> import tempfile, torch
-        >>> from memtree.level import Level
-        >>> from memtree.write import write_tree
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
         >>> root = open_tree(d)

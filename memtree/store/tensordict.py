@@ -37,7 +37,7 @@ What memtree does with it:
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.interop.tensordict_dir import is_tensordict_dir, read_tensordict_dir
+    >>> from memtree.store.tensordict import is_tensordict_dir, read_tensordict_dir
     >>> d = tempfile.mkdtemp()
     >>> with open(os.path.join(d, "meta.json"), "w") as f:
     ...     _ = f.write('{"x": {"dtype": "torch.int32", "shape": [2], "device": "cpu", '

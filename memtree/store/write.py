@@ -26,8 +26,8 @@ Any failure before the rename removes the staging directory and leaves the desti
 
 Example:
     >>> import tempfile, torch
-    >>> from memtree.level import Level
-    >>> from memtree.write import write_tree
+    >>> from memtree.format.level import Level
+    >>> from memtree.store.write import write_tree
     >>> out = write_tree(tempfile.mkdtemp() + "/t", Level((), {"x": torch.ones(2)}))
     >>> out.load()["x"].filename.endswith("x.memmap")
     True

@@ -11,7 +11,7 @@ This module sits below :mod:`memtree.tree` (which resolves names while loading) 
 :mod:`memtree.tensorclass` (which registers classes); it holds no tree logic.
 
 Example:
-    >>> from memtree.registry import class_for, register
+    >>> from memtree.tree.registry import class_for, register
     >>> class Point: ...
     >>> register("docs.Point", Point)
     >>> class_for("docs.Point", "error", ()) is Point, class_for("TensorTree", "error", ())
