@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse the virtual environment .venv, install torch (CPU wheel) and memtree into it,
 # then run one job:  demo  -> python -m memtree demo
-#                    test  -> mkdocs build --strict (docs extra), then the whole pytest suite
-#                             (extra arguments go to pytest)
+#                    test  -> mkdocs build --strict (docs extra), mypy (setup.cfg: memtree/, strict),
+#                             then the whole pytest suite with the doctests (extra arguments go to pytest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-test}
@@ -32,5 +32,14 @@ case "$job" in
       exit 1
     fi
     rm -rf "$site" "$docs_log"
+    # static types: the files and flags of setup.cfg's [mypy] sections
+    mypy_log=$(mktemp)
+    if ! .venv/bin/python -m mypy >"$mypy_log" 2>&1; then
+      cat "$mypy_log" >&2
+      echo "scripts/dev.sh: mypy found errors (see above)" >&2
+      rm -f "$mypy_log"
+      exit 1
+    fi
+    rm -f "$mypy_log"
     exec .venv/bin/python -m pytest "$@" ;;
 esac

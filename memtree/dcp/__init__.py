@@ -95,8 +95,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(),
-                            process_group=process_group, no_dist=no_dist)
+            metadata: Metadata = dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(),
+                                          process_group=process_group, no_dist=no_dist)
+            return metadata
     except CheckpointException as err:
         raise _convert(err, f"saving the checkpoint {writer.path}") from None
     except torch.distributed.DistError as err:  # a collective failed (a rank died, a timeout)

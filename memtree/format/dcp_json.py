@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import orjson
@@ -88,7 +89,7 @@ class _Json:
     def fail(self, pointer: str, problem: str) -> MetaFormatError:
         return MetaFormatError(f"{self.where}: {pointer} {problem}; the checkpoint is damaged or not memtree's")
 
-    def obj(self, v: Any, p: str, required: set[str], optional: set[str] = frozenset()) -> dict[str, Any]:
+    def obj(self, v: Any, p: str, required: set[str], optional: AbstractSet[str] = frozenset()) -> dict[str, Any]:
         if type(v) is not dict:
             raise self.fail(p, "must be a JSON object")
         if required - v.keys() or v.keys() - required - optional:

@@ -306,7 +306,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     keys: set[str] = set()
     names: set[str] = set()
     for i, raw in enumerate(raw_entries):
-        entry = _plain_entry(raw, batch_size)
+        entry: Entry | None = _plain_entry(raw, batch_size)
         if entry is None:  # anything unusual: the full checks, and their messages
             entry = _parse_entry(c, raw, f"entries[{i}]", batch_size)
         if entry.key in keys:

@@ -40,7 +40,7 @@ class NonTensor:
     __slots__ = ("data",)
 
     def __init__(self, data: Any) -> None:
-        self.data = data.data if isinstance(data, NonTensor) else data
+        self.data: Any = data.data if isinstance(data, NonTensor) else data
 
     def __repr__(self) -> str:
         return f"NonTensor({self.data!r})"

@@ -52,7 +52,8 @@ class LazyLeaf(torch.Tensor):
 
     _load: Callable[[], torch.Tensor]
     _file_range: Callable[[], FileRange | None] | None
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs declare this builtin as a plain function, which mypy binds as a method
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
@@ -62,7 +63,7 @@ class LazyLeaf(torch.Tensor):
         load: Callable[[], torch.Tensor],
         file_range: Callable[[], FileRange | None] | None = None,
     ) -> LazyLeaf:
-        out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device="cpu")
+        out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=torch.device("cpu"))
         out._load = load
         out._file_range = file_range
         return out
@@ -85,8 +86,9 @@ class LazyLeaf(torch.Tensor):
             )
         return value
 
+    # torch declares Tensor.__torch_dispatch__ as a builtin that mypy takes for a plain method
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         def load(x: Any) -> Any:
@@ -94,5 +96,6 @@ class LazyLeaf(torch.Tensor):
 
         return func(*tree_map(load, args), **tree_map(load, kwargs or {}))
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # mypy rejects any annotated override of torch's unannotated Tensor.__repr__
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"LazyLeaf(shape={list(self.shape)}, dtype={self.dtype})"

@@ -580,7 +580,8 @@ class TorchSaveReader(Closing):
         buf = torch.empty(nbytes // itemsize(ref.dtype), dtype=ref.dtype)
         self._file.read_into(buf, start, f"tensor {key!r}")
         if self._whole_record(ref, nbytes):
-            self._check_crc(key, ref, zlib.crc32(buf.view(torch.uint8).numpy()))
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            self._check_crc(key, ref, zlib.crc32(buf.view(torch.uint8).numpy()))  # type: ignore[arg-type]
         return torch.as_strided(buf, ref.size, ref.stride, 0)
 
     @staticmethod

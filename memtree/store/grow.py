@@ -335,7 +335,7 @@ class _Growth:
             elif isinstance(entry, ChildMeta):
                 if not isinstance(value, Level):
                     raise self._changed(f"{_label(key)} is a sub-tree on disk")
-                if rows is not None and not isinstance(new, Level):
+                if new is not None and not isinstance(new, Level):
                     raise ShapeMismatchError(f"rows to append: {_label(key)} must be a sub-tree")
                 self._plan(value, new, f"{rel}/{entry.dir}" if rel else entry.dir, key, length)
             elif not isinstance(value, NonTensor):
@@ -510,6 +510,7 @@ class _Growth:
         """A staging directory with ``metas`` and hard links to every leaf and pickle file."""
         parent, name = os.path.split(self.dest)
         staging = staging_path(parent, name)
+        assert self.save_id is not None, "_stage() runs inside _commit()"
         lock.write_journal({"staging": os.path.basename(staging), GROWTH_JOURNAL: self.save_id}, fsync=False)
         os.mkdir(staging, 0o700)
         try:
@@ -540,6 +541,7 @@ class _Growth:
         for entry in self.metas[rel].entries:
             value = level.entries[entry.key]
             if isinstance(entry, LeafMeta):
+                assert isinstance(value, torch.Tensor)
                 path = os.path.join(self.dest, rel, entry.file)
                 storage = _storage(value)
                 if self.mappings.get(path) == storage and storage[1] == entry.file_nbytes:

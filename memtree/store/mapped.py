@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from math import prod
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -445,7 +445,7 @@ class _Writers:
                 return None  # closes fd
             file.writer = writer
             key = id(file)
-            self.open[key] = weakref.ref(file, lambda _, key=key: self.open.pop(key, None))
+            self.open[key] = weakref.ref(file, lambda _: self.open.pop(key, None))
             while len(self.open) > self.size:
                 evicted = self.open.popitem(last=False)[1]()
                 if evicted is not None:
@@ -477,7 +477,7 @@ os.register_at_fork(after_in_child=_WRITERS.forget)
 class _Rows(NamedTuple):
     """Where the rows (dim 0) of a file-backed tensor lie in its file."""
 
-    count: int
+    nrows: int
     nbytes: int  # bytes per row
     step: int  # bytes from one row to the next
     base: int  # file offset of row 0
@@ -495,11 +495,11 @@ def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
     In-place operations that may change the layout (``set_``, ``resize_``, ``.data = ``...)
     drop the cache (``__torch_function__``).
     """
-    rows = dst.__dict__.get("_rows", _UNKNOWN)
-    if rows is not _UNKNOWN:
-        return rows  # type: ignore[no-any-return]
+    cached = dst.__dict__.get("_rows", _UNKNOWN)
+    if cached is not _UNKNOWN:
+        return cast("_Rows | None", cached)
     with torch._C.DisableTorchFunctionSubclass():
-        rows = None
+        rows: _Rows | None = None
         shape = dst.shape
         if shape and getattr(dst, "_file", None) is not None and not dst.readonly:
             strides = dst.stride()
@@ -517,7 +517,8 @@ def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:
                     shape[0],
                     row_numel * item,
                     step * item,
-                    dst.storage_offset() * item,
+                    # torch types storage_offset() as int | SymInt; a real tensor's is an int
+                    dst.storage_offset() * item,  # type: ignore[arg-type]
                     shape[1:],
                     dst.dtype,
                     storage.data_ptr(),
@@ -643,7 +644,7 @@ def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
         rows = _row_layout(dst)
     if rows is None:
         return False
-    n = rows.count
+    n = rows.nrows
     if not -n <= i < n:
         raise IndexError(f"index {i} is out of bounds for dimension 0 with size {n}")
     if not (  # the value's data is written as is (autograd aside, as on the general path)
@@ -693,7 +694,7 @@ def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
     rows = _row_layout(dst)
     if rows is None:
         return False
-    selected = _row_indices(idx, rows.count)
+    selected = _row_indices(idx, rows.nrows)
     if selected is None:
         return False
     if isinstance(value, torch.Tensor) and value.dtype != rows.dtype:
@@ -835,7 +836,8 @@ def _rebuild_anonymous(rebuild: Callable[..., torch.Tensor], args: tuple[Any, ..
 def _reduce_mmt(t: MemoryMappedTensor) -> tuple[Any, ...]:
     with torch._C.DisableTorchFunctionSubclass():
         plain = t.as_subclass(torch.Tensor)
-        if t.filename is None:
+        file = getattr(t, "_file", None)  # as t.filename does
+        if file is None:
             return (_rebuild_anonymous, reduce_tensor(plain))
         nbytes = plain.untyped_storage().nbytes()
         return (
@@ -848,7 +850,7 @@ def _reduce_mmt(t: MemoryMappedTensor) -> tuple[Any, ...]:
                 plain.stride(),
                 plain.storage_offset(),
                 t.readonly,
-                t._file.file_id,
+                file.file_id,
             ),
         )
 

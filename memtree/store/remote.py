@@ -411,7 +411,7 @@ def _check_digest(leaf: _Leaf, compute: Callable[[str], str]) -> None:
 
 
 def _ranges(leaves: list[_Leaf], chunk_bytes: int) -> list[tuple[_Leaf, int, int]]:
-    out = []
+    out: list[tuple[_Leaf, int, int]] = []
     for leaf in leaves:
         n = leaf.meta.nbytes
         out.extend((leaf, a, min(a + chunk_bytes, n)) for a in range(0, n, chunk_bytes))

@@ -145,7 +145,8 @@ def module_flat(module: nn.Module, *, use_state_dict: bool = False) -> tuple[lis
             flat.append((name, value))
     else:
         for group in module_groups(module, extra_state=False):
-            if isinstance(group.tensor, nn.parameter.UninitializedTensorMixin):
+            # torch's parameter.pyi leaves out UninitializedTensorMixin (it is in parameter.py)
+            if isinstance(group.tensor, nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
                 raise SourceError(
                     f"{group.names[0]!r} is an uninitialized parameter of a lazy module; run one "
                     "forward pass (or call initialize_parameters) before from_module"

@@ -346,7 +346,8 @@ class Persistence:
             >>> memtree.TensorTree({"x": torch.arange(5)}, batch_size=[5]).__getitems__([4, 0])["x"].tolist()
             [4, 0]
         """
-        return self[torch.as_tensor(indices, dtype=torch.long)]
+        batch: TensorTree = self[torch.as_tensor(indices, dtype=torch.long)]
+        return batch
 
     def pin_memory(self: TensorTree) -> TensorTree:
         """A copy in page-locked memory, for fast copies to the GPU (``DataLoader(pin_memory=True)``).

@@ -132,6 +132,7 @@ def _build(cls: Any, name: str | None) -> Any:
 def _retarget_class_cells(namespace: dict[str, Any], old: type, new: type) -> None:
     """Make zero-argument ``super()`` in the class's methods refer to the new class."""
     for value in namespace.values():
+        funcs: list[Any]  # functions, or None for a property's missing accessor
         if isinstance(value, (staticmethod, classmethod)):
             funcs = [value.__func__]
         elif isinstance(value, property):
@@ -142,7 +143,7 @@ def _retarget_class_cells(namespace: dict[str, Any], old: type, new: type) -> No
             code = getattr(fn, "__code__", None)
             if code is None or "__class__" not in code.co_freevars:
                 continue
-            cell = fn.__closure__[code.co_freevars.index("__class__")]  # type: ignore[union-attr]
+            cell = fn.__closure__[code.co_freevars.index("__class__")]
             if cell.cell_contents is old:
                 cell.cell_contents = new
 
