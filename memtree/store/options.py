@@ -25,4 +25,4 @@ def check_mode(mode: object) -> str:
         raise InvalidArgumentError(
             f"mode must be 'r' (read-only) or 'r+' (writes reach the files), got {mode!r:.40}"
         )
-    return mode  # type: ignore[return-value]
+    return str(mode)

@@ -19,12 +19,13 @@ from ..format.level import Level
 from ..store.grow import check_growable, extend_level, resize_level
 
 if TYPE_CHECKING:
-    from .tensortree import TensorTree
+    from .core import TreeCore
+    from .shape_ops import ShapeOps
 
 __all__ = ["extend", "resize"]
 
 
-def extend(tree: TensorTree, rows: Any, *, single: bool, fsync: bool, base: type[TensorTree]) -> Level:
+def extend(tree: ShapeOps, rows: Any, *, single: bool, fsync: bool, base: type[TreeCore]) -> Level:
     """Append ``rows`` (one item with ``single=True``) to ``tree`` on disk; return its new leaves.
 
     ``base`` is the ``TensorTree`` class (a mapping of rows becomes one).
@@ -34,12 +35,12 @@ def extend(tree: TensorTree, rows: Any, *, single: bool, fsync: bool, base: type
     return extend_level(current, _as_rows(tree, rows, single, base)._to_level(), fsync=fsync)
 
 
-def resize(tree: TensorTree, length: int, *, fsync: bool) -> Level:
+def resize(tree: TreeCore, length: int, *, fsync: bool) -> Level:
     """Set ``tree``'s first batch dim to ``length`` on disk; return its new leaves."""
     return resize_level(tree._to_level(), length, fsync=fsync)
 
 
-def _as_rows(tree: TensorTree, rows: Any, single: bool, cls: type[TensorTree]) -> TensorTree:
+def _as_rows(tree: TreeCore, rows: Any, single: bool, cls: type[TreeCore]) -> TreeCore:
     tail = list(tree.batch_size[1:])
     if isinstance(rows, Mapping):
         rows = cls(rows, batch_size=tail if single else [])
@@ -56,10 +57,11 @@ def _as_rows(tree: TensorTree, rows: Any, single: bool, cls: type[TensorTree]) -
             f"{list(tree.batch_size)} must have batch_size {tail if single else ['k'] + tail}, got "
             f"{list(rows.batch_size)}"
         )
-    return rows.unsqueeze(0) if single else rows
+    unsqueezed: TreeCore = rows.unsqueeze(0) if single else rows  # type: ignore[attr-defined]  # ShapeOps
+    return unsqueezed
 
 
-def _first_rows(tree: TensorTree) -> int:
+def _first_rows(tree: TreeCore) -> int:
     for value in tree.values(include_nested=True, leaves_only=True):
         if isinstance(value, torch.Tensor) and value.ndim:
             return int(value.shape[0])

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
+
+from typing_extensions import Self
 
 import torch
 
@@ -27,17 +29,16 @@ from ..store.open import open_prefix
 from ..store.read import KeySelection, PendingLevel, normalize_keys
 from ..store.write import share_tree, write_tree
 from . import bind, growth
-
-if TYPE_CHECKING:
-    from .tensortree import TensorTree
+from .core import TreeCore
+from .shape_ops import ShapeOps
 
 __all__ = ["Persistence"]
 
 
-class Persistence:
+class Persistence(ShapeOps):
     """Writing, loading, growing and module binding (mixed into :class:`~memtree.TensorTree`)."""
 
-    def is_memmap(self: TensorTree) -> bool:
+    def is_memmap(self) -> bool:
         """True if every tensor leaf is a :class:`MemoryMappedTensor`."""
         return all(
             isinstance(v, MemoryMappedTensor)
@@ -46,7 +47,7 @@ class Persistence:
         )
 
     def memmap_(
-        self: TensorTree,
+        self,
         prefix: str | os.PathLike[str] | None = None,
         *,
         copy_existing: bool = False,
@@ -56,7 +57,7 @@ class Persistence:
         allow_pickle: bool = False,
         checksum: str | None = None,
         progress: bool | None = None,
-    ) -> TensorTree:
+    ) -> Self:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
 
         The write is atomic: until it commits, ``prefix`` keeps its old content (if any).
@@ -90,7 +91,7 @@ class Persistence:
         return self
 
     def memmap(
-        self: TensorTree,
+        self,
         prefix: str | os.PathLike[str] | None = None,
         *,
         copy_existing: bool = False,
@@ -100,7 +101,7 @@ class Persistence:
         allow_pickle: bool = False,
         checksum: str | None = None,
         progress: bool | None = None,
-    ) -> TensorTree:
+    ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
         Example:
@@ -117,14 +118,14 @@ class Persistence:
         return type(self)._from_level(level, self._device)
 
     def memmap_like(
-        self: TensorTree,
+        self,
         prefix: str | os.PathLike[str] | None = None,
         *,
         num_threads: int = 0,
         existsok: bool = True,
         reserve: bool = False,
         progress: bool | None = None,
-    ) -> TensorTree:
+    ) -> Self:
         """A new memory-mapped tree of zeros with this tree's keys, shapes and dtypes.
 
         No data is read or written: files are sparse (``reserve=True`` allocates their blocks),
@@ -143,7 +144,7 @@ class Persistence:
         )
         return type(self)._from_level(level, self._device)
 
-    def _write(self: TensorTree, prefix: str | os.PathLike[str] | None, **options: Any) -> Level | PendingLevel:
+    def _write(self, prefix: str | os.PathLike[str] | None, **options: Any) -> Level | PendingLevel:
         """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
         if prefix is None:
             return share_tree(self._to_level(), like=options.get("like", False))
@@ -151,7 +152,7 @@ class Persistence:
 
     @classmethod
     def load_memmap(
-        cls: type[TensorTree],
+        cls,
         prefix: str | os.PathLike[str],
         *,
         device: torch.device | str | None = None,
@@ -163,7 +164,7 @@ class Persistence:
         unknown_classes: str = "error",
         lazy: bool = True,
         **remote: Any,
-    ) -> TensorTree:
+    ) -> Self:
         """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
 
         Returns after validating the root ``meta.json`` only. A level (a sub-tree) is loaded
@@ -217,7 +218,7 @@ class Persistence:
         return tree
 
     @classmethod
-    def from_module(cls: type[TensorTree], module: Any, *, use_state_dict: bool = False) -> TensorTree:
+    def from_module(cls, module: Any, *, use_state_dict: bool = False) -> Self:
         """A tree of ``module``'s parameters and persistent buffers, nested by module path.
 
         The leaves are the module's own tensors (parameters stay ``nn.Parameter``): nothing is
@@ -239,9 +240,9 @@ class Persistence:
         """
         base = cls._base()
         tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
-        return tree if cls is base else cls(tree)
+        return cast(Self, tree) if cls is base else cls(tree)
 
-    def to_module(self: TensorTree, module: Any, *, return_swap: bool = True) -> TensorTree | None:
+    def to_module(self, module: Any, *, return_swap: bool = True) -> TreeCore | None:
         """Bind this tree's tensors as ``module``'s parameters and buffers, without copying.
 
         Every tensor leaf must match a parameter, persistent buffer or extra state of the module
@@ -277,7 +278,7 @@ class Persistence:
         flat, aliases = bind.to_module(src, module)
         return self._base()._nest(flat, aliases) if return_swap else None
 
-    def append_(self: TensorTree, item: Any, *, fsync: bool = False) -> TensorTree:
+    def append_(self, item: Any, *, fsync: bool = False) -> Self:
         """Append one item along the first batch dim, on disk and in this tree; returns ``self``.
 
         The tree must be mapped from a prefix (``memmap(prefix)``, ``memmap_like(prefix)`` or
@@ -298,7 +299,7 @@ class Persistence:
         self._adopt_grown(growth.extend(self, item, single=True, fsync=fsync, base=self._base()))
         return self
 
-    def extend_(self: TensorTree, rows: Any, *, fsync: bool = False) -> TensorTree:
+    def extend_(self, rows: Any, *, fsync: bool = False) -> Self:
         """Append rows (a tree or mapping of batch size ``[k] + batch_size[1:]``); returns ``self``.
 
         Like :meth:`append_` for ``k`` items at once (one commit).
@@ -312,7 +313,7 @@ class Persistence:
         self._adopt_grown(growth.extend(self, rows, single=False, fsync=fsync, base=self._base()))
         return self
 
-    def resize_(self: TensorTree, length: int, *, fsync: bool = False) -> TensorTree:
+    def resize_(self, length: int, *, fsync: bool = False) -> Self:
         """Set the first batch dim to ``length`` on disk and in this tree; returns ``self``.
 
         New rows are zeros (sparse: no data written past the old capacity). A smaller length
@@ -327,7 +328,7 @@ class Persistence:
         self._adopt_grown(growth.resize(self, length, fsync=fsync))
         return self
 
-    def _adopt_grown(self: TensorTree, level: Level) -> None:
+    def _adopt_grown(self, level: Level) -> None:
         self._batch_size = torch.Size(level.batch_size)
         for k, v in level.entries.items():
             if isinstance(v, Level):
@@ -335,7 +336,7 @@ class Persistence:
             else:
                 self._data[k] = v
 
-    def __getitems__(self: TensorTree, indices: list[int]) -> TensorTree:
+    def __getitems__(self, indices: list[int]) -> Self:
         """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
 
         The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
@@ -346,10 +347,10 @@ class Persistence:
             >>> memtree.TensorTree({"x": torch.arange(5)}, batch_size=[5]).__getitems__([4, 0])["x"].tolist()
             [4, 0]
         """
-        batch: TensorTree = self[torch.as_tensor(indices, dtype=torch.long)]
+        batch: Self = self[torch.as_tensor(indices, dtype=torch.long)]
         return batch
 
-    def pin_memory(self: TensorTree) -> TensorTree:
+    def pin_memory(self) -> Self:
         """A copy in page-locked memory, for fast copies to the GPU (``DataLoader(pin_memory=True)``).
 
         Example:

@@ -14,19 +14,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
 
 import torch
 
 from ..format.values import NonTensor
 from ..store.mapped import MemoryMappedTensor
-
-if TYPE_CHECKING:
-    from .tensortree import TensorTree
+from .core import TreeCore
 
 __all__ = ["TreeRepr"]
 
-class TreeRepr:
+class TreeRepr(TreeCore):
     """``__repr__`` and ``_repr_html_`` (mixed into :class:`~memtree.TensorTree`)."""
 
     #: ``repr`` shows at most this many lines of entries, then one summary line.
@@ -34,7 +33,7 @@ class TreeRepr:
     #: ``_repr_html_`` (notebooks) shows at most this many entries, then one summary line.
     _repr_html_max_rows: int = 1000
 
-    def _repr_walk(self: TensorTree, depth: int = 0) -> Iterator[tuple[int, str, Any]]:
+    def _repr_walk(self, depth: int = 0) -> Iterator[tuple[int, str, Any]]:
         """Every entry depth-first as ``(depth, key, value)``, each sub-tree before its content."""
         for k, v in self._data.items():
             yield depth, k, v
@@ -99,7 +98,7 @@ class TreeRepr:
         return (f"… and {', '.join(parts)} ({TreeRepr._repr_size(nbytes)} of tensors) not shown; "
                 "tree.keys(include_nested=True) lists every key")
 
-    def __repr__(self: TensorTree) -> str:
+    def __repr__(self) -> str:
         """Keys, dtypes, shapes and where each leaf lives, one line each, truncated when large.
 
         Example:
@@ -130,7 +129,7 @@ class TreeRepr:
                 break
         return "\n".join(lines)
 
-    def _repr_html_(self: TensorTree) -> str:
+    def _repr_html_(self) -> str:
         """HTML for notebooks: a collapsible tree of keys with dtypes, shapes and leaf files.
 
         Keys and values are HTML-escaped. Memory-mapped leaves show their file's path relative to

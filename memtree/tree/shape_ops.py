@@ -14,24 +14,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from typing_extensions import Self
 
 import torch
 
 from ..errors import InvalidIndexError
 from ..format.values import NonTensor
 from .args import as_size
-
-if TYPE_CHECKING:
-    from .tensortree import TensorTree
+from .core import TreeCore
 
 __all__ = ["ShapeOps"]
 
 
-class ShapeOps:
+class ShapeOps(TreeCore):
     """Shape operations and elementwise maps (mixed into :class:`~memtree.TensorTree`)."""
 
-    def _map(self: TensorTree, fn: Callable[[torch.Tensor, TensorTree], torch.Tensor], batch_size: torch.Size) -> TensorTree:
+    def _map(self, fn: Callable[[torch.Tensor, TreeCore], torch.Tensor], batch_size: torch.Size) -> Self:
         nd = self.ndim
         out = self._new_like(batch_size)
         for k, v in self._data.items():
@@ -43,7 +43,7 @@ class ShapeOps:
                 out._data[k] = v
         return out
 
-    def expand(self: TensorTree, *shape: Any) -> TensorTree:
+    def expand(self, *shape: Any) -> Self:
         """Expand the batch dims like ``torch.Tensor.expand`` (new dims on the left; no copy).
 
         Example:
@@ -56,7 +56,7 @@ class ShapeOps:
         nd = self.ndim
         return self._map(lambda t, _: t.expand(*new_bs, *t.shape[nd:]), new_bs)
 
-    def unsqueeze(self: TensorTree, dim: int) -> TensorTree:
+    def unsqueeze(self, dim: int) -> Self:
         """Insert a batch dim of size 1 at ``dim`` (in ``[-ndim-1, ndim]``)."""
         if not -self.ndim - 1 <= dim <= self.ndim:
             raise InvalidIndexError(f"unsqueeze dim {dim} out of range for batch ndim {self.ndim}")
@@ -64,7 +64,7 @@ class ShapeOps:
         new_bs = torch.Size(list(self._batch_size[:d]) + [1] + list(self._batch_size[d:]))
         return self._map(lambda t, _: t.unsqueeze(d), new_bs)
 
-    def squeeze(self: TensorTree, dim: int | None = None) -> TensorTree:
+    def squeeze(self, dim: int | None = None) -> Self:
         """Remove batch dims of size 1 (all of them, or only ``dim``)."""
         if dim is None:
             dims = [i for i, s in enumerate(self._batch_size) if s == 1]
@@ -76,19 +76,19 @@ class ShapeOps:
         new_bs = torch.Size([s for i, s in enumerate(self._batch_size) if i not in dims])
         nd = self.ndim
 
-        def fn(t: torch.Tensor, _: TensorTree) -> torch.Tensor:
+        def fn(t: torch.Tensor, _: TreeCore) -> torch.Tensor:
             return t.reshape(*new_bs, *t.shape[nd:])
 
         return self._map(fn, new_bs)
 
-    def reshape(self: TensorTree, *shape: Any) -> TensorTree:
+    def reshape(self, *shape: Any) -> Self:
         """Reshape the batch dims like ``torch.Tensor.reshape`` (``-1`` allowed)."""
         target = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
         new_bs = torch.empty(self._batch_size, device="meta").reshape(*target).shape
         nd = self.ndim
         return self._map(lambda t, _: t.reshape(*new_bs, *t.shape[nd:]), new_bs)
 
-    def apply(self: TensorTree, fn: Callable[[torch.Tensor], torch.Tensor | None], batch_size: Any = None) -> TensorTree:
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor | None], batch_size: Any = None) -> Self:
         """A new tree with ``fn`` applied to every tensor leaf (a ``None`` result drops the key).
 
         Args:
@@ -112,7 +112,7 @@ class ShapeOps:
                 out._data[k] = v
         return out
 
-    def to(self: TensorTree, dest: torch.device | str | torch.dtype, non_blocking: bool = False) -> TensorTree:
+    def to(self, dest: torch.device | str | torch.dtype, non_blocking: bool = False) -> Self:
         """A new tree with every tensor moved to a device or cast to a dtype.
 
         Example:
@@ -127,29 +127,29 @@ class ShapeOps:
         out._set_device(device)
         return out
 
-    def _set_device(self: TensorTree, device: torch.device | None) -> None:
+    def _set_device(self, device: torch.device | None) -> None:
         self._device = device
         for v in self._data.values():
             if isinstance(v, ShapeOps):
                 v._set_device(device)
 
-    def cpu(self: TensorTree) -> TensorTree:
+    def cpu(self) -> Self:
         """Same as ``to("cpu")``."""
         return self.to("cpu")
 
-    def clone(self: TensorTree) -> TensorTree:
+    def clone(self) -> Self:
         """A deep copy in ordinary memory (memory-mapped leaves are copied into RAM)."""
         out = self.apply(lambda t: t.clone())
         out._copy_non_tensors()
         return out
 
-    def _copy_non_tensors(self: TensorTree) -> None:
+    def _copy_non_tensors(self) -> None:
         for k, v in self._data.items():
             if isinstance(v, ShapeOps):
                 v._copy_non_tensors()
             elif isinstance(v, NonTensor):
                 self._data[k] = NonTensor(copy.deepcopy(v.data))
 
-    def contiguous(self: TensorTree) -> TensorTree:
+    def contiguous(self) -> Self:
         """A new tree whose leaves are contiguous (expanded leaves are materialised)."""
         return self.apply(lambda t: t.contiguous())
