@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import memtree
+from treeutil import plain, snapshot
 
 LOAD_VARIANTS = [{}, {"mode": "r"}, {"mmap": False}]
 LOAD_IDS = ["default", "mode_r", "no_mmap"]
@@ -84,26 +85,6 @@ def tree_dir(tmp_path) -> Path:
     return write_tree(tmp_path / "tree")
 
 
-def snapshot(root) -> dict:
-    """Everything under root, without following links: kind, size, bytes, link target."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            st_ = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(st_.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st_.st_mode):
-                with open(p, "rb") as f:
-                    out[rel] = ("file", st_.st_size, f.read() if st_.st_size < (1 << 26) else None)
-            elif stat.S_ISDIR(st_.st_mode):
-                out[rel] = ("dir",)
-            else:
-                out[rel] = ("other", stat.S_IFMT(st_.st_mode))
-    return out
-
-
 def expect_error(prefix, exc, root=None, **kw):
     """Loading raises exc (a MemtreeError) and nothing on disk changes.
 
@@ -129,10 +110,6 @@ def set_root(prefix: Path, meta) -> None:
 
 def set_child(prefix: Path, meta) -> None:
     (prefix / "b" / "meta.json").write_bytes(meta if isinstance(meta, bytes) else dump(meta))
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
 
 
 # ----------------------------------------------------------------------------- the valid baseline

@@ -21,7 +21,6 @@ About 500 examples in CI; the soak variant multiplies them:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -40,6 +39,7 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
+from treeutil import snapshot
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
 
@@ -184,24 +184,6 @@ def event(name: str) -> None:
         import hypothesis
 
         hypothesis.event(name)
-
-
-def snapshot(root: Path) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            s = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(s.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(s.st_mode):
-                with open(p, "rb") as f:
-                    digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
-                out[rel] = ("file", s.st_size, s.st_mtime_ns, digest)
-            else:
-                out[rel] = (stat.S_IFMT(s.st_mode), s.st_mtime_ns)
-    return out
 
 
 def expected_leaves(tree: Path) -> dict:

@@ -13,6 +13,7 @@ import torch.multiprocessing as tmp_mp
 
 import memtree
 from memtree import MemoryMappedTensor as MMT
+from treeutil import plain, random_tensor, raw_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -27,30 +28,6 @@ SHAPES = [(), (0,), (2, 0, 3), (1,), (7,), (3, 5), (2, 3, 4)]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as an ordinary torch.Tensor (no subclass dispatch)."""
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as C-contiguous bytes (bit-exact, NaN-safe)."""
-    p = plain(t).detach().contiguous().reshape(-1)
-    return p.view(torch.uint8).numpy().tobytes()
-
-
-def random_tensor(shape, dtype, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = 1
-    for s in shape:
-        n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if dtype is torch.bool:
-        b = torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g)
-    else:
-        b = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    return b.view(dtype).reshape(shape).clone()
 
 
 def file_bytes(path) -> bytes:

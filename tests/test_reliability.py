@@ -35,6 +35,8 @@ import memtree
 from memtree import TensorTree
 from memtree.store import files as fileio
 from memtree.store import write as write_mod
+from treeutil import fingerprint, flat, plain
+from treeutil import raw_bytes as raw
 
 recover_mod = importlib.import_module("memtree.store.recovery")
 
@@ -44,36 +46,6 @@ FORK = mp.get_context("fork")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return plain(t).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def flat(tree, prefix=()):
-    out = {}
-    for k in tree.keys():
-        v = tree[k]
-        if isinstance(v, TensorTree):
-            out.update(flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def fingerprint(tree) -> dict:
-    """{key: (dtype, shape, bytes)} for tensors, {key: value} for the rest."""
-    out = {}
-    for k, v in flat(tree).items():
-        if isinstance(v, torch.Tensor):
-            out[k] = (v.dtype, tuple(v.shape), raw(v))
-        else:
-            out[k] = v.data if hasattr(v, "data") else v
-    return out
 
 
 def sample(seed: int = 0, batch: int = 4, big: int = 0) -> TensorTree:
