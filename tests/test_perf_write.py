@@ -262,8 +262,9 @@ def test_failure_in_one_thread_stops_the_others(tmp_path, monkeypatch, exc, over
 
     monkeypatch.setattr(write_mod, "create_leaf", flaky)
     expected = memtree.StorageError if isinstance(exc, OSError) else KeyboardInterrupt
-    with pytest.raises(expected, match="injected"):
+    with pytest.raises(expected, match="injected") as ei:
         many_levels(10, 4).memmap(prefix, num_threads=3)
+    assert getattr(ei.value, "errno", None) == getattr(exc, "errno", None)
     assert len(started) < 10, f"{len(started)} of 40 leaves were started after the failure"
     assert not any(t.name.startswith("memtree-write-") for t in threading.enumerate())
     assert os.listdir(tmp_path) == (["t"] if overwrite else [])

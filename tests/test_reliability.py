@@ -459,31 +459,6 @@ def test_exception_in_a_leaf_write_cleans_up_and_comes_back(parent, monkeypatch,
     assert os.listdir(parent) == ["tree"]
 
 
-def test_failure_in_one_writer_thread_stops_the_others(parent, monkeypatch):
-    """Row 33: leaves not yet started when a thread fails are never written."""
-    tree = TensorTree({f"k{i:02d}": torch.full((2,), float(i)) for i in range(40)})
-    real = write_mod.create_leaf
-    started = []
-    lock = threading.Lock()
-
-    def flaky(*a, **kw):
-        with lock:
-            started.append(a[0])
-            n = len(started)
-        if n == 3:
-            raise OSError(errno.EIO, "injected")
-        if n > 3:
-            threading.Event().wait(0.3)  # slow leaves: the failure is seen while they run
-        return real(*a, **kw)
-
-    monkeypatch.setattr(write_mod, "create_leaf", flaky)
-    with pytest.raises(memtree.StorageError) as ei:
-        tree.memmap(parent / "t", num_threads=2)
-    assert ei.value.errno == errno.EIO
-    assert len(started) < 10, f"{len(started)} of 40 leaves were started after the failure"
-    assert os.listdir(parent) == []
-
-
 def test_exception_while_writing_root_meta_leaves_destination_unchanged(parent, monkeypatch):
     prefix = parent / "tree"
     sample(1).memmap(prefix)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
-from treeutil import assert_leaf_equal, assert_tree_equal_to, leaf_dict, nested_from_flat
+from treeutil import assert_leaf_equal, assert_tree_equal_to, leaf_dict, nested_from_flat, set_ref
 
 SETTINGS = dict(deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -241,12 +241,7 @@ def test_setitem_tree_matches_reference(data, schema, batch_size, seed):
     sub_bs = torch.empty(batch_size)[leaf_idx].shape
     value_ref = instantiate(schema, sub_bs, seed + 1)
     tree[idx] = build(value_ref, sub_bs)
-    expected = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = value_ref[k]
-        expected[k] = v
+    expected = set_ref(ref, leaf_idx, value_ref)
     assert_tree_equal_to(tree, expected, batch_size)
 
 
@@ -259,12 +254,7 @@ def test_setitem_number_matches_reference(data, schema, batch_size, seed, number
     tree = build(ref, batch_size)
     leaf_idx = expand_index(idx, len(batch_size))
     tree[idx] = number
-    expected = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = number
-        expected[k] = v
+    expected = set_ref(ref, leaf_idx, number)
     assert_tree_equal_to(tree, expected, batch_size)
 
 

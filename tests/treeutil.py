@@ -156,3 +156,16 @@ def nested_from_flat(flat: dict) -> dict:
             d = d.setdefault(p, {})
         d[path[-1]] = v
     return out
+
+
+def set_ref(ref: dict, leaf_idx, value) -> dict:
+    """``ref`` ({key tuple: leaf}) as ``tree[idx] = value`` must leave it, ``leaf_idx`` being the
+    index each tensor leaf sees: ``value`` is a number or {key tuple: value leaf}; the tensors of
+    ``ref`` are not changed and non-tensor leaves stay as they are."""
+    out = {}
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor):
+            v = v.clone()
+            v[leaf_idx] = value[k] if isinstance(value, dict) else value
+        out[k] = v
+    return out
