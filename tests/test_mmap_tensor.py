@@ -470,6 +470,11 @@ class _MMTDataset(torch.utils.data.Dataset):
         return self.mt[i]
 
 
+#: Seconds to wait for a spawn-started process: it imports torch first (5 s on an idle 2-core
+#: machine, several times that under load); a hang still fails.
+SPAWN_TIMEOUT = 180
+
+
 @pytest.fixture(scope="module")
 def spawn_pool():
     """One spawn-started worker shared by the tests below (starting one costs seconds)."""
@@ -486,49 +491,49 @@ def test_plain_pickle_round_trip_keeps_file_and_values(tmp_path):
     assert torch.equal(plain(back), torch.arange(6, dtype=torch.float32))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_file_backed_tensor(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     t = torch.arange(100, dtype=torch.float32).reshape(10, 10)
     mt = MMT.from_tensor(t, filename=str(f))
-    total, tname, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
-    data = spawn_pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=90)
+    total, tname, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
+    data = spawn_pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=SPAWN_TIMEOUT)
     assert total == float(t.sum())
     assert tname == "MemoryMappedTensor"
     assert fname == str(f)
     assert data == raw_bytes(t[2:5])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_worker_writes_reach_the_file(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     mt = MMT.zeros(6, dtype=torch.int64, filename=str(f))
-    assert spawn_pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=90)
+    assert spawn_pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=SPAWN_TIMEOUT)
     expected = np.zeros(6, dtype=np.int64)
     expected[3] = 77
     assert file_bytes(f) == expected.tobytes()
     assert mt[3].item() == 77
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_read_only_tensor(tmp_path, spawn_pool):
     f = tmp_path / "ro.memmap"
     write_file(f, np.arange(10, dtype=np.float64).tobytes())
     mt = MMT.from_filename(str(f), torch.float64, (10,), mode="r")
-    total, _, _ = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, _ = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
     assert total == 45.0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_anonymous_tensor(spawn_pool):
     t = torch.arange(20, dtype=torch.int32)
     mt = MMT.from_tensor(t)
-    total, _, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
     assert total == float(t.sum())
     assert fname is None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_process_writes_through_shared_file(tmp_path):
     f = tmp_path / "x.memmap"
     mt = MMT.zeros(4, dtype=torch.int32, filename=str(f))
@@ -537,9 +542,9 @@ def test_spawn_process_writes_through_shared_file(tmp_path):
     p = ctx.Process(target=_process_write, args=(mt, q))
     p.start()
     try:
-        msg = q.get(timeout=90)
+        msg = q.get(timeout=SPAWN_TIMEOUT)
     finally:
-        p.join(timeout=30)
+        p.join(timeout=SPAWN_TIMEOUT)
         if p.is_alive():
             p.kill()
     assert msg == "ok"
@@ -547,7 +552,7 @@ def test_spawn_process_writes_through_shared_file(tmp_path):
     assert file_bytes(f) == np.array([123, 0, 0, -5], dtype=np.int32).tobytes()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 @pytest.mark.parametrize("batch_size", [None, 2], ids=["uncollated", "collated"])
 def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):
     f = tmp_path / "x.memmap"
@@ -558,7 +563,7 @@ def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):
         batch_size=batch_size,
         num_workers=2,
         multiprocessing_context="spawn",
-        timeout=90,
+        timeout=SPAWN_TIMEOUT,
     )
     got = [plain(b) for b in loader]
     if batch_size is None:

@@ -413,13 +413,16 @@ from memtree import TensorTree
 from memtree.store import write
 write.BACKGROUND_REMOVAL_FILES = 0
 real = shutil.rmtree
+checked = threading.Event()
 def slow(path, *a, **kw):
+    checked.wait(60)  # however late this process is scheduled, the check below sees the old copy
     time.sleep(0.5)
     return real(path, *a, **kw)
 shutil.rmtree = slow
 TensorTree({{"x": torch.ones(2)}}).memmap({str(tmp_path / "t")!r})
 TensorTree({{"x": torch.zeros(2)}}).memmap({str(tmp_path / "t")!r})
 assert len([n for n in __import__("os").listdir({str(tmp_path)!r})]) == 2  # still deleting
+checked.set()
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(memtree.__file__).parents[1]), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
