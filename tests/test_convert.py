@@ -425,6 +425,7 @@ def test_legacy_and_unknown_sources_fail_with_a_clear_message(tmp_path: Path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> None:
     pt = tmp_path / "m.pt"
     torch.save({"w": torch.arange(4.0)}, pt)
@@ -479,6 +480,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     numel = 16 * 2**20
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -283,6 +283,7 @@ def _load_worker(rank: int, world: int, tmp: str) -> None:
     _exit_without_teardown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_save_on_2_ranks_then_open_and_reshard_to_1_and_3(tmp_path):
     """2 ranks: a save failing on rank 1 commits nothing; a good save; then 2 -> 1 and 2 -> 3."""

@@ -537,24 +537,28 @@ def test_pristine_tree_loads_and_verifies(worker, pristine):
     assert memtree.verify_tree(pristine / "tree").checksummed == 7
 
 
+@pytest.mark.slow
 @fuzz(200)
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_any_damage(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
 @fuzz(150)
 @given(mutations=st.lists(st.one_of(meta_field, meta_bytes), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_meta_json(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
 @fuzz(150)
 @given(mutations=st.lists(st.one_of(leaf_file, dir_or_meta), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_files_and_links(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(which=st.sampled_from(METAS), cut=st.integers(min_value=0, max_value=2000), kw=st.sampled_from(KWARGS))
 def test_fuzz_truncated_meta(worker, pristine, which, cut, kw):
@@ -565,12 +569,14 @@ overwrite_byte = st.tuples(st.just("meta_bytes"), st.sampled_from(METAS), st.jus
                            st.integers(min_value=0, max_value=2000), st.binary(min_size=1, max_size=1))
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(edits=st.lists(overwrite_byte, min_size=1, max_size=4), kw=st.sampled_from(KWARGS))
 def test_fuzz_random_bytes_in_meta(worker, pristine, edits, kw):
     _run(worker, pristine, edits, kw)
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(field=meta_field, resize=st.one_of(st.none(), leaf_resize), kw=st.sampled_from(KWARGS))
 def test_fuzz_meta_fields(worker, pristine, field, resize, kw):
@@ -579,6 +585,7 @@ def test_fuzz_meta_fields(worker, pristine, field, resize, kw):
     _run(worker, pristine, [field] if resize is None else [field, resize], kw)
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(resize=leaf_resize, kw=st.sampled_from(KWARGS))
 def test_fuzz_leaf_sizes(worker, pristine, resize, kw):

@@ -319,6 +319,7 @@ def test_real_pickled_non_tensor_data_is_refused(tmp_path: Path, tensordict) -> 
     assert read_tensordict_dir(tmp_path / "td", keys=["w"]).entries["w"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_tensordict_is_never_imported(tmp_path: Path) -> None:
     import subprocess
     import sys

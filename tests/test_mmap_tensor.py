@@ -552,6 +552,7 @@ def test_spawn_process_writes_through_shared_file(tmp_path):
     assert file_bytes(f) == np.array([123, 0, 0, -5], dtype=np.int32).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 @pytest.mark.parametrize("batch_size", [None, 2], ids=["uncollated", "collated"])
 def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):

@@ -405,6 +405,7 @@ def test_process_killed_during_background_removal(tmp_path):
     assert os.listdir(tmp_path) == ["t"]
 
 
+@pytest.mark.slow
 def test_interpreter_exit_waits_for_the_removal(tmp_path):
     code = f"""
 import shutil, time, threading

@@ -6,6 +6,7 @@ checked against doing the same torch operation on each leaf independently, bit-e
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -245,6 +246,7 @@ def test_setitem_tree_matches_reference(data, schema, batch_size, seed):
     assert_tree_equal_to(tree, expected, batch_size)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **SETTINGS)
 @given(data=st.data(), schema=schema_st(), batch_size=batch_size_st,
        seed=st.integers(0, 2**31 - 1), number=st.sampled_from([0, 1, 7, 0.0, 1.0]))
@@ -328,6 +330,7 @@ def test_clone_equal_and_independent(schema, batch_size, seed):
     assert_tree_equal_to(tree, ref, batch_size)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(schema=schema_st(), batch_size=batch_size_st, seed=st.integers(0, 2**31 - 1))
 def test_state_dict_round_trip(schema, batch_size, seed):
