@@ -3,6 +3,8 @@ error, change nothing on disk, and never crash, hang or SIGBUS (SPEC §5, format
 rules", RELIABILITY §7 rows 1-19, 24, 25, 27).
 
 The trees here are written by hand from docs/format.md, so these tests exercise the loader alone.
+The hypothesis fuzzer of the loader (random damage, every load in a child process) is
+test_fuzz_load.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,14 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 import memtree
+from treeutil import plain, snapshot
 
 LOAD_VARIANTS = [{}, {"mode": "r"}, {"mmap": False}]
 LOAD_IDS = ["default", "mode_r", "no_mmap"]
@@ -84,26 +84,6 @@ def tree_dir(tmp_path) -> Path:
     return write_tree(tmp_path / "tree")
 
 
-def snapshot(root) -> dict:
-    """Everything under root, without following links: kind, size, bytes, link target."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            st_ = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(st_.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st_.st_mode):
-                with open(p, "rb") as f:
-                    out[rel] = ("file", st_.st_size, f.read() if st_.st_size < (1 << 26) else None)
-            elif stat.S_ISDIR(st_.st_mode):
-                out[rel] = ("dir",)
-            else:
-                out[rel] = ("other", stat.S_IFMT(st_.st_mode))
-    return out
-
-
 def expect_error(prefix, exc, root=None, **kw):
     """Loading raises exc (a MemtreeError) and nothing on disk changes.
 
@@ -129,10 +109,6 @@ def set_root(prefix: Path, meta) -> None:
 
 def set_child(prefix: Path, meta) -> None:
     (prefix / "b" / "meta.json").write_bytes(meta if isinstance(meta, bytes) else dump(meta))
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
 
 
 # ----------------------------------------------------------------------------- the valid baseline
@@ -991,189 +967,3 @@ def test_pickle_entry_with_bad_file_name(tmp_path, tree_dir, name):
     _plant_pickle(tree_dir, marker, file=name)
     expect_error(tree_dir, (memtree.MetaFormatError, memtree.UnsafePathError), root=tmp_path, allow_pickle=True)
     assert not marker.exists()
-
-
-# ----------------------------------------------------------------------------- fuzzing (in-process)
-
-FUZZ_NAMES = [
-    "../x.memmap", "/etc/passwd", "/dev/zero", "..", ".", "", "a/b.memmap", "x" * 300, "a.memmap",
-    "c.memmap", "e.memmap", "b", "meta.json", "%2E%2E.memmap", "a\x00.memmap", ".hidden.memmap",
-    "../../../../../../etc/passwd", "b/c.memmap", "A.memmap", "x.memmap", "a.pickle",
-]
-FUZZ_DTYPES = [
-    "bool", "uint8", "int64", "float32", "float64", "bfloat16", "complex32", "complex128",
-    "float8_e4m3fn", "float8_e8m0fnu", "object", "torch.float32", "float", "<f4", "", "Tensor",
-]
-FUZZ_SCALARS = st.one_of(
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.sampled_from([0, 1, 2, 3, -1, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64, 2**64 + 1]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.booleans(),
-    st.none(),
-    st.text(max_size=8),
-    st.sampled_from(FUZZ_NAMES + FUZZ_DTYPES + ["memtree", "TensorTree", "little", "big", "tensor", "tree", "json", "pickle"]),
-)
-FUZZ_VALUES = st.one_of(
-    FUZZ_SCALARS,
-    st.lists(st.one_of(st.integers(min_value=-5, max_value=2**65), st.floats(), st.booleans(), st.none()), max_size=5),
-    st.lists(st.integers(min_value=0, max_value=8), max_size=4),
-    st.dictionaries(st.sampled_from(["key", "kind", "file", "dir", "dtype", "shape", "value"]), FUZZ_SCALARS, max_size=4),
-)
-FIELDS = ["format", "version", "type", "byteorder", "batch_size", "entries", "save_id", "extra"]
-ENTRY_FIELDS = ["key", "kind", "file", "dir", "dtype", "shape", "value", "checksum", "path"]
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    base = tmp_path_factory.mktemp("fuzz")
-    write_tree(base / "pristine" / "tree")
-    return base
-
-
-def _check_loaded_level(level, d: Path):
-    """The loaded level agrees with the meta.json on disk: keys, dtypes, shapes, file sizes."""
-    meta = json.loads((d / "meta.json").read_bytes())
-    entries = meta["entries"]
-    assert set(level.keys()) == {e["key"] for e in entries}
-    for e in entries:
-        v = level[e["key"]]
-        if e["kind"] == "tensor":
-            assert isinstance(v, torch.Tensor)
-            assert type(e["shape"]) is list and all(type(x) is int and x >= 0 for x in e["shape"])
-            assert type(e["dtype"]) is str
-            assert list(v.shape) == e["shape"]
-            assert str(v.dtype) == "torch." + e["dtype"]
-            path = d / e["file"]
-            assert os.path.isfile(path) and not os.path.islink(path)
-            assert os.path.getsize(path) == v.numel() * v.element_size()
-            fn = getattr(v, "filename", None)
-            if fn is not None:
-                assert os.path.samefile(fn, path)
-            plain(v).reshape(-1).view(torch.uint8).sum()  # touch every byte
-        elif e["kind"] == "tree":
-            assert isinstance(v, memtree.TensorTree)
-            _check_loaded_level(v, d / e["dir"])
-        elif e["kind"] == "json":
-            assert v == e["value"]
-
-
-def _fuzz_load(pristine: Path, mutate, kw=None):
-    work = Path(tempfile.mkdtemp(dir=pristine))
-    try:
-        shutil.copytree(pristine / "pristine" / "tree", work / "tree")
-        (work / "x.memmap").write_bytes(A_BYTES)  # a decoy for "../x.memmap"
-        mutate(work / "tree")
-        kw = dict(kw or {})
-        text = b"".join(p.read_bytes() for p in [work / "tree" / "meta.json", work / "tree" / "b" / "meta.json"] if p.is_file())
-        if b"/etc" in text or b"/dev" in text:
-            kw["mode"] = "r"  # never let a broken loader extend a system file
-        before = snapshot(work)
-        try:
-            tree = memtree.load_memmap(work / "tree", **kw)
-            tree.keys(include_nested=True)  # load every lazily opened level
-        except memtree.MemtreeError as e:
-            event(f"refused: {type(e).__name__}")
-        except Exception as e:  # pragma: no cover - the failure we are looking for
-            raise AssertionError(f"non-memtree exception {type(e).__name__}: {e}") from e
-        else:
-            event("loaded")
-            _check_loaded_level(tree, work / "tree")
-            del tree
-        assert snapshot(work) == before
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-FUZZ_SETTINGS = settings(
-    max_examples=500,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    database=None,
-)
-
-
-@FUZZ_SETTINGS
-@given(which=st.sampled_from(["meta.json", "b/meta.json"]), cut=st.integers(min_value=0, max_value=400))
-def test_fuzz_truncated_meta(pristine, which, cut):
-    def mutate(tree):
-        p = tree / which
-        data = p.read_bytes()
-        p.write_bytes(data[: min(cut, len(data) - 1)])
-
-    _fuzz_load(pristine, mutate)
-
-
-@FUZZ_SETTINGS
-@given(
-    which=st.sampled_from(["meta.json", "b/meta.json"]),
-    edits=st.lists(st.tuples(st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=255)), min_size=1, max_size=4),
-    kw=st.sampled_from(LOAD_VARIANTS),
-)
-def test_fuzz_random_bytes_in_meta(pristine, which, edits, kw):
-    def mutate(tree):
-        p = tree / which
-        data = bytearray(p.read_bytes())
-        for pos, byte in edits:
-            data[pos % len(data)] = byte
-        p.write_bytes(bytes(data))
-
-    _fuzz_load(pristine, mutate, kw)
-
-
-@FUZZ_SETTINGS
-@given(
-    which=st.sampled_from(["root", "child"]),
-    target=st.one_of(
-        st.tuples(st.just("top"), st.sampled_from(FIELDS), st.just(0)),
-        st.tuples(st.just("entry"), st.sampled_from(ENTRY_FIELDS), st.integers(min_value=0, max_value=3)),
-        st.tuples(st.just("shape_item"), st.just("shape"), st.integers(min_value=0, max_value=3)),
-    ),
-    action=st.sampled_from(["set", "set", "set", "delete"]),
-    value=FUZZ_VALUES,
-    resize=st.one_of(st.none(), st.tuples(st.sampled_from(["a.memmap", "b/c.memmap", "b/e.memmap"]), st.integers(min_value=-24, max_value=24))),
-    kw=st.sampled_from(LOAD_VARIANTS),
-)
-def test_fuzz_meta_fields(pristine, which, target, action, value, resize, kw):
-    kind, field, index = target
-
-    def mutate(tree):
-        meta = root_meta() if which == "root" else child_meta()
-        if kind == "top":
-            if action == "delete":
-                meta.pop(field, None)
-            else:
-                meta[field] = value
-        else:
-            entry = meta["entries"][index % len(meta["entries"])]
-            if kind == "entry":
-                if action == "delete":
-                    entry.pop(field, None)
-                else:
-                    entry[field] = value
-            else:
-                shape = entry.get("shape")
-                if isinstance(shape, list) and shape:
-                    if action == "delete":
-                        shape.pop(index % len(shape))
-                    else:
-                        shape[index % len(shape)] = value
-                else:
-                    entry["shape"] = [value]
-        data = json.dumps(meta, allow_nan=True).encode("utf-8", "surrogatepass")
-        (tree / ("meta.json" if which == "root" else "b/meta.json")).write_bytes(data)
-        if resize is not None:
-            leaf, delta = resize
-            p = tree / leaf
-            _resize(p, max(0, os.path.getsize(p) + delta))
-
-    _fuzz_load(pristine, mutate, kw)
-
-
-@FUZZ_SETTINGS
-@given(
-    leaf=st.sampled_from(["a.memmap", "b/c.memmap", "b/e.memmap"]),
-    size=st.integers(min_value=0, max_value=64),
-    kw=st.sampled_from(LOAD_VARIANTS),
-)
-def test_fuzz_leaf_sizes(pristine, leaf, size, kw):
-    _fuzz_load(pristine, lambda tree: _resize(tree / leaf, size), kw)

@@ -62,6 +62,7 @@ def sample(tmp_path: Path) -> Path:
 # ------------------------------------------------------------------------------------ info
 
 
+@pytest.mark.slow
 def test_info_prints_keys_dtypes_shapes_sizes_totals_and_version(sample: Path) -> None:
     proc = run_cli("info", str(sample))
     assert proc.returncode == 0, proc.stderr
@@ -165,6 +166,7 @@ class _Boom:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.slow
 def test_info_lists_pickled_values_without_unpickling_them(tmp_path: Path) -> None:
     marker = tmp_path / "unpickled"
     tree = TensorTree({"w": torch.ones(2), "obj": NonTensor({1, 2, 3})})
@@ -178,6 +180,7 @@ def test_info_lists_pickled_values_without_unpickling_them(tmp_path: Path) -> No
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_info_survives_a_closed_pipe(tmp_path: Path) -> None:
     TensorTree({f"k{i:04d}": torch.zeros(1) for i in range(1500)}).memmap(tmp_path / "t", num_threads=2)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -26,27 +26,13 @@ from memtree.interop import torchsave
 from memtree.interop.lazy import LazyLeaf
 from memtree.format.level import Level
 from memtree.store.write import write_tree
+from treeutil import random_tensor
+from treeutil import raw_bytes as as_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"
 ALL = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]
 NOT_IN_SAFETENSORS = {torch.complex32, torch.complex128}
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = torch.Size(shape).numel()
-    return (
-        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-        .view(dtype)
-        .reshape(shape)
-    )
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def flat_tensors(tree: memtree.TensorTree) -> dict[str, torch.Tensor]:
@@ -439,6 +425,7 @@ def test_legacy_and_unknown_sources_fail_with_a_clear_message(tmp_path: Path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> None:
     pt = tmp_path / "m.pt"
     torch.save({"w": torch.arange(4.0)}, pt)
@@ -493,6 +480,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     numel = 16 * 2**20
     env = {**os.environ, "PYTHONPATH": str(REPO)}

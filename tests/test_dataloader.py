@@ -139,6 +139,7 @@ def test_dataloader_fork_workers_send_back_single_records(dataset):
     assert_items_equal(memtree.stack(records), src, torch.arange(N))
 
 
+@pytest.mark.slow
 def test_batch_loader_spawn_worker_reads_every_item(dataset):
     """spawn pickles the dataset itself: it must travel as file references, not data."""
     data, src = dataset

@@ -27,6 +27,7 @@ import memtree
 from memtree import TensorTree
 from memtree.store import faults as _faults
 from memtree.store import files as fileio
+from treeutil import fingerprint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,24 +36,6 @@ NAME = "tree"
 
 
 # ----------------------------------------------------------------------------- trees
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
-
-
-def fingerprint(tree, prefix=()) -> dict:
-    """{key: (dtype, shape, bytes)} for tensors and {key: value} for the rest, nested keys flat."""
-    out = {}
-    for k in tree.keys():
-        v = tree[k]
-        if isinstance(v, TensorTree):
-            out.update(fingerprint(v, prefix + (k,)))
-        elif isinstance(v, torch.Tensor):
-            out[prefix + (k,)] = (v.dtype, tuple(v.shape), plain(v).contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            out[prefix + (k,)] = getattr(v, "data", v)
-    return out
 
 
 def make_tree(seed: int, size: str) -> TensorTree:

@@ -1,34 +1,37 @@
 """Hypothesis fuzzer of the loader, every load in a child process (RELIABILITY §7 "Fuzz target").
 
 A valid tree written by memtree (three levels, checksums) is damaged in 1-3 ways: meta.json
-bytes (truncate, insert, overwrite), meta.json fields (dtype, shape, version, file names,
-checksum, batch_size... set to hostile or huge values, or deleted), leaf files (truncate, extend,
-flip a byte, delete, replace by a symlink to a same-sized file outside the tree, to /dev/zero, by
-a FIFO or a directory), sub-directories and meta.json files (symlinks outside or in a loop, FIFO,
-sparse 17 MiB), and nesting deeper than the limit. A long-lived forked worker loads the result
-and touches every byte of every leaf. The properties:
+bytes (truncate at any offset, insert, overwrite), meta.json fields (dtype, shape, version, file
+names, checksum, batch_size... set to hostile or huge values, or deleted), leaf files (truncate,
+extend, resize to any size, flip a byte, delete, replace by a symlink to a same-sized file outside
+the tree, to /dev/zero, by a FIFO or a directory), sub-directories and meta.json files (symlinks
+outside or in a loop, FIFO, sparse 17 MiB), and nesting deeper than the limit. A long-lived forked
+worker loads the result and touches every byte of every leaf. The properties:
 
-* the worker never dies (no SIGBUS/SIGSEGV) and never hangs (20 s per load);
-* a load either raises a MemtreeError or returns tensors whose bytes are exactly the files'
-  bytes, with the dtypes and shapes that meta.json records; no other exception type;
+* the worker never dies (no SIGBUS/SIGSEGV) and never hangs (60 s per load);
+* a load either raises a MemtreeError or returns exactly what the files on disk hold: the keys of
+  every level, json values, tensors with the dtypes and shapes that meta.json records (ints and
+  strings, nothing that merely compares equal), bytes equal to the leaf file's, mapped from that
+  very file, which is a regular file (no link followed, nor a linked directory) of exactly its
+  recorded size (or ``capacity`` rows); no other exception type;
 * ``verify_tree`` agrees: ``load_memmap(verify=True)`` fails exactly when it reports a problem
   (except refusals by policy: a pickled value without ``allow_pickle``, an unregistered class);
 * nothing on disk changes (bytes, sizes, mtimes, link targets), inside or outside the tree.
 
-About 500 examples in CI; the soak variant multiplies them:
+About 2,500 examples in CI (about half of them single mutations of one kind: truncated meta.json,
+overwritten bytes, one field with or without a resized leaf, a resized leaf); the soak variant
+multiplies them:
 ``MEMTREE_FUZZ_SCALE=40 pytest tests/test_fuzz_load.py`` (``benchmarks/soak_faults.py`` does that).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import multiprocessing as mp
 import os
 import shutil
 import stat
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -40,12 +43,13 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
+from treeutil import snapshot
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
 
 FORK = mp.get_context("fork")
 SCALE = float(os.environ.get("MEMTREE_FUZZ_SCALE", "1"))
-LOAD_TIMEOUT = 20.0
+LOAD_TIMEOUT = 60.0  # a hang, not a slow machine: a load takes milliseconds
 
 METAS = ["meta.json", "nested/meta.json", "nested/deeper/meta.json"]
 DIRS = ["nested", "nested/deeper"]
@@ -83,19 +87,25 @@ def build_pristine(root: Path) -> None:
     outside = root / "outside"
     outside.mkdir()
     (outside / "decoy.memmap").write_bytes((root / "tree" / "obs.memmap").read_bytes())
+    (root / "x.memmap").write_bytes((root / "tree" / "act.memmap").read_bytes())  # for "../x.memmap"
     (outside / "meta.json").write_bytes((root / "tree" / "nested" / "meta.json").read_bytes())
     shutil.copytree(root / "tree" / "nested", outside / "nested")
 
 
 def _touch_all(tree, prefix=()):
+    """{key: ("tree",) | ("tensor", dtype, shape, crc32 of every byte, mapped file) | ("value", v)}."""
     out = {}
     for k in tree.keys():
         v = tree[k]
         if isinstance(v, TensorTree):
+            out[prefix + (k,)] = ("tree",)
             out.update(_touch_all(v, prefix + (k,)))
         elif isinstance(v, torch.Tensor):
             data = v.as_subclass(torch.Tensor).contiguous().reshape(-1).view(torch.uint8).numpy()
-            out[prefix + (k,)] = (str(v.dtype).replace("torch.", ""), list(v.shape), zlib.crc32(data))
+            out[prefix + (k,)] = ("tensor", str(v.dtype).replace("torch.", ""), list(v.shape), zlib.crc32(data),
+                                  getattr(v, "filename", None))
+        else:
+            out[prefix + (k,)] = ("value", v)
     return out
 
 
@@ -186,39 +196,42 @@ def event(name: str) -> None:
         hypothesis.event(name)
 
 
-def snapshot(root: Path) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            s = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(s.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(s.st_mode):
-                with open(p, "rb") as f:
-                    digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
-                out[rel] = ("file", s.st_size, s.st_mtime_ns, digest)
-            else:
-                out[rel] = (stat.S_IFMT(s.st_mode), s.st_mtime_ns)
-    return out
-
-
 def expected_leaves(tree: Path) -> dict:
-    """What a successful load must return, from the meta.json files on disk (already validated
-    by the loader, so plain json is enough here)."""
+    """What a successful load must return, from the files on disk: the loader accepted every
+    level it returned, so each is a real directory whose meta.json is a regular file following the
+    schema (plain json is enough to read it), and each leaf a regular file of its recorded size."""
     out = {}
 
     def walk(d: Path, prefix: tuple):
+        assert stat.S_ISDIR(os.lstat(d).st_mode), f"{d} was loaded, but it is not a directory (or a link)"
+        assert _plain_file(d / "meta.json"), f"{d / 'meta.json'} was loaded, but it is not a regular file"
         meta = json.loads((d / "meta.json").read_bytes())
         for e in meta["entries"]:
             key = prefix + (e["key"],)
-            if e["kind"] == "tensor":  # a growable leaf's file may hold more rows (capacity)
-                nbytes = math.prod(e["shape"]) * torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
-                data = (d / e["file"]).read_bytes()[:nbytes]
-                out[key] = (e["dtype"], e["shape"], zlib.crc32(data), e.get("checksum"), data)
+            if e["kind"] == "tensor":
+                shape, dtype = e["shape"], e["dtype"]
+                assert type(shape) is list and all(type(x) is int and x >= 0 for x in shape), (key, shape)
+                assert type(dtype) is str, (key, dtype)
+                itemsize = getattr(torch, dtype).itemsize
+                nbytes = math.prod(shape) * itemsize
+                if "capacity" in e:  # a growable leaf's file holds capacity rows, the tensor the first ones
+                    capacity = e["capacity"]
+                    assert shape and type(capacity) is int and capacity >= shape[0], (key, capacity)
+                    nbytes_file = capacity * math.prod(shape[1:]) * itemsize
+                else:
+                    nbytes_file = nbytes
+                path = d / e["file"]
+                assert _plain_file(path), f"{path} was loaded, but it is not a regular file (or a link)"
+                assert os.path.getsize(path) == nbytes_file, (key, os.path.getsize(path), nbytes_file)
+                data = path.read_bytes()[:nbytes]
+                out[key] = ("tensor", dtype, shape, zlib.crc32(data), e.get("checksum"), path)
             elif e["kind"] == "tree":
+                out[key] = ("tree",)
                 walk(d / e["dir"], key)
+            elif e["kind"] == "json":
+                out[key] = ("value", e["value"])
+            else:  # pickle: never loaded here (no allow_pickle)
+                out[key] = ("kind", e["kind"])
 
     walk(tree, ())
     return out
@@ -226,6 +239,8 @@ def expected_leaves(tree: Path) -> dict:
 
 def check(worker: Worker, work: Path, kw: dict) -> None:
     tree = work / "tree"
+    if any(_plain_file(tree / m) and b"/etc" in (tree / m).read_bytes() for m in METAS):
+        kw = {**kw, "mode": "r"}  # we run as root: never let a broken loader open a system file to write
     before = snapshot(work)
     result = worker.load(tree, kw)
     assert snapshot(work) == before, "a load changed files on disk"
@@ -242,10 +257,17 @@ def check(worker: Worker, work: Path, kw: dict) -> None:
     got = result[1]
     want = expected_leaves(tree)
     assert set(got) == set(want)
-    for key, (dtype, shape, crc) in got.items():
-        w_dtype, w_shape, w_crc, w_checksum, _ = want[key]
+    for key, g in got.items():
+        w = want[key]
+        if g[0] != "tensor":
+            assert g == w, key
+            continue
+        _, dtype, shape, crc, filename = g
+        _, w_dtype, w_shape, w_crc, w_checksum, w_path = w
         assert (dtype, shape, crc) == (w_dtype, w_shape, w_crc), key  # exactly the file's bytes
-        if kw.get("verify") and w_checksum is not None and w_checksum.startswith("crc32:"):
+        if filename is not None:
+            assert os.path.samefile(filename, w_path), (key, filename)  # mapped from that very file
+        if kw.get("verify") and type(w_checksum) is str and w_checksum.startswith("crc32:"):
             assert w_checksum == f"crc32:{crc:08x}", key
     if kw.get("verify"):
         assert kinds == [], f"load(verify=True) succeeded but verify_tree reports {kinds}"
@@ -253,25 +275,49 @@ def check(worker: Worker, work: Path, kw: dict) -> None:
         assert set(kinds) <= {"checksum"}, kinds
 
 
-_IMAGES: dict[Path, list[tuple[str, bytes | None]]] = {}
+def _image(root: Path) -> list[tuple[str, bytes | int | None]]:
+    """(relative path, None for a directory, the bytes of a regular file, else the file type) of
+    everything under root, parents first; links are not followed."""
+    out: list[tuple[str, bytes | int | None]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for n in sorted(dirnames + filenames):
+            p = os.path.join(dirpath, n)
+            mode = os.lstat(p).st_mode
+            data = None if stat.S_ISDIR(mode) else Path(p).read_bytes() if stat.S_ISREG(mode) else stat.S_IFMT(mode)
+            out.append((os.path.relpath(p, root), data))
+    return out
+
+
+_IMAGES: dict[Path, list[tuple[str, bytes | int | None]]] = {}
 
 
 def fresh_copy(pristine: Path) -> Path:
-    """A new copy of the pristine directory (its files are cached in memory: fast)."""
+    """``<pristine>/../work``, holding exactly what the pristine directory holds. It is one
+    directory reset in place: what a mutation left is removed or rewritten (the pristine files are
+    cached in memory). A new copy per example cost about 40 ms, mostly rmdir and truncation (ext4
+    mounted with ``discard``), more than the load."""
     image = _IMAGES.get(pristine)
     if image is None:
-        image = []
-        for dirpath, dirnames, filenames in os.walk(pristine):
-            rel = os.path.relpath(dirpath, pristine)
-            image += [(os.path.join(rel, d), None) for d in sorted(dirnames)]
-            image += [(os.path.join(rel, f), Path(dirpath, f).read_bytes()) for f in sorted(filenames)]
-        _IMAGES[pristine] = image
-    work = Path(tempfile.mkdtemp(dir=pristine.parent))
+        image = _IMAGES[pristine] = _image(pristine)
+        assert all(data is None or isinstance(data, bytes) for _, data in image)
+    want = dict(image)
+    work = pristine.parent / "work"
+    work.mkdir(exist_ok=True)
+    for dirpath, dirnames, filenames in os.walk(work, topdown=False):  # children before parents
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            rel, mode = os.path.relpath(p, work), os.lstat(p).st_mode
+            if rel in want and (stat.S_ISDIR(mode) if want[rel] is None else stat.S_ISREG(mode)):
+                continue
+            (os.rmdir if stat.S_ISDIR(mode) else os.unlink)(p)
     for rel, data in image:
+        p = work / rel
         if data is None:
-            os.mkdir(work / rel)
-        else:
-            (work / rel).write_bytes(data)
+            os.makedirs(p, exist_ok=True)
+        elif not p.exists() or p.read_bytes() != data:  # only what changed: a truncating open is slow too
+            p.write_bytes(data)
+    assert _image(work) == image, "the work directory was not reset to the pristine state"
     return work
 
 
@@ -279,23 +325,27 @@ def fresh_copy(pristine: Path) -> Path:
 
 
 HUGE = [2**31, 2**32, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 10**30, -1, -(2**63), 1e308, 1.5, float("inf")]
-NAMES = ["../outside/decoy.memmap", "/dev/zero", "..", ".", "", "a/b.memmap", "x" * 300 + ".memmap", "obs.memmap",
-         "act.memmap", "nested", "meta.json", "%2E%2E.memmap", ".hidden.memmap", "OBS.memmap", "decoy.memmap",
+NAMES = ["../outside/decoy.memmap", "../x.memmap", "/dev/zero", "/etc/passwd", "../../../../../../etc/passwd", "..",
+         ".", "", "a/b.memmap", "nested/x.memmap", "x" * 300 + ".memmap", "obs.memmap", "act.memmap", "nested",
+         "meta.json", "%2E%2E.memmap", "a\x00.memmap", ".hidden.memmap", "OBS.memmap", "decoy.memmap", "a.pickle",
          "../outside", "deeper", "c32.memmap"]
 DTYPES = ["bool", "uint8", "int16", "int64", "float32", "float64", "bfloat16", "complex32", "complex128",
-          "float8_e5m2", "float8_e8m0fnu", "object", "torch.float32", "<f4", "", "float128", "qint8"]
+          "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "object", "torch.float32", "float", "Tensor", "<f4", "",
+          "float128", "qint8"]
 CHECKSUMS = ["crc32:00000000", "crc32:ffffffff", "crc32:0", "sha256:" + "0" * 64, "md5:" + "0" * 32, "crc32",
              "CRC32:00000000", "crc32:GGGGGGGG", ""]
 SCALARS = st.one_of(
     st.sampled_from(HUGE), st.sampled_from(NAMES), st.sampled_from(DTYPES), st.sampled_from(CHECKSUMS),
-    st.integers(min_value=-3, max_value=8), st.booleans(), st.none(), st.text(max_size=6),
+    st.integers(min_value=-3, max_value=8), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(), st.text(max_size=8),
     st.sampled_from(["memtree", "TensorTree", "little", "big", "tensor", "tree", "json", "pickle", 1, 2, 0]),
 )
 VALUES = st.one_of(
     SCALARS,
     st.lists(st.one_of(st.integers(min_value=0, max_value=6), st.sampled_from(HUGE)), max_size=4),
+    st.lists(st.one_of(st.integers(min_value=-5, max_value=2**65), st.floats(), st.booleans(), st.none()), max_size=5),
     st.lists(SCALARS, max_size=3),
-    st.dictionaries(st.sampled_from(["key", "kind", "file", "dir", "dtype", "shape"]), SCALARS, max_size=3),
+    st.dictionaries(st.sampled_from(["key", "kind", "file", "dir", "dtype", "shape", "value"]), SCALARS, max_size=3),
 )
 TOP_FIELDS = ["format", "version", "type", "byteorder", "batch_size", "entries", "save_id", "extra"]
 ENTRY_FIELDS = ["key", "kind", "file", "dir", "dtype", "shape", "capacity", "checksum", "value", "path"]
@@ -335,10 +385,11 @@ meta_field = st.tuples(
 )
 leaf_file = st.tuples(
     st.just("leaf"), st.sampled_from(LEAVES),
-    st.sampled_from(["truncate", "extend", "flip", "flip", "delete", "link_decoy", "link_zero", "link_dangling",
-                     "link_dir", "fifo", "dir"]),
+    st.sampled_from(["truncate", "extend", "resize", "flip", "flip", "delete", "link_decoy", "link_zero",
+                     "link_dangling", "link_dir", "fifo", "dir"]),
     st.integers(min_value=0, max_value=80),
 )
+leaf_resize = st.tuples(st.just("leaf"), st.sampled_from(LEAVES), st.just("resize"), st.integers(min_value=0, max_value=80))
 dir_or_meta = st.tuples(
     st.just("path"), st.sampled_from(DIRS + METAS),
     st.sampled_from(["link_outside", "link_root", "link_loop", "fifo", "delete", "sparse_17mib", "dir"]),
@@ -356,12 +407,13 @@ def apply(work: Path, mutation) -> None:
         if not _plain_file(p):
             return
         b = p.read_bytes()
-        pos %= len(b) + 1
         if op == "truncate":
-            b = b[:pos]
+            b = b[: pos % max(len(b), 1)]  # always shorter (an empty file stays empty)
         elif op == "insert":
+            pos %= len(b) + 1
             b = b[:pos] + data + b[pos:]
         elif op == "overwrite":
+            pos %= len(b) + 1
             b = b[:pos] + data + b[pos + len(data):]
         else:
             b = b + data
@@ -408,6 +460,9 @@ def apply(work: Path, mutation) -> None:
             os.truncate(p, min(n, max(p.stat().st_size - 1, 0)))
         elif op == "extend":
             os.truncate(p, p.stat().st_size + n + 1)
+        elif op == "resize":  # exactly n bytes, grown with non-zero bytes
+            b = p.read_bytes()[:n]
+            p.write_bytes(b + bytes((i * 31 + 7) % 256 for i in range(n - len(b))))
         elif op == "flip":
             b = bytearray(p.read_bytes())
             if b:
@@ -469,12 +524,9 @@ def fuzz(examples: int):
 
 def _run(worker, pristine, mutations, kw):
     work = fresh_copy(pristine)
-    try:
-        for m in mutations:
-            apply(work, m)
-        check(worker, work, kw)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    for m in mutations:
+        apply(work, m)
+    check(worker, work, kw)
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
@@ -485,62 +537,90 @@ def test_pristine_tree_loads_and_verifies(worker, pristine):
     assert memtree.verify_tree(pristine / "tree").checksummed == 7
 
 
+@pytest.mark.slow
 @fuzz(200)
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_any_damage(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
 @fuzz(150)
 @given(mutations=st.lists(st.one_of(meta_field, meta_bytes), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_meta_json(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
 @fuzz(150)
 @given(mutations=st.lists(st.one_of(leaf_file, dir_or_meta), min_size=1, max_size=3), kw=st.sampled_from(KWARGS))
 def test_fuzz_files_and_links(worker, pristine, mutations, kw):
     _run(worker, pristine, mutations, kw)
 
 
+@pytest.mark.slow
+@fuzz(500)
+@given(which=st.sampled_from(METAS), cut=st.integers(min_value=0, max_value=2000), kw=st.sampled_from(KWARGS))
+def test_fuzz_truncated_meta(worker, pristine, which, cut, kw):
+    _run(worker, pristine, [("meta_bytes", which, "truncate", cut, b"")], kw)
+
+
+overwrite_byte = st.tuples(st.just("meta_bytes"), st.sampled_from(METAS), st.just("overwrite"),
+                           st.integers(min_value=0, max_value=2000), st.binary(min_size=1, max_size=1))
+
+
+@pytest.mark.slow
+@fuzz(500)
+@given(edits=st.lists(overwrite_byte, min_size=1, max_size=4), kw=st.sampled_from(KWARGS))
+def test_fuzz_random_bytes_in_meta(worker, pristine, edits, kw):
+    _run(worker, pristine, edits, kw)
+
+
+@pytest.mark.slow
+@fuzz(500)
+@given(field=meta_field, resize=st.one_of(st.none(), leaf_resize), kw=st.sampled_from(KWARGS))
+def test_fuzz_meta_fields(worker, pristine, field, resize, kw):
+    """One field changed or deleted, and now and then a leaf of another size (that field may be its
+    shape or dtype)."""
+    _run(worker, pristine, [field] if resize is None else [field, resize], kw)
+
+
+@pytest.mark.slow
+@fuzz(500)
+@given(resize=leaf_resize, kw=st.sampled_from(KWARGS))
+def test_fuzz_leaf_sizes(worker, pristine, resize, kw):
+    _run(worker, pristine, [resize], kw)
+
+
 @pytest.mark.parametrize("value", ["Unregistered", "pkg.Record"])
 def test_unregistered_class_is_a_policy_refusal_not_damage(worker, pristine, value):
     work = fresh_copy(pristine)
-    try:
-        apply(work, ("meta_field", "nested/meta.json", ("top", "type", 0), "set", value))
-        r = worker.load(work / "tree", {"verify": True})
-        assert r[0] == "refused" and r[1] == "UnknownClassError" and r[-1] == [], r
-        check(worker, work, {})
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    apply(work, ("meta_field", "nested/meta.json", ("top", "type", 0), "set", value))
+    r = worker.load(work / "tree", {"verify": True})
+    assert r[0] == "refused" and r[1] == "UnknownClassError" and r[-1] == [], r
+    check(worker, work, {})
 
 
 @pytest.mark.parametrize("depth", [254, 255])
 def test_nesting_deeper_than_the_limit(worker, pristine, depth):
     """The root is depth 0 and nested/deeper depth 2: 254 more levels reach the limit (256)."""
     work = fresh_copy(pristine)
-    try:
-        apply(work, ("deep", depth, "", 0))
-        r = worker.load(work / "tree", {})
-        if depth <= 254:
-            assert r[0] == "loaded" and r[-1] == [], r
-        else:
-            assert r[0] == "refused" and r[1] == "LimitError" and r[-1] == ["limit"], r
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    apply(work, ("deep", depth, "", 0))
+    r = worker.load(work / "tree", {})
+    if depth <= 254:
+        assert r[0] == "loaded" and r[-1] == [], r
+    else:
+        assert r[0] == "refused" and r[1] == "LimitError" and r[-1] == ["limit"], r
 
 
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_every_single_bit_flip_is_caught_by_verify(worker, pristine, leaf):
     """Not random: a flip in each leaf (except the empty one) fails verify=True, loads without."""
     work = fresh_copy(pristine)
-    try:
-        apply(work, ("leaf", leaf, "flip", 3))
-        r = worker.load(work / "tree", {"verify": True})
-        if leaf == "nested/empty.memmap":
-            assert r[0] == "loaded" and r[-1] == []
-        else:
-            assert r[0] == "refused" and r[1] == "IntegrityError" and r[-1] == ["checksum"], r
-            assert worker.load(work / "tree", {})[0] == "loaded"
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    apply(work, ("leaf", leaf, "flip", 3))
+    r = worker.load(work / "tree", {"verify": True})
+    if leaf == "nested/empty.memmap":
+        assert r[0] == "loaded" and r[-1] == []
+    else:
+        assert r[0] == "refused" and r[1] == "IntegrityError" and r[-1] == ["checksum"], r
+        assert worker.load(work / "tree", {})[0] == "loaded"

@@ -61,6 +61,7 @@ def entry(path, key):
 # ------------------------------------------------------------------------------ amortised growth
 
 
+@pytest.mark.slow
 def test_append_10000_single_items_grows_files_geometrically(fast_dir):
     tmp_path = fast_dir
     d = tmp_path / "buf"

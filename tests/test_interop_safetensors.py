@@ -14,24 +14,10 @@ import torch
 import memtree
 from memtree.interop import SafetensorsReader, open_checkpoint, save_safetensors
 from memtree.interop.safetensors_file import SAFETENSORS_DTYPES, write_safetensors
+from treeutil import random_tensor
+from treeutil import raw_bytes as as_bytes
 
 st = pytest.importorskip("safetensors.torch")
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = torch.Size(shape).numel()
-    return (
-        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-        .view(dtype)
-        .reshape(shape)
-    )
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def every_dtype() -> dict[str, torch.Tensor]:

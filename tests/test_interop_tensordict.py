@@ -15,22 +15,12 @@ import torch
 import memtree
 from memtree.format.dtypes import dtype_from_name
 from memtree.interop import read_tensordict_dir
+from treeutil import random_tensor, snapshot
+from treeutil import raw_bytes as as_bytes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tensordict_mmap_example"
 TD_TYPE = "<class 'tensordict._td.TensorDict'>"
 NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 # -- the fixed artifact --------------------------------------------------------------------------
@@ -230,18 +220,6 @@ TD_DTYPES = [
 ]
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = torch.Size(shape).numel()
-    return (
-        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-        .view(dtype)
-        .reshape(shape)
-    )
-
-
 @pytest.fixture
 def tensordict():
     """The real tensordict package (these tests skip without it; the ones above never need it)."""
@@ -341,6 +319,7 @@ def test_real_pickled_non_tensor_data_is_refused(tmp_path: Path, tensordict) -> 
     assert read_tensordict_dir(tmp_path / "td", keys=["w"]).entries["w"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_tensordict_is_never_imported(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -15,22 +15,10 @@ import torch
 import memtree
 from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.interop import TorchSaveReader, open_checkpoint
+from treeutil import random_tensor
+from treeutil import raw_bytes as as_bytes
 
 DTYPES = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random bytes of any dtype (NaN payloads included: compare with ``as_bytes``)."""
-    g = torch.Generator().manual_seed(seed)
-    n = torch.Size(shape).numel()
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch.multiprocessing as tmp_mp
 
 import memtree
 from memtree import MemoryMappedTensor as MMT
+from treeutil import plain, random_tensor, raw_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -27,30 +28,6 @@ SHAPES = [(), (0,), (2, 0, 3), (1,), (7,), (3, 5), (2, 3, 4)]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as an ordinary torch.Tensor (no subclass dispatch)."""
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as C-contiguous bytes (bit-exact, NaN-safe)."""
-    p = plain(t).detach().contiguous().reshape(-1)
-    return p.view(torch.uint8).numpy().tobytes()
-
-
-def random_tensor(shape, dtype, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = 1
-    for s in shape:
-        n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if dtype is torch.bool:
-        b = torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g)
-    else:
-        b = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    return b.view(dtype).reshape(shape).clone()
 
 
 def file_bytes(path) -> bytes:
@@ -493,6 +470,11 @@ class _MMTDataset(torch.utils.data.Dataset):
         return self.mt[i]
 
 
+#: Seconds to wait for a spawn-started process: it imports torch first (5 s on an idle 2-core
+#: machine, several times that under load); a hang still fails.
+SPAWN_TIMEOUT = 180
+
+
 @pytest.fixture(scope="module")
 def spawn_pool():
     """One spawn-started worker shared by the tests below (starting one costs seconds)."""
@@ -509,49 +491,49 @@ def test_plain_pickle_round_trip_keeps_file_and_values(tmp_path):
     assert torch.equal(plain(back), torch.arange(6, dtype=torch.float32))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_file_backed_tensor(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     t = torch.arange(100, dtype=torch.float32).reshape(10, 10)
     mt = MMT.from_tensor(t, filename=str(f))
-    total, tname, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
-    data = spawn_pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=90)
+    total, tname, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
+    data = spawn_pool.apply_async(_worker_bytes, (mt[2:5],)).get(timeout=SPAWN_TIMEOUT)
     assert total == float(t.sum())
     assert tname == "MemoryMappedTensor"
     assert fname == str(f)
     assert data == raw_bytes(t[2:5])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_worker_writes_reach_the_file(tmp_path, spawn_pool):
     f = tmp_path / "x.memmap"
     mt = MMT.zeros(6, dtype=torch.int64, filename=str(f))
-    assert spawn_pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=90)
+    assert spawn_pool.apply_async(_worker_write, (mt, 3, 77)).get(timeout=SPAWN_TIMEOUT)
     expected = np.zeros(6, dtype=np.int64)
     expected[3] = 77
     assert file_bytes(f) == expected.tobytes()
     assert mt[3].item() == 77
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_read_only_tensor(tmp_path, spawn_pool):
     f = tmp_path / "ro.memmap"
     write_file(f, np.arange(10, dtype=np.float64).tobytes())
     mt = MMT.from_filename(str(f), torch.float64, (10,), mode="r")
-    total, _, _ = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, _ = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
     assert total == 45.0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_pool_receives_anonymous_tensor(spawn_pool):
     t = torch.arange(20, dtype=torch.int32)
     mt = MMT.from_tensor(t)
-    total, _, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=90)
+    total, _, fname = spawn_pool.apply_async(_worker_sum, (mt,)).get(timeout=SPAWN_TIMEOUT)
     assert total == float(t.sum())
     assert fname is None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 def test_spawn_process_writes_through_shared_file(tmp_path):
     f = tmp_path / "x.memmap"
     mt = MMT.zeros(4, dtype=torch.int32, filename=str(f))
@@ -560,9 +542,9 @@ def test_spawn_process_writes_through_shared_file(tmp_path):
     p = ctx.Process(target=_process_write, args=(mt, q))
     p.start()
     try:
-        msg = q.get(timeout=90)
+        msg = q.get(timeout=SPAWN_TIMEOUT)
     finally:
-        p.join(timeout=30)
+        p.join(timeout=SPAWN_TIMEOUT)
         if p.is_alive():
             p.kill()
     assert msg == "ok"
@@ -570,7 +552,8 @@ def test_spawn_process_writes_through_shared_file(tmp_path):
     assert file_bytes(f) == np.array([123, 0, 0, -5], dtype=np.int32).tobytes()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT)
 @pytest.mark.parametrize("batch_size", [None, 2], ids=["uncollated", "collated"])
 def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):
     f = tmp_path / "x.memmap"
@@ -581,7 +564,7 @@ def test_dataloader_spawn_workers_read_right_values(tmp_path, batch_size):
         batch_size=batch_size,
         num_workers=2,
         multiprocessing_context="spawn",
-        timeout=90,
+        timeout=SPAWN_TIMEOUT,
     )
     got = [plain(b) for b in loader]
     if batch_size is None:

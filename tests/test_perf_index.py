@@ -23,6 +23,8 @@ import memtree
 from memtree import MemoryMappedTensor as MMT
 from memtree import TensorTree
 from memtree.store import mapped as mmap_tensor
+from treeutil import plain
+from treeutil import raw_bytes as bits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,14 +33,6 @@ SETTINGS = dict(
     max_examples=60,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return plain(t).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def dataset(path, n: int = 64) -> TensorTree:

@@ -35,6 +35,8 @@ import memtree
 from memtree import TensorTree
 from memtree.store import files as fileio
 from memtree.store import write as write_mod
+from treeutil import fingerprint, flat, plain
+from treeutil import raw_bytes as raw
 
 recover_mod = importlib.import_module("memtree.store.recovery")
 
@@ -44,36 +46,6 @@ FORK = mp.get_context("fork")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return plain(t).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def flat(tree, prefix=()):
-    out = {}
-    for k in tree.keys():
-        v = tree[k]
-        if isinstance(v, TensorTree):
-            out.update(flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def fingerprint(tree) -> dict:
-    """{key: (dtype, shape, bytes)} for tensors, {key: value} for the rest."""
-    out = {}
-    for k, v in flat(tree).items():
-        if isinstance(v, torch.Tensor):
-            out[k] = (v.dtype, tuple(v.shape), raw(v))
-        else:
-            out[k] = v.data if hasattr(v, "data") else v
-    return out
 
 
 def sample(seed: int = 0, batch: int = 4, big: int = 0) -> TensorTree:
@@ -485,31 +457,6 @@ def test_exception_in_a_leaf_write_cleans_up_and_comes_back(parent, monkeypatch,
     monkeypatch.undo()
     sample(4).memmap(prefix)  # the lock was released
     assert os.listdir(parent) == ["tree"]
-
-
-def test_failure_in_one_writer_thread_stops_the_others(parent, monkeypatch):
-    """Row 33: leaves not yet started when a thread fails are never written."""
-    tree = TensorTree({f"k{i:02d}": torch.full((2,), float(i)) for i in range(40)})
-    real = write_mod.create_leaf
-    started = []
-    lock = threading.Lock()
-
-    def flaky(*a, **kw):
-        with lock:
-            started.append(a[0])
-            n = len(started)
-        if n == 3:
-            raise OSError(errno.EIO, "injected")
-        if n > 3:
-            threading.Event().wait(0.3)  # slow leaves: the failure is seen while they run
-        return real(*a, **kw)
-
-    monkeypatch.setattr(write_mod, "create_leaf", flaky)
-    with pytest.raises(memtree.StorageError) as ei:
-        tree.memmap(parent / "t", num_threads=2)
-    assert ei.value.errno == errno.EIO
-    assert len(started) < 10, f"{len(started)} of 40 leaves were started after the failure"
-    assert os.listdir(parent) == []
 
 
 def test_exception_while_writing_root_meta_leaves_destination_unchanged(parent, monkeypatch):

@@ -56,6 +56,8 @@ class FaultyServer(ThreadingHTTPServer):
         self.fail_first = 0  # answer the next N requests with 503
         self.latency = 0.0
         self.change_after: int | None = None  # after N leaf GETs, every leaf changes (new ETag)
+        self.hold_after: int | None = None  # leaf GETs after the first N wait for ``release``, then are dropped
+        self.release = threading.Event()
         self.leaf_gets = 0
         self.served: Counter[str] = Counter()  # body bytes sent per path
         self.gets: Counter[str] = Counter()
@@ -124,6 +126,11 @@ class Handler(BaseHTTPRequestHandler):
                     for p in [p for p in srv.files if p.endswith(".memmap")]:
                         srv.files[p] = bytes(b ^ 0xFF for b in srv.files[p])
                     srv.change_after = None
+                hold = srv.hold_after is not None and srv.leaf_gets > srv.hold_after
+            if hold:
+                srv.release.wait(300)
+                self.close_connection = True
+                return
         elif body:
             with srv.lock:
                 srv.gets[path] += 1
@@ -353,17 +360,18 @@ def _download_into(url: str, cache: str) -> None:
 def test_killed_download_leaves_no_cache_entry_and_the_next_load_completes(http, server, tmp_path):
     url, tree = http
     cache = str(tmp_path / "cache")
-    server.latency = 0.05
+    server.hold_after = 3  # the 4th range waits: the child is killed mid-download however slow we are
     child = multiprocessing.get_context("fork").Process(target=_download_into, args=(url, cache))
     child.start()
-    deadline = time.monotonic() + 60
-    while server.leaf_gets < 3 and time.monotonic() < deadline and child.is_alive():
+    deadline = time.monotonic() + 100
+    while server.leaf_gets <= 3 and time.monotonic() < deadline and child.is_alive():
         time.sleep(0.01)
     os.kill(child.pid, signal.SIGKILL)  # mid-download: 3 of about 90 ranges fetched
     child.join()
-    assert server.leaf_gets >= 3
+    server.hold_after = None
+    server.release.set()
+    assert server.leaf_gets == 4
     assert [n for n in cache_entries(cache) if not n.startswith(".")] == []  # nothing committed
-    server.latency = 0.0
     loaded = memtree.load_memmap(url, cache_dir=cache)
     assert loaded.is_memmap()
     assert_bit_exact(loaded, tree)

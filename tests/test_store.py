@@ -21,6 +21,7 @@ import torch
 
 import memtree
 from memtree import MemoryMappedTensor, NonTensor, TensorTree
+from treeutil import flat, plain, random_tensor, raw_bytes, snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -37,38 +38,6 @@ STAGING = re.compile(r"memtree-(tmp|old)")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    p = plain(t).detach().contiguous().reshape(-1)
-    return p.view(torch.uint8).numpy().tobytes()
-
-
-def random_tensor(shape, dtype, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if dtype is torch.bool:
-        b = torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g)
-    else:
-        b = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    return b.view(dtype).reshape(shape).clone()
-
-
-def flat(tree, prefix=()):
-    """{key tuple: leaf value} by walking top-level keys (independent of keys() flags)."""
-    out = {}
-    for k in tree.keys():
-        v = tree[k]
-        if isinstance(v, TensorTree):
-            out.update(flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
 
 
 def assert_same_tree(a, b):
@@ -99,19 +68,6 @@ def under(path, root) -> bool:
 def read_meta(d):
     with open(os.path.join(d, "meta.json"), "rb") as f:
         return json.loads(f.read())
-
-
-def snapshot(root):
-    """Every file and directory under root: relpath -> bytes (files) or None (dirs)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def staging_leftovers(parent):

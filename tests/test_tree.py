@@ -20,6 +20,7 @@ from treeutil import (
     bits_equal,
     leaf_dict,
     nested_from_flat,
+    set_ref,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -837,12 +838,7 @@ def test_batch_index_set_with_tree_matches_each_leaf(idx, leaf_idx):
     bs = torch.empty(3, 4)[leaf_idx].shape
     value = TensorTree(nested_from_flat(value_leaves), batch_size=bs)
     tree[idx] = value
-    expected = {}
-    for k, v in leaves.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = value_leaves[k]
-        expected[k] = v
+    expected = set_ref(leaves, leaf_idx, value_leaves)
     assert_tree_equal_to(tree, expected, batch_size=(3, 4))
     # written in place: the tensors held before see the write
     for k, t in before.items():
@@ -854,12 +850,7 @@ def test_batch_index_set_with_number_fills_every_leaf(idx, leaf_idx):
     leaves = make_leaves()
     tree = make_tree(leaves)
     tree[idx] = 1
-    expected = {}
-    for k, v in leaves.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = 1
-        expected[k] = v
+    expected = set_ref(leaves, leaf_idx, 1)
     assert_tree_equal_to(tree, expected, batch_size=(3, 4))
 
 

@@ -6,13 +6,14 @@ checked against doing the same torch operation on each leaf independently, bit-e
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
-from treeutil import assert_leaf_equal, assert_tree_equal_to, leaf_dict, nested_from_flat
+from treeutil import assert_leaf_equal, assert_tree_equal_to, leaf_dict, nested_from_flat, set_ref
 
 SETTINGS = dict(deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -241,15 +242,11 @@ def test_setitem_tree_matches_reference(data, schema, batch_size, seed):
     sub_bs = torch.empty(batch_size)[leaf_idx].shape
     value_ref = instantiate(schema, sub_bs, seed + 1)
     tree[idx] = build(value_ref, sub_bs)
-    expected = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = value_ref[k]
-        expected[k] = v
+    expected = set_ref(ref, leaf_idx, value_ref)
     assert_tree_equal_to(tree, expected, batch_size)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **SETTINGS)
 @given(data=st.data(), schema=schema_st(), batch_size=batch_size_st,
        seed=st.integers(0, 2**31 - 1), number=st.sampled_from([0, 1, 7, 0.0, 1.0]))
@@ -259,12 +256,7 @@ def test_setitem_number_matches_reference(data, schema, batch_size, seed, number
     tree = build(ref, batch_size)
     leaf_idx = expand_index(idx, len(batch_size))
     tree[idx] = number
-    expected = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-            v[leaf_idx] = number
-        expected[k] = v
+    expected = set_ref(ref, leaf_idx, number)
     assert_tree_equal_to(tree, expected, batch_size)
 
 
@@ -338,6 +330,7 @@ def test_clone_equal_and_independent(schema, batch_size, seed):
     assert_tree_equal_to(tree, ref, batch_size)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(schema=schema_st(), batch_size=batch_size_st, seed=st.integers(0, 2**31 - 1))
 def test_state_dict_round_trip(schema, batch_size, seed):

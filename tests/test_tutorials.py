@@ -32,6 +32,7 @@ def test_there_are_tutorials() -> None:
     assert any(p.name.startswith("01_") for p in TUTORIALS), TUTORIALS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs_and_ends_with_ok(script: Path, tmp_path: Path) -> None:
     env = dict(os.environ)

@@ -1,10 +1,102 @@
-"""Bit-exact comparison helpers shared by the TensorTree test files."""
+"""Helpers shared by the test files: random tensors of any dtype, bit-exact comparison of tensors
+and trees, and snapshots of a directory (to assert that a call changed nothing on disk)."""
 
 from __future__ import annotations
+
+import hashlib
+import math
+import os
+import stat
 
 import torch
 
 from memtree import TensorTree
+
+
+def plain(t):
+    """``t`` as an ordinary torch.Tensor sharing its memory (no subclass dispatch); other values
+    unchanged."""
+    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements as C-contiguous bytes (bit-exact, NaN-safe; any view, subclass, or
+    requires_grad tensor)."""
+    p = plain(t).detach().contiguous().reshape(-1)
+    return p.view(torch.uint8).numpy().tobytes() if p.numel() else b""
+
+
+def random_tensor(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A fresh contiguous tensor of random bytes, deterministic in ``seed``: every bit pattern of
+    ``dtype`` (NaN payloads, subnormals: compare with ``raw_bytes``), 0/1 for bool."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if dtype is torch.bool:
+        b = torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g)
+    else:
+        b = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return b.view(dtype).reshape(shape).clone()
+
+
+def flat(tree, prefix=()) -> dict:
+    """{key tuple: leaf value} by walking top-level keys (independent of keys() flags)."""
+    out = {}
+    for k in tree.keys():
+        v = tree[k]
+        if isinstance(v, TensorTree):
+            out.update(flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def fingerprint(tree) -> dict:
+    """{key: (dtype, shape, bytes)} for tensors, {key: value} for the rest (NonTensor unwrapped)."""
+    out = {}
+    for k, v in flat(tree).items():
+        if isinstance(v, torch.Tensor):
+            out[k] = (v.dtype, tuple(v.shape), raw_bytes(v))
+        else:
+            out[k] = v.data if hasattr(v, "data") else v
+    return out
+
+
+_WHOLE_FILE = 1 << 26  # files up to this size are hashed whole; larger (sparse) ones at both ends
+_END = 1 << 20
+
+
+def _digest(path: str, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        else:
+            h.update(f.read(_END))
+            f.seek(size - _END)
+            h.update(f.read(_END))
+    return h.hexdigest()
+
+
+def snapshot(root) -> dict:
+    """Everything under ``root`` without following links, by relative path: kind, size, mtime
+    and content hash of files, mtime of directories (an entry added and removed again shows),
+    link targets. Equal snapshots before and after a call: it changed nothing on disk."""
+    out = {".": ("dir", os.lstat(root).st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = ("file", st.st_size, st.st_mtime_ns, _digest(p, st.st_size))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", st.st_mtime_ns)
+            else:
+                out[rel] = ("other", stat.S_IFMT(st.st_mode), st.st_mtime_ns)
+    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -63,4 +155,17 @@ def nested_from_flat(flat: dict) -> dict:
         for p in path[:-1]:
             d = d.setdefault(p, {})
         d[path[-1]] = v
+    return out
+
+
+def set_ref(ref: dict, leaf_idx, value) -> dict:
+    """``ref`` ({key tuple: leaf}) as ``tree[idx] = value`` must leave it, ``leaf_idx`` being the
+    index each tensor leaf sees: ``value`` is a number or {key tuple: value leaf}; the tensors of
+    ``ref`` are not changed and non-tensor leaves stay as they are."""
+    out = {}
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor):
+            v = v.clone()
+            v[leaf_idx] = value[k] if isinstance(value, dict) else value
+        out[k] = v
     return out
