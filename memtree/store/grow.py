@@ -583,10 +583,13 @@ class _Growth:
             if self.fsync:
                 fsync_dir(self.dest)
         else:
+            fresh = set()  # the files already in a staging directory made for new generations
             if staging is None:
                 staging = self._new_staging(lock)
+            else:
+                fresh = {(leaf.rel, leaf.new.file) for leaf in self.leaves if leaf.new_generation}
             try:
-                self._stage(staging, metas)
+                self._stage(staging, metas, fresh)
                 load_pending_at(self.dest)  # this process's lazily opened trees: map them now
                 if before is not None:
                     before()
@@ -614,10 +617,9 @@ class _Growth:
             raise
         return staging
 
-    def _stage(self, staging: str, metas: dict[str, LevelMeta]) -> None:
-        """Fill ``staging`` with ``metas`` and hard links to every leaf and pickle file that
-        has no new generation there."""
-        fresh = {(leaf.rel, leaf.new.file) for leaf in self.leaves if leaf.new_generation}
+    def _stage(self, staging: str, metas: dict[str, LevelMeta], fresh: set[tuple[str, str]]) -> None:
+        """Fill ``staging`` with ``metas`` and hard links to every leaf and pickle file but the
+        ``fresh`` ones (``(rel, file)``: new generations already there)."""
         for rel in metas:
             for entry in metas[rel].entries:
                 if isinstance(entry, (LeafMeta, PickleMeta)) and (rel, entry.file) not in fresh:
