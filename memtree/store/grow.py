@@ -102,7 +102,7 @@ from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ..format.level import Level
 from .mapped import MemoryMappedTensor, map_leaf, to_storable
 from ..format.values import NonTensor
-from .read import load_pending_at, open_dir, read_meta, walk_levels
+from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
 from .write import LOCK_TIMEOUT, publish
 
@@ -224,6 +224,7 @@ class _Leaf:
     dirty_until: int  # rows past the length up to here may hold old data (the old capacity)
     target: str = ""  # the file the rows go to: the leaf's file, or its new generation
     identity: tuple[int, int] = (0, 0)  # the target's (st_dev, st_ino), checked at each open
+    fd: int = -1  # the target, kept open when the tree has few leaves
     new_generation: bool = False  # the rows go to a new file in the staging directory
 
     @property
@@ -250,6 +251,7 @@ class _Growth:
         self.mappings: dict[str, tuple[int, int]] = {}
         self.staging: str | None = None  # holds the new generations until the commit
         self.fresh_paths: set[str] = set()  # leaves with a new generation: map them again
+        self.keep_open = True  # the leaves' files stay open from their check to the commit
 
     def run(self, length: int, rows: Level | None) -> Level:
         parent, name = os.path.split(self.dest)
@@ -260,6 +262,7 @@ class _Growth:
             old_length = self.current.batch_size[0]
             if length == old_length:
                 return self.current
+            self.keep_open = len(self.leaves) <= held_dirs_budget()
             try:
                 for leaf in self.leaves:
                     self._check_file(leaf, shrink=length < old_length)
@@ -275,6 +278,10 @@ class _Growth:
                     raise
                 raise storage_error(err, f"growing {self.dest}") from err
             finally:
+                for leaf in self.leaves:
+                    if leaf.fd >= 0:
+                        os.close(leaf.fd)
+                        leaf.fd = -1
                 if self.staging is not None:  # not published: the new generations are garbage
                     shutil.rmtree(self.staging, ignore_errors=True)
             made: dict[str, tuple[int, int]] = {}
@@ -404,8 +411,9 @@ class _Growth:
 
         It does on a shrink (the dropped rows stay mapped by earlier readers, and would be
         written over by a later growth) and when the file has another hard link (its bytes
-        are shared with a name that may lie outside the tree). Files are opened when used and
-        closed at once, so a tree of any number of leaves grows with a few descriptors.
+        are shared with a name that may lie outside the tree). A tree with many leaves (more
+        than :func:`~memtree.store.read.held_dirs_budget`) has each file opened when used and
+        closed at once, so it grows with a few descriptors; a smaller one keeps them open.
         """
         try:
             fd, st = open_leaf(leaf.path, leaf.old.file_nbytes, leaf.path, writable=True)
@@ -416,13 +424,23 @@ class _Growth:
                 f"leaf file {leaf.path} does not have the {leaf.old.file_nbytes:,} bytes its "
                 "meta.json says"
             ) from None
-        os.close(fd)
         leaf.target, leaf.identity = leaf.path, (st.st_dev, st.st_ino)
         leaf.new_generation = shrink or st.st_nlink > 1
+        self._keep(leaf, fd)
+
+    def _keep(self, leaf: _Leaf, fd: int) -> None:
+        """Keep ``fd`` (the leaf's target) open for the next steps, or close it now."""
+        if self.keep_open:
+            leaf.fd = fd
+        else:
+            os.close(fd)
 
     @contextmanager
     def _opened(self, leaf: _Leaf) -> Iterator[int]:
         """The leaf's target open read-write: the very file checked (or created) before."""
+        if leaf.fd >= 0:
+            yield leaf.fd
+            return
         try:
             fd, st = open_leaf(leaf.target, 0, leaf.target, strict_size=False, writable=True)
         except MissingLeafError:
@@ -448,7 +466,7 @@ class _Growth:
             if zeros and length > old_length:
                 needed += (length - old_length) * leaf.row_bytes
         if needed:
-            check_free_space(os.path.dirname(self.dest), needed, f"resizing {self.dest}")
+            check_free_space(os.path.dirname(self.dest), needed, f"{'resizing' if zeros else 'growing'} {self.dest}")
 
     # -- steps 2 to 4 ----------------------------------------------------------------------------
     def _grow_capacity(self, lock: WriterLock) -> None:
@@ -509,9 +527,14 @@ class _Growth:
                     os.ftruncate(fd, leaf.new.file_nbytes)
                     copy_range(source, 0, fd, 0, kept * leaf.row_bytes)
                     st = os.fstat(fd)
-                finally:
+                except BaseException:
                     os.close(fd)
+                    raise
+            if leaf.fd >= 0:
+                os.close(leaf.fd)  # the old file: done with it
+                leaf.fd = -1
             leaf.target, leaf.identity = path, (st.st_dev, st.st_ino)
+            self._keep(leaf, fd)
             leaf.dirty_until = kept  # the new file holds zeros past the copied rows
 
     def _write_rows(self, start: int, stop: int, appended: bool) -> None:

@@ -250,7 +250,9 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     ``path`` is a directory, for every destination inside it: restore a destination whose
     overwrite was interrupted between its two renames (the recovery rule in the module
     docstring), then delete stale staging directories, old copies and lock files. Destinations
-    whose lock is held by a live writer are skipped. Writers do the same for their own
+    whose lock is held by a live writer are skipped, and so are those whose lock file is not a
+    regular file with a single name (a link, a FIFO...: memtree would write its journal into
+    it), each with a line that says why. Writers do the same for their own
     destination when they take its lock, so calling this is only needed to reclaim space (or to
     restore a tree) without writing to it again.
 
