@@ -551,8 +551,8 @@ class _Growth:
                 if data is not None:
                     write_fd(fd, data, start * leaf.row_bytes)
                 offset = start * leaf.row_bytes
-                while offset < start * leaf.row_bytes + zeros:
-                    end = start * leaf.row_bytes + zeros
+                end = offset + zeros
+                while offset < end:
                     offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
                 if self.fsync:
                     os.fsync(fd)
