@@ -62,8 +62,9 @@ def files_under(root: Path) -> dict:
             rel = os.path.relpath(p, root)
             if stat.S_ISLNK(st_.st_mode):
                 out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st_.st_mode):
-                out[rel] = ("file", st_.st_ino, Path(p).read_bytes())
+            elif stat.S_ISREG(st_.st_mode):  # bytes of small files; size and mtime of others
+                content = Path(p).read_bytes() if st_.st_size < (1 << 20) else st_.st_mtime_ns
+                out[rel] = ("file", st_.st_ino, st_.st_size, content)
             else:
                 out[rel] = (stat.S_IFMT(st_.st_mode),)
     return out
