@@ -165,18 +165,43 @@ def test_resize_up_gives_sparse_zero_rows(tmp_path):
     assert memtree.load_memmap(d)["img"][:2].sum() == 2048
 
 
-def test_resize_down_keeps_files_and_regrowth_zeroes_old_rows(tmp_path):
+def test_shrink_writes_a_new_generation_and_regrowth_gives_zeros(tmp_path):
     d = tmp_path / "buf"
     buf = empty_buffer(d)
     buf.extend_({"obs": torch.ones(8, 3), "step": torch.arange(1, 9)})
-    size = os.path.getsize(d / "step.memmap")
+    size, inode = os.path.getsize(d / "step.memmap"), os.stat(d / "step.memmap").st_ino
+    old_view = buf["step"]  # maps the file as it was
     buf.resize_(3)
-    assert os.path.getsize(d / "step.memmap") == size  # never truncated
+    # a new file (new inode) of the same capacity, holding the kept rows; the old one is intact
+    assert os.stat(d / "step.memmap").st_ino != inode and os.path.getsize(d / "step.memmap") == size
+    assert (d / "step.memmap").read_bytes()[: 3 * 8] == torch.arange(1, 4).numpy().tobytes()
+    assert (d / "step.memmap").read_bytes()[3 * 8 :] == bytes(size - 3 * 8)
     assert entry(d, "step")["shape"] == [3] and entry(d, "step")["capacity"] >= 8
     assert memtree.load_memmap(d)["step"].tolist() == [1, 2, 3]
     buf.resize_(6)
     assert buf["step"].tolist() == [1, 2, 3, 0, 0, 0]
     assert memtree.load_memmap(d)["obs"][3:].sum() == 0
+    buf.extend_({"obs": torch.ones(2, 3), "step": torch.tensor([-1, -2])})
+    assert old_view.tolist() == list(range(1, 9))  # never rewritten by the shrink and regrowth
+    assert memtree.load_memmap(d)["step"].tolist() == [1, 2, 3, 0, 0, 0, -1, -2]
+    assert sorted(os.listdir(tmp_path)) == ["buf"]  # no staging, lock or old copy left
+    assert sorted(os.listdir(d)) == ["meta.json", "obs.memmap", "step.memmap"]
+
+
+def test_resize_to_zero_copies_nothing_and_keeps_the_capacity(tmp_path, monkeypatch):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d)
+    buf.extend_({"obs": torch.ones(100, 3), "step": torch.arange(100)})
+    copied = []
+    real = grow.copy_range
+    monkeypatch.setattr(grow, "copy_range", lambda *a, **k: (copied.append(a[4]), real(*a, **k)))
+    buf.resize_(0)
+    assert copied == [0, 0]
+    assert entry(d, "step")["capacity"] == 100 and entry(d, "step")["shape"] == [0]
+    assert os.stat(d / "step.memmap").st_blocks == 0  # sparse: a clear costs no disk
+    for i in range(5):
+        buf.append_(item(i))
+    assert memtree.load_memmap(d)["step"].tolist() == list(range(5))
 
 
 def test_resize_refuses_bad_lengths(tmp_path):
@@ -378,6 +403,103 @@ def test_a_nested_growth_killed_before_its_exchange_is_cut_back_by_recover(tmp_p
     assert memtree.load_memmap(d, lazy=False)["pairs", "v"][:, 0, 0].tolist() == [0.0]
 
 
+# ------------------------------------------------------------------------------ hard-linked leaves
+
+
+GROWTHS = {
+    "append within capacity": lambda buf, i: buf.append_(item(i, "next" in buf.keys())),
+    "extend past capacity": lambda buf, i: buf.extend_(memtree.stack(
+        [memtree.TensorTree(item(i + k, "next" in buf.keys()), batch_size=[]) for k in range(9)])),
+    "resize up": lambda buf, i: buf.resize_(len(buf) + 20),
+    "resize down": lambda buf, i: buf.resize_(1),
+}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["one level", "nested"])
+@pytest.mark.parametrize("growth", list(GROWTHS))
+def test_growth_never_writes_into_a_leaf_file_with_another_hard_link(tmp_path, growth, nested):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d, nested=nested)
+    for i in range(3):  # capacity 4: one row free
+        buf.append_(item(i, nested))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = {p: outside / f"{k}.bin" for k, p in enumerate(sorted(d.rglob("*.memmap")))}
+    for leaf, other in linked.items():
+        os.link(leaf, other)  # e.g. a `cp -al` snapshot, or a link planted from outside
+    before = {other: other.read_bytes() for other in linked.values()}
+    expected = buf.clone()
+    GROWTHS[growth](buf, 3)
+    assert {other: other.read_bytes() for other in linked.values()} == before  # bytes and sizes
+    for leaf, other in linked.items():
+        assert os.stat(leaf).st_nlink == 1 and os.stat(other).st_nlink == 1  # the tree has its own
+    loaded = memtree.load_memmap(d)
+    n = min(len(loaded), 3)
+    assert (loaded[:n] == expected[:n]).all() and (buf == loaded).all()
+    assert sorted(os.listdir(tmp_path)) == ["buf", "outside"]
+
+
+def test_a_grown_new_generation_is_grown_in_place_afterwards(tmp_path):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d)
+    buf.append_(item(0))
+    os.link(d / "obs.memmap", tmp_path / "snapshot")
+    buf.append_(item(1))  # a new generation: the snapshot keeps one row
+    inode = os.stat(d / "obs.memmap").st_ino
+    for i in range(2, 30):
+        buf.append_(item(i))
+    assert os.stat(d / "obs.memmap").st_ino == inode  # no more copies: its only name is the tree's
+    assert (tmp_path / "snapshot").read_bytes() == torch.zeros(3).numpy().tobytes()
+    assert memtree.load_memmap(d)["step"].tolist() == list(range(30))
+
+
+# ------------------------------------------------------------------------------ killed shrinks
+
+
+def _shrink_child(path, fault):
+    if fault == "copy":
+        real = grow.copy_range
+
+        def die(*args, **kwargs):
+            real(*args, **kwargs)
+            os._exit(137)  # one new generation written, the others not
+
+        grow.copy_range = die
+    else:
+        os.environ["MEMTREE_FAULT"] = fault
+        from memtree.store import faults
+        faults.reload()
+    memtree.load_memmap(path).resize_(2)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["one level", "nested"])
+@pytest.mark.parametrize("fault, committed", [
+    ("copy", False), ("before_publish", False), ("after_publish", True), ("before_old_removed", True),
+])
+def test_a_shrink_killed_at_any_step_leaves_the_old_or_the_new_tree(tmp_path, fault, committed, nested):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d, nested=nested)
+    for i in range(5):
+        buf.append_(item(i, nested))
+    reader = memtree.load_memmap(d, mode="r", lazy=False)
+    snapshot = reader.clone()
+    proc = mp.get_context("fork").Process(target=_shrink_child, args=(str(d), fault))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 137
+    assert (reader == snapshot).all()  # the files the reader maps were never written
+    loaded = memtree.load_memmap(d, lazy=False)
+    assert (loaded == snapshot[:2 if committed else 5]).all()
+    actions = memtree.recover(tmp_path)
+    assert any("staging" in a for a in actions), actions
+    assert sorted(os.listdir(tmp_path)) == ["buf"]
+    assert (memtree.load_memmap(d, lazy=False) == loaded).all()
+    memtree.load_memmap(d).resize_(7)  # and it grows again, with zeros
+    assert (memtree.load_memmap(d)[len(loaded):]["obs"] == 0).all()
+    assert (reader == snapshot).all()
+
+
 # ------------------------------------------------------------------------------ concurrent readers
 
 
@@ -393,6 +515,44 @@ def test_reader_loaded_before_growth_keeps_its_view(tmp_path):
     assert reader.batch_size == torch.Size([3])
     assert (reader == snapshot).all()
     assert len(memtree.load_memmap(d)) == 100
+
+
+def _shrink_reader(path, ready, go, out):
+    """Load the tree twice (read-only and read-write), then check both after the parent is done."""
+    try:
+        views = [memtree.load_memmap(path, mode=mode, lazy=False) for mode in ("r", "r+")]
+        expected = views[0].clone()
+        ready.set()
+        assert go.wait(120)
+        fresh = memtree.load_memmap(path)
+        out.put([bool((view == expected).all()) for view in views] + [fresh["obs"][:, 0].tolist()])
+    except BaseException as err:  # report it: the parent asserts on the answer
+        out.put(repr(err))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["one level", "nested"])
+def test_reader_process_loaded_before_shrink_and_regrowth_keeps_its_rows(tmp_path, nested):
+    d = tmp_path / "buf"
+    buf = empty_buffer(d, nested=nested)
+    for i in range(8):
+        buf.append_(item(i, nested))
+    ctx = mp.get_context("fork")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_shrink_reader, args=(str(d), ready, go, out))
+    child.start()
+    try:
+        assert ready.wait(120)
+        buf.resize_(4)  # drops rows 4..7, which the child maps
+        for i in range(100, 104):  # and grows over them again
+            buf.append_(item(i, nested))
+        buf.resize_(2)
+        buf.resize_(12)  # zeros over rows 2..11
+        go.set()
+        answer = out.get(timeout=120)
+    finally:
+        child.join(120)
+    assert child.exitcode == 0
+    assert answer == [True, True, [0.0, 1.0] + [0.0] * 10]  # its old rows; a new load sees the new
 
 
 def _reader_process(path, ready, go, out):

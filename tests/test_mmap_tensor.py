@@ -329,6 +329,77 @@ def test_read_only_mapping_refuses_writes_and_file_unchanged(tmp_path, op):
     assert torch.equal(plain(mt).reshape(-1), torch.arange(8, dtype=torch.int32))
 
 
+TO_NUMPY = {
+    "numpy()": lambda t: t.numpy(),
+    "numpy(force=True)": lambda t: t.numpy(force=True),
+    "np.asarray": lambda t: np.asarray(t),
+    "view.numpy()": lambda t: t[1:3].numpy(),
+    "detach().numpy()": lambda t: t.detach().numpy(),
+    "row.numpy()": lambda t: t[0].numpy(),
+}
+
+
+@pytest.mark.parametrize("how", list(TO_NUMPY))
+def test_read_only_mapping_gives_read_only_numpy_arrays(tmp_path, how):
+    f = tmp_path / "ro.memmap"
+    data = np.arange(8, dtype=np.int32)
+    write_file(f, data.tobytes())
+    mt = MMT.from_filename(str(f), torch.int32, (4, 2), mode="r")
+    array = TO_NUMPY[how](mt)
+    assert not array.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        array[...] = 7
+    with pytest.raises(ValueError):
+        array.flags.writeable = True  # numpy refuses to make it writeable again
+    assert file_bytes(f) == data.tobytes()
+    assert torch.equal(plain(mt).reshape(-1), torch.arange(8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_tree_loaded_with_mode_r_gives_read_only_numpy_arrays(tmp_path, lazy):
+    memtree.TensorTree({"x": torch.ones(2, 3), "n": {"y": torch.arange(2)}}, batch_size=[2]).memmap(tmp_path / "t")
+    before = file_bytes(tmp_path / "t" / "n" / "y.memmap")
+    tree = memtree.load_memmap(tmp_path / "t", mode="r", lazy=lazy)
+    arrays = [tree["x"].numpy(), tree["n", "y"].numpy(), np.asarray(tree["n"]["y"][1:])]
+    assert [a.flags.writeable for a in arrays] == [False, False, False]
+    with pytest.raises(ValueError, match="read-only"):
+        arrays[1][0] = 5
+    assert file_bytes(tmp_path / "t" / "n" / "y.memmap") == before
+    assert memtree.load_memmap(tmp_path / "t", lazy=lazy)["n", "y"].numpy().flags.writeable  # r+
+
+
+def test_read_write_mapping_gives_numpy_arrays_that_write_through(tmp_path):
+    f = tmp_path / "rw.memmap"
+    write_file(f, np.zeros(4, dtype=np.int32).tobytes())
+    array = MMT.from_filename(str(f), torch.int32, (4,)).numpy()
+    assert array.flags.writeable
+    array[1] = 9
+    assert file_bytes(f) == np.array([0, 9, 0, 0], dtype=np.int32).tobytes()
+
+
+ALIASES = {
+    "as_subclass": lambda t: t.as_subclass(torch.Tensor),
+    "torch.Tensor(t)": lambda t: torch.Tensor(t),
+    "dlpack": lambda t: torch.from_dlpack(t.as_subclass(torch.Tensor)),
+}
+
+
+@pytest.mark.parametrize("how", list(ALIASES))
+def test_writes_through_a_plain_alias_of_a_read_only_mapping_never_reach_the_file(tmp_path, how):
+    """What torch cannot refuse (it has no read-only tensors): a plain alias can be written, but
+    only this process's private copy-on-write pages change (docs/guide/reliability.md)."""
+    f = tmp_path / "ro.memmap"
+    data = np.arange(8, dtype=np.float32)
+    write_file(f, data.tobytes())
+    mt = MMT.from_filename(str(f), torch.float32, (8,), mode="r")
+    alias = ALIASES[how](mt)
+    assert type(alias) is torch.Tensor
+    alias[0] = -1.0  # no error: torch cannot know
+    assert plain(mt)[0] == -1.0  # this process sees its private copy of the page
+    assert file_bytes(f) == data.tobytes()  # the file, and every other mapping of it, do not
+    assert MMT.from_filename(str(f), torch.float32, (8,), mode="r")[0] == 0.0
+
+
 def test_read_only_mapping_reads_values(tmp_path):
     f = tmp_path / "ro.memmap"
     write_file(f, np.array([1.5, -2.0], dtype=np.float64).tobytes())

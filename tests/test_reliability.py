@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 import memtree
@@ -945,6 +947,56 @@ def test_forked_process_writes_by_index_into_memmap_like_dataset(parent):
     assert int(data["y"][0]) == -5 and int(data["img"].sum()) == 7 * 3 * 12
     reloaded = memtree.load_memmap(parent / "ds", mode="r")
     assert plain(reloaded["y"][idx]).tolist() == [7, 7, 7] and int(reloaded["y"][0]) == -5
+
+
+# ----------------------------------------------------------------------------- growth under readers
+
+
+def _buffer_rows(values: list[int], nested: bool) -> dict:
+    v = torch.tensor(values, dtype=torch.int64)
+    rows = {"x": v[:, None].float().expand(len(values), 3).contiguous(), "i": v}
+    if nested:
+        rows["n"] = {"y": v[:, None].to(torch.bfloat16).expand(len(values), 2).contiguous()}
+    return rows
+
+
+_GROWTH_OPS = st.one_of(
+    st.tuples(st.just("resize"), st.integers(0, 20)),
+    st.tuples(st.just("extend"), st.integers(1, 9)),
+    st.tuples(st.just("load"), st.sampled_from(["r", "r+", "own leaves"])),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nested=st.booleans(), ops=st.lists(_GROWTH_OPS, min_size=1, max_size=14))
+def test_resize_and_extend_never_change_what_a_tree_loaded_earlier_shows(nested, ops):
+    """Any sequence of shrinks and growths: every tree loaded before (mode "r" or "r+") and every
+    leaf the growing tree handed out before keeps its values, while the tree and a fresh load
+    follow the model (kept rows, zeros for resize_, the appended values)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "buf"
+        model = [1, 2, 3]
+        buf = TensorTree(_buffer_rows(model, nested), batch_size=[3]).memmap(d)
+        readers: list[tuple[dict, dict]] = []
+        fresh = 100
+        for op, arg in ops:
+            if op == "resize":
+                buf.resize_(arg)
+                model = model[:arg] + [0] * max(0, arg - len(model))
+            elif op == "extend":
+                new = list(range(fresh, fresh + arg))
+                fresh += arg
+                buf.extend_(_buffer_rows(new, nested))
+                model += new
+            else:
+                leaves = flat(buf if arg == "own leaves" else memtree.load_memmap(d, mode=arg, lazy=False))
+                readers.append((leaves, {k: raw(t) for k, t in leaves.items()}))
+            for leaves, seen in readers:
+                assert {k: raw(t) for k, t in leaves.items()} == seen, f"a reader's rows changed after {op} {arg}"
+            expected = fingerprint(TensorTree(_buffer_rows(model, nested), batch_size=[len(model)]))
+            assert fingerprint(buf) == expected
+        assert fingerprint(memtree.load_memmap(d)) == expected
+        assert sorted(os.listdir(tmp)) == ["buf"]
 
 
 # ----------------------------------------------------------------------------- resource faults (row 34)

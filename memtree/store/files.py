@@ -72,6 +72,7 @@ __all__ = [
     "copy_range",
     "allocate_fd",
     "preallocate_fd",
+    "new_file",
     "create_leaf",
     "write_file_replace",
     "replacing_file",
@@ -111,6 +112,10 @@ _NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = (
     os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+)
+#: An existing file written in place (a growth): no link followed, a FIFO never blocks the open.
+_WRITE_FLAGS = (
+    os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 )
 _PROC_FD = os.path.isdir("/proc/self/fd")
 
@@ -403,6 +408,20 @@ def allocate_fd(fd: int, nbytes: int, *, reserve: bool) -> None:
     os.ftruncate(fd, nbytes)
 
 
+def new_file(name: str, *, dir_fd: int | None = None) -> int:
+    """Create a file that does not exist yet (``O_EXCL``, no link followed); open for writing.
+
+    The caller closes the returned descriptor.
+
+    Example:
+        >>> import os, tempfile
+        >>> fd = new_file(os.path.join(tempfile.mkdtemp(), "f"))
+        >>> os.write(fd, b"abc"), os.close(fd)
+        (3, None)
+    """
+    return os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)
+
+
 def create_leaf(
     name: str,
     tensor: torch.Tensor | FileRange | None,
@@ -433,7 +452,7 @@ def create_leaf(
     digest = new_digest(checksum) if checksum is not None else None
     if isinstance(tensor, FileRange) and tensor.nbytes != nbytes:
         raise ValueError(f"{tensor.what} has {tensor.nbytes:,} bytes, but the leaf needs {nbytes:,}")
-    fd = os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)
+    fd = new_file(name, dir_fd=dir_fd)
     try:
         if tensor is None:
             if digest is not None:
@@ -556,11 +575,22 @@ def open_checked(
 
 
 def open_leaf(
-    name: str, nbytes: int, where: str, *, dir_fd: int | None = None, strict_size: bool = True
+    name: str,
+    nbytes: int,
+    where: str,
+    *,
+    dir_fd: int | None = None,
+    strict_size: bool = True,
+    writable: bool = False,
 ) -> tuple[int, os.stat_result]:
-    """:func:`open_checked`, also returning the ``fstat`` it checked (the file's identity)."""
+    """:func:`open_checked`, also returning the ``fstat`` it checked (the file's identity).
+
+    ``writable=True`` opens the file read-write, for a caller that writes into it in place; that
+    caller must check ``st_nlink`` (a file with another hard link shares its bytes with a name
+    that may lie outside the tree).
+    """
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, _WRITE_FLAGS if writable else _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise MissingLeafError(
             f"leaf file {where} is missing (expected {nbytes:,} bytes); the tree is damaged: "
@@ -688,7 +718,7 @@ def fsync_dir(path: str) -> None:
 
 def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
     """Create a new small file (e.g. a ``meta.json``) holding ``data``."""
-    fd = os.open(path, _NEW_FILE, 0o644)
+    fd = new_file(path)
     try:
         view = memoryview(data)
         while view:
@@ -700,7 +730,7 @@ def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
 
 
 # -- the writer lock ----------------------------------------------------------------------------
-_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_LOCK_FLAGS = _WRITE_FLAGS | os.O_CREAT
 #: The lock file's journal is padded to this size and written with one ``pwrite``.
 JOURNAL_BYTES = 1024
 
@@ -747,15 +777,14 @@ class WriterLock:
 
         Raises:
             LockError: another writer still holds it after ``timeout`` seconds.
+            UnsafePathError: the lock file is not a regular file with a single name (a link, a
+                FIFO, a hard link to another file): it is never written.
             StorageError: the lock file cannot be created (permissions, read-only filesystem).
         """
         deadline = time.monotonic() + self.timeout
         pause = 0.001
         while True:
-            try:
-                fd = os.open(self.path, _LOCK_FLAGS, 0o644)
-            except OSError as err:
-                raise storage_error(err, f"creating the lock file {self.path} of {self.what}") from err
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -781,6 +810,39 @@ class WriterLock:
                 self.fd = fd
                 return
             os.close(fd)  # the previous holder unlinked this inode: start over
+
+    def _open(self) -> int:
+        """Open (or create) the lock file: a regular file with no other name, never a link.
+
+        The journal is written into this file, so a name that leads elsewhere (a symbolic link,
+        a FIFO, or a hard link sharing its bytes with a file that may lie outside the tree) is
+        refused rather than written.
+        """
+        try:
+            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+                raise self._unsafe("a symbolic link, a directory, a socket or a device") from None
+            raise storage_error(err, f"creating the lock file {self.path} of {self.what}") from err
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            raise storage_error(err, f"checking the lock file {self.path}") from err
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            raise self._unsafe(
+                f"a {stat.filemode(st.st_mode)} file" if not stat.S_ISREG(st.st_mode)
+                else f"a file with {st.st_nlink} hard links (another name shares its bytes)"
+            )
+        return fd
+
+    def _unsafe(self, what: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"the lock file {self.path} of {self.what} is {what}; memtree writes its journal into "
+            "its lock file, so it refuses to use this one. memtree never makes such a file: "
+            "remove it (it holds no data of the tree) and retry"
+        )
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (unlink first, so no one can lock a stale inode)."""

@@ -15,30 +15,43 @@ destination's writer lock ``.<name>.memtree.lock`` (the lock a write takes):
 4. commit ``meta.json`` files with the new length;
 5. replace the tree's leaves by views of the grown files (its sub-tree objects stay the same).
 
+**No loaded tree ever sees its rows change.** Rows are written in place only past every length
+the file ever had, which no process can have mapped. Two cases cannot keep that promise in
+place, and write a *new generation* of the leaf file instead (a new file under the same name,
+published with the commit, holding a copy of the kept rows; the old file lives on, unchanged,
+for the processes that map it):
+
+* a shrink (``resize_`` to a smaller length): the dropped rows stay mapped by whoever loaded the
+  longer tree, and a later growth would write over them. So every leaf gets a new generation
+  holding the kept rows (``copy_file_range``: copied inside the kernel, a clone on filesystems
+  with reflinks) with the old capacity; the rows past the new length are zeros (a sparse file);
+* a leaf file with another hard link (``st_nlink > 1``, e.g. a ``cp -al`` snapshot of the
+  tree): writing into it would change the other name's bytes, perhaps outside the tree.
+
 A commit replaces every ``meta.json`` at once, without copying data: a one-level tree's
-``meta.json`` is replaced by a rename; a nested tree is staged (new ``meta.json`` files and
-*hard links* to the leaf files in ``.<name>.memtree-tmp-<hex>``) and exchanged with the tree in
-one ``renameat2(RENAME_EXCHANGE)``, as a write is published. A load sees the tree before or
-after a commit, never a mix of levels. Existing rows are never rewritten and files never
-truncated, so processes that loaded the tree before keep a consistent view of the old length.
-Capacity doubles, so appending one row at a time costs amortised O(1) per row: one small commit
-of the ``meta.json`` files, and a file growth once per doubling.
+``meta.json`` is replaced by a rename; a nested tree, or any tree with a new generation, is
+staged (new ``meta.json`` files, the new generations, and *hard links* to the other files in
+``.<name>.memtree-tmp-<hex>``) and exchanged with the tree in one
+``renameat2(RENAME_EXCHANGE)``, as a write is published. A load sees the tree before or after a
+commit, never a mix of levels. Existing rows are never rewritten and files never truncated, so
+processes that loaded the tree before keep a consistent view of the old length. Capacity
+doubles, so appending one row at a time costs amortised O(1) per row: one small commit of the
+``meta.json`` files, and a file growth once per doubling.
 
 Limits:
 
 * one writer at a time (the lock); a handle whose tree changed on disk since it was loaded (or
   that was loaded with ``keys=``, or is a view) is refused with
   :class:`~memtree.errors.NotGrowableError`: load the tree again;
-* files that no ``meta.json`` names are not kept when a nested tree grows (as with any write);
+* files that no ``meta.json`` names are not kept when a tree is staged (as with any write);
 * a load that runs while the tree grows may fail (its directory replaced under it, or a file
-  grown in step 2 before that commit): retry it;
+  grown in step 2 before that commit): retry it. A lazily opened tree whose levels were not
+  loaded yet when the tree was staged raises ``MissingLeafError`` on first use (as after a
+  re-save); trees opened by this process are loaded first;
 * a crash in the microseconds between step 2's ``ftruncate`` and its commit leaves files longer
   than their ``meta.json`` says, which the loader refuses (``LeafSizeError``); the data is
   intact and truncating each file to the size its ``meta.json`` expects repairs it. An
   exception there truncates the files back itself.
-
-``resize_`` to a smaller length keeps the files (and their capacity); the rows past the new
-length are zeroed when the tree grows over them again.
 
 Example:
     >>> import tempfile, torch, memtree
@@ -54,7 +67,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
@@ -64,8 +78,10 @@ import torch
 from ..format.dtypes import itemsize
 from ..errors import (
     InvalidArgumentError,
+    LeafSizeError,
     MemtreeError,
     MemtreeKeyError,
+    MissingLeafError,
     NotGrowableError,
     ReadOnlyError,
     ShapeMismatchError,
@@ -73,8 +89,11 @@ from ..errors import (
 from .files import (
     WriterLock,
     check_free_space,
+    copy_range,
     fsync_dir,
+    new_file,
     open_checked,
+    open_leaf,
     storage_error,
     write_fd,
     write_small_file,
@@ -84,7 +103,7 @@ from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ..format.level import Level
 from .mapped import MemoryMappedTensor, map_leaf, to_storable
 from ..format.values import NonTensor
-from .read import open_dir, read_meta
+from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
 from .write import LOCK_TIMEOUT, publish
 
@@ -92,7 +111,6 @@ __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]
 
 #: A leaf that runs out of rows gets at least this many times its capacity.
 GROWTH_FACTOR = 2
-_WRITE_FLAGS = os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _ZEROS = bytes(4 * 1024 * 1024)
 _LAST_COMMIT_MAX = 64
 
@@ -153,8 +171,9 @@ def extend_level(current: Level, rows: Level, *, fsync: bool = False) -> Level:
 def resize_level(current: Level, length: int, *, fsync: bool = False) -> Level:
     """Set a memory-mapped tree's first batch dim to ``length``; return its new leaves.
 
-    New rows are zeros; a smaller length keeps the files (see the module docstring). Used by
-    :meth:`TensorTree.resize_`.
+    New rows are zeros; a smaller length copies the kept rows into a new generation of each
+    leaf file, leaving the old files to the processes that map them (see the module
+    docstring). Used by :meth:`TensorTree.resize_`.
 
     Raises:
         NotGrowableError, ReadOnlyError: as :func:`extend_level`.
@@ -195,7 +214,7 @@ def _label(path: tuple[str, ...]) -> str:
 
 @dataclass
 class _Leaf:
-    """One leaf file to grow: where, its meta before and after, its open descriptor."""
+    """One leaf file to grow: where, its meta before and after, its open descriptors."""
 
     rel: str
     path: str
@@ -204,7 +223,10 @@ class _Leaf:
     new: LeafMeta
     rows: torch.Tensor | None
     dirty_until: int  # rows past the length up to here may hold old data (the old capacity)
-    fd: int = -1
+    target: str = ""  # the file the rows go to: the leaf's file, or its new generation
+    identity: tuple[int, int] = (0, 0)  # the target's (st_dev, st_ino), checked at each open
+    fd: int = -1  # the target, kept open when the tree has few leaves
+    new_generation: bool = False  # the rows go to a new file in the staging directory
 
     @property
     def row_bytes(self) -> int:
@@ -228,6 +250,9 @@ class _Growth:
         self.metas: dict[str, LevelMeta] = {}
         self.save_id: str | None = None
         self.mappings: dict[str, tuple[int, int]] = {}
+        self.staging: str | None = None  # holds the new generations until the commit
+        self.fresh_paths: set[str] = set()  # leaves with a new generation: map them again
+        self.keep_open = True  # the leaves' files stay open from their check to the commit
 
     def run(self, length: int, rows: Level | None) -> Level:
         parent, name = os.path.split(self.dest)
@@ -238,21 +263,17 @@ class _Growth:
             old_length = self.current.batch_size[0]
             if length == old_length:
                 return self.current
-            if rows is None and length > old_length:
-                needed = sum((length - old_length) * leaf.row_bytes for leaf in self.leaves)
-                check_free_space(os.path.dirname(self.dest), needed, f"resizing {self.dest}")
+            self.keep_open = len(self.leaves) <= held_dirs_budget()
             try:
                 for leaf in self.leaves:
-                    leaf.fd = self._open(leaf)
+                    self._check_file(leaf, shrink=length < old_length)
+                self._check_space(old_length, length, rows is None)
                 self._grow_capacity(lock)
-                if rows is not None:
-                    self._write_rows(old_length)
-                elif length > old_length:
-                    self._zero_rows(old_length, length)
-                if self.fsync:
-                    for leaf in self.leaves:
-                        os.fsync(leaf.fd)
-                self._commit({rel: self._final(rel, meta, length) for rel, meta in self.metas.items()}, lock)
+                if any(leaf.new_generation for leaf in self.leaves):
+                    self._new_generations(lock, min(old_length, length))
+                self._write_rows(old_length, length, rows is not None)
+                final = {rel: self._final(rel, meta, length) for rel, meta in self.metas.items()}
+                self._commit(final, lock, staging=self.staging)
             except OSError as err:
                 if isinstance(err, MemtreeError):
                     raise
@@ -261,7 +282,11 @@ class _Growth:
                 for leaf in self.leaves:
                     if leaf.fd >= 0:
                         os.close(leaf.fd)
+                        leaf.fd = -1
+                if self.staging is not None:  # not published: the new generations are garbage
+                    shutil.rmtree(self.staging, ignore_errors=True)
             made: dict[str, tuple[int, int]] = {}
+            self.fresh_paths = {leaf.path for leaf in self.leaves if leaf.new_generation}
             out = self._remap(self.current, "", length, made)
             root_stat = _stat_key(os.path.join(self.dest, META_NAME))
             if root_stat is not None:
@@ -280,21 +305,12 @@ class _Growth:
             self.mappings = last.mappings
             return
 
-        def walk(fd: int, where: str, rel: str, depth: int) -> None:
-            meta = read_meta(fd, where, depth=depth, root=depth == 0)
-            self.metas[rel] = meta
-            for entry in meta.entries:
-                if isinstance(entry, ChildMeta):
-                    child_where = os.path.join(where, entry.dir)
-                    child = open_dir(entry.dir, child_where, fd)
-                    try:
-                        walk(child, child_where, f"{rel}/{entry.dir}" if rel else entry.dir, depth + 1)
-                    finally:
-                        os.close(child)
+        def visit(dirs: tuple[str, ...], where: str, fd: int, meta: LevelMeta) -> None:
+            self.metas["/".join(dirs)] = meta
 
         fd = open_dir(self.dest, self.dest, None)
         try:
-            walk(fd, self.dest, "", 0)
+            walk_levels(fd, self.dest, visit)
         finally:
             os.close(fd)
 
@@ -391,23 +407,75 @@ class _Growth:
         )
         self.leaves.append(_Leaf(rel, path, key, entry, new, rows, old_capacity))
 
-    def _open(self, leaf: _Leaf) -> int:
+    def _check_file(self, leaf: _Leaf, *, shrink: bool) -> None:
+        """Check the leaf's file (never through a link); decide whether it gets a new generation.
+
+        It does on a shrink (the dropped rows stay mapped by earlier readers, and would be
+        written over by a later growth) and when the file has another hard link (its bytes
+        are shared with a name that may lie outside the tree). A tree with many leaves (more
+        than :func:`~memtree.store.read.held_dirs_budget`) has each file opened when used and
+        closed at once, so it grows with a few descriptors; a smaller one keeps them open.
+        """
         try:
-            fd = os.open(leaf.path, _WRITE_FLAGS)
-        except FileNotFoundError:
+            fd, st = open_leaf(leaf.path, leaf.old.file_nbytes, leaf.path, writable=True)
+        except MissingLeafError:
             raise self._changed(f"leaf file {leaf.path} is missing") from None
-        size = os.fstat(fd).st_size
-        if size != leaf.old.file_nbytes:
-            os.close(fd)
+        except LeafSizeError:
             raise self._changed(
-                f"leaf file {leaf.path} has {size:,} bytes, its meta.json says {leaf.old.file_nbytes:,}"
-            )
-        return fd
+                f"leaf file {leaf.path} does not have the {leaf.old.file_nbytes:,} bytes its "
+                "meta.json says"
+            ) from None
+        leaf.target, leaf.identity = leaf.path, (st.st_dev, st.st_ino)
+        leaf.new_generation = shrink or st.st_nlink > 1
+        self._keep(leaf, fd)
+
+    def _keep(self, leaf: _Leaf, fd: int) -> None:
+        """Keep ``fd`` (the leaf's target) open for the next steps, or close it now."""
+        if self.keep_open:
+            leaf.fd = fd
+        else:
+            os.close(fd)
+
+    @contextmanager
+    def _opened(self, leaf: _Leaf) -> Iterator[int]:
+        """The leaf's target open read-write: the very file checked (or created) before."""
+        if leaf.fd >= 0:
+            yield leaf.fd
+            return
+        try:
+            fd, st = open_leaf(leaf.target, 0, leaf.target, strict_size=False, writable=True)
+        except MissingLeafError:
+            raise self._changed(f"leaf file {leaf.target} was removed during the growth") from None
+        try:
+            if (st.st_dev, st.st_ino) != leaf.identity:
+                raise self._changed(f"leaf file {leaf.target} was replaced during the growth")
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _check_space(self, old_length: int, length: int, zeros: bool) -> None:
+        """Refuse up front when the copies and the zero rows of a resize do not fit the disk.
+
+        Rows of ``extend_`` are written with ``pwrite``, which raises ``ENOSPC`` cleanly; zero
+        rows are sparse, and a later write through a mapping into an unbackable sparse file
+        would kill the process with SIGBUS.
+        """
+        needed = 0
+        for leaf in self.leaves:
+            if leaf.new_generation:
+                needed += min(old_length, length) * leaf.row_bytes
+            if zeros and length > old_length:
+                needed += (length - old_length) * leaf.row_bytes
+        if needed:
+            check_free_space(os.path.dirname(self.dest), needed, f"{'resizing' if zeros else 'growing'} {self.dest}")
 
     # -- steps 2 to 4 ----------------------------------------------------------------------------
     def _grow_capacity(self, lock: WriterLock) -> None:
         """Step 2: ftruncate up the files that need more rows, and commit their capacity."""
-        grown = [leaf for leaf in self.leaves if leaf.new.file_nbytes > leaf.old.file_nbytes]
+        grown = [
+            leaf for leaf in self.leaves
+            if leaf.new.file_nbytes > leaf.old.file_nbytes and not leaf.new_generation
+        ]
         if not grown:
             return
         by_file = {(leaf.rel, leaf.old.file): leaf.new.capacity or leaf.new.shape[0] for leaf in grown}
@@ -423,9 +491,10 @@ class _Growth:
 
         def grow_files() -> None:
             for leaf in grown:
-                os.ftruncate(leaf.fd, leaf.new.file_nbytes)  # up only: mappers never SIGBUS
-                if self.fsync:
-                    os.fsync(leaf.fd)
+                with self._opened(leaf) as fd:
+                    os.ftruncate(fd, leaf.new.file_nbytes)  # up only: mappers never SIGBUS
+                    if self.fsync:
+                        os.fsync(fd)
 
         try:
             self._commit(metas, lock, before=grow_files)
@@ -433,25 +502,61 @@ class _Growth:
             if self._root_save_id() != self.save_id:  # not committed: nobody maps past the old size
                 for leaf in grown:
                     try:
-                        os.ftruncate(leaf.fd, leaf.old.file_nbytes)
-                    except OSError:
+                        with self._opened(leaf) as fd:
+                            if os.fstat(fd).st_size > leaf.old.file_nbytes:
+                                os.ftruncate(fd, leaf.old.file_nbytes)
+                    except (OSError, MemtreeError):
                         pass
             raise
         for leaf in grown:
             leaf.old = replace(leaf.old, capacity=leaf.new.capacity or leaf.new.shape[0], checksum=None)
 
-    def _write_rows(self, start: int) -> None:
-        for leaf in self.leaves:
-            if leaf.rows is not None and leaf.rows.numel():
-                data = to_storable(leaf.rows.to(leaf.old.dtype), _label(leaf.key))
-                write_fd(leaf.fd, data, start * leaf.row_bytes)
+    def _new_generations(self, lock: WriterLock, kept: int) -> None:
+        """Create the staging directory of the final commit, with each new generation in it.
 
-    def _zero_rows(self, start: int, stop: int) -> None:
-        """Zero the new rows a shrink left behind (rows past the old capacity are zeros)."""
+        A new generation is a new file (the leaf's name, in the staging directory) of the new
+        capacity, holding a copy of the first ``kept`` rows; the rest is sparse zeros.
+        """
+        self.staging = self._new_staging(lock)
         for leaf in self.leaves:
-            offset, end = start * leaf.row_bytes, min(stop, leaf.dirty_until) * leaf.row_bytes
-            while offset < end:
-                offset += os.pwrite(leaf.fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
+            if not leaf.new_generation:
+                continue
+            path = os.path.join(self.staging, leaf.rel, leaf.new.file)
+            with self._opened(leaf) as source:
+                fd = new_file(path)
+                try:
+                    os.ftruncate(fd, leaf.new.file_nbytes)
+                    copy_range(source, 0, fd, 0, kept * leaf.row_bytes)
+                    st = os.fstat(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            if leaf.fd >= 0:
+                os.close(leaf.fd)  # the old file: done with it
+                leaf.fd = -1
+            leaf.target, leaf.identity = path, (st.st_dev, st.st_ino)
+            self._keep(leaf, fd)
+            leaf.dirty_until = kept  # the new file holds zeros past the copied rows
+
+    def _write_rows(self, start: int, stop: int, appended: bool) -> None:
+        """Step 3: write each leaf's appended rows, or zero the new rows of a resize that an
+        interrupted growth may have written (never committed); fsync them when asked."""
+        for leaf in self.leaves:
+            data = None
+            if appended and leaf.rows is not None and leaf.rows.numel():
+                data = to_storable(leaf.rows.to(leaf.old.dtype), _label(leaf.key))
+            zeros = 0 if appended else max(0, min(stop, leaf.dirty_until) - start) * leaf.row_bytes
+            if data is None and not zeros and not (self.fsync and leaf.new_generation):
+                continue
+            with self._opened(leaf) as fd:
+                if data is not None:
+                    write_fd(fd, data, start * leaf.row_bytes)
+                offset = start * leaf.row_bytes
+                end = offset + zeros
+                while offset < end:
+                    offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
+                if self.fsync:
+                    os.fsync(fd)
 
     def _final(self, rel: str, meta: LevelMeta, length: int) -> LevelMeta:
         new = {leaf.old.file: leaf.new for leaf in self.leaves if leaf.rel == rel}
@@ -472,16 +577,23 @@ class _Growth:
             return None
 
     def _commit(
-        self, metas: dict[str, LevelMeta], lock: WriterLock, before: Callable[[], None] | None = None
+        self,
+        metas: dict[str, LevelMeta],
+        lock: WriterLock,
+        before: Callable[[], None] | None = None,
+        staging: str | None = None,
     ) -> None:
         """Replace every ``meta.json`` by ``metas`` at once (``before`` runs right before).
 
-        A one-level tree has one ``meta.json``: it is replaced by a rename. A nested tree is
-        staged (new ``meta.json`` files, hard links to the leaves) and exchanged with the tree.
+        A one-level tree has one ``meta.json``: it is replaced by a rename. A nested tree, or
+        one with new generations (already in ``staging``), is staged (new ``meta.json`` files,
+        hard links to the other leaves) and exchanged with the tree.
         """
-        self.save_id = os.urandom(16).hex()
+        if staging is None:
+            self.save_id = os.urandom(16).hex()
+        assert self.save_id is not None, "_new_staging() journaled it"
         metas[""] = replace(metas[""], save_id=self.save_id)
-        if len(metas) == 1:
+        if staging is None and len(metas) == 1:
             tmp = meta_tmp_name()
             lock.write_journal({"meta_tmp": tmp, GROWTH_JOURNAL: self.save_id}, fsync=False)
             path = os.path.join(self.dest, tmp)
@@ -496,44 +608,57 @@ class _Growth:
             if self.fsync:
                 fsync_dir(self.dest)
         else:
-            staging = self._stage(metas, lock)
+            fresh = set()  # the files already in a staging directory made for new generations
+            if staging is None:
+                staging = self._new_staging(lock)
+            else:
+                fresh = {(leaf.rel, leaf.new.file) for leaf in self.leaves if leaf.new_generation}
             try:
+                self._stage(staging, metas, fresh)
+                load_pending_at(self.dest)  # this process's lazily opened trees: map them now
                 if before is not None:
                     before()
                 publish(staging, self.dest, "tree", self.fsync, lock)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
+            finally:
+                self.staging = None  # published (its name now holds the old tree, removed) or removed
         self.metas = metas
 
-    def _stage(self, metas: dict[str, LevelMeta], lock: WriterLock) -> str:
-        """A staging directory with ``metas`` and hard links to every leaf and pickle file."""
+    def _new_staging(self, lock: WriterLock) -> str:
+        """A new staging directory with the tree's sub-directories, journaled with a new save id."""
         parent, name = os.path.split(self.dest)
         staging = staging_path(parent, name)
-        assert self.save_id is not None, "_stage() runs inside _commit()"
+        self.save_id = os.urandom(16).hex()
         lock.write_journal({"staging": os.path.basename(staging), GROWTH_JOURNAL: self.save_id}, fsync=False)
         os.mkdir(staging, 0o700)
         try:
-            for rel in sorted(metas, key=lambda r: r.count("/") + bool(r)):  # parents first
+            for rel in sorted(self.metas, key=lambda r: r.count("/") + bool(r)):  # parents first
                 if rel:
                     os.mkdir(os.path.join(staging, rel))
-                for entry in metas[rel].entries:
-                    if isinstance(entry, (LeafMeta, PickleMeta)):
-                        os.link(
-                            os.path.join(self.dest, rel, entry.file),
-                            os.path.join(staging, rel, entry.file),
-                            follow_symlinks=False,
-                        )
-            for rel in sorted(metas, key=lambda r: -(r.count("/") + bool(r))):  # root last
-                directory = os.path.join(staging, rel)
-                write_small_file(os.path.join(directory, META_NAME), dump_level(metas[rel]), fsync=self.fsync)
-                if self.fsync:
-                    fsync_dir(directory)
-            os.chmod(staging, 0o755)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return staging
+
+    def _stage(self, staging: str, metas: dict[str, LevelMeta], fresh: set[tuple[str, str]]) -> None:
+        """Fill ``staging`` with ``metas`` and hard links to every leaf and pickle file but the
+        ``fresh`` ones (``(rel, file)``: new generations already there)."""
+        for rel in metas:
+            for entry in metas[rel].entries:
+                if isinstance(entry, (LeafMeta, PickleMeta)) and (rel, entry.file) not in fresh:
+                    os.link(
+                        os.path.join(self.dest, rel, entry.file),
+                        os.path.join(staging, rel, entry.file),
+                        follow_symlinks=False,
+                    )
+        for rel in sorted(metas, key=lambda r: -(r.count("/") + bool(r))):  # root last
+            directory = os.path.join(staging, rel)
+            write_small_file(os.path.join(directory, META_NAME), dump_level(metas[rel]), fsync=self.fsync)
+            if self.fsync:
+                fsync_dir(directory)
+        os.chmod(staging, 0o755)
 
     # -- step 5 ------------------------------------------------------------------------------------
     def _remap(self, level: Level, rel: str, length: int, made: dict[str, tuple[int, int]]) -> Level:
@@ -544,7 +669,11 @@ class _Growth:
                 assert isinstance(value, torch.Tensor)
                 path = os.path.join(self.dest, rel, entry.file)
                 storage = _storage(value)
-                if self.mappings.get(path) == storage and storage[1] == entry.file_nbytes:
+                if (
+                    self.mappings.get(path) == storage
+                    and storage[1] == entry.file_nbytes
+                    and path not in self.fresh_paths
+                ):
                     # still the mapping of the whole file made by the last growth: view more rows
                     tensor = value.as_strided(entry.shape, value.stride(), 0)
                 else:

@@ -3,7 +3,10 @@
 * Views (indexing, slicing, ``view``, ``reshape`` without copy...) stay ``MemoryMappedTensor``
   and write through to the file; results of computations are ordinary tensors.
 * Read-only tensors (``mode="r"``) are mapped copy-on-write, so the file can never change
-  through them, and in-place operations on them raise :class:`~memtree.errors.ReadOnlyError`.
+  through them; in-place operations on them raise :class:`~memtree.errors.ReadOnlyError`, and
+  ``.numpy()`` (or ``numpy.asarray``) gives a read-only array. A plain ``torch.Tensor`` alias
+  (``as_subclass(torch.Tensor)``, ``torch.Tensor(t)``) has no read-only flag in torch: writes
+  through it change this process's private copy of the pages, never the file.
 * Sent to another process (DataLoader workers, ``torch.multiprocessing`` queues, spawn or
   fork), a file-backed tensor travels as *(file, dtype, layout)* and the receiver maps the file
   again: no data is copied, and torch 2.13's failing fd-passing path is never used.
@@ -54,6 +57,10 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
 _NEVER_WRAP = frozenset({"as_subclass", "__reduce_ex__", "__deepcopy__"})
+#: Methods that return a numpy array sharing the tensor's memory (read-only for ``mode="r"``).
+_TO_NUMPY = frozenset({"numpy", "__array__"})
+#: The row writer's descriptor: never through a link (a path that became one is stale).
+_WRITE_FLAGS = os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_NOFOLLOW", 0)
 _GETITEM = torch.Tensor.__getitem__
 _SETITEM = torch.Tensor.__setitem__
 
@@ -317,6 +324,8 @@ class MemoryMappedTensor(torch.Tensor):
             out = func(*args, **kwargs)
             if name in _NEVER_WRAP or not args or not isinstance(args[0], MemoryMappedTensor):
                 return out
+            if name in _TO_NUMPY and args[0].readonly and hasattr(out, "setflags"):
+                out.setflags(write=False)  # numpy refuses writes into a read-only tensor's memory
             return _wrap_views(out, args[0])
 
     def __setitem__(self, idx: Any, value: Any) -> None:
@@ -433,7 +442,7 @@ class _Writers:
             if file.stale:
                 return None
             try:
-                fd = os.open(file.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+                fd = os.open(file.path, _WRITE_FLAGS)
             except OSError as err:
                 # gone (the tree was removed): for good; other errors (EMFILE...) may pass
                 file.stale = err.errno in (errno.ENOENT, errno.ENOTDIR)

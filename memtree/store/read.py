@@ -40,10 +40,12 @@ import dataclasses
 import errno
 import os
 import pickle
+import resource
 import stat
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Union
 
@@ -80,6 +82,8 @@ __all__ = [
     "loading_lock",
     "read_meta",
     "read_meta_bytes",
+    "walk_levels",
+    "held_dirs_budget",
     "select_entries",
     "open_dir",
     "META_FLAGS",
@@ -223,6 +227,67 @@ def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
     return parse_level(data, path, depth=depth)
 
 
+def walk_levels(
+    root_fd: int, root: str, visit: Callable[[tuple[str, ...], str, int, LevelMeta], None]
+) -> None:
+    """Read every level's ``meta.json`` below an open root directory, parents first.
+
+    Calls ``visit(dirs, where, dir_fd, meta)`` for each level: ``dirs`` are the directory names
+    from the root, ``where`` its path (for messages), ``dir_fd`` its directory (open during the
+    call only). Sub-directories are opened relative to their parent, never following links.
+    At most :func:`held_dirs_budget` directories are open at once besides ``root_fd``: a level
+    whose parent was not kept open is reached from its nearest open ancestor, so a tree of any
+    depth and width is walked within a low descriptor limit.
+
+    Raises:
+        MemtreeError: a ``meta.json`` or sub-directory is missing, damaged or hostile.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"a": Level((), {"b": Level((), {})})}))
+        >>> fd, seen = open_dir(d, d, None), []
+        >>> walk_levels(fd, d, lambda dirs, where, dir_fd, meta: seen.append(dirs))
+        >>> os.close(fd); seen
+        [(), ('a',), ('a', 'b')]
+    """
+    budget = held_dirs_budget()
+    held: list[tuple[tuple[str, ...], int]] = [((), root_fd)]  # open ancestors, root first
+    todo: list[tuple[tuple[str, ...], str]] = [((), root)]
+    try:
+        while todo:
+            dirs, where = todo.pop()
+            while dirs[: len(held[-1][0])] != held[-1][0]:  # not an ancestor of this level
+                os.close(held.pop()[1])
+            fd = held[-1][1]
+            opened: int | None = None
+            try:
+                for depth in range(len(held[-1][0]), len(dirs)):
+                    name = dirs[depth]
+                    child = open_dir(name, os.path.join(root, *dirs[: depth + 1]), fd)
+                    if opened is not None:
+                        os.close(opened)
+                    fd = opened = child
+                meta = read_meta(fd, where, depth=len(dirs), root=not dirs)
+                visit(dirs, where, fd, meta)
+            except BaseException:
+                if opened is not None:
+                    os.close(opened)
+                raise
+            children = [e.dir for e in meta.entries if isinstance(e, ChildMeta)]
+            if opened is not None:
+                if children and len(held) <= budget:
+                    held.append((dirs, opened))
+                else:
+                    os.close(opened)
+            todo.extend((dirs + (d,), os.path.join(where, d)) for d in reversed(children))
+    finally:
+        for _, fd in held[1:]:
+            os.close(fd)
+
+
 def read_tree(
     prefix: str | os.PathLike[str],
     *,
@@ -297,27 +362,50 @@ _LOCK = threading.RLock()  # loading a pending level (threads share trees)
 _SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
 
 #: How many pending levels, in all, may keep their directory open from their parent's load, so
-#: that loading them later opens no directory. Beyond it a level re-opens its directory from the
-#: tree's root when it loads (the same directory: every name is resolved from the held root).
+#: that loading them later opens no directory: at most this many, and at most an eighth of the
+#: process's descriptor limit (``RLIMIT_NOFILE``; see :func:`held_dirs_budget`). Beyond it the
+#: level held longest lets its directory go (evicted) and re-opens it from the tree's root when
+#: it loads (the same directory: every name is resolved from the held root).
 MAX_HELD_DIRS = 128
-_held_dirs = 0  # changed under _LOCK
+#: Pending levels that hold their directory open, oldest first (changed under ``_LOCK``).
+_HELD: OrderedDict[int, weakref.ref[PendingLevel]] = OrderedDict()
 
 
-def _hold_dir(fd: int) -> int | None:
-    """``fd`` (a level directory just opened, under ``_LOCK``) if it may stay open, else None."""
-    global _held_dirs
-    if _held_dirs < MAX_HELD_DIRS:
-        _held_dirs += 1
-        return fd
-    os.close(fd)
-    return None
+def held_dirs_budget() -> int:
+    """How many level directories memtree keeps open at most (per purpose), for this process.
+
+    :data:`MAX_HELD_DIRS`, or an eighth of the soft ``RLIMIT_NOFILE`` when that is lower (at least
+    one), so that lazily opened trees and tree walks never exhaust a low descriptor limit.
+
+    Example:
+        >>> 1 <= held_dirs_budget() <= MAX_HELD_DIRS
+        True
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return MAX_HELD_DIRS
+    return max(1, min(MAX_HELD_DIRS, soft // 8))
 
 
-def _release_dir(fd: int) -> None:
-    global _held_dirs
-    with _LOCK:
-        os.close(fd)
-        _held_dirs -= 1
+def _hold_dir(level: PendingLevel, fd: int) -> None:
+    """Let ``level`` keep ``fd``, its directory just opened (under ``_LOCK``), evicting the
+    levels held longest while the budget is full."""
+    budget = held_dirs_budget()
+    while _HELD and len(_HELD) >= budget:
+        evicted = _HELD.popitem(last=False)[1]()
+        if evicted is not None and evicted._fd is not None:
+            old, evicted._fd = evicted._fd, None
+            os.close(old)
+    level._fd = fd
+    _HELD[id(level)] = weakref.ref(level)
+
+
+def _take_dir(level: PendingLevel) -> int | None:
+    """The directory ``level`` holds, now the caller's to close (under ``_LOCK``), or None."""
+    fd, level._fd = level._fd, None
+    if fd is not None:
+        _HELD.pop(id(level), None)
+    return fd
 
 
 def _after_fork_in_child() -> None:  # a fork while another thread held the lock must not deadlock
@@ -445,7 +533,7 @@ class PendingLevel:
     keys: tuple[str, ...]
     meta: LevelMeta
     selection: _Trie | None
-    #: The level's directory, kept open from its parent's load (see :data:`_HELD_DIRS`).
+    #: The level's directory, kept open from its parent's load (see :data:`MAX_HELD_DIRS`).
     _fd: int | None = dataclasses.field(default=None, repr=False)
     _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
 
@@ -455,8 +543,11 @@ class PendingLevel:
     def __del__(self) -> None:  # never loaded: let its held directory go
         if self._fd is not None:
             try:
-                _release_dir(self._fd)
-            except (OSError, TypeError):  # TypeError: module globals torn down at interpreter exit
+                with _LOCK:
+                    fd = _take_dir(self)
+                    if fd is not None:
+                        os.close(fd)
+            except (OSError, TypeError, AttributeError):  # module globals torn down at exit
                 pass
 
     @property
@@ -486,17 +577,13 @@ class PendingLevel:
 
     def _open_and_load(self) -> dict[str, Value | PendingLevel]:
         try:
-            if self._fd is None:
+            fd = _take_dir(self)  # no longer held: loading the sub-levels cannot evict it
+            if fd is None:
                 fd = self.source.open_level(self.dirs)
-                try:
-                    return self._load(fd)
-                finally:
-                    os.close(fd)
             try:
-                return self._load(self._fd)
+                return self._load(fd)
             finally:
-                fd, self._fd = self._fd, None
-                _release_dir(fd)
+                os.close(fd)
         except MissingLeafError as err:
             if self.source.removed():
                 raise MissingLeafError(
@@ -535,8 +622,9 @@ class PendingLevel:
                 except BaseException:
                     os.close(child_fd)
                     raise
-                held = _hold_dir(child_fd)
-                out[entry.key] = PendingLevel(self.source, dirs, where, path, meta, sub, held)
+                child = PendingLevel(self.source, dirs, where, path, meta, sub)
+                _hold_dir(child, child_fd)
+                out[entry.key] = child
             elif isinstance(entry, JsonMeta):
                 out[entry.key] = NonTensor(entry.value)
             else:

@@ -47,17 +47,16 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LockError, MemtreeError
-from ..format.schema import ChildMeta, LeafMeta
-from .files import WriterLock, rename_noreplace
-from .read import open_dir, read_meta
+from ..errors import LockError, MemtreeError, UnsafePathError
+from ..format.schema import LeafMeta, LevelMeta
+from .files import WriterLock, open_leaf, rename_noreplace
+from .read import open_dir, read_meta, walk_levels
 from ..format.names import META_TMP, SIBLING, lock_path
 
 __all__ = ["GROWTH_JOURNAL", "recover_locked", "recover"]
 
 #: The journal field of a growth's commit: the ``save_id`` it is about to commit.
 GROWTH_JOURNAL = "grow_save_id"
-_WRITE_FLAGS = os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
 
 def _is_real_dir(path: str) -> bool:
@@ -145,22 +144,16 @@ def undo_interrupted_growth(dest: str, record: dict[str, Any]) -> list[str]:
         root = open_dir(dest, dest, None)
     except MemtreeError:
         return []
+
+    def visit(dirs: tuple[str, ...], where: str, fd: int, meta: LevelMeta) -> None:
+        for entry in meta.entries:
+            if isinstance(entry, LeafMeta):
+                actions.extend(_cut_back(fd, where, entry))
+
     try:
         if read_meta(root, dest, depth=0, root=True).save_id == pending:
             return []  # committed: the files are as long as the new meta.json files say
-        todo = [(root, dest, 0)]
-        while todo:
-            fd, where, depth = todo.pop()
-            try:
-                for entry in read_meta(fd, where, depth=depth, root=not depth).entries:
-                    if isinstance(entry, LeafMeta):
-                        actions.extend(_cut_back(fd, where, entry))
-                    elif isinstance(entry, ChildMeta):
-                        child = os.path.join(where, entry.dir)
-                        todo.append((open_dir(entry.dir, child, fd), child, depth + 1))
-            finally:
-                if fd != root:
-                    os.close(fd)
+        walk_levels(root, dest, visit)
     except MemtreeError:  # a damaged tree: the loader names the problem
         pass
     finally:
@@ -171,13 +164,14 @@ def undo_interrupted_growth(dest: str, record: dict[str, Any]) -> list[str]:
 def _cut_back(dir_fd: int, where: str, entry: LeafMeta) -> list[str]:
     path = os.path.join(where, entry.file)
     try:
-        fd = os.open(entry.file, _WRITE_FLAGS, dir_fd=dir_fd)
-    except OSError:
+        fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd, strict_size=False, writable=True)
+    except MemtreeError:  # missing, a link, not a regular file, shorter: not a growth's doing
         return []
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size <= entry.file_nbytes:
+        if st.st_size <= entry.file_nbytes:
             return []
+        if st.st_nlink > 1:  # shares its bytes with another name: a growth never lengthens those
+            return [f"left {path} alone: it is longer than its meta.json says but has other hard links"]
         os.ftruncate(fd, entry.file_nbytes)
     except OSError:
         return []
@@ -220,6 +214,8 @@ def _recover_name(parent: str, name: str, left: _Leftovers) -> list[str]:
         lock.acquire()
     except LockError:
         return [f"skipped {dst}: a writer holds its lock right now"]
+    except UnsafePathError as err:
+        return [f"skipped {dst}: {err}"]
     try:
         actions = recover_locked(parent, name, lock)
         olds = sorted(o for o in left.old if _is_real_dir(os.path.join(parent, o)))
@@ -254,7 +250,9 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     ``path`` is a directory, for every destination inside it: restore a destination whose
     overwrite was interrupted between its two renames (the recovery rule in the module
     docstring), then delete stale staging directories, old copies and lock files. Destinations
-    whose lock is held by a live writer are skipped. Writers do the same for their own
+    whose lock is held by a live writer are skipped, and so are those whose lock file is not a
+    regular file with a single name (a link, a FIFO...: memtree would write its journal into
+    it), each with a line that says why. Writers do the same for their own
     destination when they take its lock, so calling this is only needed to reclaim space (or to
     restore a tree) without writing to it again.
 

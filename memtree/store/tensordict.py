@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Iterable
 from math import prod
 from typing import Any
@@ -72,7 +71,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .files import open_checked, read_fd, storage_error
-from ..format.schema import MAX_DEPTH, MAX_ENTRIES, MAX_META_BYTES, MAX_NBYTES, MAX_NDIM
+from ..format.schema import MAX_DEPTH, MAX_ENTRIES, MAX_NBYTES, MAX_NDIM
 from ..format.names import META_NAME
 from ..format.level import Level
 from .mapped import map_leaf
@@ -151,19 +150,21 @@ def _fail(path: str, pointer: str, problem: str) -> MetaFormatError:
 def is_tensordict_dir(prefix: str | os.PathLike[str]) -> bool:
     """True if ``prefix/meta.json`` looks like tensordict's (a ``_type`` field, no memtree format).
 
-    Never raises: anything unreadable is left to memtree's own loader to report.
+    Never raises: anything unreadable is left to memtree's own loader to report. The file is
+    opened as the loaders open it (:func:`~memtree.store.read.read_meta_bytes`: no symbolic
+    link followed, a regular file of at most 16 MiB, checked before reading).
     """
     try:
-        path = os.path.join(os.fspath(prefix), META_NAME)
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_META_BYTES:
-            return False
-        with open(path, "rb") as f:
-            data = f.read(MAX_META_BYTES + 1)
+        root = os.fspath(prefix)
+        fd = open_dir(root, root, None)
+        try:
+            data, _ = read_meta_bytes(fd, root, root=True)
+        finally:
+            os.close(fd)
         if data.startswith(b'{"format":"memtree"'):  # how memtree writes it: no need to parse
             return False
         doc = json.loads(data)
-    except (OSError, ValueError, RecursionError):
+    except (MemtreeError, OSError, ValueError, RecursionError):
         return False
     return type(doc) is dict and "_type" in doc and "format" not in doc
 
