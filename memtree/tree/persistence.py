@@ -317,7 +317,9 @@ class Persistence(ShapeOps):
         """Set the first batch dim to ``length`` on disk and in this tree; returns ``self``.
 
         New rows are zeros (sparse: no data written past the old capacity). A smaller length
-        keeps the files as they are (never truncated: other processes may map them).
+        writes a new generation of each leaf file holding the rows kept (a copy of them): a
+        tree loaded before, in any process, keeps seeing its rows unchanged, and files are never
+        truncated (see :mod:`memtree.store.grow`).
 
         Example:
             >>> import tempfile, torch, memtree
