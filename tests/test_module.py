@@ -128,8 +128,10 @@ def test_from_module_with_state_dict_honours_hooks_and_extra_state() -> None:
     tree = TensorTree.from_module(model, use_state_dict=True)
     assert tree["0", "_extra_state"] == {"scale": 2}
     fresh = nn.Sequential(WithExtra(2, 2))
+    weight = fresh[0].weight
     tree.to_module(fresh)
-    assert fresh[0].scale == 2 and fresh[0].weight.data_ptr() == model[0].weight.data_ptr()
+    assert fresh[0].scale == 2 and fresh[0].weight is weight  # filled in place
+    assert torch.equal(fresh[0].weight, model[0].weight)
 
 
 def test_from_module_with_state_dict_stores_tied_tensors_once() -> None:
@@ -197,14 +199,32 @@ def test_tied_weights_are_stored_once_and_tied_again_after_load(tmp_path) -> Non
     assert torch.equal(fresh(tokens()), model(tokens()))
 
 
-def test_tie_record_ties_a_module_that_does_not_tie_itself(tmp_path) -> None:
+@pytest.mark.parametrize("live", [False, True])
+def test_tie_record_ties_a_module_that_does_not_tie_itself(tmp_path, live) -> None:
     model = TinyLM(tie=True).eval()
     TensorTree.from_module(model).memmap(tmp_path / "lm")
-    untied = TinyLM(tie=False).eval()
+    if live:
+        untied = TinyLM(tie=False).eval()
+    else:
+        with empty_init():
+            untied = TinyLM(tie=False).eval()
     assert untied.head.weight is not untied.embed.weight
-    assert load_into_module(untied, tmp_path / "lm") == LoadResult([], [])
+    # bound (meta, or assign=True): the record ties them; live: both filled with the values
+    assert load_into_module(untied, tmp_path / "lm", assign=live) == LoadResult([], [])
     assert untied.head.weight is untied.embed.weight
     assert torch.equal(untied(tokens()), model(tokens()))
+
+
+def test_filling_a_live_module_keeps_its_own_ties_and_creates_none(tmp_path) -> None:
+    model = TinyLM(tie=True).eval()
+    TensorTree.from_module(model).memmap(tmp_path / "lm")
+    untied, tied = TinyLM(tie=False).eval(), TinyLM(tie=True).eval()
+    load_into_module(untied, tmp_path / "lm")
+    load_into_module(tied, tmp_path / "lm")
+    assert untied.head.weight is not untied.embed.weight  # filled with the same values
+    assert torch.equal(untied.head.weight, untied.embed.weight)
+    assert tied.head.weight is tied.embed.weight
+    assert torch.equal(untied(tokens()), model(tokens())) and torch.equal(tied(tokens()), model(tokens()))
 
 
 def test_a_sub_module_used_twice_is_stored_once() -> None:
@@ -215,26 +235,42 @@ def test_a_sub_module_used_twice_is_stored_once() -> None:
     fresh_shared = nn.Linear(3, 3)
     fresh = nn.Sequential(fresh_shared, nn.ReLU(), fresh_shared)
     tree.to_module(fresh)
+    assert fresh[0].weight is fresh[2].weight and torch.equal(fresh[0].weight, model[0].weight)
+    tree.to_module(fresh, assign=True)
     assert fresh[0].weight is fresh[2].weight and fresh[0].weight is model[0].weight
 
 
 # -------------------------------------------------------------------------- to_module
-def test_to_module_returns_the_swapped_out_tensors_and_swapping_back_restores() -> None:
+def test_to_module_assign_returns_the_swapped_out_tensors_and_swapping_back_restores() -> None:
     a, b = nn.Linear(4, 3), nn.Linear(4, 3)
     b.bias.requires_grad_(False)
     old_weight, old_bias = b.weight, b.bias
-    swap = TensorTree.from_module(a).to_module(b)
+    swap = TensorTree.from_module(a).to_module(b, assign=True)
     assert swap["weight"] is old_weight and swap["bias"] is old_bias
     assert b.weight is a.weight  # a source nn.Parameter is bound as it is
-    swap.to_module(b)
+    swap.to_module(b, assign=True)
     assert b.weight is old_weight and b.bias is old_bias
+
+
+def test_to_module_in_place_swap_holds_copies_of_the_old_values_never_aliases() -> None:
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    old_weight, old_values = b.weight, b.weight.detach().clone()
+    swap = TensorTree.from_module(a).to_module(b)
+    assert b.weight is old_weight and torch.equal(b.weight, a.weight)  # filled in place
+    assert torch.equal(swap["weight"], old_values)  # the values before the fill ...
+    assert swap["weight"].data_ptr() != b.weight.data_ptr()  # ... in their own memory
+    with torch.no_grad():
+        b.weight.add_(1.0)
+    assert torch.equal(swap["weight"], old_values)
+    swap.to_module(b)
+    assert b.weight is old_weight and torch.equal(b.weight, old_values)
 
 
 def test_to_module_wraps_plain_tensors_in_parameters_keeping_requires_grad() -> None:
     m = nn.Linear(2, 2)
     m.bias.requires_grad_(False)
     new = TensorTree({"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
-    out = new.to_module(m, return_swap=False)
+    out = new.to_module(m, return_swap=False, assign=True)
     assert out is None
     assert isinstance(m.weight, nn.Parameter) and m.weight.requires_grad
     assert isinstance(m.bias, nn.Parameter) and not m.bias.requires_grad
@@ -261,14 +297,15 @@ def test_to_module_refuses_a_shape_mismatch_naming_key_and_both_shapes() -> None
 def test_to_module_accepts_a_flat_tree_with_dotted_keys() -> None:
     model, fresh = convnet(), convnet()
     TensorTree(model.state_dict()).to_module(fresh)
-    assert fresh[0].weight.data_ptr() == model[0].weight.data_ptr()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
 
 
 # ------------------------------------------------------------------ load_into_module
 def test_load_into_module_from_a_directory_maps_the_files_copy_on_write(tmp_path) -> None:
     model = trained_convnet()
     TensorTree.from_module(model).memmap(tmp_path / "cnn")
-    fresh = convnet().eval()
+    with empty_init():
+        fresh = convnet().eval()
     assert load_into_module(fresh, tmp_path / "cnn") == LoadResult([], [])
     x = torch.randn(2, 3, 12, 12)
     assert torch.equal(fresh(x), model(x))
@@ -279,9 +316,10 @@ def test_load_into_module_from_a_directory_maps_the_files_copy_on_write(tmp_path
 
 def test_load_into_module_from_a_flat_state_dict() -> None:
     model, fresh = trained_convnet(), convnet().eval()
+    running_var = fresh[1].running_var
     result = load_into_module(fresh, model.state_dict())
     assert result == LoadResult([], [])
-    assert fresh[1].running_var.data_ptr() == model[1].running_var.data_ptr()
+    assert fresh[1].running_var is running_var and torch.equal(running_var, model[1].running_var)
 
 
 def test_strict_partial_load_raises_before_changing_anything(tmp_path) -> None:
@@ -304,7 +342,7 @@ def test_non_strict_partial_load_reports_missing_and_unexpected() -> None:
     assert result.missing == ["8.bias"] and result.unexpected == ["9.weight"]
     missing, unexpected = result  # unpacks like torch's load_state_dict result
     assert target[8].bias is old_bias
-    assert target[8].weight.data_ptr() == source["8.weight"].data_ptr()
+    assert torch.equal(target[8].weight, source["8.weight"])
 
 
 def test_unexpected_keys_fail_a_strict_load() -> None:
@@ -390,7 +428,8 @@ def test_init_missing_zero_fills_tensors_of_modules_without_reset_parameters() -
 
 def test_load_into_module_device_copies_the_tensors_there() -> None:
     source = convnet().state_dict()
-    target = convnet()
+    with empty_init():
+        target = convnet()
     load_into_module(target, source, device="cpu")  # already there: still zero-copy
     assert target[0].weight.data_ptr() == source["0.weight"].data_ptr()
     with empty_init():

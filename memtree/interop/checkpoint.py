@@ -7,7 +7,11 @@
 * an 8-byte header size followed by ``{``, or a ``.safetensors`` name: a safetensors file, read
   by :class:`~memtree.interop.safetensors_file.SafetensorsReader`;
 * a raw pickle or a tar archive: a legacy ``torch.save`` file, refused with a message saying how
-  to convert it.
+  to convert it;
+* a shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) or a
+  Hugging Face model directory: all the shards as one checkpoint, read by
+  :class:`~memtree.interop.sharded.ShardedReader` (the index is validated: see
+  :mod:`memtree.interop.sharded`).
 
 The result is a :class:`collections.abc.Mapping` from dotted keys (``"encoder.0.weight"``) to
 tensors. Listing keys, ``len``, ``in`` and :meth:`Checkpoint.tensor_spec` read no tensor data;
@@ -25,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Union
@@ -34,11 +39,12 @@ import torch
 from ..errors import CheckpointFormatError, LegacyCheckpointError
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
+from .sharded import DIRECTORY_FILES, ShardedReader, find_checkpoint, is_index
 from .torchsave import TorchSaveReader, is_torch_zip, legacy_message
 
 __all__ = ["Checkpoint", "open_checkpoint", "checkpoint_kind"]
 
-Reader = Union[TorchSaveReader, SafetensorsReader]
+Reader = Union[TorchSaveReader, SafetensorsReader, ShardedReader]
 
 
 def checkpoint_kind(path: str | os.PathLike[str]) -> str:
@@ -71,18 +77,20 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
     tensors already read stay valid.
 
     Attributes:
-        path: the file.
+        path: the file (for a sharded checkpoint: its index).
         format: ``"torch"`` or ``"safetensors"``.
+        files: the files that hold the tensors: ``[path]``, or every shard.
         non_tensors: non-tensor values by dotted key (``torch.save`` files: ``{"epoch": 3}``).
-        metadata: a safetensors file's ``__metadata__`` (``None`` otherwise).
+        metadata: a safetensors file's ``__metadata__`` (``None`` otherwise, and for shards).
     """
 
     def __init__(self, reader: Reader, format: str) -> None:
         self._reader = reader
         self.path = reader.path
         self.format = format
+        self.files: list[str] = reader.files if isinstance(reader, ShardedReader) else [reader.path]
         self.non_tensors: dict[str, Any] = (
-            reader.non_tensors if isinstance(reader, TorchSaveReader) else {}
+            reader.non_tensors if isinstance(reader, (TorchSaveReader, ShardedReader)) else {}
         )
         self.metadata: dict[str, str] | None = (
             reader.metadata if isinstance(reader, SafetensorsReader) else None
@@ -131,11 +139,21 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
         return f"Checkpoint({self.path!r}, format={self.format!r}, tensors={len(self)})"
 
 
+def _open_file(path: str, *, allow_pickle: bool) -> TorchSaveReader | SafetensorsReader:
+    if checkpoint_kind(path) == "torch":
+        return TorchSaveReader(path, allow_pickle=allow_pickle)
+    return SafetensorsReader(path)
+
+
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Checkpoint:
-    """Open a ``torch.save`` or ``.safetensors`` file lazily: a mapping of dotted keys to tensors.
+    """Open a checkpoint lazily: a mapping of dotted keys to tensors.
 
     Args:
-        path: the checkpoint file.
+        path: a ``torch.save`` or ``.safetensors`` file; a shard index
+            (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``: every shard,
+            as one mapping); or a Hugging Face model directory, where the first of
+            ``model.safetensors.index.json``, ``model.safetensors``,
+            ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` is opened.
         allow_pickle: ``torch.save`` files only: let the pickle build objects outside memtree's
             safe allowlist (tensors, containers, scalars). Only for files you trust.
 
@@ -145,7 +163,9 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     Raises:
         LegacyCheckpointError: a pre-zip ``torch.save`` file (the message says how to convert).
         UnsafePickleError: the pickle needs something other than tensors and plain data.
-        CheckpointFormatError: an unknown, truncated or damaged file.
+        CheckpointFormatError: an unknown, truncated or damaged file; a directory without a
+            checkpoint; a damaged shard index.
+        UnsafePathError: a shard index names a file outside its directory.
 
     Example:
         >>> import os, tempfile, torch
@@ -155,7 +175,19 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         >>> list(ckpt), ckpt["model.w"].tolist(), ckpt.non_tensors
         (['model.w'], [1.0, 1.0], {'epoch': 3})
     """
-    kind = checkpoint_kind(path)
-    if kind == "torch":
-        return Checkpoint(TorchSaveReader(path, allow_pickle=allow_pickle), kind)
-    return Checkpoint(SafetensorsReader(path), kind)
+    name = os.fspath(path)
+    if os.path.isdir(name):
+        found = find_checkpoint(name)
+        if found is None:
+            raise CheckpointFormatError(
+                f"{name} is a directory without a checkpoint: it holds none of "
+                f"{', '.join(DIRECTORY_FILES)}. Pass the checkpoint file itself, or load a memtree "
+                "or tensordict directory with memtree.load_memmap"
+            )
+        name = found
+    open_file = functools.partial(_open_file, allow_pickle=allow_pickle)
+    if is_index(name):
+        reader = ShardedReader(name, open_file)
+        return Checkpoint(reader, reader.format)
+    file_reader = open_file(name)
+    return Checkpoint(file_reader, "torch" if isinstance(file_reader, TorchSaveReader) else "safetensors")

@@ -140,12 +140,12 @@ class SafetensorsEntry:
     end: int
 
 
-def _no_duplicates(where: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+def _no_duplicates(where: str, what: str = "the header") -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in items:
             if key in out:
-                raise CheckpointFormatError(f"{where}: the header repeats the key {key!r:.80}")
+                raise CheckpointFormatError(f"{where}: {what} repeats the key {key!r:.80}")
             out[key] = value
         return out
 

@@ -1,9 +1,11 @@
 """Loading any source into a module: :func:`load_into_module` and its :class:`LoadResult`.
 
-A source is a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict`` or a
-checkpoint file (``torch.save``, ``.safetensors``, read lazily through :mod:`memtree.interop`);
-it is seen as flat dotted names (:class:`memtree.tree.tensortree.bind.Source`), matched to the module's
-slots and bound (see :mod:`memtree.tree.bind` for what binding means and how ties are kept).
+A source is a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``, a
+checkpoint file (``torch.save``, ``.safetensors``) or a Hugging Face model directory or shard
+index (read lazily through :mod:`memtree.interop`); it is seen as flat dotted names
+(:class:`memtree.tree.bind.Source`), optionally renamed by ``prefix=``, matched to the module's
+slots and loaded: live tensors are filled in place, meta tensors are bound (see
+:mod:`memtree.tree.bind`).
 
 Example:
     >>> import tempfile, torch, memtree
@@ -17,19 +19,24 @@ Example:
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ..errors import MemtreeKeyError, SourceError
+from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, SourceError
+from ..format.names import META_NAME
 from ..interop import open_checkpoint
+from ..interop.sharded import find_checkpoint
 from ..tree.bind import (
     TIED_KEY,
     KeyPrefix,
+    Plan,
     Source,
     bind,
+    is_live,
     module_groups,
     names_list,
     plan,
@@ -42,17 +49,44 @@ from ..tree.tensortree import TensorTree, load_memmap
 __all__ = ["LoadResult", "as_source", "load_into_module"]
 
 
-class LoadResult(NamedTuple):
+class _Keys(NamedTuple):
+    missing: list[str]
+    unexpected: list[str]
+
+
+class LoadResult(_Keys):
     """What :func:`load_into_module` could not match, as dotted ``state_dict()`` names.
+
+    A 2-tuple ``(missing, unexpected)`` like the result of ``nn.Module.load_state_dict``
+    (``missing, unexpected = result`` works); ``mismatched`` is an attribute, not a tuple item,
+    and is left out of ``==`` (a tuple comparison).
 
     Attributes:
         missing: the module's tensors that the source does not provide (they keep their
             current value; meta tensors are initialised, see :func:`load_into_module`).
         unexpected: the source's tensors that match no tensor of the module.
+        mismatched: the module's tensors skipped by ``ignore_mismatched=True`` because the
+            source's shape differs (they keep their current value, like ``missing``).
+
+    Example:
+        >>> r = LoadResult(["head.weight"], [], mismatched=["fc.weight"])
+        >>> missing, unexpected = r
+        >>> missing, r.mismatched
+        (['head.weight'], ['fc.weight'])
     """
 
-    missing: list[str]
-    unexpected: list[str]
+    mismatched: list[str]
+
+    def __new__(
+        cls, missing: list[str], unexpected: list[str], mismatched: list[str] | None = None
+    ) -> LoadResult:
+        self = super().__new__(cls, missing, unexpected)
+        self.mismatched = list(mismatched) if mismatched is not None else []
+        return self
+
+    def __repr__(self) -> str:
+        extra = f", mismatched={self.mismatched!r}" if self.mismatched else ""
+        return f"LoadResult(missing={self.missing!r}, unexpected={self.unexpected!r}{extra})"
 
 
 def _tree_source(tree: TensorTree) -> Source:
@@ -79,7 +113,7 @@ def _source_from_file(path: str) -> Source:
 
 
 def as_source(source: Any, *, mode: str = "r") -> Source:
-    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.tensortree.bind.Source`."""
+    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.bind.Source`."""
     if isinstance(source, Source):
         return source
     if isinstance(source, TensorTree):
@@ -88,6 +122,8 @@ def as_source(source: Any, *, mode: str = "r") -> Source:
         path = os.fspath(source)
         if os.path.isfile(path):
             return _source_from_file(path)
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, META_NAME)) and find_checkpoint(path):
+            return _source_from_file(path)  # a Hugging Face model directory
         return _tree_source(load_memmap(path, mode=mode))
     if isinstance(source, Mapping):
         if callable(getattr(source, "tensor_spec", None)):
@@ -95,8 +131,96 @@ def as_source(source: Any, *, mode: str = "r") -> Source:
         return _source_from_mapping(source)
     raise SourceError(
         f"cannot load from a {type(source).__name__}: pass a TensorTree, a memtree directory, "
-        "a checkpoint file path, or a state_dict (a mapping of dotted names to tensors)"
+        "a checkpoint file or Hugging Face model directory, or a state_dict (a mapping of "
+        "dotted names to tensors)"
     )
+
+
+# -- prefix= -----------------------------------------------------------------------------------
+def _normal_prefix(prefix: Any) -> str:
+    if not isinstance(prefix, str) or not prefix.strip("."):
+        raise InvalidArgumentError(
+            f"prefix= is a dotted name prefix such as 'model.' or 'transformer', got {prefix!r}"
+        )
+    return prefix.rstrip(".") + "."
+
+
+def _apply_prefix(src: Source, module_names: Iterable[str], prefix: str) -> Source:
+    """``src`` renamed by the ``prefix=`` rule of :func:`load_into_module`.
+
+    Raises:
+        MemtreeKeyError: neither side has a name under ``prefix``.
+        SourceError: stripping it makes two source names equal.
+    """
+    p = _normal_prefix(prefix)
+    in_src = any(n.startswith(p) for n in src.names())
+    in_module = any(n.startswith(p) for n in module_names)
+    if in_src and not in_module:
+        return src.renamed(lambda n: n[len(p):] if n.startswith(p) else n)
+    if in_module and not in_src:
+        return src.renamed(lambda n: p + n)
+    if in_src:
+        return src  # both sides have it: the names already agree on it
+    raise MemtreeKeyError(
+        f"load_into_module: prefix={prefix!r} starts no name of the source and no name of the "
+        "module; nothing was loaded. prefix= is the dotted prefix that one side's names have "
+        "and the other's lack (e.g. 'model.' or 'transformer.')"
+    )
+
+
+def _suggest_prefix(src: Source, module_names: set[str], found: Plan) -> tuple[str, int] | None:
+    """The prefix (and how many more names it matches) that would fix a mismatch of names."""
+    missing, unexpected = set(found.missing_names), set(found.unexpected)
+    counts: Counter[str] = Counter()
+    for names, others in ((unexpected, missing), (missing, unexpected)):
+        for name in names:
+            for i, c in enumerate(name):
+                if c == "." and name[i + 1 :] in others:
+                    counts[name[: i + 1]] += 1
+    matched = len(set(src.names()) & module_names)
+    best: tuple[str, int] | None = None
+    for candidate, _ in counts.most_common(3):
+        try:
+            renamed = _apply_prefix(src, module_names, candidate)
+        except MemtreeError:
+            continue
+        gain = len(set(renamed.names()) & module_names) - matched
+        if gain > 0 and (best is None or gain > best[1]):
+            best = (candidate, gain)
+    return best
+
+
+def _strict_error(module: nn.Module, src: Source, module_names: set[str], found: Plan) -> MemtreeKeyError:
+    parts = []
+    if found.missing_names:
+        parts.append(f"missing from the source: {names_list(found.missing_names)}")
+    if found.unexpected:
+        parts.append(f"unexpected in the source: {names_list(found.unexpected)}")
+    suggestion = _suggest_prefix(src, module_names, found)
+    if suggestion is not None:
+        advice = (
+            f"the names differ by a prefix: pass prefix={suggestion[0]!r} ({suggestion[1]} more "
+            "names then match)"
+        )
+    elif not found.pairs and not found.mismatched:
+        advice = (
+            "no name of the source matches a name of the module, so strict=False would load "
+            "nothing: check that the checkpoint is for this model, or map the names with prefix="
+        )
+    else:
+        advice = (
+            f"pass strict=False to load the {len(found.pairs)} tensors that match, or keys= to "
+            "load only a sub-tree"
+        )
+    return MemtreeKeyError(
+        f"load_into_module(strict=True) into {type(module).__name__}: "
+        + "; ".join(parts)
+        + f". Nothing was changed: {advice}"
+    )
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index == want.index)
 
 
 def load_into_module(
@@ -106,40 +230,80 @@ def load_into_module(
     strict: bool = True,
     keys: Iterable[KeyPrefix] | KeyPrefix | None = None,
     device: torch.device | str | None = None,
+    prefix: str | None = None,
+    dtype: torch.dtype | None = None,
+    ignore_mismatched: bool = False,
+    assign: bool = False,
 ) -> LoadResult:
-    """Load ``source`` into ``module``'s parameters and buffers, binding (not copying) tensors.
+    """Load ``source`` into ``module``'s parameters and buffers, by dotted ``state_dict()`` names.
 
-    Tensors are bound as in :func:`to_module`: with a memtree directory, the module's weights
-    become read-only copy-on-write mappings of the files (no data is read until used, and the
-    files never change). Names are the dotted ``state_dict()`` names of the module.
+    How each tensor is loaded depends on the module's tensor:
+
+    * **live** (it holds data: a module built the usual way): it is *filled in place*,
+      ``with torch.no_grad(): p.copy_(source)``. The module keeps its ``nn.Parameter`` objects,
+      their storage, device and ``requires_grad``, so an optimizer built before the load (the
+      usual resume order: model, optimizer, then load), hooks and ties keep working;
+    * **meta** (a module built under :func:`empty_init`): there is nothing to fill, so the
+      source tensor is *bound*, zero-copy: with a memtree directory the weights become
+      read-only copy-on-write mappings of the files (no data is read until used, and the files
+      never change); build the optimizer after loading;
+    * ``assign=True`` binds every tensor, live or not (like
+      ``nn.Module.load_state_dict(assign=True)``): parameters are then new objects, which an
+      optimizer built before the load does not hold.
 
     Module tensors the source does not provide are reported in ``missing`` and keep their
     current value. In a module built under :func:`empty_init` they stay on the meta device, so
-    that a checkpoint in several parts (shards) can be loaded by several calls without
-    allocating the parts still to come; call :func:`init_missing` once every part is loaded to
-    allocate and initialise what no source provided (a new head, for example).
+    that a checkpoint in several parts can be loaded by several calls without allocating the
+    parts still to come; call :func:`init_missing` once every part is loaded to allocate and
+    initialise what no source provided (a new head, for example).
 
     Args:
         module: the module to load into.
         source: a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``
-            (``{"encoder.0.weight": tensor, ...}``), or a checkpoint file (``torch.save``,
-            ``.safetensors``; read through ``memtree.interop``, lazily: only the tensors that
-            are bound are read).
+            (``{"encoder.0.weight": tensor, ...}``), a checkpoint file (``torch.save``,
+            ``.safetensors``), or a Hugging Face model directory or shard index
+            (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``); files are read
+            through ``memtree.interop``, lazily: only the tensors that are loaded are read.
         strict: raise :class:`~memtree.MemtreeKeyError` if anything is missing or unexpected,
-            before changing anything.
+            before changing anything. The message suggests the ``prefix=`` that would make the
+            names match, when one would.
         keys: load only names under these dotted prefixes or tuples (``"encoder"``,
-            ``("encoder", "0")``); ``missing``/``unexpected`` are then computed within them.
-        device: move the tensors there (a copy) before binding; ``None`` binds them where the
-            source has them.
+            ``("encoder", "0")``) of the module's names; ``missing``/``unexpected`` are then
+            computed within them.
+        device: where bound tensors go (a copy, unless they are there already); ``None``
+            binds them where the source has them. Tensors filled in place stay on their own
+            device: a live tensor elsewhere than ``device`` raises (move the module first).
+        prefix: a dotted prefix (``"model."``, ``"transformer"``; the final dot is optional)
+            that the names of one side have and the other's lack, as between a task model
+            (``GPT2LMHeadModel``: ``transformer.h.0...``) and its base model (``GPT2Model``:
+            ``h.0...``). The rule: if some source names start with it and no module name does,
+            it is stripped from the source names that start with it (the others are matched as
+            they are, usually ``unexpected``: a task head); if some module names start with it
+            and no source name does, it is added in front of every source name; if both sides
+            have names under it, names are matched as they are; if neither does, it raises.
+        dtype: cast floating-point source tensors to this dtype as they are loaded, one
+            tensor at a time (never a copy of the whole checkpoint): a ``bfloat16``
+            checkpoint into a ``float32`` model. Integer and bool tensors keep their dtype.
+            The cast dtype must then be the module tensor's dtype, as without ``dtype``.
+        ignore_mismatched: skip source tensors whose shape differs from the module's (a new
+            classification head) instead of raising, and report their module names in
+            :attr:`LoadResult.mismatched`; they keep their current value (meta ones stay meta,
+            for :func:`init_missing`). They do not fail ``strict=True``. A dtype difference
+            still raises.
+        assign: bind the source tensors even into live tensors, instead of filling them.
 
     Returns:
-        :class:`LoadResult` ``(missing, unexpected)``, lists of dotted names.
+        :class:`LoadResult` ``(missing, unexpected)``, lists of dotted names, with
+        ``.mismatched``.
 
     Raises:
         ShapeMismatchError: a source tensor's shape or dtype differs from the module's (named
             with both sides); raised before anything changes, even with ``strict=False``.
-        MemtreeKeyError: ``strict=True`` and names are missing or unexpected; or a ``keys=``
-            entry names no tensor or sub-module of the module and nothing in the source.
+        MemtreeKeyError: ``strict=True`` and names are missing or unexpected; a ``keys=`` entry
+            names no tensor or sub-module of the module and nothing in the source; or
+            ``prefix`` starts no name of either side.
+        InvalidArgumentError: ``dtype`` is not a floating-point dtype, ``prefix`` is not a
+            dotted name, or ``device`` differs from a live tensor's device.
         SourceError: the source is of an unknown kind or cannot be read.
 
     Example:
@@ -150,14 +314,23 @@ def load_into_module(
         >>> _ = TensorTree.from_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))).memmap(d)
         >>> with empty_init():
         ...     new = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))   # a new head
-        >>> load_into_module(new, d, keys=["0"])      # "1" differs in shape: load only "0"
-        LoadResult(missing=[], unexpected=[])
+        >>> load_into_module(new, d, ignore_mismatched=True)
+        LoadResult(missing=[], unexpected=[], mismatched=['1.weight', '1.bias'])
         >>> init_missing(new)                         # allocate and initialise the new head
         ['1.weight', '1.bias']
         >>> new(torch.ones(1, 4)).shape
         torch.Size([1, 3])
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidArgumentError(
+            f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
+            f"torch.bfloat16...), got {dtype!r}"
+        )
     src = as_source(source, mode="r")
+    groups = module_groups(module)
+    module_names = {n for g in groups for n in g.names}
+    if prefix is not None:
+        src = _apply_prefix(src, module_names, prefix)
     selected = prefixes(keys)
     unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
     if unmatched:
@@ -166,27 +339,32 @@ def load_into_module(
             f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
             "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
         )
-    found = plan(module_groups(module), src, selected)
+    found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
     if strict and (found.missing_names or found.unexpected):
-        parts = []
-        if found.missing_names:
-            parts.append(f"missing from the source: {names_list(found.missing_names)}")
-        if found.unexpected:
-            parts.append(f"unexpected in the source: {names_list(found.unexpected)}")
-        raise MemtreeKeyError(
-            f"load_into_module(strict=True) into {type(module).__name__}: "
-            + "; ".join(parts)
-            + ". Nothing was changed: pass strict=False to load what matches, or keys= to "
-            "load only a sub-tree"
-        )
+        raise _strict_error(module, src, module_names, found)
     dev = torch.device(device) if device is not None else None
+    if dev is not None and not assign:
+        elsewhere = [
+            f"{g.names[0]} ({g.tensor.device})"
+            for g, _ in found.pairs
+            if is_live(g) and not _same_device(g.tensor.device, dev)
+        ]
+        if elsewhere:
+            raise InvalidArgumentError(
+                f"load_into_module(device={str(dev)!r}): the module's tensors {names_list(elsewhere)} "
+                "hold data on another device, and live tensors are filled in place where they "
+                f"are. Nothing was changed: move the module first (module.to({str(dev)!r})), build "
+                "it under memtree.empty_init(), or pass assign=True to bind new tensors"
+            )
 
     def convert(_kind: str, _name: str, value: Any) -> Any:
-        if dev is not None and isinstance(value, torch.Tensor) and value.device != dev:
-            return value.to(dev)
+        if not isinstance(value, torch.Tensor):
+            return value
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        target = dev if dev is not None else value.device
+        if cast != value.dtype or target != value.device:
+            return value.to(device=target, dtype=cast)
         return value
 
-    bind(found, src, convert)
-    return LoadResult(found.missing_names, found.unexpected)
-
-
+    bind(found, src, convert, assign=assign, keep_old=False)
+    return LoadResult(found.missing_names, found.unexpected, found.mismatched)

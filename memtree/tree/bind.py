@@ -20,6 +20,13 @@ name that the source lacks but lists in ``"__tied__"`` is bound to the stored te
 same ``nn.Parameter`` object as its canonical name, so the result is tied again even when the
 target module did not tie them itself).
 
+**Filling or binding.** A module tensor that holds data (a *live* tensor: any device but
+``meta``) is filled in place by default: ``with torch.no_grad(): tensor.copy_(source)``, so the
+module keeps the same ``nn.Parameter`` objects, their storage and device, and whatever refers to
+them (an optimizer built before the load, hooks, ties made by the constructor) keeps working.
+A tensor on the ``meta`` device (a module built under :func:`memtree.empty_init`) has no memory
+to fill: it is *bound*, as is every tensor when ``assign=True``.
+
 **What binding means.** A parameter becomes a new ``nn.Parameter`` that shares the source
 tensor's memory (``requires_grad`` is kept from the module's current parameter); a source
 that already is an ``nn.Parameter`` is bound as it is (the same object). A buffer becomes a
@@ -65,6 +72,7 @@ __all__ = [
     "unmatched_prefixes",
     "plan",
     "bind",
+    "is_live",
     "set_slot",
     "names_list",
 ]
@@ -179,10 +187,10 @@ class Source:
     def _lazy_spec(self, name: str) -> tuple[torch.Size, torch.dtype] | None:
         spec = getattr(self.lazy, "tensor_spec", None)
         if spec is None:
-            value = self.lazy[name]  # type: ignore[index]
+            value = self.lazy[self.entries[name]]  # type: ignore[index]
             return (value.shape, value.dtype) if isinstance(value, torch.Tensor) else None
         try:
-            shape, dtype = spec(name)
+            shape, dtype = spec(self.entries[name])
         except (TypeError, ValueError, KeyError):
             return None
         return torch.Size(shape), dtype
@@ -200,8 +208,31 @@ class Source:
 
     def get(self, name: str) -> Any:
         if self.lazy is not None:
-            return self.lazy[name]
+            return self.lazy[self.entries[name]]
         return self.entries[name]
+
+    def names(self) -> list[str]:
+        """Every dotted name: the entries, then the tie aliases."""
+        return [*self.entries, *self.aliases]
+
+    def renamed(self, rename: Callable[[str], str]) -> Source:
+        """The same source under other names (``rename`` maps each entry and alias name).
+
+        Raises:
+            SourceError: two names of the source get the same new name.
+        """
+        first: dict[str, str] = {}
+        for name in self.names():
+            new = rename(name)
+            if new in first:
+                raise SourceError(
+                    f"the source's names {first[new]!r} and {name!r} would both become {new!r}; "
+                    "pass another prefix= (or none)"
+                )
+            first[new] = name
+        entries = {rename(n): v for n, v in self.entries.items()}
+        aliases = {rename(a): rename(t) for a, t in self.aliases.items()}
+        return Source(entries, aliases, self.lazy)
 
 
 def aliases_from(value: Any, where: str) -> dict[str, str]:
@@ -271,16 +302,34 @@ class Plan:
     pairs: list[tuple[Group, str]]  # group -> source name bound to it
     missing_names: list[str]
     unexpected: list[str]
+    mismatched: list[str] = field(default_factory=list)  # skipped: the shapes differ
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _describe(shape: Any, dtype: torch.dtype) -> str:
-    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+    return f"{_dtype_name(dtype)}{list(shape)}"
 
 
-def plan(groups: list[Group], src: Source, prefixes: list[str] | None) -> Plan:
-    """Match module groups to source names; raise on shape/dtype mismatches (before any change)."""
+def plan(
+    groups: list[Group],
+    src: Source,
+    prefixes: list[str] | None,
+    *,
+    cast: torch.dtype | None = None,
+    ignore_mismatched: bool = False,
+) -> Plan:
+    """Match module groups to source names; raise on shape/dtype mismatches (before any change).
+
+    ``cast``: floating-point source tensors count as that dtype (they are cast on load).
+    ``ignore_mismatched``: a tensor whose shape differs is skipped and its module names are
+    reported in :attr:`Plan.mismatched` instead of raising.
+    """
     pairs: list[tuple[Group, str]] = []
     missing_names: list[str] = []
+    mismatched: list[str] = []
     consumed: set[str] = set()
     mismatches: list[str] = []
     for group in groups:
@@ -301,11 +350,17 @@ def plan(groups: list[Group], src: Source, prefixes: list[str] | None) -> Plan:
                 mismatches.append(f"{name!r}: the source holds a non-tensor value, the module a tensor")
                 continue
             shape, dtype = src.spec(name)
+            loaded = cast if cast is not None and dtype.is_floating_point else dtype
             mine = group.tensor
-            if tuple(shape) != tuple(mine.shape) or dtype != mine.dtype:
+            if tuple(shape) != tuple(mine.shape) and ignore_mismatched:
+                mismatched.extend(chosen_names)
+                continue
+            if tuple(shape) != tuple(mine.shape) or loaded != mine.dtype:
                 where = name if name == group.names[0] else f"{group.names[0]} (from {name!r})"
+                cast_note = f" (cast to {_dtype_name(loaded)})" if loaded != dtype else ""
                 mismatches.append(
-                    f"{where!r}: source {_describe(shape, dtype)}, module {_describe(mine.shape, mine.dtype)}"
+                    f"{where!r}: source {_describe(shape, dtype)}{cast_note}, module "
+                    f"{_describe(mine.shape, mine.dtype)}"
                 )
                 continue
         pairs.append((group, name))
@@ -315,12 +370,14 @@ def plan(groups: list[Group], src: Source, prefixes: list[str] | None) -> Plan:
             "shape/dtype mismatch between the source and the module for "
             + "; ".join(mismatches[:_LIST_MAX])
             + more
-            + ". Nothing was changed: load into a module built with matching sizes, or leave "
-            "these keys out with keys= (or drop them from the source)"
+            + ". Nothing was changed: load into a module built with matching sizes, leave "
+            "these keys out with keys= (or drop them from the source), or with "
+            "load_into_module pass ignore_mismatched=True to skip tensors whose shape differs "
+            "(a new head) or dtype= to cast floating-point tensors"
         )
     consumed.update(a for a, target in src.aliases.items() if target in consumed)
     unexpected = [n for n in src.entries if _selected(n, prefixes) and n not in consumed]
-    return Plan(pairs, missing_names, unexpected)
+    return Plan(pairs, missing_names, unexpected, mismatched)
 
 
 def names_list(names: list[str]) -> str:
@@ -351,16 +408,40 @@ def _current(group: Group) -> Any:
     return group.tensor
 
 
-def bind(plan: Plan, src: Source, convert: Callable[[str, str, Any], Any]) -> list[tuple[Group, Any]]:
-    """Bind every planned pair; returns ``(group, old value)`` for the swap tree.
+def is_live(group: Group) -> bool:
+    """A parameter or buffer that holds data (not on the meta device): filled in place."""
+    return group.kind != "extra" and group.tensor.device.type != "meta"
 
-    ``convert(kind, name, value)`` turns a source value into what is bound; a parameter that
-    is not an ``nn.Parameter`` then is wrapped in one (``requires_grad`` from the module).
+
+def bind(
+    plan: Plan,
+    src: Source,
+    convert: Callable[[str, str, Any], Any],
+    *,
+    assign: bool = True,
+    keep_old: bool = True,
+) -> list[tuple[Group, Any]]:
+    """Install every planned pair; returns ``(group, old value)`` for the swap tree.
+
+    With ``assign=False``, a live tensor (not on the meta device) is filled in place,
+    ``tensor.copy_(source)`` without autograd (``copy_`` casts and moves across devices;
+    ``convert`` is not called); its old value is returned as a detached copy taken before the
+    fill, so that it does not change with the module. Every other slot is bound:
+    ``convert(kind, name, value)`` turns the source value into what is bound, and a parameter
+    that is not an ``nn.Parameter`` then is wrapped in one (``requires_grad`` from the module).
+    ``keep_old=False`` returns nothing (and copies nothing).
     """
     made: dict[tuple[str, str], Any] = {}  # one bound object per source name (keeps ties)
     old: list[tuple[Group, Any]] = []
     for group, name in plan.pairs:
-        old.append((group, _current(group)))
+        if not assign and is_live(group):
+            if keep_old:
+                old.append((group, _plain(group.tensor).detach().clone()))
+            with torch.no_grad():
+                group.tensor.copy_(_plain(src.get(name)))
+            continue
+        if keep_old:
+            old.append((group, _current(group)))
         key = (group.kind, name)
         value = made.get(key)
         if value is None:
@@ -375,17 +456,19 @@ def bind(plan: Plan, src: Source, convert: Callable[[str, str, Any], Any]) -> li
     return old
 
 
-
-def to_module(src: Source, module: nn.Module) -> tuple[list[tuple[str, Any]], dict[str, str]]:
-    """Bind every tensor of ``src`` into ``module`` (no copy); return the swapped-out tensors.
+def to_module(
+    src: Source, module: nn.Module, *, assign: bool = False, return_swap: bool = True
+) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """Load every tensor of ``src`` into ``module``; return the swapped-out tensors.
 
     What :meth:`memtree.TensorTree.to_module` does: every source name must match a slot of the
-    module, checked before anything changes. Returns what was replaced, as :func:`module_flat`
-    returns it (to build the swap tree).
+    module, checked before anything changes. Live tensors are filled in place unless
+    ``assign`` (see :func:`bind`). Returns what was replaced (``[]`` unless ``return_swap``),
+    as :func:`module_flat` returns it (to build the swap tree).
 
     Raises:
         MemtreeKeyError: a source name matches nothing in the module, or a tensor of the module
-            has no source name (``to_module`` binds the whole module; use
+            has no source name (``to_module`` loads the whole module; use
             :func:`memtree.load_into_module` with ``strict=False`` for part of it).
         ShapeMismatchError: a shape or dtype differs from the module's tensor.
     """
@@ -404,6 +487,6 @@ def to_module(src: Source, module: nn.Module) -> tuple[list[tuple[str, Any]], di
             "bind the matching sub-tree into its sub-module (tree['encoder'].to_module(model.encoder)), "
             "or use memtree.load_into_module(..., strict=False) to load what matches"
         )
-    old = bind(found, src, lambda _kind, _name, value: value)
+    old = bind(found, src, lambda _kind, _name, value: value, assign=assign, keep_old=return_swap)
     flat = [(group.names[0], value) for group, value in old]
     return flat, {alias: g.names[0] for g, _ in old for alias in g.names[1:]}

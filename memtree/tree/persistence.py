@@ -242,19 +242,36 @@ class Persistence(ShapeOps):
         tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
         return cast(Self, tree) if cls is base else cls(tree)
 
-    def to_module(self, module: Any, *, return_swap: bool = True) -> TreeCore | None:
-        """Bind this tree's tensors as ``module``'s parameters and buffers, without copying.
+    def to_module(self, module: Any, *, return_swap: bool = True, assign: bool = False) -> TreeCore | None:
+        """Load this tree's tensors into ``module``'s parameters and buffers.
 
         Every tensor leaf must match a parameter, persistent buffer or extra state of the module
         by its path (shapes and dtypes must agree), and every tensor of the module must have its
         leaf: a tree that lacks some raises (a module left half on the meta device would fail
-        later, far from the cause). Everything is checked before anything changes. Works on modules built
-        under :func:`memtree.empty_init` (meta device).
+        later, far from the cause). Everything is checked before anything changes.
+
+        How each tensor is loaded depends on the module's tensor (see :mod:`memtree.tree.bind`):
+
+        * on the meta device (a module built under :func:`memtree.empty_init`): the leaf is
+          *bound*, zero-copy: with a tree from ``load_memmap`` the module's weights are the
+          mapped files;
+        * holding data (a live module): it is *filled in place*
+          (``with torch.no_grad(): p.copy_(leaf)``): the module keeps its ``nn.Parameter``
+          objects, their device and dtype, so an optimizer built before, hooks and ties keep
+          working;
+        * ``assign=True`` binds every leaf, live or not (like
+          ``nn.Module.load_state_dict(assign=True)``); an optimizer built before then no longer
+          holds the module's parameters.
 
         Args:
-            module: the module to bind into.
-            return_swap: return the tensors that were replaced, as a tree (binding it back with
-                ``swap.to_module(module)`` restores the module).
+            module: the module to load into.
+            return_swap: return the tensors that were replaced, as a tree (loading it back with
+                ``swap.to_module(module)`` restores the module). For tensors filled in place
+                the swap holds *copies* of their old values, taken before the fill (a bound
+                tensor's old object is returned as it is): the swap never aliases the module's
+                new values, at the cost of one copy of the filled tensors. Pass
+                ``return_swap=False`` to skip it.
+            assign: bind the leaves even into live tensors, instead of filling them.
 
         Returns:
             The swapped-out tensors as a tree, or ``None``.
@@ -269,13 +286,17 @@ class Persistence(ShapeOps):
             >>> import torch, memtree
             >>> from torch import nn
             >>> a, b = nn.Linear(2, 3), nn.Linear(2, 3)
-            >>> _ = memtree.TensorTree.from_module(a).to_module(b)
-            >>> b.weight.data_ptr() == a.weight.data_ptr()
+            >>> w = b.weight
+            >>> _ = memtree.TensorTree.from_module(a).to_module(b, return_swap=False)
+            >>> b.weight is w and torch.equal(b.weight, a.weight)   # filled in place
+            True
+            >>> _ = memtree.TensorTree.from_module(a).to_module(b, assign=True)
+            >>> b.weight.data_ptr() == a.weight.data_ptr()            # bound: shared memory
             True
         """
         leaves = self.items(include_nested=True, leaves_only=True)
         src = bind.source_from_leaves(((k,) if isinstance(k, str) else k, v) for k, v in leaves)
-        flat, aliases = bind.to_module(src, module)
+        flat, aliases = bind.to_module(src, module, assign=assign, return_swap=return_swap)
         return self._base()._nest(flat, aliases) if return_swap else None
 
     def append_(self, item: Any, *, fsync: bool = False) -> Self:

@@ -1,0 +1,249 @@
+"""Checkpoints in several files, as Hugging Face ships them: a shard index, a model directory.
+
+A large model comes as shards plus an index that says which shard holds each tensor:
+``model.safetensors.index.json`` (safetensors shards) or ``pytorch_model.bin.index.json``
+(``torch.save`` shards)::
+
+    {"metadata": {"total_size": 1234},
+     "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
+
+:class:`ShardedReader` reads such an index and presents all its shards as one checkpoint (the
+reader interface of :class:`~memtree.interop.Checkpoint`: keys, specs, lazy reads).
+:func:`find_checkpoint` picks the checkpoint of a model directory, in Hugging Face's order of
+preference: ``model.safetensors.index.json``, ``model.safetensors``,
+``pytorch_model.bin.index.json``, ``pytorch_model.bin``.
+
+The index is not trusted. It is refused (``CheckpointFormatError``, or ``UnsafePathError`` for
+a path) when it is larger than :data:`MAX_INDEX_BYTES`, not UTF-8 JSON, repeats a key, lacks a
+``weight_map`` of names to shard files, names a shard by anything but a relative path of plain
+names inside the index's directory (no ``..``, no absolute path, no backslash), names a shard
+that resolves (through symbolic links) outside that directory, mixes safetensors and
+``torch.save`` shards, or lists a tensor that its shard does not hold. One exception to the
+directory rule keeps Hugging Face's cache usable: in a cache snapshot
+(``models--org--name/snapshots/<revision>/``) the files are links into the repository's
+``blobs/`` directory, which is allowed too. Every shard is opened (its header read, no tensor
+data) when the index is opened. Tensors that a shard holds but the index does not list are
+ignored: the index is the table of contents.
+
+Example:
+    >>> import json, os, tempfile, torch
+    >>> from memtree.interop import open_checkpoint, save_safetensors
+    >>> d = tempfile.mkdtemp()
+    >>> save_safetensors({"a": torch.zeros(2)}, os.path.join(d, "part-1.safetensors"))
+    >>> save_safetensors({"b": torch.ones(3)}, os.path.join(d, "part-2.safetensors"))
+    >>> index = {"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}
+    >>> with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+    ...     json.dump(index, f)
+    >>> ckpt = open_checkpoint(d)          # the directory: its index is found
+    >>> sorted(ckpt), ckpt["b"].tolist(), len(ckpt.files)
+    (['a', 'b'], [1.0, 1.0, 1.0], 2)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+
+from ..errors import CheckpointFormatError, MemtreeKeyError, UnsafePathError
+from .checkpoint_file import CheckpointFile, Closing
+from .safetensors_file import SafetensorsReader, _no_duplicates
+from .torchsave import TorchSaveReader
+
+__all__ = ["DIRECTORY_FILES", "MAX_INDEX_BYTES", "ShardedReader", "find_checkpoint", "is_index"]
+
+FileReader = Union[TorchSaveReader, SafetensorsReader]
+
+#: What :func:`find_checkpoint` looks for in a model directory, first found wins.
+DIRECTORY_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+#: An index larger than this is refused before it is read (real ones are well under 10 MB).
+MAX_INDEX_BYTES = 64 * 2**20
+
+_LIST_MAX = 10
+
+
+def is_index(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a shard index (``*.index.json``)."""
+    return os.fspath(path).endswith(".index.json")
+
+
+def find_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The checkpoint file of a Hugging Face model directory (see :data:`DIRECTORY_FILES`).
+
+    Returns ``None`` when the directory holds none of them. A name that exists but is broken
+    (a dangling link) is still returned, so that opening it reports the problem.
+
+    Example:
+        >>> import tempfile
+        >>> find_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
+    for name in DIRECTORY_FILES:
+        path = os.path.join(os.fspath(directory), name)
+        if os.path.lexists(path):
+            return path
+    return None
+
+
+def _allowed_roots(directory: str) -> list[str]:
+    """Where a shard may resolve to: the directory, and in a Hugging Face cache snapshot the
+    repository's ``blobs/``."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return roots
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _parse_index(path: str) -> dict[str, str]:
+    """The ``weight_map`` of the index at ``path``, checked (see the module's docstring)."""
+    with CheckpointFile(path) as f:
+        if f.size > MAX_INDEX_BYTES:
+            raise CheckpointFormatError(
+                f"{path}: the shard index has {f.size:,} bytes, more than {MAX_INDEX_BYTES:,}; "
+                "it is not a checkpoint index (or it is damaged)"
+            )
+        data = f.read_bytes(0, f.size, "the index")
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates(path, "the index"))
+    except (UnicodeDecodeError, ValueError) as err:
+        if isinstance(err, CheckpointFormatError):
+            raise
+        raise CheckpointFormatError(f"{path}: the shard index is not valid UTF-8 JSON ({err})") from None
+    weight_map = doc.get("weight_map") if type(doc) is dict else None
+    if type(weight_map) is not dict or not weight_map:
+        raise CheckpointFormatError(
+            f"{path}: a shard index is a JSON object whose \"weight_map\" maps tensor names to "
+            "shard files, and this one has none; the file is damaged or not an index"
+        )
+    bad = [k for k, v in weight_map.items() if type(v) is not str or not k]
+    if bad:
+        raise CheckpointFormatError(
+            f"{path}: weight_map entries must map a tensor name to a shard file name; "
+            f"{bad[0]!r:.80} maps to {weight_map[bad[0]]!r:.80}"
+        )
+    if "metadata" in doc and type(doc["metadata"]) is not dict:
+        raise CheckpointFormatError(f"{path}: the index's \"metadata\" must be a JSON object")
+    return weight_map
+
+
+def _shard_path(name: str, directory: str, roots: list[str], index: str) -> str:
+    """The real path of shard ``name``, refused if it could leave ``directory``."""
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(
+            f"{index}: the shard name {name!r:.120} is not a relative path of plain names inside "
+            f"{directory}; the index is damaged or hostile, refusing to read it"
+        )
+    try:
+        real = os.path.realpath(os.path.join(directory, *parts))
+    except (OSError, ValueError) as err:  # a name the filesystem cannot encode, a link loop...
+        raise UnsafePathError(f"{index}: the shard name {name!r:.120} cannot be resolved ({err})") from None
+    if not any(_inside(real, root) for root in roots):
+        raise UnsafePathError(
+            f"{index}: the shard {name!r:.120} resolves to {real}, outside {directory} (a symbolic "
+            "link out of the model directory); refusing to read it. Copy the file into the "
+            "directory if you trust it"
+        )
+    return real
+
+
+class ShardedReader(Closing):
+    """A shard index and its shards, read as one checkpoint; open it with :func:`open_checkpoint`.
+
+    Args:
+        path: the index (``*.index.json``). Shards are looked up in its directory as named
+            (the index itself may be a link, as in Hugging Face's cache).
+        open_file: opens one shard file (a safetensors or ``torch.save`` reader).
+
+    Attributes:
+        path: the index.
+        format: ``"safetensors"`` or ``"torch"``, the shards' format.
+        files: the shards' paths, in the order the index first names them.
+        non_tensors: the ``torch.save`` shards' non-tensor values, merged.
+
+    Raises:
+        CheckpointFormatError, UnsafePathError: the index or a shard is refused (see the
+            module's docstring); nothing stays open.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], open_file: Callable[[str], FileReader]) -> None:
+        self.path = os.fspath(path)
+        weight_map = _parse_index(self.path)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        roots = _allowed_roots(directory)
+        by_shard: dict[str, list[str]] = {}
+        for key, name in weight_map.items():
+            by_shard.setdefault(name, []).append(key)
+        paths = {name: _shard_path(name, directory, roots, self.path) for name in by_shard}
+        self._readers: dict[str, FileReader] = {}
+        try:
+            for name, keys in by_shard.items():
+                reader = self._readers[name] = open_file(paths[name])
+                held = set(reader.keys())
+                lacking = [k for k in keys if k not in held]
+                if lacking:
+                    raise CheckpointFormatError(
+                        f"{self.path}: the index lists {len(lacking)} tensors in {name!r} that the "
+                        f"shard does not hold: {', '.join(repr(k) for k in lacking[:_LIST_MAX])}; the "
+                        "index and its shards do not belong together (download them again)"
+                    )
+            kinds = {type(r) for r in self._readers.values()}
+            if len(kinds) > 1:
+                raise CheckpointFormatError(
+                    f"{self.path}: the index mixes safetensors and torch.save shards; a checkpoint's "
+                    "shards are all of one format"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.format = "torch" if kinds == {TorchSaveReader} else "safetensors"
+        self.files = [paths[name] for name in by_shard]
+        self._shard_of = {key: self._readers[name] for key, name in weight_map.items()}
+        self.non_tensors: dict[str, Any] = {}
+        for reader in self._readers.values():
+            if isinstance(reader, TorchSaveReader):
+                self.non_tensors.update(reader.non_tensors)
+
+    def _reader(self, key: str) -> FileReader:
+        try:
+            return self._shard_of[key]
+        except KeyError:
+            raise MemtreeKeyError(
+                f"{key!r} is not a tensor of {self.path} (tensors: {list(self._shard_of)[:_LIST_MAX]})"
+            ) from None
+
+    def keys(self) -> list[str]:
+        """The tensors' keys, in the index's order."""
+        return list(self._shard_of)
+
+    def path_of(self, key: str) -> tuple[str, ...]:
+        """How ``key`` is nested in its shard."""
+        return self._reader(key).path_of(key)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        """``(shape, dtype)`` of ``key`` without reading data."""
+        return self._reader(key).spec(key)
+
+    def read(self, key: str, *, mmap: bool = True) -> torch.Tensor:
+        """Read one tensor from its shard (see the shard readers' ``read``)."""
+        return self._reader(key).read(key, mmap=mmap)
+
+    def close(self) -> None:
+        """Close every shard (tensors already read stay valid)."""
+        for reader in getattr(self, "_readers", {}).values():
+            reader.close()
