@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import memtree  # noqa: E402
 from memtree.format.dtypes import dtype_from_name  # noqa: E402
-from memtree.store.files import rename_noreplace  # noqa: E402
+from memtree.store.commit import rename_noreplace
 from harness import evict, resident_fraction  # noqa: E402
 from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
 from workloads import w1_layout, w2_layout  # noqa: E402

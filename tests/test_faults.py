@@ -26,7 +26,7 @@ import torch
 import memtree
 from memtree import TensorTree
 from memtree.store import faults as _faults
-from memtree.store import files as fileio
+from memtree.store import commit as commit_mod
 from treeutil import fingerprint
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,7 +65,7 @@ def make_tree(seed: int, size: str) -> TensorTree:
 
 
 def _unsupported(flag: int):
-    real = fileio._renameat2
+    real = commit_mod._renameat2
 
     def rename2(olddir, old, newdir, new, flags):
         if flags == flag:
@@ -81,7 +81,7 @@ def _writer(prefix, tree, fault, num_threads, fsync, no_flag, ready=None):
         os.environ[_faults.ENV] = fault
     _faults.reload()
     if no_flag:  # a filesystem without RENAME_EXCHANGE (2) or RENAME_NOREPLACE (1)
-        fileio._renameat2 = _unsupported(no_flag)
+        commit_mod._renameat2 = _unsupported(no_flag)
     if ready is not None:
         ready.send(time.perf_counter())
     tree.memmap(prefix, num_threads=num_threads, fsync=fsync)

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
-from memtree.store.files import JOURNAL_BYTES
+from memtree.store.commit import JOURNAL_BYTES
 from memtree.store.recovery import GROWTH_JOURNAL
 from memtree.store.tensordict import is_tensordict_dir
 

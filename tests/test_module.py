@@ -16,7 +16,6 @@ from torch import nn
 import memtree
 from memtree import (
     LoadResult,
-    MemoryMappedTensor,
     MemtreeKeyError,
     ShapeMismatchError,
     SourceError,

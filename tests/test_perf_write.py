@@ -25,6 +25,7 @@ import torch
 
 import memtree
 from memtree import TensorTree
+from memtree.store import commit as commit_mod
 from memtree.store import files as fileio
 from memtree.store import write as write_mod
 from treeutil import assert_tree_equal_to, leaf_dict
@@ -355,8 +356,8 @@ def test_background_removal_deletes_only_the_old_tree(tmp_path, monkeypatch, big
                 return -1
             return real_rename2(olddir, old, newdir, new, flags)
 
-        real_rename2 = fileio._renameat2
-        monkeypatch.setattr(fileio, "_renameat2", no_exchange)
+        real_rename2 = commit_mod._renameat2
+        monkeypatch.setattr(commit_mod, "_renameat2", no_exchange)
     prefix = tmp_path / "t"
     trees = [many_levels(seed=i) for i in range(4)]
     for tree in trees:  # back to back: each deletion may still run while the next write does

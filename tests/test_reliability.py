@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import memtree
 from memtree import TensorTree
-from memtree.store import files as fileio
+from memtree.store import commit as commit_mod
 from memtree.store import write as write_mod
 from treeutil import fingerprint, flat, plain
 from treeutil import raw_bytes as raw
@@ -121,8 +121,8 @@ def short_lock(monkeypatch):
     monkeypatch.setattr(write_mod, "LOCK_TIMEOUT", 0.05)
 
 
-def lock_of(prefix: Path) -> fileio.WriterLock:
-    return fileio.WriterLock(recover_mod.lock_path(str(prefix.parent), prefix.name), str(prefix), timeout=0)
+def lock_of(prefix: Path) -> commit_mod.WriterLock:
+    return commit_mod.WriterLock(recover_mod.lock_path(str(prefix.parent), prefix.name), str(prefix), timeout=0)
 
 
 # ----------------------------------------------------------------------------- writer lock (row 36)
@@ -182,16 +182,16 @@ def test_writer_waits_for_lock_released_within_timeout(parent, monkeypatch):
 
 def test_waiter_on_an_unlinked_lock_inode_starts_over(tmp_path):
     path = str(tmp_path / ".t.memtree.lock")
-    first = fileio.WriterLock(path, "t", timeout=0)
+    first = commit_mod.WriterLock(path, "t", timeout=0)
     first.acquire()
     stale_fd = os.open(path, os.O_RDWR)  # what a waiter opened before the release
     first.release()  # unlinks, then unlocks
-    second = fileio.WriterLock(path, "t", timeout=5)
+    second = commit_mod.WriterLock(path, "t", timeout=5)
     second.acquire()
     try:
         assert os.fstat(second.fd).st_ino == os.stat(path).st_ino
         assert os.fstat(second.fd).st_ino != os.fstat(stale_fd).st_ino
-        third = fileio.WriterLock(path, "t", timeout=0)
+        third = commit_mod.WriterLock(path, "t", timeout=0)
         with pytest.raises(memtree.LockError):
             third.acquire()
     finally:
@@ -265,7 +265,7 @@ class Recorder:
     def __init__(self, monkeypatch, *, exchange: bool = True, noreplace: bool = True):
         self.calls: list[tuple] = []
         real_fsync, real_open, real_rename = os.fsync, os.open, os.rename
-        real_rename2 = fileio._renameat2
+        real_rename2 = commit_mod._renameat2
 
         def fsync(fd):
             self.calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -293,7 +293,7 @@ class Recorder:
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "open", open_)
         monkeypatch.setattr(os, "rename", rename)
-        monkeypatch.setattr(fileio, "_renameat2", rename2)
+        monkeypatch.setattr(commit_mod, "_renameat2", rename2)
 
     def index(self, pred) -> list[int]:
         return [i for i, c in enumerate(self.calls) if pred(c)]
@@ -365,13 +365,13 @@ def test_fallback_overwrite_two_renames_journaled_and_old_copy_removed(parent, m
     prefix = parent / "tree"
     sample(1).memmap(prefix)
     journals = []
-    real = fileio.WriterLock.write_journal
+    real = commit_mod.WriterLock.write_journal
 
     def spy(self, record, *, fsync):
         journals.append((dict(record), fsync))
         return real(self, record, fsync=fsync)
 
-    monkeypatch.setattr(fileio.WriterLock, "write_journal", spy)
+    monkeypatch.setattr(commit_mod.WriterLock, "write_journal", spy)
     rec = Recorder(monkeypatch, exchange=False)
     sample(2).memmap(prefix, fsync=True)
     renames = [c for c in rec.calls if c[0] == "rename"]

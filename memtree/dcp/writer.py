@@ -28,7 +28,8 @@ from torch.futures import Future
 
 from ..format.dtypes import dtype_name, itemsize
 from ..errors import DistributedCheckpointError, InvalidKeyError, MemtreeError, MetaFormatError
-from ..store.files import WriterLock, allocate_fd, byte_view, fsync_dir, storage_error, write_small_file
+from ..store.files import allocate_fd, byte_view, storage_error
+from ..store.commit import WriterLock, fsync_dir, write_small_file
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, dump_level
 from ..format.names import META_NAME, encode_level
 from ..store.mapped import to_storable

@@ -14,9 +14,8 @@ The rules every function here follows (see ``../shared/RELIABILITY.md`` §0):
 * a checksum, when asked for, is computed in the same pass as the write (each slice is hashed
   right after ``pwrite``, while it is still in the CPU cache), never by reading the file back.
 
-It also holds the directory-level primitives of the commit (``docs/format.md``, "How a write is
-committed"): ``renameat2`` exchange and no-replace renames, directory fsync, and
-:class:`WriterLock`, the per-destination writer lock.
+The directory-level primitives of the commit (renames, directory fsync, the writer lock) are
+in :mod:`memtree.store.commit`.
 
 Example:
     >>> import os, tempfile, torch
@@ -33,19 +32,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import hashlib
 import os
 import shutil
 import stat
-import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
 import torch
 
 from ..format.dtypes import itemsize
@@ -55,7 +51,6 @@ from ..errors import (
     DestinationExistsError,
     InsufficientSpaceError,
     LeafSizeError,
-    LockError,
     MemtreeError,
     MissingLeafError,
     StorageError,
@@ -82,17 +77,14 @@ __all__ = [
     "map_fd",
     "read_fd",
     "storage_error",
+    "libc_function",
+    "RW_FLAGS",
     "CHECKSUMS",
     "Digest",
     "new_digest",
     "check_checksum_option",
     "file_checksum",
     "tensor_checksum",
-    "exchange",
-    "rename_noreplace",
-    "fsync_dir",
-    "write_small_file",
-    "WriterLock",
 ]
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -114,13 +106,14 @@ _READ_FLAGS = (
     os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 )
 #: An existing file written in place (a growth): no link followed, a FIFO never blocks the open.
-_WRITE_FLAGS = (
+#: How memtree opens an existing file to write it: never through a link, never blocking on a FIFO.
+RW_FLAGS = (
     os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 )
 _PROC_FD = os.path.isdir("/proc/self/fd")
 
 
-def _libc_function(name: str, argtypes: list[Any]) -> Any:
+def libc_function(name: str, argtypes: list[Any]) -> Any:
     """A C library function that sets ``errno`` (``None`` where the platform lacks it)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -133,7 +126,7 @@ def _libc_function(name: str, argtypes: list[Any]) -> Any:
 
 #: Linux ``fallocate(2)``: unlike ``os.posix_fallocate`` it never falls back to writing zeros
 #: into every block where the filesystem cannot preallocate.
-_fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_fallocate = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 #: Wraps raw memory in a read-only ``memoryview`` without copying (CPython's C API).
 _view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _view_of_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
@@ -590,7 +583,7 @@ def open_leaf(
     that may lie outside the tree).
     """
     try:
-        fd = os.open(name, _WRITE_FLAGS if writable else _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, RW_FLAGS if writable else _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise MissingLeafError(
             f"leaf file {where} is missing (expected {nbytes:,} bytes); the tree is damaged: "
@@ -658,226 +651,3 @@ def read_fd(fd: int, out: torch.Tensor) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"unexpected end of file after {done} of {total} bytes")
         done += n
-
-
-# -- directories and the commit rename ----------------------------------------------------------
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
-
-
-_renameat2 = _libc_function(
-    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-)
-
-
-def _rename2(a: str, b: str, flags: int) -> bool:
-    if _renameat2 is None:  # pragma: no cover
-        return False
-    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
-        return False
-    raise OSError(err, os.strerror(err), a, None, b)
-
-
-def exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``).
-
-    Returns:
-        False when the platform or filesystem does not support the exchange (the caller then
-        falls back to two renames); True when the paths were swapped.
-    """
-    return _rename2(a, b, _RENAME_EXCHANGE)
-
-
-def rename_noreplace(src: str, dst: str) -> bool:
-    """Rename ``src`` to ``dst`` only if ``dst`` does not exist (``RENAME_NOREPLACE``).
-
-    Returns:
-        False when the platform or filesystem does not support the flag (the caller falls back
-        to a checked ``os.rename``); True when renamed.
-
-    Raises:
-        FileExistsError: ``dst`` exists (nothing was renamed).
-    """
-    return _rename2(src, dst, _RENAME_NOREPLACE)
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so that renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
-    """Create a new small file (e.g. a ``meta.json``) holding ``data``."""
-    fd = new_file(path)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- the writer lock ----------------------------------------------------------------------------
-_LOCK_FLAGS = _WRITE_FLAGS | os.O_CREAT
-#: The lock file's journal is padded to this size and written with one ``pwrite``.
-JOURNAL_BYTES = 1024
-
-
-class WriterLock:
-    """An exclusive ``flock`` on a lock file: one writer at a time per destination.
-
-    The lock file exists only while a writer holds it: :meth:`release` unlinks it before
-    unlocking. A waiter that then gets the lock on the unlinked inode notices (the path no longer
-    names its inode) and starts over, so two writers can never both hold the lock. The OS drops
-    the lock when its holder dies (even by ``kill -9``); a lock file left by a dead writer is
-    reused by the next one and removed when that one releases it.
-
-    The file also holds a small *journal* (:meth:`read_journal`/:meth:`write_journal`): the names
-    of the staging directory and old copy of the write in progress, so that the next writer can
-    clean up after a crash without listing the parent directory.
-
-    Example:
-        >>> import os, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), ".t.memtree.lock")
-        >>> with WriterLock(path, "t", timeout=0) as lock:
-        ...     lock.write_journal({"staging": "x"}, fsync=False)
-        ...     lock.read_journal()
-        {'staging': 'x'}
-        >>> os.path.exists(path)
-        False
-    """
-
-    def __init__(self, path: str, what: str, *, timeout: float) -> None:
-        """Prepare a lock on ``path`` (taken by :meth:`acquire` or ``with``).
-
-        Args:
-            path: the lock file.
-            what: the locked destination, for messages.
-            timeout: seconds to keep retrying while another writer holds the lock (0: once).
-        """
-        self.path = path
-        self.what = what
-        self.timeout = timeout
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        """Take the lock, retrying for ``timeout`` seconds.
-
-        Raises:
-            LockError: another writer still holds it after ``timeout`` seconds.
-            UnsafePathError: the lock file is not a regular file with a single name (a link, a
-                FIFO, a hard link to another file): it is never written.
-            StorageError: the lock file cannot be created (permissions, read-only filesystem).
-        """
-        deadline = time.monotonic() + self.timeout
-        pause = 0.001
-        while True:
-            fd = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                if time.monotonic() >= deadline:
-                    raise LockError(
-                        f"another writer is writing {self.what} (it holds {self.path}); wait for "
-                        "it to finish and retry. A crashed writer never blocks: the OS releases "
-                        "its lock when it dies"
-                    ) from None
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-                continue
-            except OSError as err:
-                os.close(fd)
-                raise storage_error(err, f"locking {self.path}") from err
-            try:
-                st = os.stat(self.path, follow_symlinks=False)
-                fst = os.fstat(fd)
-            except FileNotFoundError:
-                st = None
-            if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
-                self.fd = fd
-                return
-            os.close(fd)  # the previous holder unlinked this inode: start over
-
-    def _open(self) -> int:
-        """Open (or create) the lock file: a regular file with no other name, never a link.
-
-        The journal is written into this file, so a name that leads elsewhere (a symbolic link,
-        a FIFO, or a hard link sharing its bytes with a file that may lie outside the tree) is
-        refused rather than written.
-        """
-        try:
-            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
-        except OSError as err:
-            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
-                raise self._unsafe("a symbolic link, a directory, a socket or a device") from None
-            raise storage_error(err, f"creating the lock file {self.path} of {self.what}") from err
-        try:
-            st = os.fstat(fd)
-        except OSError as err:
-            os.close(fd)
-            raise storage_error(err, f"checking the lock file {self.path}") from err
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
-            os.close(fd)
-            raise self._unsafe(
-                f"a {stat.filemode(st.st_mode)} file" if not stat.S_ISREG(st.st_mode)
-                else f"a file with {st.st_nlink} hard links (another name shares its bytes)"
-            )
-        return fd
-
-    def _unsafe(self, what: str) -> UnsafePathError:
-        return UnsafePathError(
-            f"the lock file {self.path} of {self.what} is {what}; memtree writes its journal into "
-            "its lock file, so it refuses to use this one. memtree never makes such a file: "
-            "remove it (it holds no data of the tree) and retry"
-        )
-
-    def release(self) -> None:
-        """Remove the lock file and drop the lock (unlink first, so no one can lock a stale inode)."""
-        if self.fd is None:
-            return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
-
-    def read_journal(self) -> dict[str, Any]:
-        """The journal left by the previous holder (``{}`` when empty or unreadable)."""
-        assert self.fd is not None, "read_journal() needs the lock"
-        try:
-            data = os.pread(self.fd, JOURNAL_BYTES, 0)
-            record = orjson.loads(data) if data.strip() else {}
-        except (OSError, orjson.JSONDecodeError):
-            return {}
-        return record if type(record) is dict else {}
-
-    def write_journal(self, record: dict[str, str], *, fsync: bool) -> None:
-        """Replace the journal with ``record`` in one ``pwrite`` (fsynced when asked)."""
-        assert self.fd is not None, "write_journal() needs the lock"
-        data = orjson.dumps(record)
-        if len(data) > JOURNAL_BYTES:
-            raise ValueError(f"journal record too large ({len(data)} bytes)")
-        os.pwrite(self.fd, data.ljust(JOURNAL_BYTES), 0)
-        if fsync:
-            os.fsync(self.fd)
-
-    def __enter__(self) -> WriterLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

@@ -87,17 +87,15 @@ from ..errors import (
     ShapeMismatchError,
 )
 from .files import (
-    WriterLock,
     check_free_space,
     copy_range,
-    fsync_dir,
     new_file,
     open_checked,
     open_leaf,
     storage_error,
     write_fd,
-    write_small_file,
 )
+from .commit import WriterLock, fsync_dir, write_small_file
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
 from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ..format.level import Level

@@ -49,7 +49,8 @@ from typing import Any
 
 from ..errors import LockError, MemtreeError, UnsafePathError
 from ..format.schema import LeafMeta, LevelMeta
-from .files import WriterLock, open_leaf, rename_noreplace
+from .files import open_leaf
+from .commit import WriterLock, rename_noreplace
 from .read import open_dir, read_meta, walk_levels
 from ..format.names import META_TMP, SIBLING, lock_path
 

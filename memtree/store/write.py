@@ -63,17 +63,13 @@ from ..errors import (
 from .faults import point
 from .files import (
     FileRange,
-    WriterLock,
     check_checksum_option,
     check_free_space,
     create_leaf,
-    exchange,
-    fsync_dir,
     is_plain_memory,
-    rename_noreplace,
     storage_error,
-    write_small_file,
 )
+from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
 from ..format.schema import (
     FORMAT,
     ChildMeta,

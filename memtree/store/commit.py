@@ -1,0 +1,254 @@
+"""The primitives of a commit (``docs/format.md``, "How a write is committed").
+
+``renameat2`` exchange and no-replace renames, directory ``fsync``, small new files (a
+``meta.json``), and :class:`WriterLock`: the per-destination writer lock, whose file holds the
+journal of a writer that died (``memtree.store.recovery`` replays it).
+
+Example:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> write_small_file(os.path.join(d, "a"), b"x", fsync=False)
+    >>> rename_noreplace(os.path.join(d, "a"), os.path.join(d, "b")), sorted(os.listdir(d))
+    (True, ['b'])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import stat
+import time
+from typing import Any
+
+import orjson
+
+from ..errors import LockError, UnsafePathError
+
+from .files import RW_FLAGS, libc_function, new_file, storage_error
+
+__all__ = ["exchange", "rename_noreplace", "fsync_dir", "write_small_file", "WriterLock", "JOURNAL_BYTES"]
+
+
+# -- directories and the commit rename ----------------------------------------------------------
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+_renameat2 = libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
+
+
+def _rename2(a: str, b: str, flags: int) -> bool:
+    if _renameat2 is None:  # pragma: no cover
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        False when the platform or filesystem does not support the exchange (the caller then
+        falls back to two renames); True when the paths were swapped.
+    """
+    return _rename2(a, b, _RENAME_EXCHANGE)
+
+
+def rename_noreplace(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist (``RENAME_NOREPLACE``).
+
+    Returns:
+        False when the platform or filesystem does not support the flag (the caller falls back
+        to a checked ``os.rename``); True when renamed.
+
+    Raises:
+        FileExistsError: ``dst`` exists (nothing was renamed).
+    """
+    return _rename2(src, dst, _RENAME_NOREPLACE)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
+    """Create a new small file (e.g. a ``meta.json``) holding ``data``."""
+    fd = new_file(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the writer lock ----------------------------------------------------------------------------
+_LOCK_FLAGS = RW_FLAGS | os.O_CREAT
+#: The lock file's journal is padded to this size and written with one ``pwrite``.
+JOURNAL_BYTES = 1024
+
+
+class WriterLock:
+    """An exclusive ``flock`` on a lock file: one writer at a time per destination.
+
+    The lock file exists only while a writer holds it: :meth:`release` unlinks it before
+    unlocking. A waiter that then gets the lock on the unlinked inode notices (the path no longer
+    names its inode) and starts over, so two writers can never both hold the lock. The OS drops
+    the lock when its holder dies (even by ``kill -9``); a lock file left by a dead writer is
+    reused by the next one and removed when that one releases it.
+
+    The file also holds a small *journal* (:meth:`read_journal`/:meth:`write_journal`): the names
+    of the staging directory and old copy of the write in progress, so that the next writer can
+    clean up after a crash without listing the parent directory.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), ".t.memtree.lock")
+        >>> with WriterLock(path, "t", timeout=0) as lock:
+        ...     lock.write_journal({"staging": "x"}, fsync=False)
+        ...     lock.read_journal()
+        {'staging': 'x'}
+        >>> os.path.exists(path)
+        False
+    """
+
+    def __init__(self, path: str, what: str, *, timeout: float) -> None:
+        """Prepare a lock on ``path`` (taken by :meth:`acquire` or ``with``).
+
+        Args:
+            path: the lock file.
+            what: the locked destination, for messages.
+            timeout: seconds to keep retrying while another writer holds the lock (0: once).
+        """
+        self.path = path
+        self.what = what
+        self.timeout = timeout
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, retrying for ``timeout`` seconds.
+
+        Raises:
+            LockError: another writer still holds it after ``timeout`` seconds.
+            UnsafePathError: the lock file is not a regular file with a single name (a link, a
+                FIFO, a hard link to another file): it is never written.
+            StorageError: the lock file cannot be created (permissions, read-only filesystem).
+        """
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while True:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    raise LockError(
+                        f"another writer is writing {self.what} (it holds {self.path}); wait for "
+                        "it to finish and retry. A crashed writer never blocks: the OS releases "
+                        "its lock when it dies"
+                    ) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            except OSError as err:
+                os.close(fd)
+                raise storage_error(err, f"locking {self.path}") from err
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+                fst = os.fstat(fd)
+            except FileNotFoundError:
+                st = None
+            if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+                self.fd = fd
+                return
+            os.close(fd)  # the previous holder unlinked this inode: start over
+
+    def _open(self) -> int:
+        """Open (or create) the lock file: a regular file with no other name, never a link.
+
+        The journal is written into this file, so a name that leads elsewhere (a symbolic link,
+        a FIFO, or a hard link sharing its bytes with a file that may lie outside the tree) is
+        refused rather than written.
+        """
+        try:
+            fd = os.open(self.path, _LOCK_FLAGS, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+                raise self._unsafe("a symbolic link, a directory, a socket or a device") from None
+            raise storage_error(err, f"creating the lock file {self.path} of {self.what}") from err
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            raise storage_error(err, f"checking the lock file {self.path}") from err
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            raise self._unsafe(
+                f"a {stat.filemode(st.st_mode)} file" if not stat.S_ISREG(st.st_mode)
+                else f"a file with {st.st_nlink} hard links (another name shares its bytes)"
+            )
+        return fd
+
+    def _unsafe(self, what: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"the lock file {self.path} of {self.what} is {what}; memtree writes its journal into "
+            "its lock file, so it refuses to use this one. memtree never makes such a file: "
+            "remove it (it holds no data of the tree) and retry"
+        )
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (unlink first, so no one can lock a stale inode)."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def read_journal(self) -> dict[str, Any]:
+        """The journal left by the previous holder (``{}`` when empty or unreadable)."""
+        assert self.fd is not None, "read_journal() needs the lock"
+        try:
+            data = os.pread(self.fd, JOURNAL_BYTES, 0)
+            record = orjson.loads(data) if data.strip() else {}
+        except (OSError, orjson.JSONDecodeError):
+            return {}
+        return record if type(record) is dict else {}
+
+    def write_journal(self, record: dict[str, str], *, fsync: bool) -> None:
+        """Replace the journal with ``record`` in one ``pwrite`` (fsynced when asked)."""
+        assert self.fd is not None, "write_journal() needs the lock"
+        data = orjson.dumps(record)
+        if len(data) > JOURNAL_BYTES:
+            raise ValueError(f"journal record too large ({len(data)} bytes)")
+        os.pwrite(self.fd, data.ljust(JOURNAL_BYTES), 0)
+        if fsync:
+            os.fsync(self.fd)
+
+    def __enter__(self) -> WriterLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
