@@ -298,7 +298,7 @@ def _fds_of(path) -> list[str]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_write_descriptors_close_with_the_mapping_and_stay_bounded(tmp_path, monkeypatch):
     tmp_path = tmp_path.resolve()
-    monkeypatch.setattr(mmap_tensor._WRITERS, "size", 2)
+    monkeypatch.setattr(mmap_tensor.WRITERS, "size", 2)
     tensors = [MMT.zeros((3,), filename=tmp_path / f"x{k}.memmap") for k in range(5)]
     for k, t in enumerate(tensors):
         t[0] = float(k)
@@ -310,7 +310,7 @@ def test_write_descriptors_close_with_the_mapping_and_stay_bounded(tmp_path, mon
 
 
 def test_concurrent_writers_with_constant_eviction(tmp_path, monkeypatch):
-    monkeypatch.setattr(mmap_tensor._WRITERS, "size", 1)
+    monkeypatch.setattr(mmap_tensor.WRITERS, "size", 1)
     tensors = [
         MMT.zeros((200, 8), dtype=torch.int32, filename=tmp_path / f"x{k}.memmap") for k in range(3)
     ]
@@ -335,7 +335,7 @@ def test_forked_child_opens_its_own_descriptor_and_its_writes_reach_the_parent(t
     mt[0] = 1  # the parent caches a descriptor
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        ok = not mmap_tensor._WRITERS.open and mt._file.writer is None
+        ok = not mmap_tensor.WRITERS.open and mt._file.writer is None
         mt[1] = 2
         os._exit(0 if ok and mt._file.writer is not None else 1)
     _, status = os.waitpid(pid, 0)

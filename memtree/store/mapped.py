@@ -29,11 +29,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from math import prod
 from multiprocessing.reduction import ForkingPickler
@@ -46,6 +42,7 @@ from ..format.dtypes import dtype_name, itemsize
 from ..errors import DtypeError, MissingLeafError, ReadOnlyError
 from .files import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
 from .options import check_mode
+from .mapped_files import WRITERS, FileId, MappedFile
 
 __all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
 
@@ -60,7 +57,6 @@ _NEVER_WRAP = frozenset({"as_subclass", "__reduce_ex__", "__deepcopy__"})
 #: Methods that return a numpy array sharing the tensor's memory (read-only for ``mode="r"``).
 _TO_NUMPY = frozenset({"numpy", "__array__"})
 #: The row writer's descriptor: never through a link (a path that became one is stale).
-_WRITE_FLAGS = os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_NOFOLLOW", 0)
 _GETITEM = torch.Tensor.__getitem__
 _SETITEM = torch.Tensor.__setitem__
 
@@ -73,7 +69,6 @@ _GATHER_DTYPES = (torch.int64, torch.int32)
 #: Integer dtypes of row-index tensors (uint8 index tensors are masks to torch).
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 #: A file's identity: ``(st_dev, st_ino)``.
-_FileId = tuple[int, int]
 
 
 def _parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
@@ -114,12 +109,12 @@ class MemoryMappedTensor(torch.Tensor):
     :meth:`full` or :meth:`from_filename`; trees create them with ``memmap``/``load_memmap``.
     """
 
-    _file: _MappedFile | None  # None: anonymous shared memory
+    _file: MappedFile | None  # None: anonymous shared memory
     _readonly: bool
     _rows: _Rows | None  # cached by _row_layout (absent until the first row write)
 
     @staticmethod
-    def _wrap(tensor: torch.Tensor, file: _MappedFile | None, readonly: bool) -> MemoryMappedTensor:
+    def _wrap(tensor: torch.Tensor, file: MappedFile | None, readonly: bool) -> MemoryMappedTensor:
         out = torch.Tensor._make_subclass(MemoryMappedTensor, tensor)
         out._file = file
         out._readonly = readonly
@@ -378,111 +373,6 @@ def _check_writable(target: Any) -> None:
 
 
 # -- row assignment with pwrite ----------------------------------------------------------------
-class _WriteFd:
-    """An open write descriptor; closed when the last user lets go of it."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __del__(self) -> None:
-        try:
-            os.close(self.fd)
-        except (OSError, TypeError):  # TypeError: os torn down at interpreter exit
-            pass
-
-
-class _MappedFile:
-    """The file a :class:`MemoryMappedTensor` was mapped from, shared by all views of it.
-
-    ``file_id`` is the file's identity ``(st_dev, st_ino)``, read from the descriptor it was
-    mapped from: row writes go to that very file with ``pwrite`` (see :func:`_pwrite_setitem`),
-    never to whatever file the path names now. Recently written files keep a write descriptor
-    (``writer``); it closes with the last view of the mapping, or earlier when more than
-    ``_WRITERS.size`` files are being written (the least recently written closes first).
-    """
-
-    __slots__ = ("path", "file_id", "writer", "stale", "__weakref__")
-
-    def __init__(self, path: str, file_id: _FileId) -> None:
-        self.path = path
-        self.file_id = file_id
-        self.writer: _WriteFd | None = None
-        self.stale = False  # the path names another file now: write through the mapping
-
-
-class _Writers:
-    """The bounded set of :class:`_MappedFile` objects holding a write descriptor, in LRU order.
-
-    A descriptor is opened by path and kept only when ``fstat`` shows the identity the file
-    was mapped with; a path that names another file now (the tree was re-saved in place) marks
-    the mapping stale, and its writes go through the mapping. An evicted descriptor closes when
-    the last writer using it lets go (:class:`_WriteFd`), so a concurrent ``pwrite`` never uses
-    a closed (or reused) descriptor number. A forked child drops every descriptor
-    (:meth:`forget` runs right after ``fork``, before the child's code can close or reuse
-    descriptor numbers).
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.lock = threading.Lock()
-        self.open: OrderedDict[int, weakref.ref[_MappedFile]] = OrderedDict()
-
-    def get(self, file: _MappedFile) -> _WriteFd | None:
-        """A write descriptor of ``file``, or None when only the mapping can reach the file."""
-        writer = file.writer
-        if writer is not None:
-            self.touch(file)
-            return writer
-        with self.lock:
-            writer = file.writer
-            if writer is not None:
-                return writer
-            if file.stale:
-                return None
-            try:
-                fd = os.open(file.path, _WRITE_FLAGS)
-            except OSError as err:
-                # gone (the tree was removed): for good; other errors (EMFILE...) may pass
-                file.stale = err.errno in (errno.ENOENT, errno.ENOTDIR)
-                return None
-            writer = _WriteFd(fd)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != file.file_id:
-                file.stale = True
-                return None  # closes fd
-            file.writer = writer
-            key = id(file)
-            self.open[key] = weakref.ref(file, lambda _: self.open.pop(key, None))
-            while len(self.open) > self.size:
-                evicted = self.open.popitem(last=False)[1]()
-                if evicted is not None:
-                    evicted.writer = None
-            return writer
-
-    def touch(self, file: _MappedFile) -> None:
-        """Mark ``file``'s descriptor as just used."""
-        try:
-            self.open.move_to_end(id(file))
-        except KeyError:  # evicted just now: the caller still holds the descriptor
-            pass
-
-    def forget(self) -> None:
-        """Drop every descriptor at once (in a new child: the parent's lock may be held)."""
-        self.lock = threading.Lock()
-        for ref in self.open.values():
-            file = ref()
-            if file is not None:
-                file.writer = None
-        self.open.clear()
-
-
-#: At most this many mapped files keep a write descriptor open.
-_WRITERS = _Writers(8)
-os.register_at_fork(after_in_child=_WRITERS.forget)
-
-
 class _Rows(NamedTuple):
     """Where the rows (dim 0) of a file-backed tensor lie in its file."""
 
@@ -672,11 +562,11 @@ def _pwrite_row(dst: MemoryMappedTensor, i: int, value: Any) -> bool:
     file = dst._file
     writer = file.writer if file is not None else None
     if writer is None:
-        writer = _WRITERS.get(file)  # type: ignore[arg-type]
+        writer = WRITERS.get(file)  # type: ignore[arg-type]
         if writer is None:
             return False
     else:
-        _WRITERS.touch(file)  # type: ignore[arg-type]
+        WRITERS.touch(file)  # type: ignore[arg-type]
     nbytes, offset = rows.nbytes, rows.base + (i % n) * rows.step
     try:
         # one pwrite from the value's memory (what fileio.pwrite_from does, minus its setup)
@@ -719,7 +609,7 @@ def _pwrite_setitem(dst: torch.Tensor, idx: Any, value: Any) -> bool:
     converted = _source(value, dst, rows, count)
     if converted is None:
         return False
-    writer = _WRITERS.get(dst._file)  # type: ignore[arg-type]
+    writer = WRITERS.get(dst._file)  # type: ignore[arg-type]
     if writer is None:
         return False
     src, one_row = converted
@@ -805,10 +695,10 @@ def map_leaf(
     return MemoryMappedTensor._wrap(flat, _mapped_file(fd, path, st), readonly)
 
 
-def _mapped_file(fd: int, path: str, st: os.stat_result | None = None) -> _MappedFile:
+def _mapped_file(fd: int, path: str, st: os.stat_result | None = None) -> MappedFile:
     if st is None:
         st = os.fstat(fd)
-    return _MappedFile(path, (st.st_dev, st.st_ino))
+    return MappedFile(path, (st.st_dev, st.st_ino))
 
 
 # -- sending to other processes ---------------------------------------------------------------
@@ -820,7 +710,7 @@ def _rebuild_from_file(
     stride: tuple[int, ...],
     offset: int,
     readonly: bool,
-    file_id: _FileId | None = None,
+    file_id: FileId | None = None,
 ) -> MemoryMappedTensor:
     fd = open_checked(path, nbytes, path, strict_size=False)  # a growable leaf's file may be longer
     try:
