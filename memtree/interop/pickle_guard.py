@@ -112,7 +112,9 @@ def pickle_limits(
 
     Args:
         limits: the limits to start from (default: those in force).
-        max_bytes, max_objects, max_depth: fields to change.
+        max_bytes: a new :attr:`PickleLimits.max_bytes` (default: unchanged).
+        max_objects: a new :attr:`PickleLimits.max_objects` (default: unchanged).
+        max_depth: a new :attr:`PickleLimits.max_depth` (default: unchanged).
 
     Example:
         >>> import memtree
