@@ -65,7 +65,7 @@ from ..store.read import read_tree
 from ..store.write import write_tree
 from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
-from .pickle_guard import PickleLimits
+from .pickle_guard import PickleLimits, short
 from .safetensors_file import SafetensorsReader, write_safetensors
 from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
 from .torchsave import TorchSaveReader
@@ -187,9 +187,11 @@ def _json_value(value: Any) -> tuple[Any, list[str], str | None]:
     while stack:
         obj, new, items, where, start = stack[-1]
         for key, child in items:
-            sub = f"{where}[{key!r}]"
-            if isinstance(new, dict) and (problem := json_problem({key: None}, f"value{where}")):
+            if isinstance(new, dict) and type(key) is not str:
+                return None, changes, f"value{where} has a non-str dict key {short(key)}"
+            if isinstance(new, dict) and (problem := json_problem(key, f"value{where} key")):
                 return None, changes, problem
+            sub = f"{where}[{key!r}]"
             if type(child) not in _JSON_CONTAINERS:
                 if problem := json_problem(child, f"value{sub}"):
                     return None, changes, problem

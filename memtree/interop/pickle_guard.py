@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,7 +60,22 @@ __all__ = [
     "SafeCall",
     "Flattened",
     "flatten_pickled",
+    "short",
 ]
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
+def short(value: object) -> str:
+    """A short ``repr`` of a value a pickle built: bounded in length and in nesting (a plain
+    ``repr`` of a structure nested 100,000 deep raises ``RecursionError``).
+
+    Example:
+        >>> short(list(range(100)))
+        '[0, 1, 2, 3, 4, 5, ...]'
+    """
+    return _REPR.repr(value)
 
 
 @dataclass(frozen=True)
@@ -149,30 +165,42 @@ def limit_error(where: str, what: str, field: str, value: int) -> CheckpointForm
 # An operation's argument: a fixed number of bytes (>= 0), or one of these.
 _LINE, _LINES2, _LEN1, _LEN4, _LEN4S, _LEN8 = -1, -2, -3, -4, -5, -6
 _LEN_SIZE = {_LEN1: 1, _LEN4: 4, _LEN4S: 4, _LEN8: 8}
-# opcode: (argument, weight). Weight: what the operation adds to memory, in objects (0: it only
-# moves values already counted, or reads the stream).
-_OPS: dict[str, tuple[int, int]] = {
-    "I": (_LINE, 1), "J": (4, 1), "K": (1, 1), "M": (2, 1), "L": (_LINE, 1),
-    "\x8a": (_LEN1, 1), "\x8b": (_LEN4S, 1), "S": (_LINE, 1), "T": (_LEN4S, 1),
-    "U": (_LEN1, 1), "B": (_LEN4, 1), "C": (_LEN1, 1), "\x8e": (_LEN8, 1), "\x96": (_LEN8, 1),
-    "\x97": (0, 1), "\x98": (0, 1), "N": (0, 1), "\x88": (0, 1), "\x89": (0, 1),
-    "V": (_LINE, 1), "\x8c": (_LEN1, 1), "X": (_LEN4, 1), "\x8d": (_LEN8, 1), "F": (_LINE, 1),
-    "G": (8, 1), "]": (0, 2), "a": (0, 0), "e": (0, 0), "l": (0, 2), ")": (0, 1), "t": (0, 1),
-    "\x85": (0, 1), "\x86": (0, 1), "\x87": (0, 1), "}": (0, 2), "d": (0, 2), "s": (0, 0),
-    "u": (0, 0), "\x8f": (0, 6), "\x90": (0, 0), "\x91": (0, 6), "0": (0, 0), "2": (0, 1),
-    "(": (0, 1), "1": (0, 0), "g": (_LINE, 1), "h": (1, 1), "j": (4, 1), "p": (_LINE, 1),
-    "q": (1, 1), "r": (4, 1), "\x94": (0, 1), "\x82": (1, 1), "\x83": (2, 1), "\x84": (4, 1),
-    "c": (_LINES2, 1), "\x93": (0, 1), "R": (0, 1), "b": (0, 0), "i": (_LINES2, 1), "o": (0, 1),
-    "\x81": (0, 1), "\x92": (0, 1), "\x80": (1, 0), ".": (0, 0), "\x95": (8, 0), "P": (_LINE, 1),
-    "Q": (0, 1),
+# What an operation does to the stack, as far as the scan follows it: it tracks how deeply
+# each value nests tuples (0: not a tuple), because hashing a tuple (as a dict key, a set item)
+# recurses in C without a guard, and one nested some 100,000 deep crashes the interpreter.
+(_PUSH, _TUPLE_OF, _TUPLE_MARK, _MARK, _FROM_MARK, _TO_MARK, _POP, _CALL, _DUP, _GET, _PUT,
+ _MEMO, _NONE) = range(13)  # fmt: skip
+# opcode: (argument, weight, effect, n). Weight: what the operation adds to memory, in objects
+# (0: it only moves values already counted). n: values popped (_POP, _CALL), tuple items
+# (_TUPLE_OF), or memo index bytes (_GET, _PUT).
+_OPS: dict[str, tuple[int, int, int, int]] = {
+    "I": (_LINE, 1, _PUSH, 0), "J": (4, 1, _PUSH, 0), "K": (1, 1, _PUSH, 0),
+    "M": (2, 1, _PUSH, 0), "L": (_LINE, 1, _PUSH, 0), "\x8a": (_LEN1, 1, _PUSH, 0),
+    "\x8b": (_LEN4S, 1, _PUSH, 0), "S": (_LINE, 1, _PUSH, 0), "T": (_LEN4S, 1, _PUSH, 0),
+    "U": (_LEN1, 1, _PUSH, 0), "B": (_LEN4, 1, _PUSH, 0), "C": (_LEN1, 1, _PUSH, 0),
+    "\x8e": (_LEN8, 1, _PUSH, 0), "\x96": (_LEN8, 1, _PUSH, 0), "\x97": (0, 1, _PUSH, 0),
+    "\x98": (0, 1, _CALL, 1), "N": (0, 1, _PUSH, 0), "\x88": (0, 1, _PUSH, 0),
+    "\x89": (0, 1, _PUSH, 0), "V": (_LINE, 1, _PUSH, 0), "\x8c": (_LEN1, 1, _PUSH, 0),
+    "X": (_LEN4, 1, _PUSH, 0), "\x8d": (_LEN8, 1, _PUSH, 0), "F": (_LINE, 1, _PUSH, 0),
+    "G": (8, 1, _PUSH, 0), "]": (0, 2, _PUSH, 0), "a": (0, 0, _POP, 1), "e": (0, 0, _TO_MARK, 0),
+    "l": (0, 2, _FROM_MARK, 0), ")": (0, 1, _TUPLE_OF, 0), "t": (0, 1, _TUPLE_MARK, 0),
+    "\x85": (0, 1, _TUPLE_OF, 1), "\x86": (0, 1, _TUPLE_OF, 2), "\x87": (0, 1, _TUPLE_OF, 3),
+    "}": (0, 2, _PUSH, 0), "d": (0, 2, _FROM_MARK, 0), "s": (0, 0, _POP, 2),
+    "u": (0, 0, _TO_MARK, 0), "\x8f": (0, 6, _PUSH, 0), "\x90": (0, 0, _TO_MARK, 0),
+    "\x91": (0, 6, _FROM_MARK, 0), "0": (0, 0, _POP, 1), "2": (0, 1, _DUP, 0),
+    "(": (0, 1, _MARK, 0), "1": (0, 0, _TO_MARK, 0), "g": (_LINE, 1, _GET, 0),
+    "h": (1, 1, _GET, 1), "j": (4, 1, _GET, 4), "p": (_LINE, 1, _PUT, 0), "q": (1, 1, _PUT, 1),
+    "r": (4, 1, _PUT, 4), "\x94": (0, 1, _MEMO, 0), "\x82": (1, 1, _PUSH, 0),
+    "\x83": (2, 1, _PUSH, 0), "\x84": (4, 1, _PUSH, 0), "c": (_LINES2, 1, _PUSH, 0),
+    "\x93": (0, 1, _CALL, 2), "R": (0, 1, _CALL, 2), "b": (0, 0, _POP, 1),
+    "i": (_LINES2, 1, _FROM_MARK, 0), "o": (0, 1, _FROM_MARK, 0), "\x81": (0, 1, _CALL, 2),
+    "\x92": (0, 1, _CALL, 3), "\x80": (1, 0, _NONE, 0), ".": (0, 0, _NONE, 0),
+    "\x95": (8, 0, _NONE, 0), "P": (_LINE, 1, _PUSH, 0), "Q": (0, 1, _CALL, 1),
 }  # fmt: skip
-_ARG: list[int | None] = [None] * 256
-_WEIGHT = [0] * 256
-for _code, (_arg, _weight) in _OPS.items():
-    _ARG[ord(_code)], _WEIGHT[ord(_code)] = _arg, _weight
-_PUT, _BINPUT, _LONG_BINPUT, _MEMOIZE, _STOP = ord("p"), ord("q"), ord("r"), 0x94, ord(".")
-_FRAME = 0x95
-_SPECIAL = frozenset((_BINPUT, _LONG_BINPUT, _MEMOIZE, _FRAME, _STOP))
+_TABLE: list[tuple[int, int, int, int] | None] = [None] * 256
+for _code, _spec in _OPS.items():
+    _TABLE[ord(_code)] = _spec
+_PUT_TEXT, _FRAME, _STOP = ord("p"), 0x95, ord(".")
 _MAX_LINE = 1 << 20  # a text argument (protocol 0: a number, a name, a string) longer is refused
 
 
@@ -194,10 +222,12 @@ class PickleScanner:
         self.limits = limits
         self.where = where
         self.objects = 0
-        self.memo = 0  # one more than the largest memo index put so far
         self.done = False
         self._pos = 0
         self._frame_end = 0
+        self._stack: list[int] = []  # tuple nesting of each value on the unpickler's stack
+        self._marks: list[int] = []
+        self._memo: list[int] = []  # tuple nesting of each memo entry
 
     def feed(self, data: bytes | bytearray, *, final: bool = False) -> None:
         """Scan the operations from where the last call stopped to the end of ``data``.
@@ -206,49 +236,100 @@ class PickleScanner:
             CheckpointFormatError: see the class.
         """
         n, i = len(data), self._pos
-        arg_of, weight_of, special = _ARG, _WEIGHT, _SPECIAL
-        objects, limit, memo = self.objects, self.limits.max_objects, self.memo
         if self.done:  # an earlier call reached STOP
             n = i
-        while i < n:
-            op = data[i]
-            arg = arg_of[op]
-            if arg is None:
-                raise self._malformed(f"unknown opcode 0x{op:02x} at byte {i:,}")
-            if arg >= 0:  # the common case: a fixed-size argument
-                if i + 1 + arg > n:
-                    break
-                if op in special:
-                    if op == _LONG_BINPUT:  # the C unpickler sizes its memo by the index
-                        index = data[i + 1] | data[i + 2] << 8 | data[i + 3] << 16 | data[i + 4] << 24
-                        if index >= memo:
-                            if index > memo and index > 255:
-                                raise self._skips(index, memo, i)
-                            memo = index + 1
-                    elif op == _BINPUT:
-                        if data[i + 1] >= memo:
-                            memo = data[i + 1] + 1
-                    elif op == _MEMOIZE:
-                        memo += 1
-                    elif op == _FRAME:
-                        self._frame_end = max(self._frame_end, i + 9 + _uint(data, i + 1, 8))
-                    else:  # STOP
-                        self.done = True
-                        i += 1
-                        objects += weight_of[op]
+        table, stack, marks, memo = _TABLE, self._stack, self._marks, self._memo
+        objects, limit, max_depth = self.objects, self.limits.max_objects, self.limits.max_depth
+        try:
+            while i < n:
+                op = data[i]
+                try:
+                    arg, weight, effect, count = table[op]  # type: ignore[misc]
+                except TypeError:  # None: not an opcode
+                    raise self._malformed(f"unknown opcode 0x{op:02x} at byte {i:,}") from None
+                if arg >= 0:  # a fixed-size argument (or none)
+                    end = i + 1 + arg
+                    if end > n:
                         break
-                i += 1 + arg
-            else:
-                self.memo = memo
-                nxt = self._variable(op, arg, data, i, n)
-                memo = self.memo
-                if nxt < 0:
+                else:
+                    end = self._variable(op, arg, data, i, n)
+                    if end < 0 or objects > limit:  # (a long run of fixed-size operations
+                        break  # is caught below)
+                objects += weight
+                if effect == _PUSH:
+                    stack.append(0)
+                elif effect == _PUT:
+                    if count == 4:
+                        index = data[i + 1] | data[i + 2] << 8 | data[i + 3] << 16 | data[i + 4] << 24
+                    else:
+                        index = data[i + 1] if count == 1 else self._text_index(data, i, end)
+                    if index == len(memo):
+                        memo.append(stack[-1])
+                    elif index < len(memo):
+                        memo[index] = stack[-1]
+                    elif index > 255:  # the C unpickler sizes its memo by the largest index
+                        raise self._malformed(
+                            f"memo index {index:,} at byte {i:,} skips ahead of the "
+                            f"{len(memo):,} entries put so far (writers number them in order)"
+                        )
+                    else:
+                        memo.extend([0] * (index - len(memo)))
+                        memo.append(stack[-1])
+                elif effect == _GET:
+                    if count == 1:
+                        index = data[i + 1]
+                    elif count == 4:
+                        index = data[i + 1] | data[i + 2] << 8 | data[i + 3] << 16 | data[i + 4] << 24
+                    else:
+                        index = self._text_index(data, i, end)
+                    stack.append(memo[index] if index < len(memo) else 0)
+                elif effect == _TUPLE_OF or effect == _TUPLE_MARK:
+                    if effect == _TUPLE_MARK:
+                        start = marks.pop()
+                        depth = 1 + max(stack[start:], default=0)
+                        del stack[start:]
+                        stack.append(depth)
+                    elif count == 0:
+                        depth = 1
+                        stack.append(1)
+                    else:
+                        depth = 1 + max(stack[-count:])
+                        if count > 1:
+                            del stack[1 - count :]
+                        stack[-1] = depth
+                    if depth > max_depth:
+                        raise limit_error(
+                            self.where,
+                            f"tuples nest more than {max_depth} levels deep at byte {i:,}",
+                            "max_depth",
+                            max_depth,
+                        )
+                elif effect == _CALL:
+                    if count > 1:
+                        del stack[1 - count :]
+                    stack[-1] = 0
+                elif effect == _MARK:
+                    marks.append(len(stack))
+                elif effect == _POP:
+                    del stack[len(stack) - count :]
+                elif effect == _FROM_MARK:
+                    del stack[marks.pop() :]
+                    stack.append(0)
+                elif effect == _TO_MARK:
+                    del stack[marks.pop() :]
+                elif effect == _DUP:
+                    stack.append(stack[-1])
+                elif effect == _MEMO:
+                    memo.append(stack[-1])
+                elif op == _FRAME:
+                    self._frame_end = max(self._frame_end, end + _uint(data, i + 1, 8))
+                elif op == _STOP:
+                    self.done = True
+                    i = end
                     break
-                i = nxt
-                if objects > limit:  # (a long run of fixed-size operations is caught below)
-                    break
-            objects += weight_of[op]
-        self.memo = memo
+                i = end
+        except IndexError:  # an empty stack, or no mark: the unpickler would refuse it too
+            raise self._malformed(f"stack underflow at byte {i:,}") from None
         self._pos, self.objects = i, objects
         if objects > limit:
             raise limit_error(
@@ -256,15 +337,9 @@ class PickleScanner:
             )
         if final and not (self.done and self._frame_end <= len(data)):
             raise self._malformed(
-                f"the pickle ends before its STOP operation or past its {n:,} bytes: truncated "
-                "or damaged"
+                f"the pickle ends before its STOP operation or past its {len(data):,} bytes: "
+                "truncated or damaged"
             )
-
-    def _skips(self, index: int, memo: int, at: int) -> CheckpointFormatError:
-        return self._malformed(
-            f"memo index {index:,} at byte {at:,} skips ahead of the {memo:,} entries put so "
-            "far (pickle writers number them in order)"
-        )
 
     def _variable(self, op: int, arg: int, data: bytes | bytearray, i: int, n: int) -> int:
         """The offset after the operation at ``i``; -1 if ``data`` does not hold it yet."""
@@ -288,14 +363,14 @@ class PickleScanner:
                     "(protocol 0 text: save it again with torch.save's default protocol)"
                 )
             return -1
-        if op == _PUT:
-            text = bytes(data[i + 1 : end])
-            if not text.isdigit() or len(text) > 18:
-                raise self._malformed(f"a malformed memo index {text[:20]!r} at byte {i:,}")
-            if int(text) > self.memo and int(text) > 255:
-                raise self._skips(int(text), self.memo, i)
-            self.memo = max(self.memo, int(text) + 1)
         return end + 1
+
+    def _text_index(self, data: bytes | bytearray, i: int, end: int) -> int:
+        """The memo index of a protocol-0 GET or PUT (its line, without the newline)."""
+        text = bytes(data[i + 1 : end - 1])
+        if not text.isdigit() or len(text) > 18:
+            raise self._malformed(f"a malformed memo index {text[:20]!r} at byte {i:,}")
+        return int(text)
 
     def _malformed(self, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{self.where} is malformed: {what}")
@@ -520,19 +595,35 @@ def _depth_of(stack: list[tuple[Any, Any, Any]], obj: Any) -> int:
     return next(i for i, frame in enumerate(stack) if frame[0] is obj)
 
 
+#: How many more entries than objects built sharing may give (see flatten_pickled).
+_SHARED_EXTRA = 100_000
+#: What an entry costs besides its key's text and path items: str and tuple headers, slots.
+_ENTRY_BYTES = 150
+
+
 def flatten_pickled(
-    root: dict[Any, Any], leaf: type, limits: PickleLimits, where: str
+    root: dict[Any, Any], leaf: type, limits: PickleLimits, where: str, built: int | None = None
 ) -> Flattened:
     """Flatten an unpickled dict into dotted entries, in time linear in its distinct containers.
 
     Dicts are flattened by key (``int`` keys become ``str`` parts); lists and tuples that hold
-    an instance of ``leaf`` somewhere, by index; anything else (including an empty dict) is one entry. A
-    container shared by several places is flattened at each of them (the entries share the
-    leaves: tied weights stay tied).
+    an instance of ``leaf`` somewhere, by index; anything else (including an empty dict) is one
+    entry. A container shared by several places is flattened at each of them (the entries share
+    the leaves: tied weights stay tied), but sharing may add at most 100,000 entries to the
+    number of objects the pickle built (``built``: sharing is how a few bytes of pickle ask for
+    billions of entries); the entries are at most ``limits.max_objects``, and their keys (text,
+    paths and bookkeeping, about 150 bytes an entry) at most ``limits.max_bytes``.
+
+    Args:
+        root: the unpickled object.
+        leaf: the type of the leaves (the tensor references).
+        limits: the limits.
+        where: the pickle's name, for messages.
+        built: the objects the pickle built (:attr:`PickleScanner.objects`), if known.
 
     Raises:
-        CheckpointFormatError: a cycle, nesting deeper than ``limits.max_depth``, more than
-            ``limits.max_objects`` entries, or a key that is neither a non-empty ``str`` nor an
+        CheckpointFormatError: a cycle, nesting deeper than ``limits.max_depth``, too many
+            entries or too long keys, or a key that is neither a non-empty ``str`` nor an
             ``int``; each names the path.
 
     Example:
@@ -542,6 +633,12 @@ def flatten_pickled(
         ([('a.x', [1, 2]), ('b.0', 3), ('b.1', 4.5)], {('b',): 'list'})
     """
     holds, total = _analyse(root, leaf, limits, where)
+    if built is not None and total > built + _SHARED_EXTRA and total <= limits.max_objects:
+        raise CheckpointFormatError(
+            f"{where}: the object flattens to {total:,} entries, though the pickle builds "
+            f"{built:,} objects: a part shared by several places is repeated at each, more "
+            "than any checkpoint needs; the file is damaged or hostile"
+        )
     if total > limits.max_objects:
         raise limit_error(
             where,
@@ -551,21 +648,32 @@ def flatten_pickled(
             limits.max_objects,
         )
     out = Flattened([], {})
-    stack: list[tuple[Iterator[tuple[str, Any]], tuple[str, ...]]] = [
-        (_dict_items(root, (), out, where), ())
+    nbytes = 0  # the keys' text and paths
+    stack: list[tuple[Iterator[tuple[str, Any]], tuple[str, ...], int]] = [
+        (_dict_items(root, (), out, where), (), 0)
     ]
     while stack:
-        items, path = stack[-1]
+        items, path, chars = stack[-1]
         for part, value in items:
             sub = path + (part,)
+            width = chars + len(part) + 1
+            nbytes += width + 8 * len(sub) + _ENTRY_BYTES
+            if nbytes > limits.max_bytes:
+                raise limit_error(
+                    where,
+                    f"the keys of the entries it flattens to take more than {limits.max_bytes:,} "
+                    f"bytes (at {_show(sub)})",
+                    "max_bytes",
+                    limits.max_bytes,
+                )
             if isinstance(value, leaf):
                 out.entries.append((sub, value, True))
             elif isinstance(value, dict) and value:
-                stack.append((_dict_items(value, sub, out, where), sub))
+                stack.append((_dict_items(value, sub, out, where), sub, width))
                 break
             elif isinstance(value, (list, tuple)) and holds.get(id(value)):
                 out.containers[sub] = "tuple" if isinstance(value, tuple) else "list"
-                stack.append((((str(i), v) for i, v in enumerate(value)), sub))
+                stack.append((((str(i), v) for i, v in enumerate(value)), sub, width))
                 break
             else:
                 out.entries.append((sub, value, False))
@@ -583,7 +691,7 @@ def _dict_items(
             key = str(key)
         elif not isinstance(key, str) or not key:
             raise CheckpointFormatError(
-                f"{where}: the dict at {_show(path)} has the key {key!r:.60}; memtree needs "
+                f"{where}: the dict at {_show(path)} has the key {short(key)}; memtree needs "
                 "non-empty str (or int) keys"
             )
         yield key, value

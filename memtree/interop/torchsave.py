@@ -85,6 +85,7 @@ from .pickle_guard import (
     current_limits,
     flatten_pickled,
     limit_error,
+    short,
 )
 
 __all__ = [
@@ -215,7 +216,7 @@ def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = 
     if dtype is None:
         dtype = storage.dtype
     elif not isinstance(dtype, torch.dtype) or dtype_from_name(str(dtype)[6:]) is not dtype:
-        raise CheckpointFormatError(f"a tensor names the unsupported dtype {dtype!r:.60}")
+        raise CheckpointFormatError(f"a tensor names the unsupported dtype {short(dtype)}")
     if not (
         _int(offset)
         and isinstance(size, (tuple, list))
@@ -223,12 +224,12 @@ def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = 
         and len(size) == len(stride) <= _MAX_NDIM
     ):
         raise CheckpointFormatError(
-            f"a tensor has a malformed layout: offset {offset!r:.40}, size {size!r:.80}"
+            f"a tensor has a malformed layout: offset {short(offset)}, size {short(size)}"
         )
     size, stride = tuple(size), tuple(stride)
     if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
         raise CheckpointFormatError(
-            f"a tensor has a malformed size {size!r:.80} or stride {stride!r:.80}"
+            f"a tensor has a malformed size {short(size)} or stride {short(stride)}"
         )
     ref = TensorRef(storage, dtype, offset, size, stride)
     first, count = ref.span()
@@ -368,7 +369,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
             raise CheckpointFormatError(
                 f"{self._where}: _codecs.encode called with {type(text).__name__}, "
-                f"{encoding!r:.20}"
+                f"{short(encoding)}"
             )
         self._budget.charge(1, len(text) * (1 if encoding.startswith("latin") else 4))
         return text.encode(encoding)
@@ -376,11 +377,11 @@ class RestrictedUnpickler(pickle.Unpickler):
     def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
         if not (isinstance(func, SafeCall) and func.fn in _REBUILDERS) or type(args) is not tuple:
             raise CheckpointFormatError(
-                f"{self._where}: a tensor subclass is rebuilt with {func!r:.60}"
+                f"{self._where}: a tensor subclass is rebuilt with {short(func)}"
             )
         if new_type not in (self._tensor, self._parameter) and not self._allow_pickle:
             raise UnsafePickleError(
-                f"{self._where} holds a tensor of subclass {new_type!r:.80}; pass "
+                f"{self._where} holds a tensor of subclass {short(new_type)}; pass "
                 "allow_pickle=True "
                 "to read it as a plain tensor"
             )
@@ -389,14 +390,14 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(f"{self._where}: unknown persistent id {pid!r:.80}")
+            raise CheckpointFormatError(f"{self._where}: unknown persistent id {short(pid)}")
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise CheckpointFormatError(
-                f"{self._where}: storage type {storage_type!r:.60} is not supported"
+                f"{self._where}: storage type {short(storage_type)} is not supported"
             )
         if type(key) is not str or not _RECORD_KEY.fullmatch(key) or not _int(numel):
-            raise CheckpointFormatError(f"{self._where}: malformed storage id {pid!r:.80}")
+            raise CheckpointFormatError(f"{self._where}: malformed storage id {short(pid)}")
         return self._storages(key, storage_type.dtype, numel)
 
 
@@ -513,7 +514,7 @@ class TorchSaveReader(Closing):
             raise CheckpointFormatError(
                 f"{self.path} holds a {type(obj).__name__}, not a dict of tensors (a state_dict)"
             )
-        flat = flatten_pickled(obj, TensorRef, limits, where)
+        flat = flatten_pickled(obj, TensorRef, limits, where, budget.objects)
         for path, value, is_tensor in flat.entries:
             self._add(path, value, self._refs if is_tensor else self.non_tensors)
         self.containers = {".".join(p): kind for p, kind in flat.containers.items()}
