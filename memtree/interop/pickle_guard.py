@@ -84,13 +84,14 @@ class PickleLimits:
 
     Attributes:
         max_bytes: size of the pickle (``data.pkl``, after inflating a compressed one), plus the
-            ``bytes`` values the pickle builds from text.
-        max_objects: values the pickle creates or references (each operation of the pickle makes
-            at most one; a list or dict counts 2, a set 6, for their size), plus the items
-            that calls such as ``torch.Size(list)`` copy; also the most entries a structure may
-            flatten to. About 25 per tensor in a ``torch.save`` file: the default covers
-            checkpoints of some 400,000 tensors.
-        max_depth: nesting of dicts, lists and tuples.
+            ``bytes`` values the pickle builds from text; also the keys the structure flattens
+            to (their text and paths, about 150 bytes an entry besides).
+        max_objects: values the pickle creates or references, in units of about 40 bytes (each
+            operation of the pickle makes at most one value: a list or dict counts 2, a set 6),
+            plus what calls such as ``torch.Size(list)`` copy; also the most entries a
+            structure may flatten to. A ``torch.save`` file uses about 34 per tensor: the
+            default covers some 300,000 tensors, and bounds the objects to about 400 MB.
+        max_depth: nesting of dicts, lists and tuples, the top-level dict included.
 
     Example:
         >>> PickleLimits().max_depth, PickleLimits(max_depth=500).max_depth
@@ -172,7 +173,8 @@ _LEN_SIZE = {_LEN1: 1, _LEN4: 4, _LEN4S: 4, _LEN8: 8}
  _MEMO, _NONE) = range(13)  # fmt: skip
 # opcode: (argument, weight, effect, n). Weight: what the operation adds to memory, in objects
 # (0: it only moves values already counted). n: values popped (_POP, _CALL), tuple items
-# (_TUPLE_OF), or memo index bytes (_GET, _PUT).
+# (_TUPLE_OF), memo index bytes (_GET, _PUT), or objects more per item (_FROM_MARK, _TO_MARK:
+# a dict or set grows its table for each item it takes).
 _OPS: dict[str, tuple[int, int, int, int]] = {
     "I": (_LINE, 1, _PUSH, 0), "J": (4, 1, _PUSH, 0), "K": (1, 1, _PUSH, 0),
     "M": (2, 1, _PUSH, 0), "L": (_LINE, 1, _PUSH, 0), "\x8a": (_LEN1, 1, _PUSH, 0),
@@ -185,9 +187,9 @@ _OPS: dict[str, tuple[int, int, int, int]] = {
     "G": (8, 1, _PUSH, 0), "]": (0, 2, _PUSH, 0), "a": (0, 0, _POP, 1), "e": (0, 0, _TO_MARK, 0),
     "l": (0, 2, _FROM_MARK, 0), ")": (0, 1, _TUPLE_OF, 0), "t": (0, 1, _TUPLE_MARK, 0),
     "\x85": (0, 1, _TUPLE_OF, 1), "\x86": (0, 1, _TUPLE_OF, 2), "\x87": (0, 1, _TUPLE_OF, 3),
-    "}": (0, 2, _PUSH, 0), "d": (0, 2, _FROM_MARK, 0), "s": (0, 0, _POP, 2),
-    "u": (0, 0, _TO_MARK, 0), "\x8f": (0, 6, _PUSH, 0), "\x90": (0, 0, _TO_MARK, 0),
-    "\x91": (0, 6, _FROM_MARK, 0), "0": (0, 0, _POP, 1), "2": (0, 1, _DUP, 0),
+    "}": (0, 2, _PUSH, 0), "d": (0, 2, _FROM_MARK, 1), "s": (0, 2, _POP, 2),
+    "u": (0, 0, _TO_MARK, 1), "\x8f": (0, 6, _PUSH, 0), "\x90": (0, 0, _TO_MARK, 1),
+    "\x91": (0, 6, _FROM_MARK, 1), "0": (0, 0, _POP, 1), "2": (0, 1, _DUP, 0),
     "(": (0, 1, _MARK, 0), "1": (0, 0, _TO_MARK, 0), "g": (_LINE, 1, _GET, 0),
     "h": (1, 1, _GET, 1), "j": (4, 1, _GET, 4), "p": (_LINE, 1, _PUT, 0), "q": (1, 1, _PUT, 1),
     "r": (4, 1, _PUT, 4), "\x94": (0, 1, _MEMO, 0), "\x82": (1, 1, _PUSH, 0),
@@ -312,11 +314,12 @@ class PickleScanner:
                     marks.append(len(stack))
                 elif effect == _POP:
                     del stack[len(stack) - count :]
-                elif effect == _FROM_MARK:
-                    del stack[marks.pop() :]
-                    stack.append(0)
-                elif effect == _TO_MARK:
-                    del stack[marks.pop() :]
+                elif effect == _FROM_MARK or effect == _TO_MARK:
+                    start = marks.pop()
+                    objects += count * (len(stack) - start)
+                    del stack[start:]
+                    if effect == _FROM_MARK:
+                        stack.append(0)
                 elif effect == _DUP:
                     stack.append(stack[-1])
                 elif effect == _MEMO:
@@ -417,14 +420,14 @@ class Budget:
                 self.limits.max_bytes,
             )
 
-    def sized(self, value: Any, what: str) -> int:
-        """``len(value)`` of a list, tuple or dict argument, charged; anything else is refused."""
+    def sized(self, value: Any, what: str, weight: int = 1) -> None:
+        """Charge ``weight`` objects per item of a list, tuple or dict argument that a call
+        copies; refuse any other argument."""
         if not isinstance(value, (list, tuple, dict)):
             raise CheckpointFormatError(
                 f"{self.where}: {what} is called with a {type(value).__name__}"
             )
-        self.charge(len(value))
-        return len(value)
+        self.charge(weight * len(value))
 
     def ordered_dict(self, *args: Any) -> OrderedDict[Any, Any]:
         """``OrderedDict(*args)``, charged, whose ``BUILD`` (attributes) is charged too.
@@ -438,8 +441,8 @@ class Budget:
                 raise CheckpointFormatError(
                     f"{self.where}: OrderedDict() called with {len(args)} arguments"
                 )
-            self.sized(args[0], "OrderedDict()")
-        self.charge(4)  # the dict, its __dict__ and the hook
+            self.sized(args[0], "OrderedDict()", 3)  # ~90 bytes an item
+        self.charge(6)  # the dict, its __dict__ and the hook
         out: OrderedDict[Any, Any] = OrderedDict(*args)
         out.__setstate__ = _SetState(self, out)  # type: ignore[attr-defined]
         self._hooked.append(out)
@@ -469,7 +472,7 @@ class _SetState:
             raise CheckpointFormatError(
                 f"{self._budget.where}: an OrderedDict is given a {type(state).__name__} state"
             )
-        self._budget.charge(len(state))
+        self._budget.charge(2 * len(state))
         attributes = vars(self._target)
         attributes.update(state)
         attributes["__setstate__"] = self

@@ -480,7 +480,7 @@ class TorchSaveReader(Closing):
         self._storages: dict[str, StorageRef] = {}
         budget = Budget(limits, where, scan.objects, len(data))
         unpickler = RestrictedUnpickler(
-            io.BufferedReader(io.BytesIO(data), _READ_CHUNK),
+            io.BufferedReader(_Buffer(data), _READ_CHUNK),
             self._storage,
             where,
             allow_pickle=allow_pickle,
@@ -521,7 +521,7 @@ class TorchSaveReader(Closing):
 
     def _read_entry(
         self, info: zipfile.ZipInfo, max_bytes: int, scan: PickleScanner | None = None
-    ) -> bytes:
+    ) -> bytearray:
         """A zip entry's bytes, read (and inflated) at most ``max_bytes``; fed to ``scan``.
 
         The sizes the zip declares are checked, but the bound holds whatever they say: reading
@@ -545,6 +545,8 @@ class TorchSaveReader(Closing):
                         raise self._too_big(what, f"inflates to more than {max_bytes:,} bytes", max_bytes, scan)
                     if scan is not None:
                         scan.feed(buf)
+        except MemtreeError:
+            raise
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
             raise CheckpointFormatError(
                 f"{what} cannot be read ({err}); the file is damaged"
@@ -556,7 +558,7 @@ class TorchSaveReader(Closing):
             )
         if scan is not None:
             scan.feed(buf, final=True)
-        return bytes(buf)
+        return buf
 
     @staticmethod
     def _too_big(
@@ -706,6 +708,25 @@ class TorchSaveReader(Closing):
             if f is not None:
                 f.close()
         self._file.close()
+
+
+class _Buffer(io.RawIOBase):
+    """A bytearray read as a file, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), len(self._data) - self._pos)
+        view[:n] = memoryview(self._data)[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 #: The buffer through which a record copied file to file is read for its CRC-32: the only
