@@ -23,9 +23,7 @@ import pickle
 import struct
 import subprocess
 import sys
-import textwrap
 import zipfile
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any

@@ -331,7 +331,8 @@ class _Stream:
         if kind == "torch":
             reader = torch_reader = TorchSaveReader(src, allow_pickle=allow_pickle, limits=limits)
             self.altered.update(
-                (k, _CONTAINER_CHANGES[v]) for k, v in torch_reader.containers.items()
+                (k or "(top level)", _CONTAINER_CHANGES[v])
+                for k, v in torch_reader.containers.items()
             )
         else:
             reader = SafetensorsReader(src)

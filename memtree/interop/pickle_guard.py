@@ -18,7 +18,8 @@ hostile ``data.pkl`` can neither exhaust memory nor hang the reader:
 * :func:`flatten_pickled` walks the unpickled object in time linear in its number of distinct
   containers (each is analysed once, by identity, however often it is shared), refuses cycles
   and nesting deeper than :attr:`PickleLimits.max_depth` with an error naming the path, and
-  refuses a structure whose shared parts would repeat into more than ``max_objects`` entries.
+  refuses a structure whose shared parts would repeat into too many entries (more than
+  ``max_objects``, or 100,000 more than the objects the pickle built) or too long keys.
 
 The limits have defaults that no ordinary checkpoint reaches; :func:`pickle_limits` raises or
 lowers them for the files opened inside a ``with`` block (every reader: ``open_checkpoint``,

@@ -502,9 +502,9 @@ class TorchSaveReader(Closing):
         self.non_tensors: dict[str, Any] = {}
         """Non-tensor values of the checkpoint by dotted key (``{"epoch": 3}``)."""
         self.containers: dict[str, str] = {}
-        """How containers other than str-keyed dicts became dotted keys, by dotted path:
-        ``"list"`` or ``"tuple"`` (items by index) or ``"int keys"`` (a dict's int keys became
-        ``str``), e.g. ``{"optimizer.state": "int keys"}``."""
+        """How containers other than str-keyed dicts became dotted keys, by dotted path (``""``:
+        the top level): ``"list"`` or ``"tuple"`` (items by index) or ``"int keys"`` (a dict's
+        int keys became ``str``), e.g. ``{"optimizer.state": "int keys"}``."""
         if not isinstance(obj, dict):
             if isinstance(obj, TensorRef):
                 raise CheckpointFormatError(
@@ -517,7 +517,7 @@ class TorchSaveReader(Closing):
         flat = flatten_pickled(obj, TensorRef, limits, where, budget.objects)
         for path, value, is_tensor in flat.entries:
             self._add(path, value, self._refs if is_tensor else self.non_tensors)
-        self.containers = {".".join(p): kind for p, kind in flat.containers.items()}
+        self.containers.update((".".join(p), kind) for p, kind in flat.containers.items())
 
     def _read_entry(
         self, info: zipfile.ZipInfo, max_bytes: int, scan: PickleScanner | None = None
