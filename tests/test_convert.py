@@ -1,20 +1,28 @@
 """``memtree convert``: every source and destination, bit-exact; --dtype; atomic results; the
-file-to-file copy of a checkpoint's contiguous tensors (and its fallbacks); and the peak memory
-of a ~500 MB conversion measured in a subprocess."""
+file-to-file copy of a checkpoint's contiguous tensors (and its fallbacks); every value not
+written as it was is reported (``dropped``, ``altered``), checked over generated values; and the
+peak memory of a ~500 MB conversion measured in a subprocess."""
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import memtree
 from memtree.store import files as fileio
@@ -130,8 +138,148 @@ def test_torch_checkpoint_structure_and_extras(tmp_path: Path) -> None:
     assert tree["epoch"] == 4
     assert tree["groups"] == [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0]}]  # tuples: lists
     assert result.dropped == ["blob"] and result.tensors == 1 and result.nbytes == 8
+    assert result.altered == {"groups": "tuple -> list at [0]['betas']"}  # ... and said so
     flat = memtree.convert(pt, tmp_path / "flat", flat_keys=True)
     assert flat.tensors == 1 and "model.enc.w" in memtree.load_memmap(tmp_path / "flat").keys()
+
+
+def test_every_altered_value_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pt = tmp_path / "c.pt"
+    torch.save(
+        {
+            "model": {"w": torch.ones(2)},
+            "size": torch.Size([2, 3]),  # written as a list
+            "pair": (1, "a"),
+            "cfgs": [OrderedDict(lr=0.1), {"betas": (0.9, 0.99)}, (1, (2, 3)), (4,), (5,)],
+            "state": {0: {"m": torch.zeros(1)}},  # int keys become str
+            "hist": [torch.ones(1), 0.5],  # a list of tensors: keys by index
+            "kept": [1, "x", None, {"a": [True, -0.0]}],
+            "empty": {},
+            "nan": float("nan"),
+        },
+        pt,
+    )
+    result = memtree.convert(pt, tmp_path / "tree")
+    assert result.altered == {
+        "size": "torch.Size -> list",
+        "pair": "tuple -> list",
+        "cfgs": "OrderedDict -> dict at [0]; tuple -> list at [1]['betas']; tuple -> list at [2]; "
+        "and 3 more",
+        "state": "int keys -> str keys",
+        "hist": "list -> keys by index ('0', '1', ...)",
+    }
+    assert result.dropped == ["nan"]
+    tree = memtree.load_memmap(tmp_path / "tree")
+    assert tree["size"] == [2, 3] and tree["pair"] == [1, "a"] and tree["empty"] == {}
+    assert tree["cfgs"] == [{"lr": 0.1}, {"betas": [0.9, 0.99]}, [1, [2, 3]], [4], [5]]
+    assert tree["kept"] == [1, "x", None, {"a": [True, -0.0]}]
+    assert math.copysign(1.0, tree["kept"][3]["a"][1]) == -1.0
+    assert tree["state", "0", "m"].tolist() == [0.0] and tree["hist", "1"] == 0.5
+    capsys.readouterr()
+    assert main(["convert", str(pt), str(tmp_path / "tree2")]) == 0
+    err = capsys.readouterr().err
+    assert "1 non-tensor value(s) not written (memtree cannot hold them): nan" in err
+    assert "5 value(s) written in another form:" in err
+    assert "\n  size: torch.Size -> list\n" in err and "\n  state: int keys -> str keys" in err
+    # to safetensors every non-tensor value is dropped: none is reported as altered
+    st_result = memtree.convert(pt, tmp_path / "m.safetensors")
+    assert sorted(st_result.dropped) == ["cfgs", "empty", "hist.1", "kept", "nan", "pair", "size"]
+    assert st_result.altered == {
+        "state": "int keys -> str keys", "hist": "list -> keys by index ('0', '1', ...)"
+    }
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with the same types all the way down (``1 == 1.0 == True`` is not enough), and
+    ``-0.0`` apart from ``0.0``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _expected(value: Any) -> tuple[str, Any]:
+    """What convert must do with a non-tensor value: ``("keep", value)``, ``("alter",
+    the value as written)`` or ``("drop", None)``, by the rules of docs/guide/interop.md."""
+    changed = False
+
+    def walk(v: Any) -> Any:
+        nonlocal changed
+        if v is None or type(v) in (bool, str) or (type(v) is int and -(2**63) <= v < 2**64):
+            if type(v) is str:
+                v.encode()  # a lone surrogate raises
+            return v
+        if type(v) is float and math.isfinite(v):
+            return v
+        if type(v) in (list, tuple, torch.Size):
+            changed = changed or type(v) is not list
+            return [walk(x) for x in v]
+        if type(v) in (dict, OrderedDict):
+            changed = changed or type(v) is not dict
+            if any(type(k) is not str for k in v):
+                raise TypeError
+            return {walk(k): walk(x) for k, x in v.items()}
+        raise TypeError
+
+    try:
+        written = walk(value)
+    except (TypeError, UnicodeEncodeError):
+        return "drop", None
+    return ("alter" if changed else "keep"), written
+
+
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.just(-0.0),
+    st.text(max_size=4), st.sampled_from(["\ud800", "a\udfff"]), st.binary(max_size=3),
+    st.complex_numbers(max_magnitude=4, allow_nan=False), st.sampled_from([torch.float16, torch.bool]),
+    st.builds(torch.Size, st.lists(st.integers(0, 9), max_size=3)), st.just(Color.RED),
+    st.builds(np.float64, st.floats(-1, 1)), st.builds(np.int64, st.integers(-5, 5)),
+)  # fmt: skip
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), inner, max_size=3),
+        st.dictionaries(st.text(max_size=2), inner, max_size=3).map(OrderedDict),
+        st.dictionaries(st.integers(0, 3), inner, max_size=2),
+        st.frozensets(st.integers(0, 3), max_size=2),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=st.lists(_VALUES, min_size=1, max_size=4))
+def test_no_value_is_altered_silently(tmp_path_factory: pytest.TempPathFactory, values: list[Any]) -> None:
+    """Generated values of every kind (including ints beyond 64 bits, NaN, -0.0, bytes,
+    surrogates, complex, dtypes, sets, int subclasses, numpy scalars, tuples, torch.Size,
+    OrderedDict, int keys): each is written exactly, reported in ``altered`` and written
+    exactly as reported, or reported in ``dropped`` and not written."""
+    root = tmp_path_factory.mktemp("v")
+    source = {f"v{i}": [value] for i, value in enumerate(values)}  # a list: one value, not a sub-tree
+    torch.save({"w": torch.ones(1), **source}, root / "c.pt")
+    result = memtree.convert(root / "c.pt", root / "tree", allow_pickle=True)
+    tree = memtree.load_memmap(root / "tree")
+    for key, value in source.items():
+        kind, written = _expected(value)
+        event(kind)
+        assert (key in result.dropped) == (kind == "drop"), (key, value, result)
+        assert (key in result.altered) == (kind == "alter"), (key, value, result)
+        if kind == "drop":
+            assert key not in tree.keys()
+        else:
+            assert _same(tree[key], written), (key, value, tree[key])
+    assert not [p for p in (root / "tree").rglob("*") if p.suffix == ".pickle"]  # no pickle sidecars
 
 
 def test_colliding_dotted_keys_suggest_flat_keys(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ SRC is a ``torch.save`` file (``.pt``/``.pth``/``.bin``), a ``.safetensors`` fil
 ``memmap`` directory or a memtree directory; DST is a memtree directory, or a file whose name
 ends in ``.safetensors``. Peak memory is about the largest tensor (twice it with ``--dtype``),
 not the checkpoint. A progress bar is shown on a terminal (with tqdm installed); nothing is
-printed otherwise, except a note about non-tensor values the destination cannot hold.
+printed otherwise, except notes (on standard error) about non-tensor values the destination
+cannot hold (not written) and about values written in another form (a tuple as a list, a list of
+tensors as keys by index, ...).
 
 Example:
     $ memtree convert model.pt model_tree --dtype bfloat16
@@ -16,9 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..interop.conversion import convert
+from ..interop.conversion import ConvertResult, convert
+from ..interop.pickle_guard import PickleLimits
+from .info import _positive_int
 
-__all__ = ["NAME", "HELP", "add_arguments", "run"]
+__all__ = ["NAME", "HELP", "add_arguments", "run", "report"]
 
 NAME = "convert"
 HELP = (
@@ -58,6 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep a checkpoint's dotted keys flat instead of nesting them by '.'",
     )
     parser.add_argument("--fsync", action="store_true", help="make DST durable before it appears")
+    defaults = PickleLimits()
+    for field, what in (
+        ("bytes", "bytes of a torch.save file's pickle (data.pkl)"),
+        ("objects", "objects a torch.save file's pickle may build"),
+        ("depth", "nesting depth of a torch.save file's pickled structure"),
+    ):
+        parser.add_argument(
+            f"--max-pickle-{field}",
+            metavar="N",
+            type=_positive_int,
+            default=getattr(defaults, f"max_{field}"),
+            help=f"at most N {what} (default: %(default)s); raise it for a trusted file",
+        )
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument(
         "--progress",
@@ -85,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
         flat_keys=args.flat_keys,
         fsync=args.fsync,
         progress=args.progress,
+        limits=PickleLimits(args.max_pickle_bytes, args.max_pickle_objects, args.max_pickle_depth),
     )
+    report(result)
+    return 0
+
+
+def report(result: ConvertResult) -> None:
+    """Print what :func:`convert` did not write as it was (standard error; nothing otherwise)."""
     if result.dropped:
         shown = ", ".join(result.dropped[:10]) + (" ..." if len(result.dropped) > 10 else "")
         print(
@@ -93,4 +117,11 @@ def run(args: argparse.Namespace) -> int:
             f"({result.destination} cannot hold them): {shown}",
             file=sys.stderr,
         )
-    return 0
+    if result.altered:
+        items = list(result.altered.items())
+        lines = "".join(f"\n  {key}: {change}" for key, change in items[:10])
+        more = f"\n  ... and {len(items) - 10} more" if len(items) > 10 else ""
+        print(
+            f"memtree convert: {len(items)} value(s) written in another form:{lines}{more}",
+            file=sys.stderr,
+        )

@@ -1,7 +1,8 @@
 """Interoperability: read checkpoints and tensordict directories, write safetensors, convert.
 
 * :func:`open_checkpoint` opens a ``torch.save`` or ``.safetensors`` file lazily and safely, as a
-  mapping of dotted keys to tensors (no pickle beyond tensors and plain data is executed);
+  mapping of dotted keys to tensors (no pickle beyond tensors and plain data is executed, and
+  :func:`pickle_limits` bounds how much a pickle may build);
 * :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
 * tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
   :mod:`memtree.store.tensordict`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .conversion import ConvertResult, convert
+from .pickle_guard import PickleLimits, pickle_limits
 from .safetensors_file import SafetensorsReader, save_safetensors
 from ..store.tensordict import read_tensordict_dir
 from .torchsave import TorchSaveReader
@@ -33,5 +35,7 @@ __all__ = [
     "ConvertResult",
     "SafetensorsReader",
     "TorchSaveReader",
+    "PickleLimits",
+    "pickle_limits",
     "read_tensordict_dir",
 ]

@@ -24,8 +24,11 @@ Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"``
 ``encoder/0/weight``, as ``TensorTree.from_module`` nests them) unless ``flat_keys=True``;
 going to safetensors, nested keys are joined with ``.``. ``dtype=`` casts floating-point
 tensors only (like ``module.to(dtype)``); integer, bool and complex tensors keep their dtype.
-Non-tensor values that JSON can hold are kept in memtree directories (tuples become lists);
-others (and every non-tensor value, going to safetensors) are dropped and listed in the result.
+Non-tensor values that JSON can hold exactly are kept in memtree directories; tuples,
+``torch.Size`` and ``OrderedDict`` are written as lists and dicts, and such values are listed in
+:attr:`ConvertResult.altered` (with the containers that became keys: lists and tuples of tensors
+are keyed by index, int dict keys become str). Others (NaN, bytes, ints beyond 64 bits...; and
+every non-tensor value, going to safetensors) are dropped and listed in :attr:`ConvertResult.dropped`.
 
 Example:
     >>> import os, tempfile, torch, memtree
@@ -41,10 +44,12 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
@@ -52,6 +57,7 @@ from ..errors import DestinationExistsError, DtypeError, KeyCollisionError, NotA
 from ..store.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
+from ..format.schema import MAX_META_BYTES
 from ..store.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
 from ..store.progress import Progress
@@ -59,6 +65,7 @@ from ..store.read import read_tree
 from ..store.write import write_tree
 from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
+from .pickle_guard import PickleLimits, short
 from .safetensors_file import SafetensorsReader, write_safetensors
 from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
 from .torchsave import TorchSaveReader
@@ -80,6 +87,10 @@ class ConvertResult:
     """Bytes of tensor data written."""
     dropped: list[str] = field(default_factory=list)
     """Keys of non-tensor values the destination cannot hold (not written)."""
+    altered: dict[str, str] = field(default_factory=dict)
+    """Keys of values written in another form than the source's, with what changed:
+    ``{"optimizer.param_groups": "tuple -> list at [0]['betas']", "history": "list -> keys by
+    index ('0', '1', ...)", "optimizer.state": "int keys -> str keys"}``."""
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -127,18 +138,112 @@ def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
     return cast if cast is not None and dtype.is_floating_point else dtype
 
 
-def _as_json(value: Any) -> Any:
-    """``value`` with tuples turned into lists, at any depth (everything else as it is)."""
-    if isinstance(value, (tuple, list)):
-        return [_as_json(v) for v in value]
-    if type(value) is dict:
-        return {k: _as_json(v) for k, v in value.items()}
-    return value
+#: orjson refuses nesting deeper than 254 levels, and a value lies a few levels down in its
+#: meta.json: deeper values are dropped.
+_MAX_JSON_DEPTH = 200
+#: The containers a JSON value may hold, and what each is written as.
+_JSON_CONTAINERS: dict[type, type] = {
+    list: list,
+    dict: dict,
+    tuple: list,
+    torch.Size: list,
+    OrderedDict: dict,
+}
 
 
-def _json_value(value: Any) -> tuple[bool, Any]:
-    value = _as_json(value)
-    return json_problem(value) is None, value
+def _json_value(value: Any) -> tuple[Any, list[str], str | None]:
+    """``(json_value, changes, problem)``: ``value`` in the form memtree writes it as JSON.
+
+    Tuples and ``torch.Size`` become lists, an ``OrderedDict`` a dict: ``changes`` says which
+    and where. Every other value is kept exactly, or ``problem`` says why it cannot be (see
+    :func:`~memtree.format.values.json_problem`), or that it contains itself, nests deeper than
+    JSON allows, or is too big for a meta.json. Each distinct container is converted once
+    (memoised by identity) and its size remembered, so a part shared by many places costs its
+    size once in time while its repetitions still count towards the size of the JSON.
+
+    Example:
+        >>> _json_value({"betas": (0.9, 0.99), "n": 3})
+        ({'betas': [0.9, 0.99], 'n': 3}, ["tuple -> list at ['betas']"], None)
+    """
+    changes: list[str] = []
+    if type(value) not in _JSON_CONTAINERS:
+        return value, changes, json_problem(value)
+    finished: dict[int, tuple[Any, int]] = {}  # id -> (converted, JSON values it expands to)
+    on_path: set[int] = set()
+    expanded = 1
+
+    def open_container(obj: Any, where: str) -> tuple[Any, Iterator[tuple[Any, Any]]]:
+        kind = type(obj)
+        if kind is not list and kind is not dict:
+            name = "torch.Size" if kind is torch.Size else kind.__name__
+            into = _JSON_CONTAINERS[kind].__name__
+            changes.append(f"{name} -> {into}" + (f" at {where}" if where else ""))
+        on_path.add(id(obj))
+        items = iter(obj.items()) if isinstance(obj, dict) else enumerate(obj)
+        return _JSON_CONTAINERS[kind](), items
+
+    new, items = open_container(value, "")
+    stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]], str, int]] = [(value, new, items, "", 0)]
+    while stack:
+        obj, new, items, where, start = stack[-1]
+        for key, child in items:
+            if isinstance(new, dict) and type(key) is not str:
+                return None, changes, f"value{where} has a non-str dict key {short(key)}"
+            if isinstance(new, dict) and (problem := json_problem(key, f"value{where} key")):
+                return None, changes, problem
+            sub = f"{where}[{key!r}]"
+            if type(child) not in _JSON_CONTAINERS:
+                if problem := json_problem(child, f"value{sub}"):
+                    return None, changes, problem
+                converted, size = child, 1
+            elif id(child) in finished:
+                converted, size = finished[id(child)]
+            elif id(child) in on_path:
+                return None, changes, f"value{sub} contains itself (a cycle)"
+            elif len(stack) >= _MAX_JSON_DEPTH:
+                return None, changes, f"value{sub} is nested more than {_MAX_JSON_DEPTH} levels deep"
+            else:
+                converted, child_items = open_container(child, sub)
+                _json_add(new, key, converted)
+                stack.append((child, converted, child_items, sub, expanded))
+                expanded += 1
+                break
+            _json_add(new, key, converted)
+            expanded += size
+            if expanded > MAX_META_BYTES:  # each JSON value takes a byte at least
+                return None, changes, (
+                    f"value expands to more than {MAX_META_BYTES:,} JSON values (a part shared "
+                    "by several places is repeated at each), more than a meta.json holds"
+                )
+        else:
+            stack.pop()
+            on_path.discard(id(obj))
+            finished[id(obj)] = (new, expanded - start)
+    nbytes = len(orjson.dumps(new))
+    if nbytes > MAX_META_BYTES:
+        return None, changes, f"value takes {nbytes:,} bytes of JSON, more than a meta.json holds"
+    return new, changes, None
+
+
+def _json_add(container: Any, key: Any, value: Any) -> None:
+    if isinstance(container, dict):
+        container[key] = value
+    else:
+        container.append(value)
+
+
+def _describe(changes: list[str]) -> str:
+    """One line for a value's changes (the first three places, then how many more)."""
+    more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
+    return "; ".join(changes[:3]) + more
+
+
+#: How TorchSaveReader.containers kinds are described in ConvertResult.altered.
+_CONTAINER_CHANGES = {
+    "list": "list -> keys by index ('0', '1', ...)",
+    "tuple": "tuple -> keys by index ('0', '1', ...)",
+    "int keys": "int keys -> str keys",
+}
 
 
 def _insert(root: Level, path: tuple[str, ...], value: Any, label: str) -> None:
@@ -176,6 +281,7 @@ class _Stream:
         self.on_read: Callable[[int], None] = lambda nbytes: None
         self.level = Level((), {})
         self.dropped: list[str] = []
+        self.altered: dict[str, str] = {}
         self.metadata: dict[str, str] | None = None
         self.tensors = 0
         self.nbytes = 0
@@ -210,10 +316,23 @@ class _Stream:
         uncast = file_range is not None and out_dtype == dtype
         return LazyLeaf(shape, out_dtype, load, copy_from if uncast else None)
 
-    def from_checkpoint(self, src: str, kind: str, allow_pickle: bool, flat_keys: bool) -> None:
+    def from_checkpoint(
+        self,
+        src: str,
+        kind: str,
+        allow_pickle: bool,
+        flat_keys: bool,
+        limits: PickleLimits | None,
+        keep_values: bool,
+    ) -> None:
+        """Stream a checkpoint file's tensors; its non-tensor values as JSON if ``keep_values``
+        (else they are dropped)."""
+        reader: TorchSaveReader | SafetensorsReader
         if kind == "torch":
-            reader: TorchSaveReader | SafetensorsReader = TorchSaveReader(
-                src, allow_pickle=allow_pickle
+            reader = torch_reader = TorchSaveReader(src, allow_pickle=allow_pickle, limits=limits)
+            self.altered.update(
+                (k or "(top level)", _CONTAINER_CHANGES[v])
+                for k, v in torch_reader.containers.items()
             )
         else:
             reader = SafetensorsReader(src)
@@ -229,10 +348,12 @@ class _Stream:
                 file_range = (lambda r, k: lambda: r.file_range(k))(reader, key)
             _insert(self.level, path, self.leaf(shape, dtype, read, file_range), key)
         for key, value in ckpt.non_tensors.items():
-            ok, value = _json_value(value)
-            if not ok:
+            value, changes, problem = _json_value(value) if keep_values else (None, [], "")
+            if problem is not None:
                 self.dropped.append(key)
                 continue
+            if changes:
+                self.altered[key] = _describe(changes)
             path = (key,) if flat_keys else _split(ckpt.key_path(key))
             _insert(self.level, path, NonTensor(value), key)
 
@@ -305,6 +426,7 @@ def convert(
     flat_keys: bool = False,
     fsync: bool = False,
     progress: bool | None = None,
+    limits: PickleLimits | None = None,
 ) -> ConvertResult:
     """Convert ``src`` into ``dst``, streaming one tensor at a time (see the module docstring).
 
@@ -319,9 +441,12 @@ def convert(
         fsync: make the destination durable (survives power loss) before it appears.
         progress: a progress bar on standard error: ``None`` on a terminal only, ``True``,
             ``False``.
+        limits: bounds on a ``torch.save`` file's pickle (default: those of
+            :func:`~memtree.interop.pickle_limits` in force).
 
     Returns:
-        A :class:`ConvertResult` (counts and the keys of dropped non-tensor values).
+        A :class:`ConvertResult`: counts, the keys of dropped non-tensor values, and the keys
+        of values written in another form (:attr:`ConvertResult.altered`).
 
     Raises:
         MemtreeError: an unreadable source, an existing destination without ``overwrite``, a
@@ -350,10 +475,13 @@ def convert(
     stream = _Stream(cast)
     try:
         if kind in ("torch", "safetensors"):
-            stream.from_checkpoint(src_path, kind, allow_pickle, flat_keys)
+            stream.from_checkpoint(
+                src_path, kind, allow_pickle, flat_keys, limits, keep_values=not to_safetensors
+            )
         else:
             stream.from_directory(src_path, kind, allow_pickle)
         result.dropped = list(stream.dropped)
+        result.altered = dict(stream.altered)
         name = os.path.basename(src_path.rstrip("/"))
         with Progress(
             total=stream.nbytes, desc=f"converting {name}", unit="B", progress=progress

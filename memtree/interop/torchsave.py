@@ -18,7 +18,11 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
    raises :class:`~memtree.errors.UnsafePickleError` *before* it could be called, so a hostile
    ``__reduce__`` runs nothing. The rebuild functions are replaced by ones that return a
    :class:`TensorRef` (storage key, dtype, offset, size, stride), and ``persistent_load``
-   returns a :class:`StorageRef` checked against the zip directory, so unpickling reads no data;
+   returns a :class:`StorageRef` checked against the zip directory, so unpickling reads no data.
+   How much the pickle may build is bounded too (:mod:`memtree.interop.pickle_guard`): its
+   size (a compressed ``data.pkl`` is inflated under that bound), every operation is checked
+   and counted before it runs, and the object is flattened in linear time, refusing cycles and
+   deep nesting, so a hostile file can neither exhaust memory nor hang the reader;
 3. reads one tensor on demand from its storage record: the record's data starts after its
    local file header (30 bytes + name + extra field), and only the bytes the tensor spans are
    read (``pread`` into a new tensor: peak memory is that tensor) or mapped (zero copy, like
@@ -56,7 +60,6 @@ import re
 import struct
 import zipfile
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable
@@ -74,6 +77,16 @@ from ..errors import (
 )
 from ..store.files import FileRange, file_checksum, storage_error
 from .checkpoint_file import CheckpointFile, Closing
+from .pickle_guard import (
+    Budget,
+    PickleLimits,
+    PickleScanner,
+    SafeCall,
+    current_limits,
+    flatten_pickled,
+    limit_error,
+    short,
+)
 
 __all__ = [
     "StorageRef",
@@ -84,9 +97,8 @@ __all__ = [
     "legacy_message",
 ]
 
-#: ``data.pkl`` larger than this is refused (state dicts pickle to kilobytes or megabytes).
-MAX_PICKLE_BYTES = 1 << 30
 _MAX_NDIM = 64
+_READ_CHUNK = 1 << 20  # data.pkl is read (and inflated) and scanned this much at a time
 _ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # signature ... name length, extra length
 _RECORD_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")
@@ -125,7 +137,7 @@ def is_torch_zip(head: bytes) -> bool:
 
 
 # -- what the unpickler builds instead of tensors ------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _StorageType:
     """Stands in for a ``torch.*Storage`` class named in a pickle (never the class itself)."""
 
@@ -133,14 +145,14 @@ class _StorageType:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _TensorType:
     """Stands in for ``torch.Tensor`` / ``torch.nn.Parameter`` named in a pickle."""
 
     name: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage record of the zip: ``<archive>/data/<key>``, ``numel`` items of ``dtype``."""
 
@@ -156,7 +168,7 @@ class StorageRef:
         return self.numel * itemsize(self.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A tensor of the checkpoint: a strided view of one storage, not read yet."""
 
@@ -173,11 +185,12 @@ class TensorRef:
 
     def span(self) -> tuple[int, int]:
         """``(first element, element count)`` of the storage that the tensor touches."""
-        if prod(self.size) == 0:
+        if 0 in self.size:
             return self.offset, 0
-        return self.offset, 1 + sum(
-            (n - 1) * s for n, s in zip(self.size, self.stride, strict=True)
-        )
+        count = 1
+        for n, s in zip(self.size, self.stride):  # same length: checked when it was built
+            count += (n - 1) * s
+        return self.offset, count
 
     def is_contiguous(self) -> bool:
         """True if the tensor's elements lie in order, one after another (as ``torch``'s)."""
@@ -203,15 +216,20 @@ def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = 
     if dtype is None:
         dtype = storage.dtype
     elif not isinstance(dtype, torch.dtype) or dtype_from_name(str(dtype)[6:]) is not dtype:
-        raise CheckpointFormatError(f"a tensor names the unsupported dtype {dtype!r:.60}")
-    size, stride = tuple(size), tuple(stride)
-    if not (_int(offset) and len(size) == len(stride) <= _MAX_NDIM):
+        raise CheckpointFormatError(f"a tensor names the unsupported dtype {short(dtype)}")
+    if not (
+        _int(offset)
+        and isinstance(size, (tuple, list))
+        and isinstance(stride, (tuple, list))
+        and len(size) == len(stride) <= _MAX_NDIM
+    ):
         raise CheckpointFormatError(
-            f"a tensor has a malformed layout: offset {offset!r:.40}, size {size!r:.80}"
+            f"a tensor has a malformed layout: offset {short(offset)}, size {short(size)}"
         )
+    size, stride = tuple(size), tuple(stride)
     if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
         raise CheckpointFormatError(
-            f"a tensor has a malformed size {size!r:.80} or stride {stride!r:.80}"
+            f"a tensor has a malformed size {short(size)} or stride {short(stride)}"
         )
     ref = TensorRef(storage, dtype, offset, size, stride)
     first, count = ref.span()
@@ -261,15 +279,6 @@ def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = N
 _REBUILDERS = (_rebuild_v1, _rebuild_v2, _rebuild_v3)
 
 
-def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (and nothing else)."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-        raise CheckpointFormatError(
-            f"_codecs.encode called with {type(text).__name__}, {encoding!r:.20}"
-        )
-    return text.encode(encoding)
-
-
 def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
     if type(real) not in (int, float) or type(imag) not in (int, float):
         raise CheckpointFormatError("complex() called with non-numbers")
@@ -277,50 +286,59 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that builds only plain data and lazy tensor references.
+    """An unpickler that builds only plain data and lazy tensor references, within limits.
+
+    What it may build is an allowlist (:meth:`find_class`); each global it hands out is a
+    :class:`~memtree.interop.pickle_guard.SafeCall` that charges what it builds to ``budget``.
+    The caller scans the pickle first (:class:`~memtree.interop.pickle_guard.PickleScanner`)
+    and calls :meth:`release` after :meth:`load`.
 
     Args:
         file: the pickle stream.
         storages: persistent-id resolver: ``(key, dtype, numel) -> StorageRef``.
         where: the pickle's name, for messages.
         allow_pickle: let globals outside the allowlist through (trusted files only).
+        budget: what the calls may still build (default: the limits in force, nothing used).
     """
 
     def __init__(
         self,
-        file: io.BytesIO,
+        file: io.IOBase,
         storages: Callable[[str, torch.dtype, int], StorageRef],
         where: str,
         *,
         allow_pickle: bool = False,
+        budget: Budget | None = None,
     ) -> None:
         super().__init__(file)
         self._storages = storages
         self._where = where
         self._allow_pickle = allow_pickle
+        self._budget = budget if budget is not None else Budget(current_limits(), where)
         self._parameter = _TensorType("torch.nn.parameter.Parameter")
         self._tensor = _TensorType("torch.Tensor")
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "__builtin__":  # protocol-2 pickles name builtins by their Python 2 module
-            module = "builtins"
-        full = f"{module}.{name}"
-        safe: dict[str, Any] = {
-            "collections.OrderedDict": OrderedDict,
+        calls: dict[str, Callable[..., Any]] = {
+            "collections.OrderedDict": self._budget.ordered_dict,
             "torch._utils._rebuild_tensor": _rebuild_v1,
             "torch._utils._rebuild_tensor_v2": _rebuild_v2,
             "torch._utils._rebuild_tensor_v3": _rebuild_v3,
             "torch._utils._rebuild_parameter": _rebuild_parameter,
             "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
             "torch._tensor._rebuild_from_type_v2": self._rebuild_from_type_v2,
-            "torch.Size": torch.Size,
-            "torch.Tensor": self._tensor,
-            "torch.nn.parameter.Parameter": self._parameter,
-            "_codecs.encode": _codecs_encode,
+            "torch.Size": self._size,
+            "_codecs.encode": self._codecs_encode,
             "builtins.complex": _complex,
         }
-        if full in safe:
-            return safe[full]
+        self._safe: dict[str, Any] = {name: SafeCall(fn, name) for name, fn in calls.items()}
+        self._safe["torch.Tensor"] = self._tensor
+        self._safe["torch.nn.parameter.Parameter"] = self._parameter
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol-2 pickles name builtins by their Python 2 module
+            module = "builtins"
+        full = f"{module}.{name}"
+        if full in self._safe:
+            return self._safe[full]
         if module == "torch" and name in _STORAGE_DTYPE_NAMES:
             dtype = dtype_from_name(_STORAGE_DTYPE_NAMES[name])
             assert dtype is not None
@@ -338,14 +356,32 @@ class RestrictedUnpickler(pickle.Unpickler):
             "in a trusted environment and re-save only its state_dict"
         )
 
-    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
-        if func not in _REBUILDERS or type(args) is not tuple:
+    def release(self) -> None:
+        """Undo what the load set up on the objects it built (call it after :meth:`load`)."""
+        self._budget.release()
+
+    def _size(self, dims: Any = ()) -> torch.Size:
+        self._budget.sized(dims, "torch.Size()")
+        return torch.Size(dims)
+
+    def _codecs_encode(self, text: Any, encoding: Any = "utf-8") -> bytes:
+        """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (and nothing else)."""
+        if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
             raise CheckpointFormatError(
-                f"{self._where}: a tensor subclass is rebuilt with {func!r:.60}"
+                f"{self._where}: _codecs.encode called with {type(text).__name__}, "
+                f"{short(encoding)}"
+            )
+        self._budget.charge(1, len(text) * (1 if encoding.startswith("latin") else 4))
+        return text.encode(encoding)
+
+    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+        if not (isinstance(func, SafeCall) and func.fn in _REBUILDERS) or type(args) is not tuple:
+            raise CheckpointFormatError(
+                f"{self._where}: a tensor subclass is rebuilt with {short(func)}"
             )
         if new_type not in (self._tensor, self._parameter) and not self._allow_pickle:
             raise UnsafePickleError(
-                f"{self._where} holds a tensor of subclass {new_type!r:.80}; pass "
+                f"{self._where} holds a tensor of subclass {short(new_type)}; pass "
                 "allow_pickle=True "
                 "to read it as a plain tensor"
             )
@@ -354,14 +390,14 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(f"{self._where}: unknown persistent id {pid!r:.80}")
+            raise CheckpointFormatError(f"{self._where}: unknown persistent id {short(pid)}")
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise CheckpointFormatError(
-                f"{self._where}: storage type {storage_type!r:.60} is not supported"
+                f"{self._where}: storage type {short(storage_type)} is not supported"
             )
         if type(key) is not str or not _RECORD_KEY.fullmatch(key) or not _int(numel):
-            raise CheckpointFormatError(f"{self._where}: malformed storage id {pid!r:.80}")
+            raise CheckpointFormatError(f"{self._where}: malformed storage id {short(pid)}")
         return self._storages(key, storage_type.dtype, numel)
 
 
@@ -376,23 +412,32 @@ class TorchSaveReader(Closing):
     Args:
         path: the checkpoint (``.pt``, ``.pth``, ``.bin``, ...).
         allow_pickle: let the pickle build objects outside the safe allowlist (trusted files).
+        limits: bounds on the pickle (default: :func:`~memtree.interop.pickle_limits` in force).
 
     Raises:
         LegacyCheckpointError: a pre-zip checkpoint (the message says how to convert it).
         UnsafePickleError: the pickle names something other than tensors and plain data.
-        CheckpointFormatError: not a torch.save zip, truncated, or damaged.
+        CheckpointFormatError: not a torch.save zip, truncated, or damaged; or a pickle beyond
+            ``limits``, with a cycle, or nested deeper than they allow (the message says which
+            limit, and how to raise it).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_pickle: bool = False,
+        limits: PickleLimits | None = None,
+    ) -> None:
         self._file = CheckpointFile(path)
         self.path = self._file.path
         try:
-            self._open(allow_pickle)
+            self._open(allow_pickle, limits)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, allow_pickle: bool) -> None:
+    def _open(self, allow_pickle: bool, limits: PickleLimits | None) -> None:
         head = self._file.head(512)
         if not is_torch_zip(head):
             if head[:1] == b"\x80" or head[257:262] == b"ustar":  # a pickle, or torch's old tar
@@ -424,27 +469,24 @@ class TorchSaveReader(Closing):
         self._infos = infos
         self._prefix = pickles[0][: -len("data.pkl")]
         order = infos.get(self._prefix + "byteorder")
-        if order is not None and self._zip.read(order) != b"little":
+        if order is not None and self._read_entry(order, 16) != b"little":
             raise CheckpointFormatError(
                 f"{self.path} was saved on a big-endian machine; re-save it on a little-endian one"
             )
-        info = infos[pickles[0]]
-        if info.file_size > MAX_PICKLE_BYTES:
-            raise CheckpointFormatError(
-                f"{self.path}: data.pkl has {info.file_size:,} bytes, more than "
-                f"{MAX_PICKLE_BYTES:,}"
-            )
-        try:
-            data = self._zip.read(info)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
-            raise CheckpointFormatError(
-                f"{self.path}: cannot read data.pkl ({err}); the file is damaged"
-            ) from None
-        self._storages: dict[str, StorageRef] = {}
+        limits = current_limits() if limits is None else limits
         where = f"{self.path} (data.pkl)"
+        scan = PickleScanner(limits, where)
+        data = self._read_entry(infos[pickles[0]], limits.max_bytes, scan)
+        self._storages: dict[str, StorageRef] = {}
+        budget = Budget(limits, where, scan.objects, len(data))
         unpickler = RestrictedUnpickler(
-            io.BytesIO(data), self._storage, where, allow_pickle=allow_pickle
+            io.BufferedReader(_Buffer(data), _READ_CHUNK),
+            self._storage,
+            where,
+            allow_pickle=allow_pickle,
+            budget=budget,
         )
+        del data
         try:
             obj = unpickler.load()
         except MemtreeError:
@@ -453,10 +495,16 @@ class TorchSaveReader(Closing):
             raise CheckpointFormatError(
                 f"{where} is malformed: {type(err).__name__}: {err}"[:400]
             ) from None
+        finally:
+            unpickler.release()
         self._refs: dict[str, TensorRef] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
         self.non_tensors: dict[str, Any] = {}
         """Non-tensor values of the checkpoint by dotted key (``{"epoch": 3}``)."""
+        self.containers: dict[str, str] = {}
+        """How containers other than str-keyed dicts became dotted keys, by dotted path (``""``:
+        the top level): ``"list"`` or ``"tuple"`` (items by index) or ``"int keys"`` (a dict's
+        int keys became ``str``), e.g. ``{"optimizer.state": "int keys"}``."""
         if not isinstance(obj, dict):
             if isinstance(obj, TensorRef):
                 raise CheckpointFormatError(
@@ -466,7 +514,59 @@ class TorchSaveReader(Closing):
             raise CheckpointFormatError(
                 f"{self.path} holds a {type(obj).__name__}, not a dict of tensors (a state_dict)"
             )
-        self._flatten(obj, ())
+        flat = flatten_pickled(obj, TensorRef, limits, where, budget.objects)
+        for path, value, is_tensor in flat.entries:
+            self._add(path, value, self._refs if is_tensor else self.non_tensors)
+        self.containers.update((".".join(p), kind) for p, kind in flat.containers.items())
+
+    def _read_entry(
+        self, info: zipfile.ZipInfo, max_bytes: int, scan: PickleScanner | None = None
+    ) -> bytearray:
+        """A zip entry's bytes, read (and inflated) at most ``max_bytes``; fed to ``scan``.
+
+        The sizes the zip declares are checked, but the bound holds whatever they say: reading
+        stops past ``max_bytes`` inflated bytes, and ``scan`` refuses a hostile pickle as soon
+        as the part read so far is beyond its limits.
+        """
+        what = f"{self.path}: {info.filename}"
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CheckpointFormatError(
+                f"{what} uses compression method {info.compress_type}; torch.save stores its "
+                "entries uncompressed (memtree also reads deflated ones)"
+            )
+        if info.file_size > max_bytes:
+            raise self._too_big(what, f"declares {info.file_size:,} bytes", max_bytes, scan)
+        buf = bytearray()
+        try:
+            with self._zip.open(info) as f:
+                while chunk := f.read(_READ_CHUNK):
+                    buf += chunk
+                    if len(buf) > max_bytes:
+                        raise self._too_big(what, f"inflates to more than {max_bytes:,} bytes", max_bytes, scan)
+                    if scan is not None:
+                        scan.feed(buf)
+        except MemtreeError:
+            raise
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
+            raise CheckpointFormatError(
+                f"{what} cannot be read ({err}); the file is damaged"
+            ) from None
+        if len(buf) != info.file_size:
+            raise CheckpointFormatError(
+                f"{what} holds {len(buf):,} bytes but declares {info.file_size:,}; the file is "
+                "damaged"
+            )
+        if scan is not None:
+            scan.feed(buf, final=True)
+        return buf
+
+    @staticmethod
+    def _too_big(
+        what: str, how: str, max_bytes: int, scan: PickleScanner | None
+    ) -> CheckpointFormatError:
+        if scan is None:
+            return CheckpointFormatError(f"{what} {how} (at most {max_bytes:,} expected)")
+        return limit_error(what, how, "max_bytes", max_bytes)
 
     def _storage(self, key: str, dtype: torch.dtype, numel: int) -> StorageRef:
         known = self._storages.get(key)
@@ -501,25 +601,6 @@ class TorchSaveReader(Closing):
         ref = StorageRef(key, dtype, numel, data_offset, info.CRC)
         self._storages[key] = ref
         return ref
-
-    def _flatten(self, obj: Any, path: tuple[str, ...]) -> None:
-        if isinstance(obj, TensorRef):
-            self._add(path, obj, self._refs)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                if type(k) is int:
-                    k = str(k)
-                if not isinstance(k, str) or not k:
-                    raise CheckpointFormatError(
-                        f"{self.path}: the dict at {'.'.join(path) or 'the top level'} has the key "
-                        f"{k!r:.60}; memtree needs non-empty str (or int) keys"
-                    )
-                self._flatten(v, path + (k,))
-        elif isinstance(obj, (list, tuple)) and path and _holds_tensor(obj):
-            for i, v in enumerate(obj):
-                self._flatten(v, path + (str(i),))
-        elif path:
-            self._add(path, obj, self.non_tensors)
 
     def _add(self, path: tuple[str, ...], value: Any, into: dict[str, Any]) -> None:
         key = ".".join(path)
@@ -630,19 +711,25 @@ class TorchSaveReader(Closing):
         self._file.close()
 
 
+class _Buffer(io.RawIOBase):
+    """A bytearray read as a file, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), len(self._data) - self._pos)
+        view[:n] = memoryview(self._data)[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
 #: The buffer through which a record copied file to file is read for its CRC-32: the only
 #: memory a conversion's copy holds (at ~2.7 GB/s of CRC-32, 64 KiB reads cost little more).
 _CRC_BUFFER = 64 * 1024
-
-
-def _holds_tensor(obj: Any) -> bool:
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, TensorRef):
-            return True
-        if isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return False
