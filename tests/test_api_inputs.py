@@ -193,7 +193,9 @@ def test_repr_of_a_memory_mapped_leaf_names_its_device(saved: Path) -> None:
 #: programming error inside the package), as (file relative to memtree/, exception name).
 _INTERNAL = {
     ("store/files.py", "OSError"),  # EIO of short reads/writes: converted by storage_error()
-    ("store/files.py", "ValueError"),  # create_leaf's and the journal's preconditions
+    ("store/files.py", "ValueError"),  # create_leaf's preconditions
+    ("store/commit.py", "OSError"),  # renameat2's errno: converted by the callers' storage_error()
+    ("store/commit.py", "ValueError"),  # the journal's size: a programming error
     ("store/recovery.py", "FileExistsError"),  # caught by recover(), reported as a problem
     ("store/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them

@@ -50,7 +50,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, InvalidArgumentError
 
 __all__ = [
     "PickleLimits",
@@ -107,7 +107,7 @@ class PickleLimits:
         for name in ("max_bytes", "max_objects", "max_depth"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"PickleLimits.{name} must be a positive int, got {value!r}")
+                raise InvalidArgumentError(f"PickleLimits.{name} must be a positive int, got {value!r}")
 
 
 _LIMITS: ContextVar[PickleLimits] = ContextVar("memtree_pickle_limits", default=PickleLimits())
