@@ -296,7 +296,7 @@ def test_existing_destination_needs_overwrite(state, tmp_path: Path, capsys) -> 
     assert main(["convert", str(pt), str(dst)]) == 0
     capsys.readouterr()
     assert main(["convert", str(pt), str(dst), "--dtype", "float16"]) == 1
-    assert "--overwrite" in capsys.readouterr().err
+    assert "--existsok" in capsys.readouterr().err
     assert memtree.load_memmap(dst)["head", "scalar"].dtype == torch.float32
     assert main(["convert", str(pt), str(dst), "--dtype", "float16", "--overwrite"]) == 0
     assert memtree.load_memmap(dst)["head", "scalar"].dtype == torch.float16

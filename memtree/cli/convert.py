@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cast floating-point tensors to this dtype while streaming (e.g. bfloat16)",
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace DST if it exists (atomically)"
+        "--existsok", "--overwrite", dest="existsok", action="store_true",
+        help="replace DST if it exists (atomically); --overwrite is the same flag's older name",
     )
     parser.add_argument(
         "--allow-pickle",
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         args.src,
         args.dst,
         dtype=args.dtype,
-        overwrite=args.overwrite,
+        existsok=args.existsok,
         allow_pickle=args.allow_pickle,
         flat_keys=args.flat_keys,
         fsync=args.fsync,

@@ -421,7 +421,7 @@ def convert(
     dst: str | os.PathLike[str],
     *,
     dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
+    existsok: bool = False,
     allow_pickle: bool = False,
     flat_keys: bool = False,
     fsync: bool = False,
@@ -434,7 +434,7 @@ def convert(
         src: a ``torch.save`` file, a ``.safetensors`` file, a tensordict or a memtree directory.
         dst: a memtree directory, or a file whose name ends in ``.safetensors``.
         dtype: cast floating-point tensors to this dtype while streaming (e.g. ``"bfloat16"``).
-        overwrite: replace an existing destination (atomically) instead of refusing.
+        existsok: replace an existing destination (atomically) instead of refusing.
         allow_pickle: trusted ``torch.save`` files (and pickled memtree leaves) only: allow
             pickled objects beyond tensors and plain data.
         flat_keys: keep a checkpoint's dotted keys flat instead of nesting them.
@@ -449,7 +449,7 @@ def convert(
         of values written in another form (:attr:`ConvertResult.altered`).
 
     Raises:
-        MemtreeError: an unreadable source, an existing destination without ``overwrite``, a
+        MemtreeError: an unreadable source, an existing destination without ``existsok``, a
             dtype the destination cannot hold, ...; a partial destination never appears.
 
     Example:
@@ -464,12 +464,12 @@ def convert(
     kind = source_kind(src_path)
     to_safetensors = dst_path.endswith(".safetensors")
     if (
-        not overwrite
+        not existsok
         and os.path.lexists(dst_path)
         and not (os.path.isdir(dst_path) and not os.listdir(dst_path))
     ):
         raise DestinationExistsError(
-            f"{dst_path} already exists; pass overwrite=True (CLI: --overwrite) to replace it"
+            f"{dst_path} already exists; pass existsok=True (CLI: --existsok) to replace it"
         )
     result = ConvertResult(kind, "safetensors" if to_safetensors else "memtree")
     stream = _Stream(cast)
@@ -495,14 +495,14 @@ def convert(
                     [(k, leaf.shape, leaf.dtype) for k, leaf in leaves.items()],
                     lambda k: leaves[k].materialize(),
                     metadata=stream.metadata,
-                    existsok=overwrite,
+                    existsok=existsok,
                     fsync=fsync,
                 )
             else:
                 write_tree(
                     dst_path,
                     stream.level,
-                    existsok=overwrite,
+                    existsok=existsok,
                     fsync=fsync,
                     allow_pickle=allow_pickle,
                 )
