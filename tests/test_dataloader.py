@@ -172,3 +172,75 @@ def test_grown_buffer_records_travel_between_processes(tmp_path):
         got = memtree.stack(records)
         assert got["act"].tolist() == list(range(21))
         assert torch.equal(got["obs"][:, 3], torch.arange(21.0))
+
+
+# ------------------------------------------------------------------------ default collate_fn
+
+
+class RecordsDataset(torch.utils.data.Dataset):
+    """A user dataset (no ``__getitems__``) whose items are trees among other values."""
+
+    def __init__(self, data, wrap: bool = False):
+        self.data, self.wrap = data, wrap
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        rec = self.data[i]
+        return {"rec": rec, "index": i, "plain": memtree.TensorTree(rec.to_dict())} if self.wrap else rec
+
+
+def test_default_collate_stacks_tree_items(dataset):
+    data, src = dataset
+    batches = list(DataLoader(RecordsDataset(data), batch_size=5))  # no collate_fn
+    assert [len(b) for b in batches] == [5] * 9 + [3]
+    assert_items_equal(memtree.cat(batches), src, torch.arange(N))
+    assert torch.utils.data.default_collate([data[2], data[0]]).label.tolist() == src.label[[2, 0]].tolist()
+
+
+def test_default_collate_trees_nested_in_items(dataset):
+    data, src = dataset
+    batch = next(iter(DataLoader(RecordsDataset(data, wrap=True), batch_size=4, shuffle=False)))
+    assert batch["index"].tolist() == [0, 1, 2, 3]
+    assert_items_equal(batch["rec"], src, torch.arange(4))
+    plain = batch["plain"]
+    assert type(plain) is memtree.TensorTree and plain.batch_size == torch.Size([4])
+    assert torch.equal(plain["pixels"], src.pixels[:4]) and plain["split"] == "train"
+
+
+def test_default_collate_with_getitems_of_the_tree(dataset):
+    """The tree itself as dataset: ``__getitems__`` gives a batch tree, passed through as is."""
+    data, src = dataset
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(data, batch_size=7, sampler=order.tolist())
+    batches = list(loader)
+    assert all(type(b) is Image for b in batches)
+    assert_items_equal(memtree.cat(batches), src, order)
+
+
+def test_default_collate_two_fork_workers(dataset):
+    data, src = dataset
+    for source in (data, RecordsDataset(data)):
+        loader = DataLoader(source, batch_size=5, num_workers=2, multiprocessing_context="fork")
+        batches = list(loader)
+        assert all(type(b) is Image for b in batches) and [len(b) for b in batches] == [5] * 9 + [3]
+        assert_items_equal(memtree.cat(batches), src, torch.arange(N))
+
+
+def test_default_collate_batch_size_none_keeps_records(dataset):
+    data, src = dataset
+    records = list(DataLoader(RecordsDataset(data), batch_size=None))
+    assert len(records) == N and all(type(r) is Image and r.batch_size == torch.Size([]) for r in records)
+    assert_items_equal(memtree.stack(records), src, torch.arange(N))
+
+
+def test_default_collate_plain_tree_records(tmp_path):
+    tree = memtree.TensorTree({"x": torch.arange(12.0).reshape(6, 2), "n": {"y": torch.arange(6)}},
+                              batch_size=[6]).memmap(tmp_path / "t")
+    batch = next(iter(DataLoader(RecordsDataset(tree), batch_size=4)))
+    assert type(batch) is memtree.TensorTree and batch.batch_size == torch.Size([4])
+    assert batch["x"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert batch["n", "y"].tolist() == [0, 1, 2, 3]
+    explicit = next(iter(DataLoader(RecordsDataset(tree), batch_size=4, collate_fn=memtree.collate)))
+    assert (explicit == batch).all()

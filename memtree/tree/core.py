@@ -37,6 +37,7 @@ from ..format.values import NonTensor
 from ..store.read import PendingLevel, loading_lock
 from . import bind
 from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
+from .numpy_view import numpy_value
 from .registry import class_for
 
 __all__ = ["TreeCore", "Key"]
@@ -491,6 +492,8 @@ class TreeCore:
 
     def _assign(self, idx: Any, value: Any) -> None:
         if type(idx) is not int:  # an int holds no Ellipsis
+            if isinstance(idx, np.ndarray):  # index arrays and masks: the rows' pwrite path
+                idx = torch.tensor(idx)  # a copy: index arrays are small, and may be read-only
             idx = expand_ellipsis(idx, self.ndim)
         data = self._data  # a property (lazy levels): read it once
         if isinstance(value, (TreeCore, Mapping)):
@@ -502,13 +505,15 @@ class TreeCore:
                 if isinstance(mine, TreeCore):
                     mine._assign(idx, v)
                 elif isinstance(mine, torch.Tensor):
+                    if isinstance(v, (np.ndarray, np.generic)):
+                        v = numpy_value(v, mine, k)
                     mine[idx] = v.data if isinstance(v, NonTensor) else v
         else:
-            for v in data.values():
+            for k, v in data.items():
                 if isinstance(v, TreeCore):
                     v._assign(idx, value)
                 elif isinstance(v, torch.Tensor):
-                    v[idx] = value
+                    v[idx] = numpy_value(value, v, k) if isinstance(value, (np.ndarray, np.generic)) else value
 
     # --------------------------------------------------------------------------- equality
     def _compare(self, other: Any, op: Callable[[Any, Any], torch.Tensor]) -> Self:

@@ -5,12 +5,14 @@ already a map-style dataset: ``len(tree)`` items, and ``tree[i]`` is one record 
 size ``batch_size[1:]`` whose leaves are views of the files: nothing is read until used). Give a
 ``DataLoader`` two more things:
 
-* ``collate_fn=memtree.collate``: stacks records into a batch tree (the default collation
-  does not know trees);
+* nothing for collation: importing memtree registers trees with torch's default collation
+  (``default_collate_fn_map``), so the default ``collate_fn`` stacks records into a batch tree,
+  also for datasets whose items hold trees among other values (``memtree.collate`` does the
+  same and still works as an explicit ``collate_fn``);
 * for speed, whole batches: ``sampler=BatchIndexSampler(tree, batch_size)`` with
   ``batch_size=None`` makes the loader fetch each batch as ``tree[idx]``, *one* gather per leaf
   instead of one small read per item and leaf (:func:`batch_loader` sets this up). With
-  ``batch_size=k`` and ``collate_fn=memtree.collate``, the loader uses ``tree.__getitems__``,
+  ``batch_size=k``, the loader uses ``tree.__getitems__``,
   which also reads a batch with one gather per leaf.
 
 With ``num_workers > 0``, the tree travels to each worker (fork or spawn) as references to its
@@ -24,9 +26,10 @@ Example:
     >>> data = data.memmap(tempfile.mkdtemp() + "/data")
     >>> [b["y"].tolist() for b in batch_loader(data, 4)]
     [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    >>> loader = torch.utils.data.DataLoader(data, batch_size=5, collate_fn=memtree.collate)
-    >>> next(iter(loader))["x"].tolist()
-    [0.0, 1.0, 2.0, 3.0, 4.0]
+    >>> loader = torch.utils.data.DataLoader(data, batch_size=5)     # the default collate_fn
+    >>> batch = next(iter(loader))
+    >>> type(batch).__name__, batch["x"].tolist()
+    ('TensorTree', [0.0, 1.0, 2.0, 3.0, 4.0])
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from ..errors import InvalidArgumentError
 from .ops import stack
@@ -48,7 +52,8 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     """Stack records (trees of equal batch size) into one batch tree along a new first dim.
 
     A batch that is already one tree (from ``tree[idx]`` or ``tree.__getitems__``) is returned
-    as it is. Pass it as a DataLoader's ``collate_fn``.
+    as it is. The DataLoader's default ``collate_fn`` calls it for trees (memtree registers it
+    in ``default_collate_fn_map``); pass it as ``collate_fn`` to use it explicitly.
 
     Example:
         >>> rec = TensorTree({"x": torch.zeros(3)})
@@ -58,6 +63,16 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     if isinstance(batch, TensorTree):
         return batch
     return stack(list(batch))
+
+
+def _collate_trees(batch: Sequence[TensorTree] | TensorTree, *, collate_fn_map: Any = None) -> TensorTree:
+    """:func:`collate` in the form ``torch.utils.data.default_collate`` calls for a registered type."""
+    return collate(batch)
+
+
+# torch's documented extension point of default_collate (torch.utils.data._utils.collate.collate):
+# the default collate_fn looks an item's type up here, subclasses (tensorclasses) included.
+default_collate_fn_map[TensorTree] = _collate_trees
 
 
 class BatchIndexSampler(Sampler[torch.Tensor]):

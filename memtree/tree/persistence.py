@@ -293,6 +293,9 @@ class Persistence(ShapeOps):
             >>> _ = memtree.TensorTree.from_module(a).to_module(b, assign=True)
             >>> b.weight.data_ptr() == a.weight.data_ptr()            # bound: shared memory
             True
+            >>> compiled = torch.compile(b, backend="eager")          # bound weights compile
+            >>> torch.equal(compiled(torch.ones(1, 2)), a(torch.ones(1, 2)))
+            True
         """
         leaves = self.items(include_nested=True, leaves_only=True)
         src = bind.source_from_leaves(((k,) if isinstance(k, str) else k, v) for k, v in leaves)

@@ -24,6 +24,7 @@ from ..errors import InvalidIndexError
 from ..format.values import NonTensor
 from .args import as_size
 from .core import TreeCore
+from .numpy_view import tree_numpy
 
 __all__ = ["ShapeOps"]
 
@@ -149,6 +150,25 @@ class ShapeOps(TreeCore):
                 v._copy_non_tensors()
             elif isinstance(v, NonTensor):
                 self._data[k] = NonTensor(copy.deepcopy(v.data))
+
+    def numpy(self) -> dict[str, Any]:
+        """A nested ``dict`` of numpy arrays: views of CPU and memory-mapped leaves (no copy).
+
+        Arrays of a tree loaded with ``mode="r"`` are read-only; leaves on another device are
+        copied to the host; non-tensor leaves are their values. ``bfloat16``, ``float8_*`` and
+        ``complex32`` leaves raise :class:`~memtree.errors.DtypeError` (numpy has no such
+        dtype): convert them first. See :mod:`memtree.tree.numpy_view`.
+
+        Example:
+            >>> import torch, memtree
+            >>> t = memtree.TensorTree({"a": torch.arange(3), "b": {"c": torch.ones(3)}, "n": "x"},
+            ...                        batch_size=[3])
+            >>> d = t.numpy()
+            >>> d["a"][0] = 7                   # shares the leaf's memory
+            >>> t["a"].tolist(), d["b"]["c"].dtype, d["n"]
+            ([7, 1, 2], dtype('float32'), 'x')
+        """
+        return tree_numpy(self._data)
 
     def contiguous(self) -> Self:
         """A new tree whose leaves are contiguous (expanded leaves are materialised)."""
