@@ -50,6 +50,7 @@ from typing import Any
 
 from ..errors import LockError, MemtreeError
 from ..format.schema import ChildMeta, LeafMeta
+from .cache import remove_stale_downloads
 from .files import WriterLock, rename_noreplace
 from .read import open_dir, read_meta
 from ..format.names import META_TMP, SIBLING, lock_path
@@ -280,4 +281,5 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     if _is_real_dir(real):
         for child, left in sorted(_scan(real).items()):
             actions += _recover_name(real, child, left)
+        actions += remove_stale_downloads(real)  # a remote cache directory (memtree.store.cache)
     return actions
