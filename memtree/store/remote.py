@@ -123,8 +123,10 @@ def load(
             leaves are fetched.
         device: ``"meta"``: structure only (no leaf fetched); another device: leaves are moved
             there after the download.
-        mode, mmap: as for a local tree; they apply to the mapped leaves of a ``cache_dir``
-            entry. Without ``cache_dir`` leaves are ordinary (writable) tensors in memory.
+        mode: as for a local tree (``"r"``: read-only mapping); it applies to the mapped
+            leaves of a ``cache_dir`` entry. Without ``cache_dir`` leaves are ordinary
+            (writable) tensors in memory.
+        mmap: as for a local tree; it applies to the leaves of a ``cache_dir`` entry.
         allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True`` (trusted only).
         verify: also re-hash the leaves of a cache entry that is reused (downloaded leaves are
             always checked against the checksums ``meta.json`` records).
@@ -142,11 +144,18 @@ def load(
         fsync: fsync the cache entry before its commit.
 
     Raises:
-        NotAMemtreeError, NotCommittedError: no tree, or objects but no root ``meta.json`` (an
-            upload that never finished).
-        RemoteRangeError, RemoteChangedError, RemoteError, IntegrityError, LeafSizeError,
-        MissingLeafError, MetaFormatError, LimitError, UnsafePathError: see the module
-            docstring; nothing is returned.
+        NotAMemtreeError: no tree at ``url``.
+        NotCommittedError: objects but no root ``meta.json`` (an upload that never finished).
+        LeafSizeError: a leaf object's size is not the one its ``meta.json`` entry promises
+            (checked before anything is allocated for it).
+        RemoteRangeError: an answer with other bytes than asked (``Range`` ignored, 416,
+            short bodies on every attempt).
+        RemoteChangedError: the tree changed while it was read.
+        RemoteError: a request failed on every attempt, passed ``timeout``, or was
+            redirected where ``allow_redirects`` does not go.
+        IntegrityError: a leaf's bytes do not match the checksum its ``meta.json`` records.
+        MetaFormatError: a ``meta.json`` is malformed or over the size limit (``LimitError``).
+        MissingLeafError: a ``meta.json`` or leaf named by the tree is missing.
 
     Example:
         >>> import torch, memtree
