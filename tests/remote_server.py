@@ -9,6 +9,7 @@ path -> bytes) with ``Range``, ``ETag`` and ``If-Match``, and counts what it sen
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import posixpath
@@ -51,8 +52,10 @@ class FaultyServer(ThreadingHTTPServer):
         self.drip: tuple[str, float] | None = None  # (path suffix, seconds per byte) of GET bodies
         self.streams: dict[str, int] = {}  # path -> size of a generated body, sent close-delimited
         self.head_sizes: dict[str, int] = {}  # path -> Content-Length a HEAD claims (a lie)
-        self.gzipped: dict[str, bytes] = {}  # path -> a body sent with Content-Encoding: gzip
+        self.encoded: dict[str, tuple[str, bytes]] = {}  # path -> (Content-Encoding, body)
+        self.no_head = False  # answer every HEAD with 405
         self.content_range_shift = 0  # add this to the start in every Content-Range answered
+        self.compress_ranges = False  # answer ranges gzipped (Content-Encoding: gzip), HEAD plain
         self.leaf_gets = 0
         self.served: Counter[str] = Counter()  # body bytes sent per path
         self.gets: Counter[str] = Counter()
@@ -139,9 +142,12 @@ class Handler(BaseHTTPRequestHandler):
         if path in srv.streams:
             self._stream(path, srv.streams[path], body)
             return
-        if path in srv.gzipped:
-            data = srv.gzipped[path]
-            self._send(200, {"Content-Length": str(len(data)), "Content-Encoding": "gzip"}, data if body else b"")
+        if not body and srv.no_head:
+            self._send(405, {"Content-Length": "0", "Allow": "GET"})
+            return
+        if path in srv.encoded:
+            encoding, data = srv.encoded[path]
+            self._send(200, {"Content-Length": str(len(data)), "Content-Encoding": encoding}, data if body else b"")
             if body:
                 self._count(path, len(data))
             return
@@ -173,6 +179,9 @@ class Handler(BaseHTTPRequestHandler):
                 headers["Content-Length"] = str(srv.head_sizes[path])
             self._send(status, headers)
             return
+        if status == 206 and srv.compress_ranges:
+            part = gzip.compress(part)
+            headers.update({"Content-Length": str(len(part)), "Content-Encoding": "gzip"})
         if leaf and rng and self._take("short_first"):
             part = part[: len(part) // 2]
             headers["Content-Length"] = str(len(part))

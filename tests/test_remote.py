@@ -386,3 +386,20 @@ def test_s3_second_writer_cannot_clobber_a_commit(s3_options):
     with pytest.raises(memtree.DestinationExistsError, match="another writer"):
         commit_root(FsspecStorage(url, storage_options=s3_options, retries=0), b"{}")
     assert memtree.load_memmap(url, storage_options=s3_options)["a"].tolist() == [1.0]
+
+
+def test_concurrent_requests_beat_serial_ones_on_a_latency_bound_server(server, tmp_path):
+    """RELIABILITY §8c.4: with 20 ms per request, 8 requests at a time are >= 3x faster than 1."""
+    server.reset()
+    server.files.clear()
+    tree = TensorTree({f"x{i}": torch.full((16384,), float(i)) for i in range(32)})  # 32 x 64 KiB
+    tree.memmap(str(tmp_path / "src"))
+    server.publish(str(tmp_path / "src"), "c")
+    server.latency = 0.02
+    took = {}
+    for threads in (1, 8):
+        t0 = time.perf_counter()
+        loaded = memtree.load_memmap(f"{server.url}/c", num_threads=threads)
+        took[threads] = time.perf_counter() - t0
+        assert_bit_exact(loaded, tree)
+    assert took[1] >= 3 * took[8], took

@@ -198,7 +198,7 @@ def test_a_meta_json_that_says_it_is_too_large_is_not_read(fresh, tmp_path):
 
 def test_a_gzip_meta_json_is_inflated_only_up_to_the_limit(fresh, tmp_path):
     publish_tree(fresh, tmp_path, small_tree())
-    fresh.gzipped["/t/sub/meta.json"] = gzip.compress(b"{" + b" " * (256 * 1024 * 1024), 1)
+    fresh.encoded["/t/sub/meta.json"] = ("gzip", gzip.compress(b"{" + b" " * (256 * 1024 * 1024), 1))
     tracemalloc.start()
     try:
         with pytest.raises(memtree.LimitError):
@@ -211,8 +211,25 @@ def test_a_gzip_meta_json_is_inflated_only_up_to_the_limit(fresh, tmp_path):
 
 def test_a_gzip_meta_json_within_the_limit_loads(fresh, tmp_path):
     url = publish_tree(fresh, tmp_path, small_tree())
-    fresh.gzipped["/t/sub/meta.json"] = gzip.compress(fresh.files.pop("/t/sub/meta.json"))
+    fresh.encoded["/t/sub/meta.json"] = ("gzip", gzip.compress(fresh.files.pop("/t/sub/meta.json")))
     assert torch.equal(memtree.load_memmap(url)["sub", "b"], small_tree()["sub", "b"])
+
+
+@pytest.mark.parametrize("encoding, body", [("br", b"\x0b\x01\x80{}\x03"), ("gzip", b"not gzip at all")])
+def test_a_meta_json_in_an_unknown_or_broken_encoding_is_refused(fresh, tmp_path, encoding, body):
+    publish_tree(fresh, tmp_path, small_tree())
+    fresh.encoded["/t/sub/meta.json"] = (encoding, body)
+    with pytest.raises(memtree.RemoteError, match=encoding):
+        memtree.load_memmap(f"{fresh.url}/t")
+
+
+def test_a_server_without_head_and_one_ignoring_range_for_whole_files(fresh, tmp_path):
+    url = publish_tree(fresh, tmp_path, small_tree())
+    fresh.no_head = True  # sizes come from a GET of byte 0 (Content-Range)
+    assert torch.equal(memtree.load_memmap(url)["w"], small_tree()["w"])
+    fresh.no_head = False
+    fresh.ignore_range = True  # fine when each leaf is asked whole, in one range
+    assert torch.equal(memtree.load_memmap(url, chunk_bytes=1 << 20)["w"], small_tree()["w"])
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -228,15 +245,16 @@ def test_a_leaf_larger_than_its_object_is_refused_before_allocating(fresh, tmp_p
 
 
 @pytest.mark.parametrize(
-    "lie, error",
+    "lie, error, match",
     [
-        ("shifted Content-Range", memtree.RemoteRangeError),
-        ("Range ignored", memtree.RemoteRangeError),
-        ("object changed size", memtree.RemoteChangedError),
-        ("compressed range", memtree.RemoteError),
+        ("shifted Content-Range", memtree.RemoteRangeError, "Content-Range"),
+        ("Range ignored", memtree.RemoteRangeError, "ignores Range"),
+        ("object changed size", memtree.RemoteChangedError, "changed meanwhile"),
+        ("compressed object", memtree.RemoteError, "compresses"),
+        ("compressed range", memtree.RemoteRangeError, "compressed its answer"),
     ],
 )
-def test_range_answers_that_lie_are_refused(fresh, tmp_path, lie, error):
+def test_range_answers_that_lie_are_refused(fresh, tmp_path, lie, error, match):
     url = publish_tree(fresh, tmp_path, small_tree())
     if lie == "shifted Content-Range":
         fresh.content_range_shift = 8
@@ -246,9 +264,11 @@ def test_range_answers_that_lie_are_refused(fresh, tmp_path, lie, error):
         full = fresh.files["/t/w.memmap"]
         fresh.files["/t/w.memmap"] = full + b"more"
         fresh.head_sizes["/t/w.memmap"] = len(full)
+    elif lie == "compressed object":
+        fresh.encoded["/t/w.memmap"] = ("gzip", gzip.compress(fresh.files.pop("/t/w.memmap")))
     else:
-        fresh.gzipped["/t/w.memmap"] = gzip.compress(fresh.files.pop("/t/w.memmap"))
-    with pytest.raises(error):
+        fresh.compress_ranges = True
+    with pytest.raises(error, match=match):
         memtree.load_memmap(url, keys=["w"], chunk_bytes=512)
 
 
@@ -325,6 +345,21 @@ def test_fault_point_kill_leaves_no_entry_and_is_cleaned(fresh, tmp_path, fault)
     assert entries(cache) == [] and scratch_dirs(cache)
     assert memtree.load_memmap(url, cache_dir=cache, mode="r")["sub", "b"].tolist() == list(range(9))
     assert scratch_dirs(cache) == []
+
+
+def test_stale_download_cleanup_takes_each_lock(tmp_path):
+    from memtree.store.cache import remove_stale_downloads
+    from memtree.store.files import WriterLock
+
+    names = [f".{c * 32}{SCRATCH_MARK}{c * 32}" for c in "abc"]
+    (tmp_path / names[0]).mkdir()  # a directory whose lock file never got written
+    (tmp_path / (names[1] + ".lock")).write_bytes(b"")  # a lock file left alone
+    (tmp_path / names[2]).mkdir()  # a live download: its lock is held
+    (tmp_path / "keep").mkdir()
+    with WriterLock(str(tmp_path / (names[2] + ".lock")), "live", timeout=0):
+        actions = remove_stale_downloads(tmp_path)
+        assert len(actions) == 2
+        assert sorted(os.listdir(tmp_path)) == sorted([names[2], names[2] + ".lock", "keep"])
 
 
 def test_recover_never_touches_a_live_download(fresh, tmp_path):

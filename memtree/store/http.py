@@ -175,7 +175,13 @@ class HttpTransport:
                 size = int(m.group(3)) if r.status == 206 and m and m.group(3) != "*" else _plain_length(r)
                 headers = r.headers
         if size is None:
-            raise RemoteError(f"{self.url(rel)}: the server does not say how large the object is (no Content-Length)")
+            encoding = headers.get("Content-Encoding")
+            why = (f"it compresses the object (Content-Encoding: {encoding}) although memtree asks for "
+                   "identity" if encoding else "no Content-Length or Content-Range")
+            raise RemoteError(
+                f"{self.url(rel)}: the server does not say how large the object is ({why}); serve "
+                "the tree uncompressed from a server that reports sizes"
+            )
         etag = headers.get("ETag")
         fields = {"ETag": etag, "Last-Modified": headers.get("Last-Modified"), "size": size}
         pin = etag if etag and not etag.startswith("W/") else None  # If-Match compares strong ETags
