@@ -123,8 +123,8 @@ class Storage(Protocol):
 
     def read_into(self, rel: str, offset: int, out: memoryview, info: FileInfo | None = None) -> None:
         """Fill ``out`` with exactly ``len(out)`` bytes of ``rel`` from ``offset``; with
-        ``info`` (from :meth:`stat`), fail if the file is no longer the one ``info`` saw
-        (where the storage can pin reads) or has another size."""
+        ``info`` (from :meth:`stat`) whose ``pin`` is set, fail if the file is no longer the
+        one ``info`` saw."""
         ...
 
     def close(self) -> None:
@@ -350,15 +350,11 @@ class LocalStorage:
         return FileInfo(st.st_size, ident)
 
     def read_into(self, rel: str, offset: int, out: memoryview, info: FileInfo | None = None) -> None:
-        """``pread`` exactly ``len(out)`` bytes (a local file is never pinned: memtree replaces
-        files, it never rewrites them in place)."""
-        fd, st = self._open(rel, offset + len(out))
+        """``pread`` exactly ``len(out)`` bytes. A local read is never pinned (``info`` is not
+        needed): memtree replaces files, it never rewrites them in place, and a caller that must
+        know compares :meth:`stat` identities."""
+        fd, _ = self._open(rel, offset + len(out))
         try:
-            if info is not None and st.st_size != info.size:
-                raise RemoteChangedError(
-                    f"{self.describe(rel)} has {st.st_size:,} bytes, it had {info.size:,}: it was "
-                    "replaced while the tree was read; load it again"
-                )
             done = 0
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)
