@@ -10,10 +10,11 @@ What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
    most 16 MiB, enforced while it streams), then every ``meta.json`` on the path to the selected
    keys, breadth first and concurrently, each validated by
    :func:`memtree.format.schema.parse_level` as the local loader does;
-2. ``stat`` each selected leaf: it must exist and hold exactly the bytes its ``meta.json`` entry
-   promises (:class:`~memtree.errors.LeafSizeError`) **before** any memory or disk is allocated
-   for it. The stat also pins the leaf: its ranges carry ``If-Match`` (HTTP, strong ETags) or
-   the version id (versioned S3); otherwise its identity is compared after the read;
+2. ``stat`` each selected leaf (concurrently): each must exist and hold exactly the bytes its
+   ``meta.json`` entry promises (:class:`~memtree.errors.LeafSizeError`) **before** any leaf
+   byte is read and any memory or disk is allocated (a cache entry also checks free space).
+   The stat also pins the leaf: its ranges carry ``If-Match`` (HTTP, strong ETags) or the
+   version id (versioned S3); otherwise its identity is compared after the read;
 3. fetch each leaf as byte ranges of ``chunk_bytes``, ``num_threads`` requests at a time, each
    with a deadline of ``timeout`` seconds. Every answer must hold exactly the bytes asked: a
    short body, a dropped connection or a 5xx is retried (``retries``, exponential backoff), a
@@ -51,7 +52,7 @@ import pickle
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
 import torch
@@ -70,7 +71,14 @@ from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta, du
 from ..format.values import NonTensor, UnloadedPickle
 from . import faults
 from .cache import Download, entry_name, find_entry
-from .files import byte_view, check_checksum_option, file_checksum, storage_error, tensor_checksum
+from .files import (
+    byte_view,
+    check_checksum_option,
+    check_free_space,
+    file_checksum,
+    storage_error,
+    tensor_checksum,
+)
 from .mapped import to_storable
 from .read import read_tree
 from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
@@ -250,39 +258,37 @@ def _fetch(
     pool: ThreadPoolExecutor,
     leaves: list[_Leaf],
     chunk_bytes: int,
-    allocate: Callable[[_Leaf], None],
+    allocate: Callable[[list[_Leaf]], None],
     read: Callable[[_Leaf, int, int], None],
     finished: Callable[[_Leaf], None] = lambda leaf: None,
 ) -> None:
-    """Stat every leaf; once a leaf's size is confirmed, ``allocate`` its destination (in this
-    thread) and ``read`` its ranges of ``chunk_bytes`` in the pool; ``finished`` after its last.
-    The first failure cancels what has not started, waits for what has, and is raised."""
-    pending: dict[Future[Any], tuple[_Leaf, bool]] = {
-        pool.submit(storage.stat, leaf.rel): (leaf, True) for leaf in leaves
-    }
-    left: dict[str, int] = {}
+    """Stat every leaf and check its size (a damaged tree fails before any leaf byte is read or
+    any destination allocated), ``allocate`` the destinations, then ``read`` each leaf's ranges
+    of ``chunk_bytes`` in the pool, calling ``finished`` after a leaf's last range. The first
+    failure cancels what has not started, waits for what has, and is raised."""
+    for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
+        leaf.info = info
+        _check_size(storage, leaf)
+    allocate(leaves)
+    left = {leaf.rel: len(range(0, leaf.meta.nbytes, chunk_bytes)) for leaf in leaves}
+    futures: dict[Future[None], _Leaf] = {}
     try:
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for f in done:
-                leaf, is_stat = pending.pop(f)
-                result = f.result()
-                if is_stat:
-                    leaf.info = result
-                    _check_size(storage, leaf)
-                    allocate(leaf)
-                    n = leaf.meta.nbytes
-                    left[leaf.rel] = len(range(0, n, chunk_bytes))
-                    for a in range(0, n, chunk_bytes):
-                        pending[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = (leaf, False)
-                else:
-                    left[leaf.rel] -= 1
-                if left[leaf.rel] == 0:
-                    finished(leaf)
+        for leaf in leaves:
+            n = leaf.meta.nbytes
+            for a in range(0, n, chunk_bytes):
+                futures[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = leaf
+            if not n:
+                finished(leaf)
+        for f in as_completed(futures):
+            f.result()
+            leaf = futures[f]
+            left[leaf.rel] -= 1
+            if not left[leaf.rel]:
+                finished(leaf)
     except BaseException:
-        for f in pending:
+        for f in futures:
             f.cancel()
-        wait(pending)
+        wait(futures)
         raise
 
 
@@ -330,9 +336,10 @@ def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf]
     tensors: dict[str, torch.Tensor] = {}
     views: dict[str, memoryview] = {}
 
-    def allocate(leaf: _Leaf) -> None:  # after the leaf's size was confirmed by the server
-        tensors[leaf.rel] = t = torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype)
-        views[leaf.rel] = byte_view(t)
+    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+        for leaf in checked:
+            tensors[leaf.rel] = t = torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype)
+            views[leaf.rel] = byte_view(t)
 
     def read(leaf: _Leaf, a: int, b: int) -> None:
         storage.read_into(leaf.rel, a, views[leaf.rel][a:b], leaf.info)
@@ -358,6 +365,12 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         storage.read_into(leaf.rel, a, view, leaf.info)
         download.write(leaf.rel, a, view)
 
+    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+        check_free_space(download.parent, sum(leaf.meta.nbytes for leaf in checked),
+                         f"the cache entry {download.dest} of {storage.describe('')}")
+        for leaf in checked:
+            download.create_file(leaf.rel, leaf.meta.nbytes)
+
     def digest(leaf: _Leaf) -> str:
         algo = leaf.meta.checksum.partition(":")[0] if leaf.meta.checksum else "crc32"
         fd = download.open_read(leaf.rel)
@@ -371,9 +384,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
     try:
         for lvl in levels[1:]:  # breadth first: parents before children
             download.make_dir(lvl.rel)
-        _fetch(storage, pool, leaves, chunk_bytes,
-               lambda leaf: download.create_file(leaf.rel, leaf.meta.nbytes), read,
-               lambda leaf: faults.point("after_leaf"))
+        _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"))
         _final_checks(storage, pool, leaves, root_info)
         sums = dict(zip((leaf.rel for leaf in leaves), map_all(pool, digest, leaves)))
         for rel, data in pickled.items():
