@@ -196,11 +196,10 @@ _INTERNAL = {
     ("store/files.py", "ValueError"),  # create_leaf's preconditions
     ("store/commit.py", "OSError"),  # renameat2's errno: converted by the callers' storage_error()
     ("store/commit.py", "ValueError"),  # the journal's size: a programming error
+    ("store/cache.py", "FileExistsError"),  # caught two lines below: another download won
     ("store/recovery.py", "FileExistsError"),  # caught by recover(), reported as a problem
     ("store/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them
-    ("store/remote.py", "ValueError"),  # remote option values (to move to InvalidArgumentError)
-    ("store/remote.py", "TypeError"),
     ("store/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
 }
 _BUILTINS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "OSError",

@@ -1,21 +1,16 @@
 """Remote trees over fsspec: HTTP (an in-test Range server), S3 (moto) and memory://, loopback only.
 
-The HTTP server is switchable (ignore Range, short bodies, dropped connections, 503s, latency,
-content changed mid-read) and counts what it serves, so the tests can assert that a partial
+The HTTP server (``tests/remote_server.py``) is switchable (ignore Range, short bodies, dropped
+connections, 503s, latency, content changed mid-read) and counts what it serves, so the tests can assert that a partial
 load downloads only the selected bytes and that a faulty server never yields a corrupt tree.
 """
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import signal
-import socket
-import threading
 import time
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -24,6 +19,7 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 import fsspec  # noqa: E402
+import remote_server  # noqa: E402
 
 import memtree  # noqa: E402
 from memtree import TensorTree  # noqa: E402
@@ -32,157 +28,11 @@ from memtree.remote import upload  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-# ---------------------------------------------------------------------------------------------
-# a Range-capable HTTP server with fault switches
-
-
-class FaultyServer(ThreadingHTTPServer):
-    """Serves ``files`` (URL path -> bytes) with Range, ETag and If-Match; faults on .memmap GETs."""
-
-    request_queue_size = 128  # the default 5 overflows with concurrent clients (RELIABILITY §0.8)
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.files: dict[str, bytes] = {}
-        self.lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        self.ignore_range = False
-        self.short_first = 0  # answer the next N leaf GETs with an honest but short body
-        self.drop_first = 0  # promise the full length, send half, close the connection
-        self.fail_first = 0  # answer the next N requests with 503
-        self.latency = 0.0
-        self.change_after: int | None = None  # after N leaf GETs, every leaf changes (new ETag)
-        self.hold_after: int | None = None  # leaf GETs after the first N wait for ``release``, then are dropped
-        self.release = threading.Event()
-        self.leaf_gets = 0
-        self.served: Counter[str] = Counter()  # body bytes sent per path
-        self.gets: Counter[str] = Counter()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def publish(self, local_dir: str, prefix: str) -> None:
-        """Serve every file of a local tree under ``/<prefix>/``."""
-        for dirpath, _, names in os.walk(local_dir):
-            for name in names:
-                full = os.path.join(dirpath, name)
-                rel = os.path.relpath(full, local_dir).replace(os.sep, "/")
-                with open(full, "rb") as f:
-                    self.files[f"/{prefix}/{rel}"] = f.read()
-
-
-def _etag(data: bytes) -> str:
-    return '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: FaultyServer
-
-    def log_message(self, *args: object) -> None:  # keep pytest output clean
-        pass
-
-    def _take(self, name: str) -> bool:
-        with self.server.lock:
-            n = getattr(self.server, name)
-            if n > 0:
-                setattr(self.server, name, n - 1)
-                return True
-            return False
-
-    def do_HEAD(self) -> None:
-        self._serve(body=False)
-
-    def do_GET(self) -> None:
-        self._serve(body=True)
-
-    def _send(self, status: int, headers: dict[str, str], payload: bytes = b"") -> None:
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if payload:
-            self.wfile.write(payload)
-
-    def _serve(self, body: bool) -> None:
-        srv = self.server
-        if srv.latency:
-            time.sleep(srv.latency)
-        if self._take("fail_first"):
-            self._send(503, {"Content-Length": "0"})
-            return
-        path = self.path
-        leaf = path.endswith(".memmap")
-        if body and leaf:
-            with srv.lock:
-                srv.leaf_gets += 1
-                srv.gets[path] += 1
-                if srv.change_after is not None and srv.leaf_gets > srv.change_after:
-                    for p in [p for p in srv.files if p.endswith(".memmap")]:
-                        srv.files[p] = bytes(b ^ 0xFF for b in srv.files[p])
-                    srv.change_after = None
-                hold = srv.hold_after is not None and srv.leaf_gets > srv.hold_after
-            if hold:
-                srv.release.wait(300)
-                self.close_connection = True
-                return
-        elif body:
-            with srv.lock:
-                srv.gets[path] += 1
-        data = srv.files.get(path)
-        if data is None:
-            self._send(404, {"Content-Length": "0"})
-            return
-        etag = _etag(data)
-        match = self.headers.get("If-Match")
-        if match is not None and match != etag:
-            self._send(412, {"Content-Length": "0"})
-            return
-        start, end, status = 0, len(data), 200
-        rng = self.headers.get("Range")
-        if rng and not srv.ignore_range:
-            a, _, b = rng.removeprefix("bytes=").partition("-")
-            start, end = int(a), min(int(b) + 1 if b else len(data), len(data))
-            if start >= len(data):
-                self._send(416, {"Content-Length": "0", "Content-Range": f"bytes */{len(data)}"})
-                return
-            status = 206
-        part = data[start:end]
-        headers = {"Content-Length": str(len(part)), "ETag": etag, "Accept-Ranges": "bytes"}
-        if status == 206:
-            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
-        if not body:
-            self._send(status, headers)
-            return
-        if leaf and rng and self._take("short_first"):
-            part = part[: len(part) // 2]
-            headers["Content-Length"] = str(len(part))
-        elif leaf and rng and self._take("drop_first"):
-            self._send(status, headers, part[: len(part) // 2])
-            self.wfile.flush()
-            self.close_connection = True
-            self.connection.shutdown(socket.SHUT_RDWR)
-            with srv.lock:
-                srv.served[path] += len(part) // 2
-            return
-        with srv.lock:
-            srv.served[path] += len(part)
-        self._send(status, headers, part)
-
-
 @pytest.fixture(scope="module")
 def server():
-    srv = FaultyServer()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv, _ = remote_server.start()
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    remote_server.stop(srv)
 
 
 @pytest.fixture()
@@ -226,8 +76,8 @@ def assert_bit_exact(a: TensorTree, b: TensorTree) -> None:
             assert x == y, k
 
 
-def leaf_bytes(server: FaultyServer) -> int:
-    return sum(n for p, n in server.served.items() if p.endswith(".memmap"))
+def leaf_bytes(server: remote_server.FaultyServer) -> int:
+    return server.leaf_bytes()
 
 
 def cache_entries(cache: str) -> list[str]:
@@ -420,11 +270,11 @@ def test_corrupt_leaf_fails_its_checksum_and_leaves_no_cache_entry(mem_url, tmp_
     assert cache_entries(cache) == []
 
 
-def test_truncated_leaf_with_checksum_is_a_range_error(mem_url):
-    upload(sample_tree(), mem_url)  # leaves with checksums: no size request before the ranges
+def test_truncated_leaf_with_checksum_is_refused_by_its_size(mem_url):
+    upload(sample_tree(), mem_url)  # a checksum does not spare the size check before allocating
     fs = fsspec.filesystem("memory")
     fs.pipe_file(f"{mem_url}/f32.memmap", fs.cat(f"{mem_url}/f32.memmap")[:-3])
-    with pytest.raises(memtree.RemoteRangeError, match="f32"):
+    with pytest.raises(memtree.LeafSizeError, match="f32"):
         memtree.load_memmap(mem_url, retries=1)
 
 
@@ -529,11 +379,28 @@ def test_s3_leaf_shorter_than_meta_is_refused(s3_options):
 
 
 def test_s3_second_writer_cannot_clobber_a_commit(s3_options):
-    from memtree.store.remote import _commit, _Remote
+    from memtree.store.remote import commit_root
+    from memtree.store.fsspec_storage import FsspecStorage
 
     url = "s3://memtree-bucket/conflict"
     upload(TensorTree({"a": torch.ones(1)}), url, storage_options=s3_options)
-    remote = _Remote(url, s3_options, 1, 1024, 0)
     with pytest.raises(memtree.DestinationExistsError, match="another writer"):
-        _commit(remote, "memtree-bucket/conflict/meta.json", b"{}")
+        commit_root(FsspecStorage(url, storage_options=s3_options, retries=0), b"{}")
     assert memtree.load_memmap(url, storage_options=s3_options)["a"].tolist() == [1.0]
+
+
+def test_concurrent_requests_beat_serial_ones_on_a_latency_bound_server(server, tmp_path):
+    """RELIABILITY §8c.4: with 20 ms per request, 8 requests at a time are >= 3x faster than 1."""
+    server.reset()
+    server.files.clear()
+    tree = TensorTree({f"x{i}": torch.full((16384,), float(i)) for i in range(32)})  # 32 x 64 KiB
+    tree.memmap(str(tmp_path / "src"))
+    server.publish(str(tmp_path / "src"), "c")
+    server.latency = 0.02
+    took = {}
+    for threads in (1, 8):
+        t0 = time.perf_counter()
+        loaded = memtree.load_memmap(f"{server.url}/c", num_threads=threads)
+        took[threads] = time.perf_counter() - t0
+        assert_bit_exact(loaded, tree)
+    assert took[1] >= 3 * took[8], took

@@ -49,8 +49,9 @@ from typing import Any
 
 from ..errors import LockError, MemtreeError, UnsafePathError
 from ..format.schema import LeafMeta, LevelMeta
-from .files import open_leaf
+from .cache import remove_stale_downloads
 from .commit import WriterLock, rename_noreplace
+from .files import open_leaf
 from .read import open_dir, read_meta, walk_levels
 from ..format.names import META_TMP, SIBLING, lock_path
 
@@ -278,4 +279,5 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     if _is_real_dir(real):
         for child, left in sorted(_scan(real).items()):
             actions += _recover_name(real, child, left)
+        actions += remove_stale_downloads(real)  # a remote cache directory (memtree.store.cache)
     return actions

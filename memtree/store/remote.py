@@ -2,30 +2,31 @@
 
 Optional extra: ``pip install 'memtree[remote]'`` (fsspec, aiohttp; s3fs for ``s3://``).
 
+A remote tree is read through the storage seam (:class:`~memtree.store.storage.FsspecStorage`)
+and the level walker (:func:`~memtree.store.walk.walk`), exactly as any reader reads a tree.
 What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
 
-1. read the root ``meta.json`` (its identity, the ETag or version, is pinned), then every
-   ``meta.json`` on the path to the selected keys, breadth first and concurrently, each checked by
-   :func:`memtree.format.parse_level` exactly as the local loader does;
-2. ``fs.info`` each selected leaf that records no checksum: it must exist and have exactly
-   ``numel × itemsize`` bytes (a recorded checksum proves the bytes exactly, so leaves that have
-   one, as every leaf :func:`upload` writes, cost no extra request);
-3. fetch the leaves as byte ranges of ``chunk_bytes`` with ``num_threads`` concurrent requests.
-   Every answer must hold exactly ``end - start`` bytes: a short body, a dropped connection or a
-   5xx is retried (``retries`` times, exponential backoff with jitter), a server that ignores
-   ``Range`` or answers 416 fails at once, and what still fails raises a
-   :class:`~memtree.errors.RemoteError` -- never a partial tensor;
-4. checksums recorded in ``meta.json`` (``crc32:``/``sha256:``) are verified; ranges carry an
-   ``If-Match`` (HTTP) or a version id (S3 with versioning), and otherwise the leaf's identity is
-   compared after the read; the root's identity is compared at the end
-   (:class:`~memtree.errors.RemoteChangedError` if the tree changed while it was read);
-5. the data lands in ordinary tensors, or with ``cache_dir=`` in a local cache entry: the
-   leaves are downloaded into a hidden scratch directory (``.<entry>.memtree-download-<hex>``),
-   verified, then written by :func:`memtree.store.write.write_tree` (staging directory, writer lock,
-   rename) and the scratch directory is removed. A cache entry is a normal memtree named after
-   the URL, the root ``meta.json`` bytes (which carry the save's random ``save_id``) and the
-   selected keys; it is only ever mapped after its commit, and a later load of the same save
-   (or of any selection of it, from a whole-tree entry) reads it without fetching any leaf.
+1. ``stat`` the root ``meta.json`` (its identity, the ETag or version, is kept), read it (at
+   most 16 MiB, enforced while it streams), then every ``meta.json`` on the path to the selected
+   keys, breadth first and concurrently, each validated by
+   :func:`memtree.format.schema.parse_level` as the local loader does;
+2. ``stat`` each selected leaf (concurrently): each must exist and hold exactly the bytes its
+   ``meta.json`` entry promises (:class:`~memtree.errors.LeafSizeError`) **before** any leaf
+   byte is read and any memory or disk is allocated (a cache entry also checks free space).
+   The stat also pins the leaf: its ranges carry ``If-Match`` (HTTP, strong ETags) or the
+   version id (versioned S3); otherwise its identity is compared after the read;
+3. fetch each leaf as byte ranges of ``chunk_bytes``, ``num_threads`` requests at a time, each
+   with a deadline of ``timeout`` seconds. Every answer must hold exactly the bytes asked: a
+   short body, a dropped connection or a 5xx is retried (``retries``, exponential backoff), a
+   server that ignores ``Range``, answers 416 or passes the deadline fails at once, and what
+   still fails raises a :class:`~memtree.errors.RemoteError` -- never a partial tensor;
+4. compare the identities of unpinned leaves and of the root ``meta.json``
+   (:class:`~memtree.errors.RemoteChangedError` if the tree changed while it was read), then
+   verify the checksums ``meta.json`` records (:class:`~memtree.errors.IntegrityError`);
+5. return ordinary tensors, or with ``cache_dir=`` map a local cache entry
+   (:mod:`memtree.store.cache`): the download is built in a locked scratch directory and
+   committed by one rename, so an entry is complete or absent, and a later load of the same
+   save (or of any selection of it, from a whole-tree entry) fetches no leaf.
 
 What :func:`upload` does: leaves first (concurrently), then the pickles, then each sub-tree's
 ``meta.json`` deepest first, and the root ``meta.json`` last: object stores have no rename, so the
@@ -46,388 +47,65 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import os
 import pickle
-import random
-import shutil
-import time
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from typing import Any
 
-import orjson
 import torch
 
-try:
-    from fsspec import AbstractFileSystem
-    from fsspec.core import url_to_fs
-except ImportError as _err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "memtree's remote trees need fsspec: pip install 'memtree[remote]' "
-        "(and s3fs for s3:// URLs)"
-    ) from _err
-
 from ..errors import (
+    SourceError,
+    InvalidArgumentError,
     DestinationExistsError,
     IntegrityError,
     LeafSizeError,
-    LimitError,
-    LockError,
     MemtreeError,
-    MemtreeKeyError,
-    MetaFormatError,
-    MissingLeafError,
-    NotAMemtreeError,
-    NotCommittedError,
     PickleNotAllowedError,
     RemoteChangedError,
-    RemoteError,
-    RemoteRangeError,
 )
+from ..format.level import Level, as_level
+from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
+from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta, dump_level, parse_level
+from ..format.values import NonTensor, UnloadedPickle
+from . import faults
+from .cache import Download, entry_name, find_entry
 from .files import (
     byte_view,
     check_checksum_option,
-    create_leaf,
+    check_free_space,
     file_checksum,
     storage_error,
     tensor_checksum,
 )
-from ..format.schema import (
-    MAX_META_BYTES,
-    ChildMeta,
-    Entry,
-    JsonMeta,
-    LeafMeta,
-    LevelMeta,
-    PickleMeta,
-    dump_level,
-    parse_level,
-)
-from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX, STAGING_MARK, scratch_path
-from ..format.level import Level, as_level
-from .mapped import MemoryMappedTensor, to_storable
-from ..format.values import NonTensor
-from .read import KeySelection, normalize_keys, read_tree, select_entries
-from .write import plan_write, write_tree
+from .mapped import to_storable
 from .options import check_mode
+from .read import read_tree
+from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+from .storage import FileInfo, Storage, http_status, with_retries
+from .walk import KeySelection, WalkedLevel, map_all, normalize_keys, walk
+from .write import plan_write
 
-__all__ = ["load", "upload", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+__all__ = ["load", "upload", "fetch_tree", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
 _UPLOAD_PART_BYTES = 64 * 1024 * 1024
-_BACKOFF_S = 0.05
-_T = TypeVar("_T")
-_Trie = dict[str, Any]
 
 
-# ---------------------------------------------------------------------------------------------
-# retries and error classification
-
-
-class _ShortRead(Exception):
-    """A range answer with fewer bytes than asked (retried, then a RemoteRangeError)."""
-
-
-def _status(err: BaseException) -> int | None:
-    status = getattr(err, "status", None)
-    if isinstance(status, int):
-        return status
-    response = getattr(err, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code if isinstance(code, int) else None
-    return None
-
-
-def _permanent(err: Exception, what: str) -> MemtreeError | None:
-    """The error to raise at once for a failure no retry can fix, else ``None``."""
-    if isinstance(err, MemtreeError):
-        return err
-    cause = err.__cause__
-    if isinstance(err, FileNotFoundError) and isinstance(cause, Exception) and _status(cause) not in (404, 410):
-        # fsspec's HTTP info() turns every failure (a 503, a reset) into FileNotFoundError
-        return _permanent(cause, what)
-    if isinstance(err, FileNotFoundError):
-        return MissingLeafError(f"{what}: the remote object does not exist; the tree is damaged")
-    status = _status(err)
-    if status == 412:
-        return RemoteChangedError(
-            f"{what}: the remote object changed while it was being read (HTTP 412 on If-Match); "
-            "the tree was overwritten meanwhile: load it again"
-        )
-    if status == 416:
-        return RemoteRangeError(
-            f"{what}: the server refused the byte range (HTTP 416); the remote object is shorter "
-            "than its meta.json says: the tree is damaged or being rewritten"
-        )
-    if status is not None and 400 <= status < 500 and status not in (408, 429):
-        return RemoteError(f"{what}: the server answered HTTP {status} ({err}); check the URL and credentials")
-    if isinstance(err, PermissionError):
-        return RemoteError(f"{what}: permission denied ({err}); check the credentials")
-    return None
-
-
-def _retry(fn: Callable[[], _T], what: str, retries: int) -> _T:
-    """Call ``fn`` with bounded retries and exponential backoff (with jitter)."""
-    last: Exception | None = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(_BACKOFF_S * 2 ** (attempt - 1) * (0.5 + random.random()))
-        try:
-            return fn()
-        except Exception as err:  # classified below: permanent errors are raised at once
-            permanent = _permanent(err, what)
-            if permanent is not None:
-                if permanent is err:
-                    raise
-                raise permanent from err
-            last = err
-    if isinstance(last, _ShortRead):
-        raise RemoteRangeError(
-            f"{what}: {last} on each of {retries + 1} attempts; the server truncates its answers "
-            "(or the connection drops): nothing was loaded, retry later"
-        ) from last
-    raise RemoteError(
-        f"{what}: failed on each of {retries + 1} attempts, last error: "
-        f"{type(last).__name__}: {last}; nothing was loaded, retry later"
-    ) from last
-
-
-def _run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], _T], items: Iterable[Any]) -> list[_T]:
-    """``fn`` over ``items`` in ``pool``; on the first failure cancel the rest, wait, re-raise it."""
-    futures: list[Future[_T]] = [pool.submit(fn, item) for item in items]
-    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    for f in pending:
-        f.cancel()
-    wait(futures)
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futures]
-
-
-# ---------------------------------------------------------------------------------------------
-# the read plan
-
-
-@dataclass
+@dataclasses.dataclass
 class _Leaf:
-    rel: str  # path relative to the root, e.g. "b/c.memmap"
-    url: str
+    rel: str  # the leaf's file, relative to the root: "b/c.memmap"
     meta: LeafMeta
-    label: str
-    fetch_kwargs: dict[str, Any] = field(default_factory=dict)
-    identity: tuple[Any, ...] | None = None  # compared after the read when it cannot be pinned
-
-
-@dataclass
-class _RemoteLevel:
-    rel: str
-    meta: LevelMeta  # the level's entries, filtered by keys=
-    depth: int
-    children: dict[str, _RemoteLevel] = field(default_factory=dict)
-
-
-def _join(root: str, rel: str) -> str:
-    return f"{root.rstrip('/')}/{rel}" if rel else root.rstrip("/")
+    label: str  # the key, for messages
+    info: FileInfo | None = None  # its stat, once done
 
 
 def _label(path: tuple[str, ...]) -> str:
     return repr(path[0]) if len(path) == 1 else repr(path)
-
-
-def _identity(info: Mapping[str, Any]) -> tuple[Any, ...]:
-    fields = ("ETag", "etag", "VersionId", "version_id", "LastModified", "Last-Modified", "mtime", "created", "size")
-    return tuple((k, str(info[k])) for k in fields if info.get(k) is not None)
-
-
-class _Remote:
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, num_threads: int,
-                 chunk_bytes: int, retries: int) -> None:
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1 for a remote tree, got {num_threads}")
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        self.url = url
-        fs, root = url_to_fs(url, **dict(storage_options or {}))
-        self.fs: AbstractFileSystem = fs
-        self.root: str = root.rstrip("/")
-        self.num_threads = num_threads
-        self.chunk_bytes = chunk_bytes
-        self.retries = retries
-        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self.http = bool({"http", "https"} & set(protocols))
-        self.s3 = bool({"s3", "s3a"} & set(protocols))
-
-    def info(self, path: str, what: str) -> dict[str, Any]:
-        def call() -> dict[str, Any]:
-            self.fs.invalidate_cache(path)
-            return dict(self.fs.info(path))
-
-        return _retry(call, what, self.retries)
-
-    def cat(self, path: str, what: str, start: int | None = None, end: int | None = None,
-            expect: int | None = None, **kwargs: Any) -> bytes:
-        def call() -> bytes:
-            data = self.fs.cat_file(path, start=start, end=end, **kwargs)
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise RemoteError(f"{what}: the filesystem returned {type(data).__name__}, not bytes")
-            if expect is not None and len(data) != expect:
-                if len(data) > expect:
-                    raise RemoteRangeError(
-                        f"{what}: asked for bytes [{start}, {end}) and got {len(data):,} bytes "
-                        f"instead of {expect:,}: the server ignores Range requests. Serve the tree "
-                        "from a server that honours Range (any object store, nginx, caddy...)"
-                    )
-                raise _ShortRead(f"got {len(data):,} of {expect:,} bytes for [{start}, {end})")
-            return bytes(data)
-
-        return _retry(call, what, self.retries)
-
-    # -- metadata ---------------------------------------------------------------------------
-    def root_meta(self) -> tuple[bytes, LevelMeta, tuple[Any, ...]]:
-        """Read and validate the root ``meta.json``; return its bytes, meta and identity."""
-        name = self.root.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(".") and STAGING_MARK in name:
-            raise NotCommittedError(f"{self.url} is the staging prefix of a write that never committed")
-        path = _join(self.root, META_NAME)
-        try:
-            info = self.info(path, f"root meta.json of {self.url}")
-        except MissingLeafError:
-            if self._has_content():
-                raise NotCommittedError(
-                    f"{self.url} has objects but no root {META_NAME}: its upload never committed "
-                    "(the root meta.json is written last). Upload the tree again"
-                ) from None
-            raise NotAMemtreeError(f"{self.url} has no {META_NAME}: it is not a memtree (check the URL)") from None
-        size = info.get("size")
-        if isinstance(size, int) and size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {size:,} bytes, more than the {MAX_META_BYTES:,} allowed; it is not a memtree meta.json"
-            )
-        data = self.cat(path, f"reading {path}", start=0, end=MAX_META_BYTES + 1, **self.pin_kwargs(info))
-        return data, parse_level(data, _join(self.url, META_NAME), depth=0), _identity(info)
-
-    def _has_content(self) -> bool:
-        try:
-            return bool(self.fs.ls(self.root, detail=False))
-        except Exception:  # listing is not supported everywhere (plain HTTP): treat as empty
-            return False
-
-    def child_meta(self, rel: str, depth: int) -> LevelMeta:
-        path = _join(self.root, f"{rel}/{META_NAME}")
-        # a ranged read bounds what a hostile server can make us download
-        data = self.cat(path, f"reading {path}", start=0, end=MAX_META_BYTES + 1)
-        return parse_level(data, _join(self.url, f"{rel}/{META_NAME}"), depth=depth)
-
-    def pin_kwargs(self, info: Mapping[str, Any]) -> dict[str, Any]:
-        """Arguments that make a read fail if the object is no longer the one ``info`` saw."""
-        if self.http and info.get("ETag"):
-            return {"headers": {"If-Match": info["ETag"]}}
-        if self.s3 and info.get("VersionId") not in (None, "null"):
-            return {"version_id": info["VersionId"]}
-        return {}
-
-    def plan(self, root: LevelMeta, selection: _Trie | None, pool: ThreadPoolExecutor,
-             ) -> tuple[_RemoteLevel, list[_Leaf], list[tuple[str, PickleMeta]]]:
-        """Walk the selected levels breadth first; return them, their leaves and pickles."""
-        top = _RemoteLevel("", root, 0)
-        leaves: list[_Leaf] = []
-        pickles: list[tuple[str, PickleMeta]] = []
-        frontier: list[tuple[_RemoteLevel, _Trie | None, tuple[str, ...]]] = [(top, selection, ())]
-        while frontier:
-            nxt: list[tuple[_RemoteLevel, _Trie | None, tuple[str, ...], str, ChildMeta]] = []
-            for lvl, sel, path in frontier:
-                lvl.meta = select_entries(lvl.meta, sel, path, _join(self.url, lvl.rel))
-                for e in lvl.meta.entries:
-                    rel = f"{lvl.rel}/" if lvl.rel else ""
-                    if isinstance(e, LeafMeta):
-                        if sel is not None and sel.get(e.key) is not None:
-                            raise MemtreeKeyError(
-                                f"key {path + (e.key,)!r} is a tensor leaf at {self.url}/{lvl.rel}; "
-                                f"it has no sub-key {next(iter(sel[e.key]))!r}"
-                            )
-                        leaves.append(_Leaf(rel + e.file, _join(self.root, rel + e.file), e, _label(path + (e.key,))))
-                    elif isinstance(e, PickleMeta):
-                        pickles.append((rel + e.file, e))
-                    elif isinstance(e, ChildMeta):
-                        sub = sel.get(e.key) if sel is not None else None
-                        nxt.append((lvl, sub, path + (e.key,), rel + e.dir, e))
-            metas = _run_all(pool, lambda job: self.child_meta(job[3], job[0].depth + 1), nxt)
-            frontier = []
-            for (parent, sub, path, rel, entry), meta in zip(nxt, metas):
-                if meta.batch_size[: len(parent.meta.batch_size)] != parent.meta.batch_size:
-                    raise MetaFormatError(
-                        f"{_join(self.url, rel + '/' + META_NAME)}: batch_size {list(meta.batch_size)} "
-                        f"does not start with the parent's {list(parent.meta.batch_size)}; the tree is damaged"
-                    )
-                child = _RemoteLevel(rel, meta, parent.depth + 1)
-                parent.children[entry.key] = child
-                frontier.append((child, sub, path))
-        return top, leaves, pickles
-
-    def stat_leaf(self, leaf: _Leaf) -> None:
-        """Check a leaf's size before any data is read and pin its identity."""
-        info = self.info(leaf.url, f"leaf {leaf.label} at {leaf.url}")
-        size = info.get("size")
-        if size != leaf.meta.file_nbytes:  # a growable leaf's file holds its whole capacity
-            raise LeafSizeError(
-                f"remote leaf {leaf.label} at {leaf.url} has {size} bytes, expected "
-                f"{leaf.meta.file_nbytes:,}: the upload was interrupted or the object was changed; "
-                "upload the tree again"
-            )
-        leaf.fetch_kwargs = self.pin_kwargs(info)
-        leaf.identity = None if leaf.fetch_kwargs else _identity(info)
-
-    def recheck(self, url: str, identity: tuple[Any, ...], what: str) -> None:
-        now = _identity(self.info(url, what))
-        if now != identity:
-            raise RemoteChangedError(
-                f"{what} at {url} changed while the tree was being read ({dict(identity)} -> "
-                f"{dict(now)}); nothing was loaded: load it again"
-            )
-
-
-def _check_digest(leaf: _Leaf, compute: Callable[[str], str]) -> None:
-    checksum = leaf.meta.checksum
-    if checksum is None:
-        return
-    got = compute(checksum.partition(":")[0])
-    if got != checksum:
-        raise IntegrityError(
-            f"remote leaf {leaf.label} at {leaf.url}: checksum {got} does not match {checksum} "
-            "recorded in meta.json; the object is corrupt or was changed: nothing was loaded"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# loading
-
-
-def _ranges(leaves: list[_Leaf], chunk_bytes: int) -> list[tuple[_Leaf, int, int]]:
-    out: list[tuple[_Leaf, int, int]] = []
-    for leaf in leaves:
-        n = leaf.meta.nbytes
-        out.extend((leaf, a, min(a + chunk_bytes, n)) for a in range(0, n, chunk_bytes))
-    out.sort(key=lambda r: r[1])  # round-robin over leaves: many small leaves finish early
-    return out
-
-
-def _fetch(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf],
-           sink: Callable[[_Leaf, int, bytes], None]) -> None:
-    def one(job: tuple[_Leaf, int, int]) -> None:
-        leaf, a, b = job
-        data = remote.cat(leaf.url, f"leaf {leaf.label} at {leaf.url}", start=a, end=b,
-                          expect=b - a, **leaf.fetch_kwargs)
-        sink(leaf, a, data)
-
-    _run_all(pool, one, _ranges(leaves, remote.chunk_bytes))
 
 
 def load(
@@ -444,6 +122,8 @@ def load(
     num_threads: int = DEFAULT_NUM_THREADS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     retries: int = 3,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    allow_redirects: str = "same-origin",
     fsync: bool = False,
 ) -> Level:
     """Load a tree from an fsspec URL (what ``memtree.load_memmap(url, ...)`` calls).
@@ -454,23 +134,39 @@ def load(
             leaves are fetched.
         device: ``"meta"``: structure only (no leaf fetched); another device: leaves are moved
             there after the download.
-        mode, mmap: as for a local tree; they apply to the mapped leaves of a ``cache_dir``
-            entry. Without ``cache_dir`` leaves are ordinary (writable) tensors in memory.
+        mode: as for a local tree (``"r"``: read-only mapping); it applies to the mapped
+            leaves of a ``cache_dir`` entry. Without ``cache_dir`` leaves are ordinary
+            (writable) tensors in memory.
+        mmap: as for a local tree; it applies to the leaves of a ``cache_dir`` entry.
         allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True`` (trusted only).
         verify: also re-hash the leaves of a cache entry that is reused (downloaded leaves are
             always checked against the checksums ``meta.json`` records).
         storage_options: passed to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
         cache_dir: download into an atomically committed memtree under this directory and map
             it from there; a later load of the same save is served from it.
-        num_threads: concurrent range requests.
+        num_threads: concurrent requests.
         chunk_bytes: size of each range request.
         retries: attempts after the first for each request (transient errors, short bodies).
+        timeout: seconds one request may take, from sending it to its last byte (HTTP(S) and
+            asynchronous fsspec filesystems such as S3); a slower answer fails the load with a
+            :class:`~memtree.errors.RemoteError`. ``None``: no limit.
+        allow_redirects: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
+            scheme, host and port), ``"any"`` or ``"none"``.
         fsync: fsync the cache entry before its commit.
 
     Raises:
+        NotAMemtreeError: no tree at ``url``.
         NotCommittedError: objects but no root ``meta.json`` (an upload that never finished).
-        RemoteRangeError, RemoteChangedError, RemoteError, IntegrityError, LeafSizeError,
-        MissingLeafError, MetaFormatError: see the module docstring; nothing is returned.
+        LeafSizeError: a leaf object's size is not the one its ``meta.json`` entry promises
+            (checked before anything is allocated for it).
+        RemoteRangeError: an answer with other bytes than asked (``Range`` ignored, 416,
+            short bodies on every attempt).
+        RemoteChangedError: the tree changed while it was read.
+        RemoteError: a request failed on every attempt, passed ``timeout``, or was
+            redirected where ``allow_redirects`` does not go.
+        IntegrityError: a leaf's bytes do not match the checksum its ``meta.json`` records.
+        MetaFormatError: a ``meta.json`` is malformed or over the size limit (``LimitError``).
+        MissingLeafError: a ``meta.json`` or leaf named by the tree is missing.
 
     Example:
         >>> import torch, memtree
@@ -479,158 +175,259 @@ def load(
         >>> sorted(load("memory://ex/t", keys=[("b", "c")]).entries)
         ['b']
     """
+    storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=timeout,
+                            allow_redirects=allow_redirects)
+    return fetch_tree(storage, cache_key=url, keys=keys, device=device, mode=mode, mmap=mmap,
+                      allow_pickle=allow_pickle, verify=verify, cache_dir=cache_dir,
+                      num_threads=num_threads, chunk_bytes=chunk_bytes, fsync=fsync)
+
+
+def fetch_tree(
+    storage: Storage,
+    *,
+    cache_key: str,
+    keys: Iterable[KeySelection] | None = None,
+    device: torch.device | str | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    allow_pickle: bool = False,
+    verify: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fsync: bool = False,
+) -> Level:
+    """Copy a tree out of any :class:`~memtree.store.storage.Storage` into memory, or into a
+    cache entry that is then mapped (steps 1-5 of the module docstring); :func:`load` is this
+    over an fsspec URL. ``cache_key`` names the source in cache entry names (the URL).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.storage import LocalStorage
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
+        >>> fetch_tree(LocalStorage(d), cache_key=d, chunk_bytes=8).entries["x"].tolist()
+        [0, 1, 2]
+    """
     check_mode(mode)
-    remote = _Remote(url, storage_options, num_threads, chunk_bytes, retries)
+    if num_threads < 1:
+        raise InvalidArgumentError(f"num_threads must be >= 1 for a remote tree, got {num_threads}")
+    if chunk_bytes < 1:
+        raise InvalidArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     selection = normalize_keys(keys) if keys is not None else None
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    root_bytes, root_meta, root_identity = remote.root_meta()
+    root_info = storage.stat(META_NAME)  # before the read: a later change shows in the re-stat
+    root_bytes = storage.read_meta("")
+    root_meta = parse_level(root_bytes, storage.describe(META_NAME), depth=0)
     if cache_dir is not None and dev.type != "meta":
-        cached = _cached_entry(os.fspath(cache_dir), url, root_bytes, selection)
-        if cached is not None:
-            return read_tree(cached, keys=keys, mode=mode, mmap=mmap, device=device,
+        hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
+        if hit is not None:
+            return read_tree(hit, keys=keys, mode=mode, mmap=mmap, device=device,
                              allow_pickle=allow_pickle, verify=verify)
-    with ThreadPoolExecutor(remote.num_threads, thread_name_prefix="memtree-remote") as pool:
-        top, leaves, pickles = remote.plan(root_meta, selection, pool)
+    with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
+        levels = list(walk(storage, keys=keys, pool=pool, root=root_meta))
+        leaves = [_Leaf(lvl.file(e.file), e, _label(lvl.keys + (e.key,)))
+                  for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
+        pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
-            return _build(top, {}, {}, dev)
+            return _build(storage, levels, {}, {}, dev)
         if pickles and not allow_pickle:
             rel, entry = pickles[0]
             raise PickleNotAllowedError(
-                f"non-tensor leaf {entry.key!r} is pickled in {_join(url, rel)}; unpickling can run "
-                "arbitrary code, so it is loaded only with allow_pickle=True (trusted trees only)"
+                f"non-tensor leaf {entry.key!r} is pickled in {storage.describe(rel)}; unpickling "
+                "can run arbitrary code, so it is loaded only with allow_pickle=True (trusted trees only)"
             )
-        # a recorded checksum proves a leaf's bytes exactly; the others are size-checked and pinned
-        _run_all(pool, remote.stat_leaf, [leaf for leaf in leaves if leaf.meta.checksum is None])
-        pickled = {
-            rel: remote.cat(_join(remote.root, rel), f"reading {_join(url, rel)}") for rel, _ in pickles
-        }
+        pickled = {rel: _read_whole(storage, rel) for rel, _ in pickles}
         if cache_dir is None:
-            tensors = _load_memory(remote, pool, leaves, root_identity)
-            return _build(top, tensors, {rel: pickle.loads(b) for rel, b in pickled.items()}, dev)
-        entry_dir = _entry_dir(os.fspath(cache_dir), url, root_bytes, selection)
-        objects = {rel: pickle.loads(b) for rel, b in pickled.items()}
-        _download_entry(remote, pool, top, leaves, objects, entry_dir, root_identity, fsync)
-    return read_tree(entry_dir, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle)
+            tensors = _load_memory(storage, pool, leaves, chunk_bytes, root_info)
+            return _build(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
+        name = entry_name(cache_key, root_bytes, selection)
+        with Download(cache_dir, name, fsync=fsync) as download:
+            committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info)
+    return read_tree(committed, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle)
 
 
-def _final_checks(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf],
-                  root_identity: tuple[Any, ...]) -> None:
-    unpinned = [leaf for leaf in leaves if leaf.identity is not None]
-    _run_all(pool, lambda leaf: remote.recheck(leaf.url, leaf.identity, f"leaf {leaf.label}"), unpinned)
-    remote.recheck(_join(remote.root, META_NAME), root_identity, "the root meta.json")
+def _read_whole(storage: Storage, rel: str) -> bytes:
+    info = storage.stat(rel)
+    buf = bytearray(info.size)
+    storage.read_into(rel, 0, memoryview(buf), info)
+    return bytes(buf)
 
 
-def _load_memory(remote: _Remote, pool: ThreadPoolExecutor, leaves: list[_Leaf],
-                 root_identity: tuple[Any, ...]) -> dict[str, torch.Tensor]:
-    tensors = {leaf.rel: torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype) for leaf in leaves}
-    views = {rel: byte_view(t) for rel, t in tensors.items()}
+def _fetch(
+    storage: Storage,
+    pool: ThreadPoolExecutor,
+    leaves: list[_Leaf],
+    chunk_bytes: int,
+    allocate: Callable[[list[_Leaf]], None],
+    read: Callable[[_Leaf, int, int], None],
+    finished: Callable[[_Leaf], None] = lambda leaf: None,
+) -> None:
+    """Stat every leaf and check its size (a damaged tree fails before any leaf byte is read or
+    any destination allocated), ``allocate`` the destinations, then ``read`` each leaf's ranges
+    of ``chunk_bytes`` in the pool, calling ``finished`` after a leaf's last range. The first
+    failure cancels what has not started, waits for what has, and is raised."""
+    for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
+        leaf.info = info
+        _check_size(storage, leaf)
+    allocate(leaves)
+    left = {leaf.rel: len(range(0, leaf.meta.nbytes, chunk_bytes)) for leaf in leaves}
+    futures: dict[Future[None], _Leaf] = {}
+    try:
+        for leaf in leaves:
+            n = leaf.meta.nbytes
+            for a in range(0, n, chunk_bytes):
+                futures[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = leaf
+            if not n:
+                finished(leaf)
+        for f in as_completed(futures):
+            f.result()
+            leaf = futures[f]
+            left[leaf.rel] -= 1
+            if not left[leaf.rel]:
+                finished(leaf)
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        raise
 
-    def sink(leaf: _Leaf, start: int, data: bytes) -> None:
-        views[leaf.rel][start : start + len(data)] = data
 
-    _fetch(remote, pool, leaves, sink)
-    _final_checks(remote, pool, leaves, root_identity)  # first: a rewrite is reported as such
-    _run_all(pool, lambda leaf: _check_digest(leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
+def _check_size(storage: Storage, leaf: _Leaf) -> None:
+    assert leaf.info is not None
+    if leaf.info.size != leaf.meta.file_nbytes:  # a growable leaf's file holds its whole capacity
+        raise LeafSizeError(
+            f"leaf {leaf.label} at {storage.describe(leaf.rel)} has {leaf.info.size:,} bytes, "
+            f"its meta.json says {leaf.meta.file_nbytes:,}: the upload was interrupted, the object "
+            "was changed, or the meta.json lies; nothing was allocated or loaded"
+        )
+
+
+def _final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], root_info: FileInfo) -> None:
+    """Re-stat what could not be pinned (unpinned leaves, the root ``meta.json``): unchanged?"""
+
+    def same(job: tuple[str, FileInfo, str]) -> None:
+        rel, before, what = job
+        now = storage.stat(rel).identity
+        if now != before.identity:
+            raise RemoteChangedError(
+                f"{what} at {storage.describe(rel)} changed while the tree was being read "
+                f"({dict(before.identity)} -> {dict(now)}); nothing was loaded: load it again"
+            )
+
+    jobs = [(leaf.rel, leaf.info, f"leaf {leaf.label}") for leaf in leaves if leaf.info is not None and leaf.info.pin is None]
+    map_all(pool, same, jobs)
+    same((META_NAME, root_info, "the root meta.json"))
+
+
+def _check_digest(storage: Storage, leaf: _Leaf, compute: Callable[[str], str]) -> None:
+    checksum = leaf.meta.checksum
+    if checksum is None:
+        return
+    got = compute(checksum.partition(":")[0])
+    if got != checksum:
+        raise IntegrityError(
+            f"leaf {leaf.label} at {storage.describe(leaf.rel)}: checksum {got} does not match "
+            f"{checksum} recorded in meta.json; the object is corrupt or was changed: nothing was loaded"
+        )
+
+
+def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], chunk_bytes: int,
+                 root_info: FileInfo) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    views: dict[str, memoryview] = {}
+
+    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+        for leaf in checked:
+            tensors[leaf.rel] = t = torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype)
+            views[leaf.rel] = byte_view(t)
+
+    def read(leaf: _Leaf, a: int, b: int) -> None:
+        storage.read_into(leaf.rel, a, views[leaf.rel][a:b], leaf.info)
+
+    _fetch(storage, pool, leaves, chunk_bytes, allocate, read)
+    _final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
+    map_all(pool, lambda leaf: _check_digest(
+        storage, leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
     return tensors
 
 
-def _build(lvl: _RemoteLevel, tensors: Mapping[str, torch.Tensor], pickled: Mapping[str, Any],
-           device: torch.device) -> Level:
-    out = Level(lvl.meta.batch_size, {}, lvl.meta.type)
-    prefix = f"{lvl.rel}/" if lvl.rel else ""
-    for e in lvl.meta.entries:
-        if isinstance(e, LeafMeta):
-            if device.type == "meta":
-                out.entries[e.key] = torch.empty(e.shape, dtype=e.dtype, device="meta")
-            else:
-                t = tensors[prefix + e.file]
-                out.entries[e.key] = t if device.type == "cpu" else t.to(device)
-        elif isinstance(e, ChildMeta):
-            out.entries[e.key] = _build(lvl.children[e.key], tensors, pickled, device)
-        elif isinstance(e, JsonMeta):
-            out.entries[e.key] = NonTensor(e.value)
-        else:
-            out.entries[e.key] = NonTensor(pickled[prefix + e.file])
-    return out
+def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
+              leaves: list[_Leaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo) -> str:
+    """Fetch the selection into the download's scratch directory, verify it, write its
+    ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry."""
+    buffers = threading.local()
 
+    def read(leaf: _Leaf, a: int, b: int) -> None:
+        buf = getattr(buffers, "buf", None)
+        if buf is None or len(buf) < b - a:
+            buf = buffers.buf = bytearray(min(chunk_bytes, max(b - a, 1 << 16)))
+        view = memoryview(buf)[: b - a]
+        storage.read_into(leaf.rel, a, view, leaf.info)
+        download.write(leaf.rel, a, view)
 
-# -- the local cache ----------------------------------------------------------------------------
+    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+        check_free_space(download.parent, sum(leaf.meta.nbytes for leaf in checked),
+                         f"the cache entry {download.dest} of {storage.describe('')}")
+        for leaf in checked:
+            download.create_file(leaf.rel, leaf.meta.nbytes)
 
-
-def _entry_name(url: str, root_bytes: bytes, selection: _Trie | None) -> str:
-    h = hashlib.sha256()
-    for part in (url.rstrip("/").encode(), root_bytes, orjson.dumps(selection, option=orjson.OPT_SORT_KEYS)):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.hexdigest()[:32]
-
-
-def _entry_dir(cache_dir: str, url: str, root_bytes: bytes, selection: _Trie | None) -> str:
-    return os.path.join(os.path.realpath(cache_dir), _entry_name(url, root_bytes, selection))
-
-
-def _cached_entry(cache_dir: str, url: str, root_bytes: bytes, selection: _Trie | None) -> str | None:
-    """A committed cache entry that holds the selection (the whole tree's serves any selection)."""
-    candidates = [None] if selection is None else [None, selection]
-    for sel in candidates:
-        d = _entry_dir(cache_dir, url, root_bytes, sel)
-        if os.path.isfile(os.path.join(d, META_NAME)):
-            return d
-    return None
-
-
-def _download_entry(remote: _Remote, pool: ThreadPoolExecutor, top: _RemoteLevel, leaves: list[_Leaf],
-                    pickled: Mapping[str, Any], dest: str, root_identity: tuple[Any, ...],
-                    fsync: bool) -> None:
-    """Download the selection into scratch files, verify it, then commit it with ``write_tree``.
-
-    The cache entry is written like any local tree (staging directory, writer lock, rename), so
-    an interrupted download leaves no entry at all; the scratch directory is always removed.
-    """
-    parent, name = os.path.split(dest)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        scratch = scratch_path(parent, name)
-        os.mkdir(scratch, 0o700)
-    except OSError as err:
-        raise storage_error(err, f"creating a download directory in {parent}") from err
-    fds: dict[str, int] = {}
-    try:
-        for i, leaf in enumerate(leaves):
-            path = os.path.join(scratch, f"{i}.memmap")
-            create_leaf(path, None, leaf.meta.nbytes, reserve=True)
-            fds[leaf.rel] = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-
-        def sink(leaf: _Leaf, start: int, data: bytes) -> None:
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(fds[leaf.rel], view, start + len(data) - len(view)) :]
-
-        _fetch(remote, pool, leaves, sink)
-        _final_checks(remote, pool, leaves, root_identity)
-        _run_all(pool, lambda leaf: _check_digest(
-            leaf, lambda algo: file_checksum(fds[leaf.rel], leaf.meta.nbytes, algo)), leaves)
-        tensors = {
-            leaf.rel: MemoryMappedTensor.from_filename(
-                os.path.join(scratch, f"{i}.memmap"), leaf.meta.dtype, leaf.meta.shape, mode="r")
-            for i, leaf in enumerate(leaves)
-        }
-        level = _build(top, tensors, pickled, torch.device("cpu"))
+    def digest(leaf: _Leaf) -> str:
+        algo = leaf.meta.checksum.partition(":")[0] if leaf.meta.checksum else "crc32"
+        fd = download.open_read(leaf.rel)
         try:
-            write_tree(dest, level, existsok=False, copy_existing=True, allow_pickle=True,
-                       num_threads=remote.num_threads, fsync=fsync, checksum="crc32")
-        except (DestinationExistsError, LockError):
-            if not os.path.isfile(os.path.join(dest, META_NAME)):
-                raise
-            # another process committed the same entry meanwhile: use theirs
+            found = file_checksum(fd, leaf.meta.nbytes, algo)
+        finally:
+            os.close(fd)
+        _check_digest(storage, leaf, lambda _: found)
+        return found
+
+    try:
+        for lvl in levels[1:]:  # breadth first: parents before children
+            download.make_dir(lvl.rel)
+        _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"))
+        _final_checks(storage, pool, leaves, root_info)
+        sums = dict(zip((leaf.rel for leaf in leaves), map_all(pool, digest, leaves)))
+        for rel, data in pickled.items():
+            download.write_file(rel, data)
+        for lvl in levels:
+            entries = tuple(
+                dataclasses.replace(e, checksum=sums[lvl.file(e.file)], capacity=None) if isinstance(e, LeafMeta) else e
+                for e in lvl.meta.entries
+            )
+            download.write_file(lvl.file(META_NAME), dump_level(dataclasses.replace(lvl.meta, entries=entries)))
+        return download.commit()
     except OSError as err:
         if isinstance(err, MemtreeError):
             raise
-        raise storage_error(err, f"downloading {remote.url} into the cache entry {dest}") from err
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-        shutil.rmtree(scratch, ignore_errors=True)
+        raise storage_error(err, f"downloading {storage.describe('')} into the cache entry {download.dest}") from err
+
+
+def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
+           pickled: Mapping[str, Any], device: torch.device) -> Level:
+    by_keys = {lvl.keys: lvl for lvl in levels}
+
+    def build(lvl: WalkedLevel) -> Level:
+        out = Level(lvl.meta.batch_size, {}, lvl.meta.type)
+        for e in lvl.meta.entries:
+            if isinstance(e, LeafMeta):
+                if device.type == "meta":
+                    out.entries[e.key] = torch.empty(e.shape, dtype=e.dtype, device="meta")
+                else:
+                    t = tensors[lvl.file(e.file)]
+                    out.entries[e.key] = t if device.type == "cpu" else t.to(device)
+            elif isinstance(e, ChildMeta):
+                out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])
+            elif isinstance(e, JsonMeta):
+                out.entries[e.key] = NonTensor(e.value)
+            elif device.type == "meta":
+                out.entries[e.key] = NonTensor(UnloadedPickle(storage.describe(lvl.file(e.file))))
+            else:
+                out.entries[e.key] = NonTensor(pickled[lvl.file(e.file)])
+        return out
+
+    return build(levels[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,72 +474,69 @@ def upload(
     """
     check_checksum_option(checksum)
     level = as_level(tree)
-    if level is not None:
-        pass
-    elif isinstance(tree, (str, os.PathLike)):
+    if level is None:
+        if not isinstance(tree, (str, os.PathLike)):
+            raise SourceError(f"upload() takes a TensorTree or a local memtree directory, got {type(tree).__name__}")
         level = read_tree(tree, mode="r", allow_pickle=allow_pickle)
-    else:
-        raise TypeError(f"upload() takes a TensorTree or a local memtree directory, got {type(tree).__name__}")
     plan = plan_write(level, allow_pickle=allow_pickle, copy_existing=True)
-    remote = _Remote(url, storage_options, max(num_threads, 1), DEFAULT_CHUNK_BYTES, retries)
-    fs, root = remote.fs, remote.root
-    root_meta = _join(root, META_NAME)
-    old = _existing_objects(remote, existsok)
+    storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=None)
+    fs = storage.fs
+    root_meta = storage.path(META_NAME)
+    old = _existing_objects(storage, existsok)
     if old and fs.exists(root_meta):
-        _retry(lambda: fs.rm_file(root_meta), f"un-committing the old tree at {url}", retries)
+        with_retries(lambda: fs.rm_file(root_meta), f"un-committing the old tree at {url}", retries)
 
     def put_leaf(job: Any) -> tuple[str, str | None]:
-        path = _join(root, job.rel)
+        path = storage.path(job.rel)
         data = to_storable(job.tensor, f"leaf {job.where}")
         view = byte_view(data)
-        _retry(lambda: _put(fs, path, view), f"uploading leaf {job.where} to {path}", retries)
+        with_retries(lambda: _put(fs, path, view), f"uploading leaf {job.where} to {path}", retries)
         return job.rel, tensor_checksum(data, checksum) if checksum else None
 
-    with ThreadPoolExecutor(remote.num_threads, thread_name_prefix="memtree-upload") as pool:
-        sums = dict(_run_all(pool, put_leaf, plan.leaves))
+    with ThreadPoolExecutor(max(num_threads, 1), thread_name_prefix="memtree-upload") as pool:
+        sums = dict(map_all(pool, put_leaf, plan.leaves))
         for rel, data in plan.pickles:
-            _retry(lambda: fs.pipe_file(_join(root, rel), data), f"uploading {rel}", retries)
-    written = {_join(root, j.rel) for j in plan.leaves} | {_join(root, rel) for rel, _ in plan.pickles}
+            with_retries(lambda: fs.pipe_file(storage.path(rel), data), f"uploading {rel}", retries)
+    written = {storage.path(j.rel) for j in plan.leaves} | {storage.path(rel) for rel, _ in plan.pickles}
     for lp in plan.levels:  # deepest first, the root's meta.json last
         meta = dataclasses.replace(lp.meta, entries=tuple(_with_sum(e, lp.rel, sums) for e in lp.meta.entries))
-        path = _join(root, f"{lp.rel}/{META_NAME}" if lp.rel else META_NAME)
+        path = storage.path(f"{lp.rel}/{META_NAME}" if lp.rel else META_NAME)
         written.add(path)
         if lp.rel:
-            _retry(lambda: fs.pipe_file(path, dump_level(meta)), f"uploading {path}", retries)
+            with_retries(lambda: fs.pipe_file(path, dump_level(meta)), f"uploading {path}", retries)
         else:
-            _commit(remote, path, dump_level(dataclasses.replace(meta, save_id=uuid.uuid4().hex)))
+            commit_root(storage, dump_level(dataclasses.replace(meta, save_id=uuid.uuid4().hex)))
     stale = [p for p in old if p not in written and p.rsplit("/", 1)[-1].endswith((LEAF_SUFFIX, PICKLE_SUFFIX, META_NAME))]
     if stale:
-        _retry(lambda: fs.rm(stale), f"deleting {len(stale)} stale objects of the old tree at {url}", retries)
+        with_retries(lambda: fs.rm(stale), f"deleting {len(stale)} stale objects of the old tree at {url}", retries)
 
 
-def _existing_objects(remote: _Remote, existsok: bool) -> list[str]:
+def _existing_objects(storage: FsspecStorage, existsok: bool) -> list[str]:
     """The objects under the destination prefix; refuse them unless ``existsok``."""
-    fs, root = remote.fs, remote.root
+    fs, root = storage.fs, storage.root
     try:
-        old = [] if remote.http else list(fs.find(root))
+        old = [] if storage.http is not None else list(fs.find(root))
     except (FileNotFoundError, NotImplementedError):
         old = []
-    meta_path = _join(root, META_NAME)
+    meta_path = storage.path(META_NAME)
     if fs.exists(meta_path):
-        data = remote.cat(meta_path, f"reading {remote.url}/{META_NAME}")
         try:
-            parse_level(data, _join(remote.url, META_NAME))
+            parse_level(storage.read_meta(""), storage.describe(META_NAME))
         except MemtreeError as err:
             raise DestinationExistsError(
-                f"{remote.url} holds a {META_NAME} that is not a memtree's ({err}); memtree never "
+                f"{storage.url} holds a {META_NAME} that is not a memtree's ({err}); memtree never "
                 "replaces it. Choose another URL"
             ) from None
         old = old or [meta_path]
     if old and not existsok:
         raise DestinationExistsError(
-            f"{remote.url} already holds objects; pass existsok=True to replace the tree there, "
+            f"{storage.url} already holds objects; pass existsok=True to replace the tree there, "
             "or choose another URL"
         )
     return old
 
 
-def _put(fs: AbstractFileSystem, path: str, view: memoryview) -> None:
+def _put(fs: Any, path: str, view: memoryview) -> None:
     if len(view) <= _UPLOAD_PART_BYTES:
         fs.pipe_file(path, bytes(view))
         return
@@ -759,22 +553,24 @@ def _with_sum(e: Entry, rel: str, sums: Mapping[str, str | None]) -> Entry:
     return e
 
 
-def _commit(remote: _Remote, path: str, data: bytes) -> None:
-    """Create the root meta.json unless another writer committed meanwhile (where supported)."""
+def commit_root(storage: FsspecStorage, data: bytes) -> None:
+    """Create the root ``meta.json`` unless another writer committed one meanwhile (where the
+    store can refuse an existing object: ``mode="create"``, S3 ``IfNoneMatch``)."""
+    path = storage.path(META_NAME)
     conflict = DestinationExistsError(
-        f"another writer committed a tree at {remote.url} while this upload ran; its tree is "
+        f"another writer committed a tree at {storage.url} while this upload ran; its tree is "
         "kept. Upload again with existsok=True to replace it"
     )
 
     def attempt() -> None:
         try:
-            remote.fs.pipe_file(path, data, mode="create")
+            storage.fs.pipe_file(path, data, mode="create")
         except OSError as err:
-            if not (isinstance(err, FileExistsError) or _status(err) == 412
-                    or (remote.s3 and err.errno == errno.EINVAL)):
+            if not (isinstance(err, FileExistsError) or http_status(err) == 412
+                    or (storage.s3 and err.errno == errno.EINVAL)):
                 raise
             # an earlier attempt may have succeeded before its answer was lost
-            if remote.cat(path, f"reading back {path}") != data:
+            if storage.read_meta("") != data:
                 raise conflict from err
 
-    _retry(attempt, f"committing {path}", remote.retries)
+    with_retries(attempt, f"committing {path}", storage.retries)
