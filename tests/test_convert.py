@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import memtree
+from memtree.store.options import WriteOptions
 from memtree.store import files as fileio
 from memtree.cli import main
 from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
@@ -520,7 +521,7 @@ def test_a_checksum_hashes_the_copied_bytes(
                 for k, v in sd.items()
             },
         )
-        write_tree(tmp_path / "tree", level, checksum=algorithm)
+        write_tree(tmp_path / "tree", level, WriteOptions.of(checksum=algorithm))
     assert not spies.copied  # a checksum needs the bytes: read through the small buffer
     assert loaded_bytes(tmp_path / "tree") == {k: as_bytes(v) for k, v in sd.items()}
     meta = json.loads((tmp_path / "tree" / "meta.json").read_bytes())

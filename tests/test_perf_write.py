@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import memtree
+from memtree.store.options import WriteOptions
 from memtree import TensorTree
 from memtree.store import commit as commit_mod
 from memtree.store import files as fileio
@@ -441,7 +442,7 @@ def test_returned_tree_holds_the_metadata_as_written(tmp_path, checksum):
     from memtree.format.level import Level
 
     level = Level((2,), {"x": torch.arange(4).reshape(2, 2), "sub": Level((2,), {"y": torch.ones(2, 3)})})
-    root = write_mod.write_tree(tmp_path / "t", level, checksum=checksum)
+    root = write_mod.write_tree(tmp_path / "t", level, WriteOptions.of(checksum=checksum))
     on_disk = parse_level((tmp_path / "t" / "meta.json").read_bytes(), "meta.json")
     assert root.meta == on_disk and on_disk.save_id is not None
     sub = root.load()["sub"]

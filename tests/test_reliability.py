@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 import memtree
+from memtree.store.options import WriteOptions
 from memtree import TensorTree
 from memtree.store import commit as commit_mod
 from memtree.store import write as write_mod
@@ -672,7 +673,7 @@ def test_unknown_checksum_algorithm_refused_before_writing(parent, bad):
 
 def test_memmap_like_takes_no_checksum(parent):
     with pytest.raises(ValueError):
-        write_mod.write_tree(str(parent / "t"), sample()._to_level(), like=True, checksum="crc32")
+        write_mod.write_tree(str(parent / "t"), sample()._to_level(), WriteOptions.of(like=True, checksum="crc32"))
     assert os.listdir(parent) == []
 
 

@@ -320,7 +320,7 @@ def test_missing_key_and_remote_only_options(mem_url, tmp_path):
     with pytest.raises(memtree.MemtreeKeyError, match="nope"):
         memtree.load_memmap(mem_url, keys=[("nested", "nope")])
     TensorTree({"a": torch.ones(1)}).memmap(str(tmp_path / "local"))
-    with pytest.raises(TypeError, match="cache_dir"):
+    with pytest.raises(memtree.InvalidArgumentError, match="cache_dir"):
         memtree.load_memmap(str(tmp_path / "local"), cache_dir=str(tmp_path))
 
 

@@ -20,6 +20,7 @@ from memtree import TensorTree
 from memtree.format.names import META_NAME
 from memtree.format.schema import MAX_META_BYTES, ChildMeta, LeafMeta, LevelMeta, dump_level
 from memtree.store.storage import LocalStorage, split_rel
+from memtree.store.options import ReadOptions, normalize_keys
 from memtree.store.walk import walk
 
 
@@ -140,13 +141,13 @@ def test_walk_orders(tree_dir):
 def test_walk_reads_only_the_selected_levels(tree_dir):
     with LocalStorage(tree_dir) as inner:
         s = CountingStorage(inner)
-        levels = list(walk(s, keys=[("b", "d", "e")]))  # type: ignore[arg-type]
+        levels = list(walk(s, selection=normalize_keys([("b", "d", "e")])))
         assert s.metas == ["", "b", "b/d"]  # never f/
         assert [[e.key for e in lvl.meta.entries] for lvl in levels] == [["b"], ["d"], ["e"]]
         with pytest.raises(memtree.MemtreeKeyError, match="nope"):
-            list(walk(inner, keys=[("b", "nope")]))
+            list(walk(inner, selection=normalize_keys([("b", "nope")])))
         with pytest.raises(memtree.MemtreeKeyError, match="not a sub-tree"):
-            list(walk(inner, keys=[("a", "x")]))
+            list(walk(inner, selection=normalize_keys([("a", "x")])))
 
 
 def test_walk_checks_batch_sizes_nest_and_reports_with_on_error(tmp_path):
@@ -202,8 +203,8 @@ def test_local_and_fsspec_storage_walk_and_fetch_the_same(tmp_path_factory, data
             b = [(lvl.keys, lvl.dirs, lvl.meta.entries) for lvl in walk(remote)]
             strip = lambda levels: [(k, d, [e for e in es if not isinstance(e, LeafMeta)]) for k, d, es in levels]  # noqa: E731
             assert strip(a) == strip(b)  # the uploaded leaves also carry checksums
-            one = fetch_tree(s, cache_key=local, chunk_bytes=7)
-            two = fetch_tree(remote, cache_key=url, chunk_bytes=7)
+            one = fetch_tree(s, ReadOptions(), cache_key=local, chunk_bytes=7)
+            two = fetch_tree(remote, ReadOptions(), cache_key=url, chunk_bytes=7)
         for key in tree.keys(include_nested=True, leaves_only=True):
             want = tree[key].contiguous().view(-1).view(torch.uint8)
             assert _get(one, key).reshape(-1).view(torch.uint8).equal(want)

@@ -25,6 +25,7 @@ from torch.futures import Future
 from ..errors import LimitError, MetaFormatError, NotAMemtreeError, UnsafePathError
 from ..format.level import Level
 from ..format.values import NonTensor
+from ..store.options import ReadOptions
 from ..store.read import read_tree
 from .planners import deliver_bytes
 from ..format.dcp_json import DCP_NAME, MAX_DCP_BYTES, parse_dcp
@@ -106,7 +107,7 @@ class Reader(StorageReader):
         """Copy each requested region out of the mapped leaves; JSON values to the planner."""
         assert self._metadata is not None
         wanted = sorted({self._paths[item.storage_index.fqn] for item in plan.items})
-        tree = read_tree(self.path, keys=wanted, mode="r") if wanted else Level(())
+        tree = read_tree(self.path, ReadOptions.of(keys=wanted, mode="r")) if wanted else Level(())
         for item in plan.items:
             fqn = item.storage_index.fqn
             value = _lookup(tree, self._paths[fqn])

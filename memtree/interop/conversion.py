@@ -62,6 +62,7 @@ from ..store.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
 from ..store.progress import Progress
 from ..store.read import read_tree
+from ..store.options import ReadOptions, WriteOptions
 from ..store.write import write_tree
 from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
@@ -361,7 +362,7 @@ class _Stream:
         if kind == "tensordict":
             mapped = read_tensordict_dir(src, mode="r")
         else:
-            mapped = read_tree(src, mode="r", allow_pickle=allow_pickle)
+            mapped = read_tree(src, ReadOptions(mode="r", allow_pickle=allow_pickle))
         self.level = self._rebuild(mapped)
 
     def _rebuild(self, level: Level) -> Level:
@@ -500,11 +501,7 @@ def convert(
                 )
             else:
                 write_tree(
-                    dst_path,
-                    stream.level,
-                    existsok=existsok,
-                    fsync=fsync,
-                    allow_pickle=allow_pickle,
+                    dst_path, stream.level, WriteOptions.of(existsok=existsok, fsync=fsync, allow_pickle=allow_pickle)
                 )
     finally:
         stream.close()

@@ -1,9 +1,16 @@
-"""Options shared by the readers and writers of the store, validated once.
+"""How the store reads and writes a tree: :class:`ReadOptions` and :class:`WriteOptions`, checked once.
+
+The public entry points (:meth:`memtree.TensorTree.load_memmap`, :meth:`~memtree.TensorTree.memmap`,
+:func:`memtree.remote.load`...) keep the keyword arguments the SPEC names; each builds one options
+object, checked here, and every reader and writer below takes that object instead of declaring
+the keywords again. ``keys=`` becomes a *selection*: a trie of the requested keys
+(:func:`normalize_keys`), applied to each level by :func:`select_entries`.
 
 Example:
-    >>> check_mode("r")
-    'r'
-    >>> check_mode("w")
+    >>> opts = ReadOptions.of(keys=["a", ("b", "c")], mode="r")
+    >>> opts.selection, opts.readonly
+    ({'a': None, 'b': {'c': None}}, True)
+    >>> ReadOptions.of(mode="w")
     Traceback (most recent call last):
     ...
     memtree.errors.InvalidArgumentError: mode must be 'r' (read-only) or 'r+' (writes reach the files), got 'w'
@@ -11,12 +18,36 @@ Example:
 
 from __future__ import annotations
 
-from ..errors import InvalidArgumentError
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Union
 
-__all__ = ["MODES", "check_mode"]
+import torch
+
+from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
+from ..format.schema import ChildMeta, LevelMeta
+from .files import check_checksum_option
+
+__all__ = [
+    "MODES",
+    "KeySelection",
+    "Selection",
+    "check_mode",
+    "normalize_keys",
+    "select_entries",
+    "ReadOptions",
+    "WriteOptions",
+]
 
 #: How a loaded tree's files are mapped: ``"r"`` read-only, ``"r+"`` writes reach the files.
 MODES = ("r", "r+")
+
+KeySelection = Union[str, tuple[str, ...]]
+"""A ``keys=`` entry: a top-level key, or a tuple path to a nested one."""
+
+Selection = dict[str, Any]
+"""A trie of selected keys: key -> the selection below it, or ``None`` for everything below."""
 
 
 def check_mode(mode: object) -> str:
@@ -26,3 +57,178 @@ def check_mode(mode: object) -> str:
             f"mode must be 'r' (read-only) or 'r+' (writes reach the files), got {mode!r:.40}"
         )
     return str(mode)
+
+
+def normalize_keys(keys: Iterable[KeySelection] | KeySelection) -> Selection:
+    """Turn ``["a", ("b", "c")]`` into a selection trie ``{"a": None, "b": {"c": None}}``.
+
+    Raises:
+        KeyTypeError: ``keys`` is not a list of str or tuples of str.
+        MemtreeKeyError: an empty key.
+    """
+    if isinstance(keys, (str, tuple)):
+        keys = [keys]
+    if not isinstance(keys, Iterable):
+        raise KeyTypeError(f"keys= takes a list of keys (str, or tuples of str), got {type(keys).__name__} {keys!r:.60}")
+    trie: Selection = {}
+    for key in keys:
+        if not isinstance(key, (str, tuple)) or not all(isinstance(p, str) for p in (key if isinstance(key, tuple) else ())):
+            raise KeyTypeError(f"keys= entries must be str or tuples of str, got {type(key).__name__} {key!r:.60}")
+        parts = (key,) if isinstance(key, str) else key
+        if not parts or not all(isinstance(p, str) and p for p in parts):
+            raise MemtreeKeyError(f"keys= entries must be non-empty str or tuples of str, got {key!r}")
+        node = trie
+        for part in parts[:-1]:
+            sub = node.setdefault(part, {})
+            if sub is None:  # a parent is already fully selected
+                break
+            node = sub
+        else:
+            node[parts[-1]] = None
+    return trie
+
+
+def select_entries(meta: LevelMeta, selection: Selection | None, path: tuple[str, ...], where: str) -> LevelMeta:
+    """The level with only the entries a selection asks for, in selection order.
+
+    Raises:
+        MemtreeKeyError: a selected key is not at this level (names the key and the keys there),
+            or the selection asks for keys inside a leaf.
+    """
+    if selection is None:
+        return meta
+    by_key = {e.key: e for e in meta.entries}
+    missing = [k for k in selection if k not in by_key]
+    if missing:
+        full = path + (missing[0],)
+        raise MemtreeKeyError(
+            f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
+            f"(keys there: {sorted(by_key)[:20]})"
+        )
+    for k, sub in selection.items():
+        if sub is not None and not isinstance(by_key[k], ChildMeta):
+            full = path + (k,)
+            raise MemtreeKeyError(
+                f"keys= asks for keys inside {full if len(full) > 1 else full[0]!r} at {where}, but it is a "
+                f"leaf, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
+            )
+    return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
+
+
+def _flag(name: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r:.40}")
+    return value
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """What to read and how: the selection, the mapping mode, where leaves go, which checks.
+
+    Build it with :meth:`of` (which checks every value); the fields are then trusted.
+
+    Attributes:
+        selection: the ``keys=`` trie (:func:`normalize_keys`), or ``None`` for every key.
+        mode: ``"r+"`` (writes reach the files) or ``"r"`` (read-only mappings).
+        mmap: map leaves (``True``) or read them into memory.
+        device: ``None`` (leaves where they are read: the CPU), ``meta`` (structure only, no leaf
+            file opened) or another device (leaves copied there).
+        allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True``.
+        verify: hash each leaf that records a checksum, refusing a mismatch.
+    """
+
+    selection: Selection | None = None
+    mode: str = "r+"
+    mmap: bool = True
+    device: torch.device | None = None
+    allow_pickle: bool = False
+    verify: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        keys: Iterable[KeySelection] | KeySelection | None = None,
+        mode: str = "r+",
+        mmap: bool = True,
+        device: torch.device | str | None = None,
+        allow_pickle: bool = False,
+        verify: bool = False,
+    ) -> ReadOptions:
+        """Check and normalise the public keyword arguments of a load.
+
+        Raises:
+            InvalidArgumentError: a bad ``mode``, flag or device.
+            KeyTypeError, MemtreeKeyError: a bad ``keys=`` entry.
+        """
+        try:
+            dev = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as err:
+            raise InvalidArgumentError(f"device must name a torch device, got {device!r:.40} ({err})") from None
+        return cls(
+            normalize_keys(keys) if keys is not None else None,
+            check_mode(mode),
+            _flag("mmap", mmap),
+            dev,
+            _flag("allow_pickle", allow_pickle),
+            _flag("verify", verify),
+        )
+
+    @property
+    def readonly(self) -> bool:
+        """True for ``mode="r"``."""
+        return self.mode == "r"
+
+    @property
+    def target(self) -> torch.device:
+        """Where leaves end up: ``device``, or the CPU."""
+        return self.device if self.device is not None else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a tree is written (:func:`memtree.store.write.write_tree`), checked by :meth:`of`.
+
+    Attributes:
+        like: create zero-filled (sparse) files instead of copying data (``memmap_like``).
+        num_threads: write files with up to this many threads (0: the calling thread).
+        existsok: allow replacing an existing memtree directory (atomically).
+        fsync: fsync files and directories so the commit survives power loss.
+        reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
+        allow_pickle: pickle non-tensor values JSON cannot hold.
+        copy_existing: copy leaves already memory-mapped from another prefix.
+        checksum: ``"crc32"`` or ``"sha256"``: record each leaf's checksum (not with ``like``).
+        progress: a progress bar of the bytes written: ``None`` on a terminal only.
+    """
+
+    like: bool = False
+    num_threads: int = 0
+    existsok: bool = True
+    fsync: bool = False
+    reserve: bool = False
+    allow_pickle: bool = False
+    copy_existing: bool = False
+    checksum: str | None = None
+    progress: bool | None = None
+
+    @classmethod
+    def of(cls, **kwargs: Any) -> WriteOptions:
+        """Check the keyword arguments of a write (the fields of this class).
+
+        Raises:
+            InvalidArgumentError: an unknown option, a bad flag, thread count or checksum name.
+        """
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InvalidArgumentError(f"unknown write options {unknown}")
+        options = cls(**kwargs)
+        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing"):
+            _flag(name, getattr(options, name))
+        if type(options.num_threads) is not int or options.num_threads < 0:
+            raise InvalidArgumentError(f"num_threads must be an int >= 0, got {options.num_threads!r:.40}")
+        check_checksum_option(options.checksum)
+        if options.like and options.checksum is not None:
+            raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
+        if options.progress is not None:
+            _flag("progress", options.progress)
+        return options

@@ -45,15 +45,14 @@ import stat
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from ..errors import (
     IntegrityError,
-    KeyTypeError,
     LeafSizeError,
     LimitError,
     MemtreeError,
@@ -72,7 +71,7 @@ from ..format.level import Level, Value
 from .mapped import map_leaf
 from ..format.values import NonTensor, UnloadedPickle
 from ..format.names import is_uncommitted_name
-from .options import check_mode
+from .options import ReadOptions, Selection, select_entries
 
 __all__ = [
     "read_tree",
@@ -84,72 +83,13 @@ __all__ = [
     "read_meta_bytes",
     "walk_levels",
     "held_dirs_budget",
-    "select_entries",
     "open_dir",
     "META_FLAGS",
-    "KeySelection",
-    "normalize_keys",
 ]
 
-KeySelection = Union[str, tuple[str, ...]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-
-_Trie = dict[str, Any]  # key -> sub-trie, or None for "everything below"
-
-
-def normalize_keys(keys: Iterable[KeySelection]) -> _Trie:
-    """Turn ``["a", ("b", "c")]`` into a selection trie ``{"a": None, "b": {"c": None}}``."""
-    if isinstance(keys, (str, tuple)):
-        keys = [keys]
-    if not isinstance(keys, Iterable):
-        raise KeyTypeError(f"keys= takes a list of keys (str, or tuples of str), got {type(keys).__name__} {keys!r:.60}")
-    trie: _Trie = {}
-    for key in keys:
-        if not isinstance(key, (str, tuple)) or not all(isinstance(p, str) for p in (key if isinstance(key, tuple) else ())):
-            raise KeyTypeError(f"keys= entries must be str or tuples of str, got {type(key).__name__} {key!r:.60}")
-        parts = (key,) if isinstance(key, str) else key
-        if not parts or not all(isinstance(p, str) and p for p in parts):
-            raise MemtreeKeyError(f"keys= entries must be non-empty str or tuples of str, got {key!r}")
-        node = trie
-        for part in parts[:-1]:
-            sub = node.setdefault(part, {})
-            if sub is None:  # a parent is already fully selected
-                break
-            node = sub
-        else:
-            node[parts[-1]] = None
-    return trie
-
-
-def select_entries(
-    meta: LevelMeta, selection: _Trie | None, path: tuple[str, ...], where: str
-) -> LevelMeta:
-    """The level with only the entries a ``keys=`` selection asks for, in selection order.
-
-    Raises:
-        MemtreeKeyError: a selected key is not at this level (names the key and the keys there).
-    """
-    if selection is None:
-        return meta
-    by_key = {e.key: e for e in meta.entries}
-    missing = [k for k in selection if k not in by_key]
-    if missing:
-        full = path + (missing[0],)
-        raise MemtreeKeyError(
-            f"key {full if len(full) > 1 else full[0]!r} is not in the tree at {where} "
-            f"(keys there: {sorted(by_key)[:20]})"
-        )
-    for k, sub in selection.items():
-        if sub is not None and not isinstance(by_key[k], ChildMeta):
-            full = path + (k,)
-            raise MemtreeKeyError(
-                f"keys= asks for keys inside {full if len(full) > 1 else full[0]!r} at {where}, but it is a "
-                f"leaf, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
-            )
-    return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
-
 
 def open_dir(name: str, where: str, dir_fd: int | None) -> int:
     """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
@@ -288,36 +228,20 @@ def walk_levels(
             os.close(fd)
 
 
-def read_tree(
-    prefix: str | os.PathLike[str],
-    *,
-    keys: Iterable[KeySelection] | None = None,
-    mode: str = "r+",
-    mmap: bool = True,
-    device: torch.device | str | None = None,
-    allow_pickle: bool = False,
-    verify: bool = False,
-) -> Level:
+def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None) -> Level:
     """Load a tree's structure and every selected leaf now (see the module docstring).
 
     Raises:
-        IntegrityError: ``verify=True`` and a leaf's bytes do not match its recorded checksum.
+        IntegrityError: ``options.verify`` and a leaf's bytes do not match its recorded checksum.
         MemtreeError: the directory is missing, damaged, hostile, or lacks a requested key.
     """
-    return open_tree(
-        prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify
-    ).load_all()
+    return open_tree(prefix, options).load_all()
 
 
 def open_tree(
     prefix: str | os.PathLike[str],
+    options: ReadOptions | None = None,
     *,
-    keys: Iterable[KeySelection] | None = None,
-    mode: str = "r+",
-    mmap: bool = True,
-    device: torch.device | str | None = None,
-    allow_pickle: bool = False,
-    verify: bool = False,
     written: Mapping[tuple[str, ...], LevelMeta] | None = None,
 ) -> PendingLevel:
     """Open a tree and validate its root ``meta.json``; its levels load when asked for.
@@ -343,7 +267,7 @@ def open_tree(
         NotCommittedError: ``prefix`` is a staging directory or an old copy of an unfinished write.
         MemtreeError: the root is missing, damaged, hostile, or lacks a requested key.
     """
-    check_mode(mode)
+    options = options if options is not None else ReadOptions()
     root = os.path.realpath(os.fspath(prefix))
     if is_uncommitted_name(os.path.basename(root)):
         raise NotCommittedError(
@@ -351,11 +275,9 @@ def open_tree(
             "is not a committed tree. memtree.recover() on its parent directory restores or "
             "deletes it"
         )
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    selection = normalize_keys(keys) if keys is not None else None
-    source = _Source(root, open_dir(root, root, None), _Reader(mode, mmap, dev, allow_pickle, verify), written)
+    source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
-    return PendingLevel(source, (), root, (), select_entries(meta, selection, (), root), selection)
+    return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
 
 
 _LOCK = threading.RLock()  # loading a pending level (threads share trees)
@@ -532,7 +454,7 @@ class PendingLevel:
     where: str
     keys: tuple[str, ...]
     meta: LevelMeta
-    selection: _Trie | None
+    selection: Selection | None
     #: The level's directory, kept open from its parent's load (see :data:`MAX_HELD_DIRS`).
     _fd: int | None = dataclasses.field(default=None, repr=False)
     _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
@@ -640,14 +562,16 @@ class PendingLevel:
 
 
 class _Reader:
-    def __init__(self, mode: str, mmap: bool, device: torch.device, allow_pickle: bool, verify: bool) -> None:
-        self.readonly = mode == "r"
-        self.mmap = mmap
-        self.device = device
-        self.on_cpu = device.type == "cpu"
-        self.on_meta = device.type == "meta"
-        self.allow_pickle = allow_pickle
-        self.verify = verify
+    """Reads leaves as :class:`~memtree.store.options.ReadOptions` say (device kind decided once)."""
+
+    def __init__(self, options: ReadOptions) -> None:
+        self.readonly = options.readonly
+        self.mmap = options.mmap
+        self.device = options.target
+        self.on_cpu = self.device.type == "cpu"
+        self.on_meta = self.device.type == "meta"
+        self.allow_pickle = options.allow_pickle
+        self.verify = options.verify
 
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
         if self.on_meta:

@@ -82,11 +82,12 @@ from .files import (
     tensor_checksum,
 )
 from .mapped import to_storable
-from .options import check_mode
+from .options import ReadOptions, WriteOptions
 from .read import read_tree
 from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 from .storage import FileInfo, Storage, http_status, with_retries
-from .walk import KeySelection, WalkedLevel, map_all, normalize_keys, walk
+from .options import KeySelection
+from .walk import WalkedLevel, map_all, walk
 from .write import plan_write
 
 __all__ = ["load", "upload", "fetch_tree", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
@@ -175,23 +176,37 @@ def load(
         >>> sorted(load("memory://ex/t", keys=[("b", "c")]).entries)
         ['b']
     """
+    options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
+    return load_url(url, options, storage_options=storage_options, cache_dir=cache_dir, num_threads=num_threads,
+                    chunk_bytes=chunk_bytes, retries=retries, timeout=timeout, allow_redirects=allow_redirects,
+                    fsync=fsync)
+
+
+def load_url(
+    url: str,
+    options: ReadOptions,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    retries: int = 3,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    allow_redirects: str = "same-origin",
+    fsync: bool = False,
+) -> Level:
+    """:func:`load` with its reading options already checked (:func:`memtree.store.open.open_prefix`)."""
     storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=timeout,
                             allow_redirects=allow_redirects)
-    return fetch_tree(storage, cache_key=url, keys=keys, device=device, mode=mode, mmap=mmap,
-                      allow_pickle=allow_pickle, verify=verify, cache_dir=cache_dir,
-                      num_threads=num_threads, chunk_bytes=chunk_bytes, fsync=fsync)
+    return fetch_tree(storage, options, cache_key=url, cache_dir=cache_dir, num_threads=num_threads,
+                      chunk_bytes=chunk_bytes, fsync=fsync)
 
 
 def fetch_tree(
     storage: Storage,
+    options: ReadOptions,
     *,
     cache_key: str,
-    keys: Iterable[KeySelection] | None = None,
-    device: torch.device | str | None = None,
-    mode: str = "r+",
-    mmap: bool = True,
-    allow_pickle: bool = False,
-    verify: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     num_threads: int = DEFAULT_NUM_THREADS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -207,32 +222,31 @@ def fetch_tree(
         >>> from memtree.store.storage import LocalStorage
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
-        >>> fetch_tree(LocalStorage(d), cache_key=d, chunk_bytes=8).entries["x"].tolist()
+        >>> from memtree.store.options import ReadOptions
+        >>> fetch_tree(LocalStorage(d), ReadOptions(), cache_key=d, chunk_bytes=8).entries["x"].tolist()
         [0, 1, 2]
     """
-    check_mode(mode)
     if num_threads < 1:
         raise InvalidArgumentError(f"num_threads must be >= 1 for a remote tree, got {num_threads}")
     if chunk_bytes < 1:
         raise InvalidArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    selection = normalize_keys(keys) if keys is not None else None
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    selection = options.selection
+    dev = options.target
     root_info = storage.stat(META_NAME)  # before the read: a later change shows in the re-stat
     root_bytes = storage.read_meta("")
     root_meta = parse_level(root_bytes, storage.describe(META_NAME), depth=0)
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:
-            return read_tree(hit, keys=keys, mode=mode, mmap=mmap, device=device,
-                             allow_pickle=allow_pickle, verify=verify)
+            return read_tree(hit, options)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
-        levels = list(walk(storage, keys=keys, pool=pool, root=root_meta))
+        levels = list(walk(storage, selection=selection, pool=pool, root=root_meta))
         leaves = [_Leaf(lvl.file(e.file), e, _label(lvl.keys + (e.key,)))
                   for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
             return _build(storage, levels, {}, {}, dev)
-        if pickles and not allow_pickle:
+        if pickles and not options.allow_pickle:
             rel, entry = pickles[0]
             raise PickleNotAllowedError(
                 f"non-tensor leaf {entry.key!r} is pickled in {storage.describe(rel)}; unpickling "
@@ -245,7 +259,7 @@ def fetch_tree(
         name = entry_name(cache_key, root_bytes, selection)
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info)
-    return read_tree(committed, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle)
+    return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
 
 
 def _read_whole(storage: Storage, rel: str) -> bytes:
@@ -477,8 +491,8 @@ def upload(
     if level is None:
         if not isinstance(tree, (str, os.PathLike)):
             raise SourceError(f"upload() takes a TensorTree or a local memtree directory, got {type(tree).__name__}")
-        level = read_tree(tree, mode="r", allow_pickle=allow_pickle)
-    plan = plan_write(level, allow_pickle=allow_pickle, copy_existing=True)
+        level = read_tree(tree, ReadOptions(mode="r", allow_pickle=allow_pickle))
+    plan = plan_write(level, WriteOptions(allow_pickle=allow_pickle, copy_existing=True))
     storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=None)
     fs = storage.fs
     root_meta = storage.path(META_NAME)

@@ -76,8 +76,8 @@ from ..format.names import META_NAME
 from ..format.level import Level
 from .mapped import map_leaf
 from ..format.values import NonTensor
-from .read import KeySelection, normalize_keys, open_dir, read_meta_bytes
-from .options import check_mode
+from .read import open_dir, read_meta_bytes
+from .options import KeySelection, ReadOptions
 
 __all__ = ["is_tensordict_dir", "read_tensordict_dir"]
 
@@ -193,19 +193,18 @@ def read_tensordict_dir(
         PickleNotAllowedError: a key whose value only exists as a pickle sidecar.
         MissingLeafError, LeafSizeError, UnsafePathError: damaged or hostile files.
     """
-    check_mode(mode)
+    return read_tensordict_level(prefix, ReadOptions.of(keys=keys, mode=mode, mmap=mmap, device=device))
+
+
+def read_tensordict_level(prefix: str | os.PathLike[str], options: ReadOptions) -> Level:
+    """:func:`read_tensordict_dir` with its options already checked (``allow_pickle`` and
+    ``verify`` do not apply: sidecars are never unpickled, and tensordict records no checksums)."""
     root = os.path.realpath(os.fspath(prefix))
-    reader = _TensordictReader(
-        readonly=mode == "r",
-        mmap=mmap,
-        device=torch.device(device) if device is not None else torch.device("cpu"),
-    )
+    reader = _TensordictReader(readonly=options.readonly, mmap=options.mmap, device=options.target)
     fd = open_dir(root, root, None)
     try:
         doc = _read_json(fd, root)
-        return reader.container(
-            fd, root, doc, normalize_keys(keys) if keys is not None else None, (), 0, ()
-        )
+        return reader.container(fd, root, doc, options.selection, (), 0, ())
     finally:
         os.close(fd)
 

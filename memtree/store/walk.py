@@ -37,13 +37,12 @@ from typing import Any, TypeVar
 from ..errors import InvalidArgumentError, MemtreeError, MetaFormatError
 from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LevelMeta, parse_level
-from .read import KeySelection, normalize_keys, select_entries
+from .options import Selection, select_entries
 from .storage import Storage, join_rel
 
-__all__ = ["WalkedLevel", "walk", "read_level", "map_all", "KeySelection", "normalize_keys", "select_entries"]
+__all__ = ["WalkedLevel", "walk", "read_level", "map_all"]
 
 _T = TypeVar("_T")
-_Trie = dict[str, Any]
 #: ``on_error(where, keys, error)``: ``where`` is the file concerned, ``keys`` the level's key path.
 OnError = Callable[[str, tuple[str, ...], MemtreeError], None]
 
@@ -62,7 +61,7 @@ class WalkedLevel:
     dirs: tuple[str, ...]
     keys: tuple[str, ...]
     meta: LevelMeta
-    selection: _Trie | None = None
+    selection: Selection | None = None
 
     @property
     def rel(self) -> str:
@@ -100,7 +99,7 @@ def read_level(
     dirs: tuple[str, ...],
     keys: tuple[str, ...] = (),
     *,
-    selection: _Trie | None = None,
+    selection: Selection | None = None,
     parent: LevelMeta | None = None,
 ) -> WalkedLevel:
     """Read and validate the level at ``dirs``, check that its batch size starts with
@@ -135,13 +134,13 @@ def _nesting_problem(
 
 
 def _select(
-    storage: Storage, dirs: tuple[str, ...], keys: tuple[str, ...], meta: LevelMeta, selection: _Trie | None
+    storage: Storage, dirs: tuple[str, ...], keys: tuple[str, ...], meta: LevelMeta, selection: Selection | None
 ) -> WalkedLevel:
     where = storage.describe("/".join(dirs))
     return WalkedLevel(dirs, keys, select_entries(meta, selection, keys, where), selection)
 
 
-def _children(storage: Storage, level: WalkedLevel) -> list[tuple[tuple[str, ...], tuple[str, ...], _Trie | None]]:
+def _children(storage: Storage, level: WalkedLevel) -> list[tuple[tuple[str, ...], tuple[str, ...], Selection | None]]:
     """``(dirs, keys, selection)`` of the sub-levels to read below ``level``."""
     out = []
     sel = level.selection
@@ -155,7 +154,7 @@ def _children(storage: Storage, level: WalkedLevel) -> list[tuple[tuple[str, ...
 def walk(
     storage: Storage,
     *,
-    keys: Iterable[KeySelection] | None = None,
+    selection: Selection | None = None,
     order: str = "breadth",
     pool: Executor | None = None,
     root: LevelMeta | None = None,
@@ -165,7 +164,8 @@ def walk(
 
     Args:
         storage: where the tree is.
-        keys: str keys or tuples of them; ``None`` walks every level.
+        selection: the levels on the path to these keys (:func:`~memtree.store.options.normalize_keys`);
+            ``None`` walks every level.
         order: ``"breadth"`` (generation by generation) or ``"depth"`` (pre-order).
         pool: with ``order="breadth"``, read the sub-levels of a generation concurrently.
         root: the root's ``meta.json``, already read and parsed (it is not read again).
@@ -177,9 +177,8 @@ def walk(
     """
     if order not in ("breadth", "depth"):
         raise InvalidArgumentError(f"order must be 'breadth' or 'depth', got {order!r}")
-    selection = normalize_keys(keys) if keys is not None else None
 
-    def load(job: tuple[tuple[str, ...], tuple[str, ...], _Trie | None, LevelMeta | None]) -> WalkedLevel | None:
+    def load(job: tuple[tuple[str, ...], tuple[str, ...], Selection | None, LevelMeta | None]) -> WalkedLevel | None:
         dirs, path, sel, parent = job
         try:
             meta = root if root is not None and not dirs else _parse(storage, dirs)
@@ -208,7 +207,7 @@ def walk(
         return
     frontier = [first]
     while frontier:
-        jobs: list[tuple[tuple[str, ...], tuple[str, ...], _Trie | None, LevelMeta | None]] = []
+        jobs: list[tuple[tuple[str, ...], tuple[str, ...], Selection | None, LevelMeta | None]] = []
         for level in frontier:
             yield level
             jobs.extend((d, k, s, level.meta) for d, k, s in _children(storage, level))

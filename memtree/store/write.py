@@ -53,7 +53,6 @@ import torch
 
 from ..format.dtypes import dtype_name
 from ..errors import (
-    InvalidArgumentError,
     DestinationExistsError,
     DtypeError,
     ExistingMemmapError,
@@ -61,14 +60,7 @@ from ..errors import (
     MemtreeError,
 )
 from .faults import point
-from .files import (
-    FileRange,
-    check_checksum_option,
-    check_free_space,
-    create_leaf,
-    is_plain_memory,
-    storage_error,
-)
+from .files import FileRange, check_free_space, create_leaf, is_plain_memory, storage_error
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
 from ..format.schema import (
     FORMAT,
@@ -85,6 +77,7 @@ from ..format.level import Level
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem
 from .progress import Progress
+from .options import ReadOptions, WriteOptions, check_mode
 from .read import PendingLevel, load_pending_at, open_tree
 from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX, lock_path, old_path, staging_path
 from .recovery import recover_locked
@@ -151,25 +144,18 @@ def _key_label(path: tuple[str, ...]) -> str:
     return repr(path[0]) if len(path) == 1 else repr(path)
 
 
-def plan_write(
-    level: Level,
-    *,
-    dest: str | None = None,
-    like: bool = False,
-    allow_pickle: bool = False,
-    copy_existing: bool = False,
-) -> WritePlan:
+def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) -> WritePlan:
     """Plan the files of a write (pure; raises every input error before anything is written).
 
     Args:
         level: the tree to write.
+        options: ``like`` plans empty files of the same shapes and dtypes (``memmap_like``);
+            ``allow_pickle`` pickles non-tensor values JSON cannot hold; ``copy_existing``
+            copies leaves that are already memory-mapped elsewhere.
         dest: the final absolute prefix (to decide whether a memmapped leaf already lives there).
-        like: plan empty files of the same shapes and dtypes (``memmap_like``).
-        allow_pickle: pickle non-tensor values that JSON cannot hold.
-        copy_existing: copy leaves that are already memory-mapped elsewhere.
     """
     plan = WritePlan()
-    _plan_level(plan, level, "", (), 0, dest, like, allow_pickle, copy_existing)
+    _plan_level(plan, level, "", (), 0, dest, options.like, options.allow_pickle, options.copy_existing)
     plan.levels.sort(key=lambda lp: -lp.depth)  # deepest first, root last
     return plan
 
@@ -354,48 +340,33 @@ def _gc_paused() -> Iterator[None]:
 def write_tree(
     prefix: str | os.PathLike[str],
     level: Level,
+    options: WriteOptions | None = None,
     *,
-    like: bool = False,
-    num_threads: int = 0,
-    existsok: bool = True,
-    fsync: bool = False,
-    reserve: bool = False,
-    allow_pickle: bool = False,
-    copy_existing: bool = False,
     mode: str = "r+",
-    checksum: str | None = None,
-    progress: bool | None = None,
 ) -> PendingLevel:
     """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
 
     The returned :class:`~memtree.store.read.PendingLevel` maps each level's files when it is loaded
-    (``TensorTree.memmap`` wraps it in a tree whose levels load on first use).
+    (``TensorTree.memmap`` wraps it in a tree whose levels load on first use), with ``mode``.
 
     Args:
         prefix: destination directory (created with its parents if needed).
-        like: create zero-filled (sparse) files instead of copying data (``memmap_like``).
-        num_threads: write files with up to this many threads (0: this thread); fewer when the
-            tree is too small to keep them busy (:data:`THREAD_MIN_WORK` each).
-        existsok: allow replacing an existing memtree directory (atomically).
-        fsync: fsync files and directories so the commit survives power loss.
-        reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
-        allow_pickle: pickle non-tensor values JSON cannot hold.
-        copy_existing: copy leaves already memory-mapped from another prefix.
-        checksum: ``"crc32"`` or ``"sha256"`` records each leaf's checksum in ``meta.json``
-            (computed while writing); not with ``like``.
-        progress: a progress bar of the bytes written (:mod:`memtree.store.progress`): ``None``
-            on a terminal only, ``True``/``False`` forced.
+        level: the tree to write.
+        options: how (:class:`~memtree.store.options.WriteOptions`: sparse files or data,
+            threads, replace, fsync, pickles, checksums, progress); defaults: a copy of the data,
+            in this thread, replacing an existing tree, no fsync. ``num_threads`` is an upper
+            bound: fewer when the tree is too small to keep them busy (:data:`THREAD_MIN_WORK`
+            each).
+        mode: how the returned tree maps its files (``"r+"`` or ``"r"``).
 
     Raises:
         LockError: another writer is writing the same destination.
         MemtreeError: any input or storage problem; the destination is then unchanged.
     """
-    check_checksum_option(checksum)
-    if like and checksum is not None:
-        raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
+    options = options if options is not None else WriteOptions()
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
-        plan = plan_write(level, dest=dest, like=like, allow_pickle=allow_pickle, copy_existing=copy_existing)
+        plan = plan_write(level, options, dest=dest)
     parent, name = os.path.split(dest)
     try:
         if not os.path.isdir(parent):
@@ -406,7 +377,7 @@ def write_tree(
         try:
             recover_locked(parent, name, lock)
             point("after_lock")
-            state = destination_state(dest, existsok)
+            state = destination_state(dest, options.existsok)
             load_pending_at(dest)  # trees this process opened from dest keep their data
             check_free_space(parent, plan.total_bytes, f"writing {dest}")
             staging = staging_path(parent, name)
@@ -418,9 +389,9 @@ def write_tree(
             raise storage_error(err, f"preparing to write {dest}") from err
         point("staging_created")
         try:
-            metas = _write_staging(staging, plan, like, num_threads, fsync, reserve, checksum, progress)
+            metas = _write_staging(staging, plan, options)
             publish(
-                staging, dest, state, fsync, lock,
+                staging, dest, state, options.fsync, lock,
                 background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
             )
         except BaseException as err:
@@ -431,7 +402,7 @@ def write_tree(
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
         written = {tuple(rel.split("/")) if rel else (): meta for rel, meta in metas.items()}
-        return open_tree(dest, mode=mode, allow_pickle=True, written=written)
+        return open_tree(dest, ReadOptions(mode=check_mode(mode), allow_pickle=True), written=written)
 
 
 def _thread_count(num_threads: int, files: int, nbytes: int) -> int:
@@ -492,18 +463,10 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
         raise failures[0]
 
 
-def _write_staging(
-    staging: str,
-    plan: WritePlan,
-    like: bool,
-    num_threads: int,
-    fsync: bool,
-    reserve: bool,
-    checksum: str | None,
-    progress: bool | None,
-) -> dict[str, LevelMeta]:
+def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict[str, LevelMeta]:
     """Write the plan's files into ``staging``; returns each level's metadata as written (with
     checksums and the root's ``save_id``), by directory relative to the root."""
+    like, num_threads, fsync, checksum = options.like, options.num_threads, options.fsync, options.checksum
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
             os.mkdir(f"{staging}/{lp.rel}")
@@ -515,7 +478,7 @@ def _write_staging(
         data = None if like else _storable(j)
         try:
             digest = create_leaf(
-                f"{staging}/{j.rel}", data, j.nbytes, reserve=reserve, fsync=fsync, checksum=checksum
+                f"{staging}/{j.rel}", data, j.nbytes, reserve=options.reserve, fsync=fsync, checksum=checksum
             )
         except MemtreeError:
             raise
@@ -545,7 +508,7 @@ def _write_staging(
 
     jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
     total = plan.total_bytes
-    with Progress(total=total, desc="memmap", unit="B", progress=progress) as bar:
+    with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
         _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)

@@ -26,7 +26,8 @@ import torch
 from ..format.level import Level
 from ..store.mapped import MemoryMappedTensor
 from ..store.open import open_prefix
-from ..store.read import KeySelection, PendingLevel, normalize_keys
+from ..store.options import KeySelection, ReadOptions, WriteOptions
+from ..store.read import PendingLevel
 from ..store.write import share_tree, write_tree
 from . import bind, growth
 from .core import TreeCore
@@ -83,10 +84,10 @@ class Persistence(ShapeOps):
             True
         """
         self._adopt(
-            self._write(
-                prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
-                fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
-            )
+            self._write(prefix, WriteOptions.of(
+                copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
+                allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+            ))
         )
         return self
 
@@ -111,10 +112,10 @@ class Persistence(ShapeOps):
             >>> m.is_memmap(), t.is_memmap()
             (True, False)
         """
-        level = self._write(
-            prefix, copy_existing=copy_existing, num_threads=num_threads, existsok=existsok,
-            fsync=fsync, allow_pickle=allow_pickle, checksum=checksum, progress=progress,
-        )
+        level = self._write(prefix, WriteOptions.of(
+            copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
+            allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+        ))
         return type(self)._from_level(level, self._device)
 
     def memmap_like(
@@ -139,16 +140,16 @@ class Persistence(ShapeOps):
             >>> data.batch_size, data["img"].shape
             (torch.Size([1000]), torch.Size([1000, 3, 64, 64]))
         """
-        level = self._write(
-            prefix, like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress
-        )
+        level = self._write(prefix, WriteOptions.of(
+            like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress
+        ))
         return type(self)._from_level(level, self._device)
 
-    def _write(self, prefix: str | os.PathLike[str] | None, **options: Any) -> Level | PendingLevel:
+    def _write(self, prefix: str | os.PathLike[str] | None, options: WriteOptions) -> Level | PendingLevel:
         """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
         if prefix is None:
-            return share_tree(self._to_level(), like=options.get("like", False))
-        return write_tree(prefix, self._to_level(), **options)
+            return share_tree(self._to_level(), like=options.like)
+        return write_tree(prefix, self._to_level(), options)
 
     @classmethod
     def load_memmap(
@@ -196,7 +197,8 @@ class Persistence(ShapeOps):
                 file raises here rather than on first use. ``verify=True``, ``mmap=False``,
                 ``device`` other than CPU/meta, and remote URLs always load everything at once.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
-                ``chunk_bytes``, ``retries``, ``fsync`` (see :func:`memtree.remote.load`).
+                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync`` (see
+                :func:`memtree.remote.load`).
 
         Example:
             >>> import tempfile, torch, memtree
@@ -205,16 +207,16 @@ class Persistence(ShapeOps):
             >>> memtree.TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
-        dev = torch.device(device) if device is not None else None
-        root = open_prefix(prefix, keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle,
-                           verify=verify, **remote)
+        options = ReadOptions.of(keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
+        dev = options.device
+        root = open_prefix(prefix, options, **remote)
         if isinstance(root, Level):  # a remote tree or tensordict's layout: loaded whole
             return cls._from_level(root, dev, unknown_classes)
         lazy = lazy and not verify and mmap and (dev is None or dev.type in ("cpu", "meta"))
         if not lazy:
             return cls._from_level(root.load_all(), dev, unknown_classes)
         tree = cls._lazy(root, dev, unknown_classes)
-        tree._load_selected(normalize_keys(keys) if keys is not None else None)
+        tree._load_selected(options.selection)
         return tree
 
     @classmethod
