@@ -35,7 +35,7 @@ from ..errors import (
 from ..format.names import validate_key
 from ..format.level import Level
 from ..store.mapped import MemoryMappedTensor
-from ..format.values import NonTensor
+from ..format.values import NonTensor, check_nesting
 from ..store.open import open_prefix
 from ..store.read import KeySelection, PendingLevel, loading_lock, normalize_keys
 from .registry import class_for
@@ -199,6 +199,7 @@ class TensorTree:
 
     def _convert(self, key: str, value: Any) -> Any:
         if isinstance(value, NonTensor):
+            check_nesting(value.data, repr(key))
             return value
         if isinstance(value, TensorTree):
             if value._batch_size[: len(self._batch_size)] != self._batch_size:
@@ -224,6 +225,7 @@ class TensorTree:
             if self._device is not None and value.device != self._device:
                 value = value.to(self._device)
             return value
+        check_nesting(value, repr(key))
         return NonTensor(value)
 
     def _set_one(self, key: Any, value: Any) -> None:
