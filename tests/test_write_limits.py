@@ -1,10 +1,14 @@
-"""One nesting limit for non-tensor values, what orjson can write in a ``meta.json``.
+"""What a tree refuses to hold or write, so that every directory ``memmap`` writes loads back.
 
-A value nesting lists and dicts more than ``MAX_JSON_DEPTH`` (251) levels deep is refused with a
-clear ``NonTensorValueError`` when it is assigned to a tree; one that reaches ``memmap`` some
-other way is refused there (or pickled, with ``allow_pickle=True``), never with orjson's raw
-``TypeError``; and ``meta.json`` files holding one are refused on load (tests/test_format_parse.py,
+One nesting limit for non-tensor values, what orjson can write in a ``meta.json``: a value
+nesting lists and dicts more than ``MAX_JSON_DEPTH`` (251) levels deep is refused with a clear
+``NonTensorValueError`` when it is assigned to a tree; one that reaches ``memmap`` some other way
+is refused there (or pickled, with ``allow_pickle=True``), never with orjson's raw ``TypeError``;
+and ``meta.json`` files holding one are refused on load (tests/test_format_parse.py,
 tests/test_bad_input.py). Up to the limit, values round-trip exactly.
+
+Zero-element tensors whose other dims are too large for a reader (torch makes some of them, such
+as ``[0, 2**63 - 1]``) are refused by ``memmap`` as the loader refuses them.
 """
 
 from __future__ import annotations
@@ -92,3 +96,22 @@ def test_json_depth_and_the_checks_agree(depth: int, kinds: str) -> None:
 def test_json_depth_counts_the_deepest_branch_of_wide_values() -> None:
     wide = {"a": [1, 2, {"b": [[3]]}], "c": "x" * 10, "d": [[]] * 1000}
     assert json_depth(wide) == 5 and json_depth([]) == 1 and json_depth(()) == 0
+
+
+@pytest.mark.parametrize("shape", [(0, 2**63 - 1), (4, 0, 2**61, 2), (0, 2**61, 2)], ids=str)
+@pytest.mark.parametrize("like", [False, True])
+def test_memmap_refuses_the_empty_shapes_the_loader_refuses(tmp_path: Path, shape: tuple, like: bool) -> None:
+    """torch makes these (element strides fit int64) but the format bounds byte extents: before,
+    memmap wrote a tree that load_memmap then refused."""
+    tree = TensorTree({"w": torch.ones(2), "x": torch.empty(shape, dtype=torch.float32)})
+    with pytest.raises(memtree.LimitError, match=r"leaf 'x' has the shape"):
+        tree.memmap_like(tmp_path / "t") if like else tree.memmap(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("shape", [(0, 2**60), (3, 0, 2**58), (0,)], ids=str)
+def test_large_empty_shapes_within_the_limit_round_trip(tmp_path: Path, shape: tuple) -> None:
+    tree = TensorTree({"x": torch.empty(shape, dtype=torch.float32)})
+    tree.memmap(tmp_path / "t")
+    assert memtree.load_memmap(tmp_path / "t", lazy=False)["x"].shape == shape
+    assert memtree.verify_tree(tmp_path / "t").ok
