@@ -63,7 +63,7 @@ MAX_DEPTH = 256
 MAX_ENTRIES = 1_000_000
 MAX_NDIM = 64
 MAX_NBYTES = 2**62
-#: Largest dim of a batch size (torch sizes are int64).
+#: Largest dim of a shape or batch size (torch sizes are int64).
 MAX_DIM = 2**63 - 1
 #: Levels of JSON arrays and objects a ``meta.json`` may nest: a non-tensor value
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
@@ -394,13 +394,13 @@ def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
         )
         raise c.fail(what, f"repeats the field {name!r:.80}")
 
-    def int64(text: str) -> int:
+    def int_in_64_bits(text: str) -> int:
         if len(text) <= 20 and -(2**63) <= int(text) < 2**64:  # 20 characters hold any of them
             return int(text)
         raise c.fail("a number", f"{text:.40} is an int beyond 64 bits, which memtree never writes")
 
     try:
-        json.loads(data, object_pairs_hook=pairs, parse_int=int64)
+        json.loads(data, object_pairs_hook=pairs, parse_int=int_in_64_bits)
     except RecursionError:  # deeper still, in a field that a repeated one hid from orjson's doc
         raise too_deep from None
 
