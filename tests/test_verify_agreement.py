@@ -194,8 +194,10 @@ def damage(root: Path, kind: str, a: int, b: int, value: Any, name: str) -> None
         metas[a % len(metas)].unlink()
     elif kind == "delete_dir" and dirs:
         shutil.rmtree(dirs[a % len(dirs)])
-    elif kind == "stray_file":
-        (root / "stray.memmap").write_bytes(b"\0" * (b % 9))
+    elif kind == "stray_file":  # names no meta.json lists: ignored by both
+        stray = root / f"stray{b % 4}.memmap"
+        if not os.path.lexists(stray):
+            stray.write_bytes(b"\0" * (b % 9))
         (root / ".hidden").mkdir(exist_ok=True)
     elif kind in ("cut_meta", "set_field", "add_field", "repeat_field"):
         meta = metas[a % len(metas)]
