@@ -1,6 +1,8 @@
 """Loading never trusts the files: hostile or damaged directories give the documented memtree
 error, change nothing on disk, and never crash, hang or SIGBUS (SPEC §5, format.md "Loading
-rules", RELIABILITY §7 rows 1-19, 24, 25, 27).
+rules", RELIABILITY §7 rows 1-19, 24, 25, 27). ``memtree.verify_tree`` agrees with every one:
+what the load refuses, verify reports (but for the loader's policies: pickles, unregistered
+classes), what it loads, verify passes.
 
 The trees here are written by hand from docs/format.md, so these tests exercise the loader alone.
 The hypothesis fuzzer of the loader (random damage, every load in a child process) is
@@ -13,18 +15,25 @@ import copy
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
 
 import memtree
+from memtree.format.schema import parse_level
+from memtree.format.values import json_problem
 from treeutil import plain, snapshot
 
 LOAD_VARIANTS = [{}, {"mode": "r"}, {"mmap": False}]
@@ -99,8 +108,15 @@ def expect_error(prefix, exc, root=None, **kw):
         assert isinstance(ei.value, memtree.MemtreeError), type(ei.value)
         errors.append(ei.value)
     assert str(errors[0]) == str(errors[1])
+    if not isinstance(errors[0], LOAD_POLICIES):
+        assert not memtree.verify_tree(prefix).ok, f"verify passes what the load refuses: {errors[0]}"
     assert snapshot(root) == before
     return errors[0]
+
+
+#: Refusals that are the loader's policy, not damage: ``verify_tree`` passes such trees (a pickle
+#: loads with ``allow_pickle=True``, a ``@tensorclass`` once its module is imported).
+LOAD_POLICIES = (memtree.PickleNotAllowedError, memtree.UnknownClassError)
 
 
 def set_root(prefix: Path, meta) -> None:
@@ -123,6 +139,7 @@ def test_hand_written_tree_loads(tree_dir, kw):
     assert t["b", "e"].shape == (2, 0)
     assert t["s"] == "hello"
     assert t.batch_size == torch.Size([2])
+    assert memtree.verify_tree(tree_dir).ok
     assert snapshot(tree_dir) == before
 
 
@@ -199,6 +216,19 @@ BAD_META_BYTES = {
     "duplicate_entry_field": GOOD.replace(b'"key":"a"', b'"key":"a","key":"zz"'),
     "duplicate_in_json_value": GOOD.replace(b'"value":"hello"', b'"value":{"x":1,"x":2}'),
     "deep_nesting": GOOD.replace(b'"hello"', b"[" * 5000 + b"]" * 5000),
+    # nested deeper than orjson writes, not than it reads (1024): was a raw TypeError
+    "deep_value_252": GOOD.replace(b'"hello"', b"[" * 252 + b"]" * 252),
+    "deep_value_600": GOOD.replace(b'"hello"', b"[" * 600 + b"]" * 600),
+    "deep_value_1020": GOOD.replace(b'"hello"', b"[" * 1020 + b"]" * 1020),
+    "deep_object_value_400": GOOD.replace(b'"hello"', b'{"a":' * 400 + b"1" + b"}" * 400),
+    "deep_field": GOOD.replace(b'"byteorder"', b'"x":' + b"[" * 700 + b"]" * 700 + b',"byteorder"'),
+    "deep_in_hidden_duplicate": GOOD.replace(b'"version":1', b'"version":' + b"[" * 1000 + b"]" * 1000 + b',"version":1'),
+    # repeated fields that the length of the re-dumped document did not reveal
+    "duplicate_hidden_by_float": GOOD.replace(b'"kind":"json","value":"hello"', b'"kind":"json","kind":"json","value":1e15'),
+    "duplicate_in_nested_value": GOOD.replace(b'"value":"hello"', b'"value":[{"x":[{"y":1,"y":1.0e0}]}]'),
+    # ints beyond 64 bits: orjson reads them as floats, a value JSON would change
+    "int_below_i64": GOOD.replace(b'"hello"', b"-9223372036854775809"),
+    "int_beyond_u64": GOOD.replace(b'"hello"', b"18446744073709551616"),
     "shape_2_64_as_float": GOOD.replace(b'"shape":[2,3]', b'"shape":[2,18446744073709551616]'),
 }
 
@@ -498,6 +528,13 @@ BAD_SHAPES = {
     "overflow_product": [2, 2**31, 2**31, 2**31],
     "overflow_u64_wrap": [2, 2**61],  # 2 * 2**61 * 4 = 2**65 wraps to 0 in 64-bit arithmetic
     "zero_and_huge": [2, 0, 2**70],
+    # no element, but dims torch cannot take (not int64, or strides beyond it): were accepted,
+    # then a raw TypeError at load while verify called the tree clean
+    "zero_and_2_63": [2, 0, 2**63],
+    "zero_and_u64_max": [2, 0, 2**64 - 1],
+    "zero_and_i64_max": [2, 0, 2**63 - 1],
+    "zero_strides_overflow": [2, 0, 2**62, 2**62],
+    "zero_strides_overflow_bytes": [2, 0, 2**61, 4],  # float32: 2**61 * 4 * 4 bytes of stride
 }
 
 
@@ -967,3 +1004,247 @@ def test_pickle_entry_with_bad_file_name(tmp_path, tree_dir, name):
     _plant_pickle(tree_dir, marker, file=name)
     expect_error(tree_dir, (memtree.MetaFormatError, memtree.UnsafePathError), root=tmp_path, allow_pickle=True)
     assert not marker.exists()
+
+
+# ------------------------------------------------ format limits: field values and repeated fields
+# (in-process, with verify's agreement checked; tests/test_fuzz_load.py is the loader fuzzer of
+# damaged trees, in child processes)
+
+FUZZ_NAMES = [
+    "../x.memmap", "/etc/passwd", "/dev/zero", "..", ".", "", "a/b.memmap", "x" * 300, "a.memmap",
+    "c.memmap", "e.memmap", "b", "meta.json", "%2E%2E.memmap", "a\x00.memmap", ".hidden.memmap",
+    "../../../../../../etc/passwd", "b/c.memmap", "A.memmap", "x.memmap", "a.pickle",
+]
+FUZZ_DTYPES = [
+    "bool", "uint8", "int64", "float32", "float64", "bfloat16", "complex32", "complex128",
+    "float8_e4m3fn", "float8_e8m0fnu", "object", "torch.float32", "float", "<f4", "", "Tensor",
+]
+FUZZ_SCALARS = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, 2, 3, -1, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64, 2**64 + 1]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=8),
+    st.sampled_from(FUZZ_NAMES + FUZZ_DTYPES + ["memtree", "TensorTree", "little", "big", "tensor", "tree", "json", "pickle"]),
+)
+FUZZ_DIMS = [0, 0, 1, 2, 3, 2**31, 2**60, 2**61, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+FUZZ_VALUES = st.one_of(
+    FUZZ_SCALARS,
+    st.lists(st.sampled_from(FUZZ_DIMS), max_size=5),  # shapes, zero-element ones with huge dims
+    st.builds("@deep:{}:{}@".format, st.integers(min_value=240, max_value=1030), st.sampled_from(["list", "dict"])),
+    st.lists(st.one_of(st.integers(min_value=-5, max_value=2**65), st.floats(), st.booleans(), st.none()), max_size=5),
+    st.lists(st.integers(min_value=0, max_value=8), max_size=4),
+    st.dictionaries(st.sampled_from(["key", "kind", "file", "dir", "dtype", "shape", "value"]), FUZZ_SCALARS, max_size=4),
+)
+FIELDS = ["format", "version", "type", "byteorder", "batch_size", "entries", "save_id", "extra"]
+
+
+def _deep(depth: int, kind: str) -> bytes:
+    """JSON text of a value nested ``depth`` levels of lists or one-field objects."""
+    if kind == "list":
+        return b"[" * depth + b"1" + b"]" * depth
+    return b'{"k":' * depth + b"1" + b"}" * depth
+
+
+_DEEP_TOKEN = re.compile(rb'"@deep:(\d+):(list|dict)@"')
+
+
+def _dump_fuzzed(meta) -> bytes:
+    """JSON bytes of a fuzzed meta: NaN and lone surrogates as they are, and each ``@deep:N:kind@``
+    string replaced by a value nested N levels (too deep for json.dumps to write)."""
+    data = json.dumps(meta, allow_nan=True).encode("utf-8", "surrogatepass")
+    return _DEEP_TOKEN.sub(lambda m: _deep(int(m[1]), m[2].decode()), data)
+ENTRY_FIELDS = ["key", "kind", "file", "dir", "dtype", "shape", "value", "checksum", "path"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz")
+    write_tree(base / "pristine" / "tree")
+    return base
+
+
+def _check_loaded_level(level, d: Path):
+    """The loaded level agrees with the meta.json on disk: keys, dtypes, shapes, file sizes."""
+    meta = json.loads((d / "meta.json").read_bytes())
+    entries = meta["entries"]
+    assert set(level.keys()) == {e["key"] for e in entries}
+    for e in entries:
+        v = level[e["key"]]
+        if e["kind"] == "tensor":
+            assert isinstance(v, torch.Tensor)
+            assert type(e["shape"]) is list and all(type(x) is int and x >= 0 for x in e["shape"])
+            assert type(e["dtype"]) is str
+            assert list(v.shape) == e["shape"]
+            assert str(v.dtype) == "torch." + e["dtype"]
+            path = d / e["file"]
+            assert os.path.isfile(path) and not os.path.islink(path)
+            assert os.path.getsize(path) == v.numel() * v.element_size()
+            fn = getattr(v, "filename", None)
+            if fn is not None:
+                assert os.path.samefile(fn, path)
+            plain(v).reshape(-1).view(torch.uint8).sum()  # touch every byte
+        elif e["kind"] == "tree":
+            assert isinstance(v, memtree.TensorTree)
+            _check_loaded_level(v, d / e["dir"])
+        elif e["kind"] == "json":
+            assert v == e["value"]
+
+
+def _fuzz_load(pristine: Path, mutate, kw=None):
+    work = Path(tempfile.mkdtemp(dir=pristine))
+    try:
+        shutil.copytree(pristine / "pristine" / "tree", work / "tree")
+        (work / "x.memmap").write_bytes(A_BYTES)  # a decoy for "../x.memmap"
+        mutate(work / "tree")
+        kw = dict(kw or {})
+        text = b"".join(p.read_bytes() for p in [work / "tree" / "meta.json", work / "tree" / "b" / "meta.json"] if p.is_file())
+        if b"/etc" in text or b"/dev" in text:
+            kw["mode"] = "r"  # never let a broken loader extend a system file
+        before = snapshot(work)
+        refusal = None
+        try:
+            tree = memtree.load_memmap(work / "tree", **kw)
+            tree.keys(include_nested=True)  # load every lazily opened level
+        except memtree.MemtreeError as e:
+            event(f"refused: {type(e).__name__}")
+            refusal = e
+        except Exception as e:  # pragma: no cover - the failure we are looking for
+            raise AssertionError(f"non-memtree exception {type(e).__name__}: {e}") from e
+        else:
+            event("loaded")
+            _check_loaded_level(tree, work / "tree")
+            del tree
+        report = memtree.verify_tree(work / "tree", checksums=False)  # the load checks no checksum
+        if not isinstance(refusal, LOAD_POLICIES):
+            assert report.ok == (refusal is None), (refusal, report.problems)
+        assert snapshot(work) == before
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+FUZZ_SETTINGS = settings(
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    database=None,
+)
+
+
+@FUZZ_SETTINGS
+@given(
+    which=st.sampled_from(["root", "child"]),
+    target=st.one_of(
+        st.tuples(st.just("top"), st.sampled_from(FIELDS), st.just(0)),
+        st.tuples(st.just("entry"), st.sampled_from(ENTRY_FIELDS), st.integers(min_value=0, max_value=3)),
+        st.tuples(st.just("shape_item"), st.just("shape"), st.integers(min_value=0, max_value=3)),
+    ),
+    action=st.sampled_from(["set", "set", "set", "delete"]),
+    value=FUZZ_VALUES,
+    resize=st.one_of(st.none(), st.tuples(st.sampled_from(["a.memmap", "b/c.memmap", "b/e.memmap"]), st.integers(min_value=-24, max_value=24))),
+    kw=st.sampled_from(LOAD_VARIANTS),
+)
+@example(which="root", target=("entry", "value", 2), action="set", value=-(2**63) - 1, resize=None, kw={})
+@example(which="root", target=("entry", "value", 2), action="set", value="@deep:251:list@", resize=None, kw={})
+@example(which="root", target=("entry", "value", 2), action="set", value="@deep:252:dict@", resize=None, kw={})
+@example(which="child", target=("shape_item", "shape", 1), action="set", value=2**64 - 1, resize=None, kw={})
+@example(which="child", target=("entry", "shape", 1), action="set", value=[2, 0, 2**62, 2**62], resize=None, kw={})
+@example(which="root", target=("top", "batch_size", 0), action="set", value=[2**63], resize=None, kw={})
+def test_meta_field_values_at_the_limits(pristine, which, target, action, value, resize, kw):
+    kind, field, index = target
+
+    def mutate(tree):
+        meta = root_meta() if which == "root" else child_meta()
+        if kind == "top":
+            if action == "delete":
+                meta.pop(field, None)
+            else:
+                meta[field] = value
+        else:
+            entry = meta["entries"][index % len(meta["entries"])]
+            if kind == "entry":
+                if action == "delete":
+                    entry.pop(field, None)
+                else:
+                    entry[field] = value
+            else:
+                shape = entry.get("shape")
+                if isinstance(shape, list) and shape:
+                    if action == "delete":
+                        shape.pop(index % len(shape))
+                    else:
+                        shape[index % len(shape)] = value
+                else:
+                    entry["shape"] = [value]
+        (tree / ("meta.json" if which == "root" else "b/meta.json")).write_bytes(_dump_fuzzed(meta))
+        if resize is not None:
+            leaf, delta = resize
+            p = tree / leaf
+            _resize(p, max(0, os.path.getsize(p) + delta))
+
+    _fuzz_load(pristine, mutate, kw)
+
+
+def _objects(v, path=()):
+    """The path of every non-empty JSON object in ``v`` (the document, entries, values)."""
+    out = [path] if isinstance(v, dict) and v else []
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        out += _objects(x, path + (k,))
+    return out
+
+
+def _same_length_when_redumped(data: bytes) -> bytes:
+    """``data`` with its ``"@pad@"`` value made a list of floats spelled shorter than orjson writes
+    them (``1e15``, 14 bytes less) and padded (``1e0015``), so that re-dumping what orjson reads
+    gives exactly as many bytes: what the parser once compared to decide if fields repeat."""
+    base = data.replace(b'"@pad@"', b"[]")
+    try:
+        diff = len(base) - len(orjson.dumps(orjson.loads(base)))
+    except (orjson.JSONDecodeError, TypeError):
+        return base
+    n = max(1, -(-diff // 14))
+    pad = b"[" + b",".join([b"1e" + b"0" * (14 * n - diff) + b"15"] + [b"1e15"] * (n - 1)) + b"]"
+    return data.replace(b'"@pad@"', pad)
+
+
+@FUZZ_SETTINGS
+@example(which="root", pick=3, field=0, value=1e15, spelling="same_length", kw={})
+@given(
+    which=st.sampled_from(["root", "child"]),
+    pick=st.integers(min_value=0),
+    field=st.integers(min_value=0),
+    value=st.one_of(FUZZ_SCALARS, st.just(1e15)),
+    spelling=st.sampled_from(["json", "1e15", "spaces", "same_length", "same_length"]),
+    kw=st.sampled_from(LOAD_VARIANTS),
+)
+def test_repeated_fields_at_any_depth(pristine, which, pick, field, value, spelling, kw):
+    """One field of any object (the level, an entry, an object in a non-tensor value) written a
+    second time, with any value, in spellings that change the re-dumped length either way or
+    not at all: always a MetaFormatError (orjson alone keeps the last one silently)."""
+    meta = root_meta() if which == "root" else child_meta()
+    meta["entries"].append({"key": "cfg", "kind": "json", "value": {"lr": 1e-3, "opt": {"name": "adam"}}})
+    meta["entries"].append({"key": "pad", "kind": "json", "value": "@pad@"})
+    path = _objects(meta)[pick % len(_objects(meta))]
+    obj = meta
+    for k in path:
+        obj = obj[k]
+    name = list(obj)[field % len(obj)]
+    marker = "@repeat@"
+    obj[marker] = value  # placed last, then renamed in the bytes: the copy comes after the original
+    data = json.dumps(meta, allow_nan=True).encode("utf-8", "surrogatepass")
+    data = data.replace(json.dumps(marker).encode(), json.dumps(name).encode())
+    if spelling == "1e15":
+        data = data.replace(b"1000000000000000.0", b"1e15")
+    elif spelling == "spaces":
+        data = data.replace(b", ", b",   ")
+    data = _same_length_when_redumped(data) if spelling == "same_length" else data.replace(b'"@pad@"', b"[]")
+
+    def mutate(tree):
+        (tree / ("meta.json" if which == "root" else "b/meta.json")).write_bytes(data)
+
+    _fuzz_load(pristine, mutate, kw)
+    plain_json = json_problem(value) is None  # else orjson may refuse the value first
+    with pytest.raises(memtree.MetaFormatError, match="repeats the field" if plain_json else None):
+        parse_level(data, "meta.json")

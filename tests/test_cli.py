@@ -222,6 +222,24 @@ def test_info_describes_a_tensordict_directory_like_load_memmap_reads_it() -> No
     assert "tensordict directory" in text.splitlines()[0]
 
 
+def test_verify_checks_a_tensordict_directory_like_load_memmap_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`memtree verify` refused every tensordict directory that `info` and `load_memmap` read."""
+    fixture = REPO / "tests" / "fixtures" / "tensordict_mmap_example"
+    assert cli_main(["verify", str(fixture)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK {fixture} (tensordict directory): 2 leaves")
+    assert json.loads(io_main(["verify", "--json", str(fixture)]))["layout"] == "tensordict"
+    damaged = tmp_path / "td"
+    shutil.copytree(fixture, damaged)
+    os.truncate(damaged / "nested" / "int64.memmap", 3)
+    assert cli_main(["verify", str(damaged)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"BAD {damaged / 'nested' / 'int64.memmap'} [key nested/int64] size: ")
+    assert lines[-1].startswith(f"FAILED {damaged} (tensordict directory): 2 leaves") and "1 problem(s)" in lines[-1]
+
+
 def test_info_shows_the_capacity_of_growable_leaves(tmp_path: Path) -> None:
     buf = TensorTree({"obs": torch.zeros(0, 4)}, batch_size=[0]).memmap(tmp_path / "buf")
     for _ in range(5):

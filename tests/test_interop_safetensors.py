@@ -1,15 +1,19 @@
 """safetensors: bit-exact export and lazy zero-copy import, checked against the safetensors package,
-and crafted damaged headers refused with memtree errors."""
+and crafted damaged headers refused with memtree errors (a fuzz of header fields: only
+CheckpointFormatError escapes, and every accepted tensor reads back with its shape)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as hst
 
 import memtree
 from memtree.interop import SafetensorsReader, open_checkpoint, save_safetensors
@@ -198,6 +202,16 @@ BAD_HEADERS = {
         1,
         "repeats",
     ),
+    # no element, but dims torch cannot take: accepted before, then a raw TypeError on read
+    "zero and 2**64-1": ({"a": entry("F32", [0, 2**64 - 1], 0, 0)}, 0, "beyond any tensor"),
+    "zero and 2**63": ({"a": entry("U8", [4, 0, 2**63], 0, 0)}, 0, "beyond any tensor"),
+    "zero and 2**63-1": ({"a": entry("F32", [0, 2**63 - 1], 0, 0)}, 0, "beyond any tensor"),
+    "zero, strides overflow": ({"a": entry("U8", [0, 2**62, 2**62], 0, 0)}, 0, "beyond any tensor"),
+    # nested deeper than a header can be: a raw RecursionError before
+    "deep metadata": (b'{"__metadata__": ' + b"[" * 1000 + b"]" * 1000 + b"}", 0, "nests JSON"),
+    "deep shape": ({"a": entry("U8", [[[[1]]]], 0, 1)}, 1, "nests JSON"),
+    "deep entry": (b'{"a": ' + b'{"b": ' * 990 + b"1" + b"}" * 990 + b"}", 0, "nests JSON"),
+    "deep and too deep for orjson": (b"[" * 5000 + b"]" * 5000, 0, "JSON"),
 }
 
 
@@ -240,3 +254,51 @@ def test_truncated_file_gives_a_memtree_error(tmp_path: Path, keep: float) -> No
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(memtree.CheckpointFormatError):
         SafetensorsReader(path)
+
+
+# -- fuzz: header fields -------------------------------------------------------------------------
+DIMS = [0, 0, 1, 2, 3, 2**31, 2**60, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1]
+HEADER_VALUES = hst.one_of(
+    hst.integers(min_value=-2, max_value=2**65),
+    hst.sampled_from(["F32", "U8", "BOOL", "F8_E8M0", "C64", "F128", "", None, True, 1.5]),
+    hst.lists(hst.sampled_from(DIMS), max_size=4),
+    hst.lists(hst.integers(min_value=0, max_value=64), max_size=3),
+    hst.builds("@deep:{}@".format, hst.sampled_from([3, 4, 100, 300, 990, 1000, 1100])),
+)
+
+
+def _header(entries: dict) -> bytes:
+    data = json.dumps(entries).encode()
+    return re.sub(rb'"@deep:(\d+)@"', lambda m: b"[" * int(m[1]) + b"]" * int(m[1]), data)
+
+
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(key="b", field="shape", value=[0, 2**64 - 1], data_len=8)
+@example(key="b", field="shape", value=[4, 0, 2**63], data_len=8)
+@example(key="__metadata__", field="x", value="@deep:1000@", data_len=8)
+@given(
+    key=hst.sampled_from(["a", "b", "__metadata__"]),
+    field=hst.sampled_from(["dtype", "shape", "data_offsets", "x"]),
+    value=HEADER_VALUES,
+    data_len=hst.sampled_from([0, 8, 16, 24]),
+)
+def test_fuzz_header_fields(tmp_path: Path, key: str, field: str, value: object, data_len: int) -> None:
+    """One field of a valid two-tensor header set to an edge value: the reader raises
+    CheckpointFormatError or gives every tensor with its declared shape and bytes."""
+    header = {"a": entry("F32", [2], 0, 8), "b": entry("U8", [0, 4], 8, 8)}
+    if key == "__metadata__":
+        header["__metadata__"] = {field: value}
+    else:
+        header[key][field] = value
+    path = craft(tmp_path / "f.safetensors", _header(header), bytes(range(data_len)))
+    try:
+        reader = SafetensorsReader(path)
+    except memtree.CheckpointFormatError:
+        return
+    with reader:
+        for k in reader.keys():
+            for mmap in (True, False):
+                t = reader.read(k, mmap=mmap)
+                assert t.shape == reader.spec(k)[0] and t.dtype == reader.spec(k)[1]
+                assert t.reshape(-1).view(torch.uint8).numel() == reader.entry(k).end - reader.entry(k).begin

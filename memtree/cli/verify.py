@@ -2,7 +2,8 @@
 
 Checks what the loader checks (every ``meta.json``, every leaf file's kind and exact size) and
 compares every recorded checksum with the file's bytes, without stopping at the first problem.
-Exit code 0 when the tree is clean, 1 when anything is wrong.
+A directory written by tensordict's ``memmap`` is checked as ``load_memmap`` reads it. Exit code
+0 when the tree is clean, 1 when anything is wrong.
 
 Example:
     $ memtree verify /data/ckpt
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"BAD {p.path} [key {key}] {p.kind}: {p.message}")
     unchecked = report.leaves - report.checksummed
-    summary = f"{report.path}: {report.leaves} leaves, {report.checksummed} checksums compared"
+    layout = " (tensordict directory)" if report.layout == "tensordict" else ""
+    summary = f"{report.path}{layout}: {report.leaves} leaves, {report.checksummed} checksums compared"
     if unchecked and not args.no_checksums:
         summary += f" ({unchecked} leaves have no checksum: size checked only)"
     if report.ok:

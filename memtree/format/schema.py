@@ -3,8 +3,10 @@
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
 checked, names must be single safe path components, sizes are computed with Python ints (no
-overflow), and any problem raises :class:`~memtree.errors.MetaFormatError` naming the file and
-the field. The schema is documented in ``docs/format.md``.
+overflow), every shape must be one torch can make (:func:`extent_bytes`, zero-element ones too),
+repeated object fields and JSON nested deeper than memtree writes are refused, and any problem
+raises :class:`~memtree.errors.MetaFormatError` naming the file and the field. The schema is
+documented in ``docs/format.md``.
 
 Example:
     >>> import torch
@@ -30,6 +32,7 @@ import torch
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
+from .values import MAX_JSON_DEPTH, json_depth
 
 __all__ = [
     "FORMAT",
@@ -38,6 +41,8 @@ __all__ = [
     "MAX_META_BYTES",
     "MAX_DEPTH",
     "TYPE_NAME_MAX",
+    "MAX_META_NESTING",
+    "extent_bytes",
     "is_type_name",
     "LeafMeta",
     "ChildMeta",
@@ -58,6 +63,11 @@ MAX_DEPTH = 256
 MAX_ENTRIES = 1_000_000
 MAX_NDIM = 64
 MAX_NBYTES = 2**62
+#: Largest dim of a shape or batch size (torch sizes are int64).
+MAX_DIM = 2**63 - 1
+#: Levels of JSON arrays and objects a ``meta.json`` may nest: a non-tensor value
+#: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
+MAX_META_NESTING = MAX_JSON_DEPTH + 3
 CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
@@ -65,6 +75,21 @@ _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("memtree's format is little-endian; big-endian hosts are not supported")
+
+
+def extent_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a tensor of ``shape`` spans with its zero dims counted as 1.
+
+    For a tensor with elements it is its size in bytes; for a zero-element one, torch still
+    computes strides from the other dims, and fails (or overflows) beyond int64. Every shape
+    memtree reads must keep this at most :data:`MAX_NBYTES`.
+
+    Example:
+        >>> import torch
+        >>> extent_bytes((2, 3), torch.float32), extent_bytes((4, 0, 2**40), torch.uint8)
+        (24, 4398046511104)
+    """
+    return (prod(shape) or prod(d or 1 for d in shape)) * itemsize(dtype)
 
 
 def is_type_name(name: object) -> bool:
@@ -221,8 +246,8 @@ class _Checker:
         if type(v) is not list or len(v) > MAX_NDIM:
             raise self.fail(pointer, f"must be a list of at most {MAX_NDIM} ints, got {v!r:.80}")
         for i, x in enumerate(v):
-            if type(x) is not int or x < 0:
-                raise self.fail(f"{pointer}[{i}]", f"must be an int >= 0, got {x!r:.40}")
+            if type(x) is not int or not 0 <= x <= MAX_DIM:
+                raise self.fail(f"{pointer}[{i}]", f"must be an int in [0, 2**63), got {x!r:.40}")
         return tuple(v)
 
     def name(self, v: Any, pointer: str, suffix: str) -> str:
@@ -270,8 +295,12 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         raise c.fail("content", f"is not valid UTF-8 JSON ({err})") from None
     if type(doc) is not dict:
         raise c.fail("top level", f"must be a JSON object, got {type(doc).__name__}")
-    if len(orjson.dumps(doc)) != len(data):  # not memtree's canonical bytes: check duplicates
-        _reject_duplicate_fields(data, c)
+    try:
+        canonical = orjson.dumps(doc) == data  # memtree's own bytes: no repeated field, shallow
+    except TypeError:  # nested deeper than orjson writes
+        canonical = False
+    if not canonical:
+        _check_document(doc, data, c)
     if doc.get("format") != FORMAT or "version" not in doc:
         raise UnsupportedVersionError(
             f"{where}: not a memtree meta.json (format={doc.get('format')!r:.40}, "
@@ -322,18 +351,58 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
 
 
-def _reject_duplicate_fields(data: bytes, c: _Checker) -> None:
-    """orjson keeps the last of duplicate object fields silently; refuse such files instead."""
+def _too_large(shape: tuple[int, ...], extent: int) -> str:
+    if prod(shape):
+        return f"{list(shape)} would need {extent} bytes, beyond any file"
+    return (
+        f"{list(shape)} holds no element, but its other dims span {extent} bytes, beyond any "
+        "tensor torch can make"
+    )
+
+
+def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
+    """What orjson lets pass and memtree never writes: deep nesting, repeated object fields (orjson
+    keeps the last one silently), ints beyond 64 bits (orjson reads them as floats, a value JSON
+    would change).
+
+    Only for bytes that differ from ``orjson.dumps(doc)`` (a file memtree did not write, or a
+    damaged one): bytes equal to it have none of these, as orjson writes no more than
+    :data:`MAX_META_NESTING` levels (a test pins that), one field of each name, and only the ints
+    it reads back as ints.
+    """
+    too_deep = LimitError(
+        f"{c.where}: JSON nested more than {MAX_META_NESTING} levels deep (a non-tensor value may "
+        f"nest {MAX_JSON_DEPTH}); the file is damaged or was not written by memtree"
+    )
+    if json_depth(doc, MAX_META_NESTING) > MAX_META_NESTING:
+        raise too_deep
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(items)
+        if len(out) == len(items):
+            return out
         seen: set[str] = set()
-        for key, _ in items:
-            if key in seen:
-                raise c.fail("an object", f"repeats the field {key!r:.80}")
-            seen.add(key)
-        return dict(items)
+        for name, _ in items:
+            if name in seen:
+                break
+            seen.add(name)
+        key = out.get("key")
+        what = (
+            f"the entry of key {key!r:.80}"
+            if type(key) is str
+            else f"an object with fields {sorted(out)[:8]!r:.120}"
+        )
+        raise c.fail(what, f"repeats the field {name!r:.80}")
 
-    json.loads(data, object_pairs_hook=pairs)
+    def int_in_64_bits(text: str) -> int:
+        if len(text) <= 20 and -(2**63) <= int(text) < 2**64:  # 20 characters hold any of them
+            return int(text)
+        raise c.fail("a number", f"{text:.40} is an int beyond 64 bits, which memtree never writes")
+
+    try:
+        json.loads(data, object_pairs_hook=pairs, parse_int=int_in_64_bits)
+    except RecursionError:  # deeper still, in a field that a repeated one hid from orjson's doc
+        raise too_deep from None
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
@@ -390,7 +459,9 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         if type(x) is not int or x < 0:
             return None
     dims = tuple(shape)
-    if dims[: len(batch_size)] != batch_size or prod(dims) * itemsize(dtype) > MAX_NBYTES:
+    if dims[: len(batch_size)] != batch_size or (
+        (prod(dims) or prod(d or 1 for d in dims)) * itemsize(dtype) > MAX_NBYTES  # extent_bytes
+    ):
         return None
     return LeafMeta(key, file, dtype, dims)
 
@@ -409,9 +480,9 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     shape = c.ints(raw["shape"], f"{p}.shape")
     if shape[: len(batch_size)] != batch_size:
         raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
-    nbytes = prod(shape) * itemsize(dtype)
-    if nbytes > MAX_NBYTES:
-        raise c.fail(f"{p}.shape", f"{list(shape)} would need {nbytes} bytes, beyond any file")
+    extent = extent_bytes(shape, dtype)
+    if extent > MAX_NBYTES:
+        raise c.fail(f"{p}.shape", _too_large(shape, extent))
     capacity = raw.get("capacity")
     if "capacity" in raw:
         if type(capacity) is not int or not shape or capacity < shape[0]:
@@ -420,7 +491,7 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
                 f"must be an int >= shape[0] on a leaf with at least one dim, got {capacity!r:.40} "
                 f"for shape {list(shape)}",
             )
-        if capacity * prod(shape[1:]) * itemsize(dtype) > MAX_NBYTES:
+        if extent_bytes((capacity, *shape[1:]), dtype) > MAX_NBYTES:
             raise c.fail(f"{p}.capacity", f"{capacity} rows of {list(shape[1:])} exceed any file")
     checksum = raw.get("checksum")
     if checksum is not None:

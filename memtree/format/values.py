@@ -5,8 +5,8 @@ leaves. A ``Mapping`` assigned to a tree becomes a sub-tree; to keep a dict (or 
 leaf, wrap it in :class:`NonTensor`.
 
 On disk, values are JSON. :func:`check_json` refuses any value JSON would change (NaN, ±inf,
-ints beyond 64 bits, lone surrogates, tuples, non-str dict keys, arbitrary objects) instead of
-silently altering it.
+ints beyond 64 bits, lone surrogates, tuples, non-str dict keys, arbitrary objects) or nest
+deeper than :data:`MAX_JSON_DEPTH` instead of silently altering it.
 
 Example:
     >>> import memtree
@@ -23,10 +23,24 @@ from typing import Any
 
 from ..errors import NonTensorValueError
 
-__all__ = ["NonTensor", "UnloadedPickle", "check_json", "json_problem"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "NonTensor",
+    "UnloadedPickle",
+    "check_json",
+    "check_nesting",
+    "json_depth",
+    "json_problem",
+]
 
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
+
+#: Levels of lists and dicts one non-tensor value may nest. orjson writes at most 254 levels,
+#: and a ``meta.json`` holds each value 3 levels down (level object, ``entries``, entry object),
+#: so this is the most that can be written; values nested deeper are refused when assigned to a
+#: tree, when written, and when read.
+MAX_JSON_DEPTH = 251
 
 
 class NonTensor:
@@ -67,11 +81,59 @@ class UnloadedPickle:
         return f"<pickled leaf {self.path} (not loaded: device='meta')>"
 
 
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How many levels of lists and dicts ``value`` nests (0 for a scalar), counted up to
+    ``limit + 1`` (iteratively: any depth is safe to measure, and the count stops early).
+
+    Only exact ``list`` and ``dict`` count, the containers JSON has.
+
+    Example:
+        >>> json_depth("x"), json_depth([1, {"a": [2]}]), json_depth([[[[[]]]]], limit=2)
+        (0, 3, 3)
+    """
+    level: list[Any] = [value] if type(value) is list or type(value) is dict else []
+    depth = 0
+    while level and depth <= limit:
+        depth += 1
+        level = [
+            child
+            for v in level
+            for child in (v if type(v) is list else list(v.values()))
+            if type(child) is list or type(child) is dict
+        ]
+    return depth
+
+
+def check_nesting(value: Any, where: str) -> None:
+    """Raise unless ``value`` nests lists and dicts at most :data:`MAX_JSON_DEPTH` levels deep.
+
+    The check a tree makes when a non-tensor value is assigned (any value: also one that will
+    be pickled), so that a value too deep to store fails there, not at ``memmap`` time.
+
+    Example:
+        >>> check_nesting({"lr": [0.1]}, "'cfg'")
+
+    Raises:
+        NonTensorValueError: names ``where`` and the limit.
+    """
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise NonTensorValueError(
+            f"non-tensor leaf {where}: the value nests lists and dicts more than {MAX_JSON_DEPTH} "
+            "levels deep, more than a meta.json can hold; flatten it, or store it as a string "
+            "(json.dumps) or as a tensor"
+        )
+
+
 def json_problem(value: Any, path: str = "value") -> str | None:
-    """Why ``value`` cannot round-trip exactly through JSON, or ``None`` if it can."""
-    stack: list[tuple[Any, str]] = [(value, path)]
+    """Why ``value`` cannot round-trip exactly through JSON, or ``None`` if it can.
+
+    Example:
+        >>> json_problem({"lr": 0.1}) is None, json_problem([float("nan")])
+        (True, 'value[0] is nan, which JSON cannot hold')
+    """
+    stack: list[tuple[Any, str, int]] = [(value, path, 1)]  # depth of v if it is a container
     while stack:
-        v, where = stack.pop()
+        v, where, depth = stack.pop()
         t = type(v)
         if v is None or t is bool:
             continue
@@ -86,14 +148,17 @@ def json_problem(value: Any, path: str = "value") -> str | None:
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 return f"{where} is a str with a lone surrogate"
-        elif t is list:
-            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
-        elif t is dict:
+        elif t is list or t is dict:
+            if depth > MAX_JSON_DEPTH:
+                return f"{path} nests lists and dicts more than {MAX_JSON_DEPTH} levels deep"
+            if t is list:
+                stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+                continue
             for k, x in v.items():
                 if type(k) is not str:
                     return f"{where} has a non-str dict key {k!r}"
-                stack.append((k, f"{where} key"))
-                stack.append((x, f"{where}[{k!r}]"))
+                stack.append((k, f"{where} key", depth + 1))
+                stack.append((x, f"{where}[{k!r}]", depth + 1))
         else:
             return f"{where} is a {t.__name__}, which JSON would change or cannot hold"
     return None

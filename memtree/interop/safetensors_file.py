@@ -45,9 +45,12 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+import orjson
 import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.schema import MAX_NBYTES, extent_bytes
+from ..format.values import json_depth
 from ..errors import (
     CheckpointFormatError,
     DtypeError,
@@ -74,6 +77,8 @@ __all__ = [
 #: A header larger than this is refused (safetensors' own limit).
 MAX_HEADER_BYTES = 100_000_000
 _MAX_NDIM = 64
+#: A header object holds entry objects, which hold the shape list: nothing nests deeper.
+_HEADER_DEPTH = 3
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
 _NAMES = {
@@ -171,8 +176,14 @@ def parse_header(
             overlapping, missing or out-of-range data.
     """
     try:
+        depth = json_depth(orjson.loads(header), _HEADER_DEPTH)  # orjson: bounded, no recursion
+        if depth > _HEADER_DEPTH:
+            raise CheckpointFormatError(
+                f"{where}: the header nests JSON more than {_HEADER_DEPTH} levels deep (tensor "
+                "entries hold a shape list, nothing deeper); the file is damaged or not safetensors"
+            )
         doc = json.loads(header.decode("utf-8"), object_pairs_hook=_no_duplicates(where))
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError) as err:  # orjson.JSONDecodeError is a ValueError
         if isinstance(err, CheckpointFormatError):
             raise
         raise CheckpointFormatError(
@@ -208,6 +219,11 @@ def parse_header(
         ):
             raise CheckpointFormatError(f"{what} has malformed data_offsets {offsets!r:.80}")
         begin, end = offsets
+        if extent_bytes(tuple(shape), dtype) > MAX_NBYTES:
+            raise CheckpointFormatError(
+                f"{what} has the shape {shape}, beyond any tensor torch can make (its non-zero "
+                f"dims span {extent_bytes(tuple(shape), dtype)} bytes)"
+            )
         nbytes = prod(shape) * itemsize(dtype)
         if end < begin or end - begin != nbytes:
             raise CheckpointFormatError(

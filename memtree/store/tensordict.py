@@ -19,9 +19,10 @@ imported)::
 What memtree does with it:
 
 * every ``meta.json`` is validated like memtree's own (size limit before reading, JSON,
-  duplicate fields, field types, dtype from memtree's closed table, shapes, batch sizes,
-  nesting depth): a malformed one raises :class:`~memtree.errors.MetaFormatError` naming the
-  file and the field. Class names in ``_type`` are matched as text, never imported;
+  duplicate fields, JSON nesting, field types, dtype from memtree's closed table, shapes torch
+  can make, batch sizes, nesting depth): a malformed one raises
+  :class:`~memtree.errors.MetaFormatError` naming the file and the field. Class names in
+  ``_type`` are matched as text, never imported;
 * file names are derived from keys with tensordict's encoding (with its fallback to the legacy
   raw name), must be one path component, and are opened relative to their directory without
   following symbolic links, so nothing outside ``prefix`` is ever opened;
@@ -33,7 +34,9 @@ What memtree does with it:
   even with ``allow_pickle=True``: such a key raises
   :class:`~memtree.errors.PickleNotAllowedError` (load the other keys with ``keys=``);
 * memtree never writes this layout: save a loaded tree with ``memmap(new_prefix,
-  copy_existing=True)`` or ``memtree convert`` to get a memtree directory.
+  copy_existing=True)`` or ``memtree convert`` to get a memtree directory;
+* :func:`check_tensordict_dir` walks a directory the same way without mapping anything and
+  reports every problem instead of raising the first (``memtree verify``).
 
 Example:
     >>> import os, tempfile, torch
@@ -52,7 +55,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from math import prod
 from typing import Any
 
@@ -71,15 +74,23 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .files import open_checked, read_fd, storage_error
-from ..format.schema import MAX_DEPTH, MAX_ENTRIES, MAX_NBYTES, MAX_NDIM
+from ..format.schema import (
+    MAX_DEPTH,
+    MAX_DIM,
+    MAX_ENTRIES,
+    MAX_META_NESTING,
+    MAX_NBYTES,
+    MAX_NDIM,
+    extent_bytes,
+)
 from ..format.names import META_NAME
 from ..format.level import Level
 from .mapped import map_leaf
-from ..format.values import NonTensor
-from .read import open_dir, read_meta_bytes
+from ..format.values import MAX_JSON_DEPTH, NonTensor, json_depth
 from .options import KeySelection, ReadOptions
+from .read import open_dir, read_meta_bytes
 
-__all__ = ["is_tensordict_dir", "read_tensordict_dir"]
+__all__ = ["check_tensordict_dir", "is_tensordict_dir", "read_tensordict_dir"]
 
 _NAME_MAX = 255
 # Characters tensordict percent-encodes in file names (``_FS_UNSAFE_CHARS`` in its
@@ -133,11 +144,24 @@ def _parse_json(data: bytes, path: str) -> Any:
         return out
 
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
     except MetaFormatError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise _fail(path, "content", f"is not valid UTF-8 JSON ({err})") from None
+    if json_depth(doc, MAX_META_NESTING) > MAX_META_NESTING:
+        raise LimitError(f"{path}: JSON nested more than {MAX_META_NESTING} levels deep")
+    return doc
+
+
+def _value(value: Any, meta: str, pointer: str) -> NonTensor:
+    """A non-tensor value, refused (like memtree's own) if it nests too deep to be stored."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise LimitError(
+            f"{meta}: {pointer} nests lists and objects more than {MAX_JSON_DEPTH} levels deep, "
+            "more than memtree can store; flatten it with tensordict first"
+        )
+    return NonTensor(value)
 
 
 def _fail(path: str, pointer: str, problem: str) -> MetaFormatError:
@@ -210,6 +234,8 @@ def read_tensordict_level(prefix: str | os.PathLike[str], options: ReadOptions) 
 
 
 class _TensordictReader:
+    map_leaves = True  # False: check each leaf file, map or read none (the checker)
+
     def __init__(self, *, readonly: bool, mmap: bool, device: torch.device) -> None:
         self.readonly = readonly
         self.mmap = mmap
@@ -311,7 +337,7 @@ class _TensordictReader:
             os.close(child_fd)
         for key, value in extra.items():
             if key and (selection is None or key in selection):
-                level.entries[key] = NonTensor(value)
+                level.entries[key] = _value(value, meta, f"_non_tensordict[{key!r:.80}]")
         return level
 
     def child(
@@ -347,7 +373,7 @@ class _TensordictReader:
                     )
                 if kind == "stack" and type(doc["data"]) is not list:
                     raise _fail(meta, "data", "of a NonTensorStack must be a list")
-                return NonTensor(doc["data"])
+                return _value(doc["data"], meta, "data")
             if kind == "invalid" and type(doc) is dict:
                 raise _fail(
                     meta, "_type", f"must be a class name string, got {doc.get('_type')!r:.80}"
@@ -390,11 +416,12 @@ class _TensordictReader:
                 "strided tensors: convert it with tensordict first (e.g. to a padded tensor)"
             )
         nbytes = prod(shape) * itemsize(dtype)
-        if nbytes > MAX_NBYTES:
+        if extent_bytes(shape, dtype) > MAX_NBYTES:
             raise _fail(
                 meta,
                 f"{pointer}.shape",
-                f"{list(shape)} would need {nbytes} bytes, beyond any file",
+                f"{list(shape)} would need {extent_bytes(shape, dtype)} bytes (zero dims counted "
+                "as 1), beyond any tensor torch can make",
             )
         if self.device.type == "meta":
             return torch.empty(shape, dtype=dtype, device="meta")
@@ -403,6 +430,9 @@ class _TensordictReader:
             return torch.empty(shape, dtype=dtype, device=self.device)
         path = os.path.join(where, name)
         fd = open_checked(name, nbytes, path, dir_fd=dir_fd, strict_size=False)
+        if not self.map_leaves:  # checking (verify): the file is right, nothing to map
+            os.close(fd)
+            return torch.empty(shape, dtype=dtype, device="meta")
         try:
             if self.mmap:
                 tensor: torch.Tensor = map_leaf(fd, path, dtype, shape, readonly=self.readonly)
@@ -462,6 +492,85 @@ class _TensordictReader:
         if type(v) is not list or len(v) > MAX_NDIM:
             raise _fail(meta, pointer, f"must be a list of at most {MAX_NDIM} ints, got {v!r:.80}")
         for i, x in enumerate(v):
-            if type(x) is not int or x < 0:
-                raise _fail(meta, f"{pointer}[{i}]", f"must be an int >= 0, got {x!r:.40}")
+            if type(x) is not int or not 0 <= x <= MAX_DIM:
+                raise _fail(meta, f"{pointer}[{i}]", f"must be an int in [0, 2**63), got {x!r:.40}")
         return tuple(v)
+
+
+#: ``on_problem(path, key_path, error)``: one problem :func:`check_tensordict_dir` found.
+ProblemSink = Callable[[str, tuple[str, ...], MemtreeError], None]
+
+
+def check_tensordict_dir(
+    prefix: str | os.PathLike[str], on_problem: ProblemSink, on_leaf: Callable[[], None]
+) -> None:
+    """Check a tensordict directory as :func:`read_tensordict_dir` loads it, reporting every problem.
+
+    Every ``meta.json`` is validated and every leaf file checked (regular file, no link, at least
+    ``numel × itemsize`` bytes) exactly as a load does, but nothing is mapped or read, no pickle
+    is opened, and a problem is passed to ``on_problem`` instead of raised: the walk goes on with
+    the next entry (a level whose ``meta.json`` is unusable is reported once, for its key).
+    ``on_leaf()`` is called for each tensor leaf listed.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> with open(os.path.join(d, "meta.json"), "w") as f:
+        ...     _ = f.write('{"x": {"dtype": "torch.int32", "shape": [2], "device": "cpu", '
+        ...                 '"is_nested": false}, "shape": [2], "device": "cpu", '
+        ...                 '"_type": "<class \\'tensordict._td.TensorDict\\'>"}')
+        >>> found = []
+        >>> check_tensordict_dir(d, lambda path, key, err: found.append(key), lambda: None)
+        >>> found
+        [('x',)]
+    """
+    root = os.path.realpath(os.fspath(prefix))
+    checker = _TensordictChecker(on_problem, on_leaf)
+    try:
+        fd = open_dir(root, root, None)
+    except MemtreeError as err:
+        on_problem(root, (), err)
+        return
+    try:
+        checker.container(fd, root, _read_json(fd, root), None, (), 0, ())
+    except MemtreeError as err:
+        on_problem(os.path.join(root, META_NAME), (), err)
+    finally:
+        os.close(fd)
+
+
+class _TensordictChecker(_TensordictReader):
+    """The reader, reporting each entry's problem and going on (see :func:`check_tensordict_dir`)."""
+
+    map_leaves = False
+
+    def __init__(self, on_problem: ProblemSink, on_leaf: Callable[[], None]) -> None:
+        super().__init__(readonly=True, mmap=True, device=torch.device("cpu"))
+        self.on_problem = on_problem
+        self.on_leaf = on_leaf
+        self.paths: list[tuple[str, ...]] = []  # key path of each level being walked
+
+    def container(self, dir_fd: int, where: str, doc: Any, selection: dict[str, Any] | None,
+                  path: tuple[str, ...], depth: int, parent_batch: tuple[int, ...]) -> Level:
+        self.paths.append(path)
+        try:
+            return super().container(dir_fd, where, doc, selection, path, depth, parent_batch)
+        finally:
+            self.paths.pop()
+
+    def child(self, dir_fd: int, where: str, key: str, selection: dict[str, Any] | None,
+              path: tuple[str, ...], depth: int, batch: tuple[int, ...]) -> Any:
+        try:
+            return super().child(dir_fd, where, key, selection, path, depth, batch)
+        except MemtreeError as err:
+            self.on_problem(os.path.join(where, _encode(key)), path, err)
+            return None
+
+    def leaf(self, dir_fd: int, where: str, meta: str, key: str, entry: dict[str, Any],
+             batch: tuple[int, ...]) -> Any:
+        self.on_leaf()
+        try:
+            return super().leaf(dir_fd, where, meta, key, entry, batch)
+        except MemtreeError as err:
+            self.on_problem(os.path.join(where, _encode(key) + ".memmap"), self.paths[-1] + (key,), err)
+            return None

@@ -4,7 +4,9 @@
 same checks of every leaf file: regular file, not a link, exact size), but instead of stopping at
 the first problem it records each one and goes on, and it compares every leaf's recorded checksum
 (``checksum="crc32"``/``"sha256"`` at write time) with the file's bytes. It never maps a file,
-never unpickles, and never writes.
+never unpickles, and never writes. A directory written by tensordict's ``memmap``, which
+``load_memmap`` reads too, is checked with the same reader
+(:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
 
 Example:
     >>> import os, tempfile, torch
@@ -28,12 +30,14 @@ from typing import Any
 
 from ..format.dtypes import dtype_name
 from ..errors import (
+    DtypeError,
     LeafSizeError,
     LimitError,
     MemtreeError,
     MetaFormatError,
     MissingLeafError,
     NotAMemtreeError,
+    PickleNotAllowedError,
     StorageError,
     UnsafePathError,
     UnsupportedVersionError,
@@ -43,6 +47,7 @@ from ..format.schema import ChildMeta, LeafMeta, PickleMeta
 from ..format.names import META_NAME
 from .progress import Progress
 from .read import META_FLAGS, open_dir, read_meta
+from .tensordict import check_tensordict_dir, is_tensordict_dir
 from ..format.names import is_uncommitted_name
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
@@ -56,6 +61,8 @@ _KINDS: tuple[tuple[type[MemtreeError], str], ...] = (
     (LeafSizeError, "size"),
     (UnsafePathError, "unsafe"),
     (StorageError, "io"),
+    (PickleNotAllowedError, "pickle"),
+    (DtypeError, "dtype"),
 )
 
 
@@ -68,7 +75,9 @@ class Problem:
         key: the key path of the leaf or sub-tree (``()`` for the root).
         kind: ``"checksum"``, ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
             ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
-            (batch sizes that do not nest), ``"not-a-tree"``, ``"not-committed"`` or ``"io"``.
+            (batch sizes that do not nest), ``"not-a-tree"``, ``"not-committed"``, ``"io"``, and
+            in tensordict directories ``"pickle"`` (a value only in a pickle sidecar, which
+            memtree never runs) or ``"dtype"`` (a nested tensor).
         expected: what the metadata promises (e.g. ``"24 bytes"``, ``"crc32:1a2b3c4d"``), when
             it applies.
         found: what is on disk, when it applies.
@@ -89,12 +98,15 @@ class VerifyReport:
 
     Attributes:
         path: the tree's directory (resolved).
+        layout: ``"memtree"``, or ``"tensordict"`` for a directory written by tensordict's
+            ``memmap`` (leaves checked for size, at least ``numel × itemsize`` bytes; no checksums).
         leaves: tensor leaves listed by the ``meta.json`` files that could be read.
         checksummed: leaves whose recorded checksum was compared with the file.
         problems: every problem found, in walk order.
     """
 
     path: str
+    layout: str = "memtree"
     leaves: int = 0
     checksummed: int = 0
     problems: list[Problem] = field(default_factory=list)
@@ -108,6 +120,7 @@ class VerifyReport:
         """A JSON-ready dict (what ``memtree verify --json`` prints)."""
         return {
             "path": self.path,
+            "layout": self.layout,
             "ok": self.ok,
             "leaves": self.leaves,
             "checksummed": self.checksummed,
@@ -131,6 +144,13 @@ class _Walker:
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
         self.report.problems.append(Problem(path, key, kind, expected, found, message))
+
+    def tensordict_problem(self, path: str, key: tuple[str, ...], err: MemtreeError) -> None:
+        self.add(path, key, _kind(err), str(err))
+
+    def tensordict_leaf(self) -> None:
+        self.report.leaves += 1
+        self.bar.update()
 
     def level(self, dir_fd: int, where: str, key: tuple[str, ...], depth: int,
               parent_batch: tuple[int, ...]) -> None:
@@ -263,6 +283,10 @@ def verify_tree(
 
 
 def _verify(root: str, walker: _Walker) -> None:
+    if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
+        walker.report.layout = "tensordict"
+        check_tensordict_dir(root, walker.tensordict_problem, walker.tensordict_leaf)
+        return
     if is_uncommitted_name(os.path.basename(root)):
         walker.add(root, (), "not-committed",
                    f"{root} is the staging directory (or old copy) of an unfinished write")

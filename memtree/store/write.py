@@ -57,6 +57,7 @@ from ..errors import (
     DtypeError,
     ExistingMemmapError,
     InvalidKeyError,
+    LimitError,
     MemtreeError,
 )
 from .faults import point
@@ -64,6 +65,7 @@ from .files import FileRange, check_free_space, create_leaf, is_plain_memory, st
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
 from ..format.schema import (
     FORMAT,
+    MAX_NBYTES,
     ChildMeta,
     Entry,
     JsonMeta,
@@ -71,6 +73,7 @@ from ..format.schema import (
     LevelMeta,
     PickleMeta,
     dump_level,
+    extent_bytes,
 )
 from ..format.names import META_NAME, encode_level
 from ..format.level import Level
@@ -253,6 +256,12 @@ def _plan_leaf(
                     "pass copy_existing=True to copy it into the new prefix"
                 )
     shape = tuple(tensor.shape)
+    if extent_bytes(shape, dtype) > MAX_NBYTES:  # a zero-element tensor: no other can be so large
+        raise LimitError(
+            f"leaf {_key_label(kpath)} has the shape {list(shape)}: no element, but dims spanning "
+            f"{extent_bytes(shape, dtype)} bytes, more than a reader accepts ({MAX_NBYTES}, zero "
+            "dims counted as 1); give its empty dims smaller sizes"
+        )
     plan.leaves.append(LeafJob(rel, kpath, tensor, tensor.nbytes))
     return LeafMeta(key, name, dtype, shape)
 

@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..format.names import validate_key
 from ..format.level import Level
-from ..format.values import NonTensor
+from ..format.values import NonTensor, check_nesting
 from ..store.read import PendingLevel, loading_lock
 from . import bind
 from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
@@ -132,6 +132,7 @@ class TreeCore:
 
     def _convert(self, key: str, value: Any) -> Any:
         if isinstance(value, NonTensor):
+            check_nesting(value.data, repr(key))
             return value
         if isinstance(value, TreeCore):
             if value._batch_size[: len(self._batch_size)] != self._batch_size:
@@ -164,6 +165,7 @@ class TreeCore:
             if self._device is not None and value.device != self._device:
                 value = value.to(self._device)
             return value
+        check_nesting(value, repr(key))
         return NonTensor(value)
 
     def _set_one(self, key: Any, value: Any) -> None:
