@@ -222,3 +222,41 @@ def test_no_bare_builtin_raise() -> None:
 def test_every_error_class_is_a_memtree_error() -> None:
     for name in memtree.errors.__all__:
         assert issubclass(getattr(memtree, name), MemtreeError), name
+
+
+def _state_dict_hook_module(kind: str) -> nn.Module:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+        def get_extra_state(self) -> dict:
+            return {"step": 3, "name": "run"}
+
+        def set_extra_state(self, state: dict) -> None:
+            self.state = state
+
+    m = Model()
+    if kind == "post":  # adds a key, drops one, casts one: the public post-hook
+        def post(module, sd, prefix, local_metadata):
+            sd[prefix + "extra"] = torch.ones(1)
+            sd.pop(prefix + "bias")
+            sd[prefix + "weight"] = sd[prefix + "weight"].detach().to(torch.float16)
+        m.lin.register_state_dict_post_hook(post)
+    elif kind == "replace":  # the older hook that returns a new dict (renames every key)
+        m._register_state_dict_hook(lambda module, sd, prefix, meta: {k.replace("lin", "proj"): v for k, v in sd.items()})
+    return m
+
+
+@pytest.mark.parametrize("kind", ["post", "replace", "extra_state"])
+def test_from_module_with_use_state_dict_is_what_state_dict_returns(kind: str) -> None:
+    m = _state_dict_hook_module(kind)
+    expected = m.state_dict()
+    tree = TensorTree.from_module(m, use_state_dict=True)
+    got = {k if isinstance(k, str) else ".".join(k): v for k, v in tree.items(include_nested=True, leaves_only=True)}
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+        else:
+            assert got[name] == value, name
