@@ -833,3 +833,20 @@ def test_property_mutated_checkpoints_raise_only_memtree_errors(tmp_path: Path) 
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["escaped"] == [] and sum(report["outcomes"].values()) == 400, report
     assert report["outcomes"].get("read", 0) > 0 and len(report["outcomes"]) > 2, report
+
+
+def test_depth_counts_a_shared_container_at_its_deepest_place(tmp_path: Any) -> None:
+    """A container analysed first at a shallow place and shared again deeper is as deep as its
+    deepest place (found by the property test above: memoising by identity skipped the check)."""
+    from memtree.interop import pickle_limits
+
+    a: list[Any] = []
+    b = [a]
+    c = [b]
+    path = write_ckpt(tmp_path / "g.pt", dumps({"top0": a, "top1": b, "top2": c}))
+    with pickle_limits(max_depth=3):
+        with pytest.raises(memtree.CheckpointFormatError, match="levels deep"):
+            memtree.open_checkpoint(path)
+    with pickle_limits(max_depth=4):
+        with memtree.open_checkpoint(path) as ckpt:
+            assert ckpt.non_tensors["top2"] == [[[]]]

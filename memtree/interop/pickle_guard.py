@@ -543,9 +543,11 @@ def _analyse(
     cap = limits.max_objects + 1
     holds: dict[int, bool] = {}
     size: dict[int, int] = {}  # entries a container becomes where it is flattened
+    height: dict[int, int] = {}  # levels of containers from this one down (itself included)
     on_path = {id(root)}
     parts: list[Any] = []
-    stack: list[tuple[Any, Iterator[tuple[Any, Any]], list[Any]]] = [(root, _items(root), [False, 0])]
+    # each frame: (container, its items, [reaches a leaf, entries, height of its deepest child])
+    stack: list[tuple[Any, Iterator[tuple[Any, Any]], list[Any]]] = [(root, _items(root), [False, 0, 0])]
     while stack:
         obj, items, acc = stack[-1]
         for part, child in items:
@@ -556,9 +558,17 @@ def _analyse(
                 acc[1] += 1
                 continue
             key = id(child)
-            if key in holds:
+            if key in holds:  # analysed already, maybe at a shallower place: its height counts here
+                if len(stack) + height[key] > limits.max_depth:
+                    raise limit_error(
+                        where,
+                        f"{_show(parts + [part])} is nested more than {limits.max_depth} levels deep",
+                        "max_depth",
+                        limits.max_depth,
+                    )
                 acc[0] = acc[0] or holds[key]
                 acc[1] = min(cap, acc[1] + size[key])
+                acc[2] = max(acc[2], height[key])
                 continue
             if key in on_path:
                 raise CheckpointFormatError(
@@ -575,14 +585,15 @@ def _analyse(
                 )
             parts.append(part)
             on_path.add(key)
-            stack.append((child, _items(child), [False, 0]))
+            stack.append((child, _items(child), [False, 0, 0]))
             break
         else:
             stack.pop()
             key = id(obj)
             on_path.discard(key)
-            found, count = acc
+            found, count, below = acc
             holds[key] = found
+            height[key] = below + 1
             if isinstance(obj, dict):
                 size[key] = max(1, count)
             else:
@@ -592,6 +603,7 @@ def _analyse(
                 parent = stack[-1][2]
                 parent[0] = parent[0] or found
                 parent[1] = min(cap, parent[1] + size[key])
+                parent[2] = max(parent[2], height[key])
     return holds, (size[id(root)] if root else 0)
 
 
