@@ -9,7 +9,10 @@ Run it in alternating processes for the two checkouts being compared (RESULTS.md
 refactor"): page-cache writeback on a small VM swings single save timings by 2x and more.
 """
 
-import os, sys, time, statistics, shutil, tempfile
+import statistics
+import sys
+import time
+
 import torch, memtree
 try:
     from memtree.store.write import wait_for_removals
