@@ -51,3 +51,4 @@ def as_level(obj: Any) -> Level | None:
         return obj
     method = getattr(type(obj), "__memtree_level__", None)
     return method(obj) if method is not None else None
+

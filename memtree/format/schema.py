@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from math import prod
@@ -52,6 +53,7 @@ __all__ = [
     "LevelMeta",
     "dump_level",
     "parse_level",
+    "starts_with_batch",
 ]
 
 FORMAT = "memtree"
@@ -262,6 +264,17 @@ class _Checker:
         return str(v)
 
 
+def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
+    """The batch-prefix rule: a leaf's shape, or a sub-tree's batch size, starts with its level's
+    ``batch_size`` (``docs/format.md``). Every writer and reader checks it with this function.
+
+    Example:
+        >>> starts_with_batch((4, 3), (4,)), starts_with_batch((3,), (4,)), starts_with_batch((), ())
+        (True, False, True)
+    """
+    return tuple(shape[: len(batch_size)]) == tuple(batch_size)
+
+
 def _leaves_directory(name: str) -> bool:
     """True for names that would resolve outside their directory (or are not one component)."""
     return name in ("", ".", "..") or any(ch in name for ch in "/\\\0") or name.startswith(".")
@@ -459,7 +472,7 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         if type(x) is not int or x < 0:
             return None
     dims = tuple(shape)
-    if dims[: len(batch_size)] != batch_size or (
+    if not starts_with_batch(dims, batch_size) or (
         (prod(dims) or prod(d or 1 for d in dims)) * itemsize(dtype) > MAX_NBYTES  # extent_bytes
     ):
         return None
@@ -478,7 +491,7 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "(see docs/format.md for the list; float8 types need a recent torch)",
         )
     shape = c.ints(raw["shape"], f"{p}.shape")
-    if shape[: len(batch_size)] != batch_size:
+    if not starts_with_batch(shape, batch_size):
         raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
     extent = extent_bytes(shape, dtype)
     if extent > MAX_NBYTES:

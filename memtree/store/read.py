@@ -65,7 +65,16 @@ from ..errors import (
     UnsafePathError,
 )
 from .files import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
-from ..format.schema import MAX_META_BYTES, ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
+from ..format.schema import (
+    MAX_META_BYTES,
+    ChildMeta,
+    JsonMeta,
+    LeafMeta,
+    LevelMeta,
+    PickleMeta,
+    parse_level,
+    starts_with_batch,
+)
 from ..format.names import META_NAME
 from ..format.level import Level, Value
 from .mapped import map_leaf
@@ -534,7 +543,7 @@ class PendingLevel:
                 child_fd = open_dir(entry.dir, where, fd)
                 try:
                     meta = self.source.meta(dirs, where, child_fd)
-                    if meta.batch_size[: len(self.meta.batch_size)] != self.meta.batch_size:
+                    if not starts_with_batch(meta.batch_size, self.meta.batch_size):
                         raise MetaFormatError(
                             f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} "
                             f"does not start with the parent's {list(self.meta.batch_size)}; the "

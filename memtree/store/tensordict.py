@@ -75,6 +75,7 @@ from ..errors import (
 )
 from .files import open_checked, read_fd, storage_error
 from ..format.schema import (
+    starts_with_batch,
     MAX_DEPTH,
     MAX_DIM,
     MAX_ENTRIES,
@@ -265,7 +266,7 @@ class _TensordictReader:
         if kind != "tensordict":
             raise _fail(meta, "_type", f"must name a TensorDict here, got {doc.get('_type')!r:.80}")
         batch = self.ints(doc.get("shape"), meta, "shape")
-        if batch[: len(parent_batch)] != parent_batch:
+        if not starts_with_batch(batch, parent_batch):
             raise _fail(
                 meta,
                 "shape",
@@ -401,7 +402,7 @@ class _TensordictReader:
                 meta, f"{pointer}.dtype", f"names no dtype memtree can read: {dtype_str!r:.40}"
             )
         shape = self.ints(entry.get("shape"), meta, f"{pointer}.shape")
-        if shape[: len(batch)] != batch:
+        if not starts_with_batch(shape, batch):
             raise _fail(
                 meta,
                 f"{pointer}.shape",

@@ -43,7 +43,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .files import file_checksum, open_checked
-from ..format.schema import ChildMeta, LeafMeta, PickleMeta
+from ..format.schema import ChildMeta, LeafMeta, PickleMeta, starts_with_batch
 from ..format.names import META_NAME
 from .progress import Progress
 from .read import META_FLAGS, open_dir, read_meta
@@ -159,7 +159,7 @@ class _Walker:
         except MemtreeError as err:
             self.add(os.path.join(where, META_NAME), key, _kind(err), str(err))
             return
-        if meta.batch_size[: len(parent_batch)] != parent_batch:
+        if not starts_with_batch(meta.batch_size, parent_batch):
             self.add(
                 os.path.join(where, META_NAME), key, "structure",
                 f"batch_size {list(meta.batch_size)} does not start with the parent's "

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from ..errors import InvalidArgumentError, MemtreeError, MetaFormatError
 from ..format.names import META_NAME
-from ..format.schema import ChildMeta, LevelMeta, parse_level
+from ..format.schema import ChildMeta, LevelMeta, parse_level, starts_with_batch
 from .options import Selection, select_entries
 from .storage import Storage, join_rel
 
@@ -125,7 +125,7 @@ def _parse(storage: Storage, dirs: tuple[str, ...]) -> LevelMeta:
 def _nesting_problem(
     storage: Storage, dirs: tuple[str, ...], meta: LevelMeta, parent: LevelMeta | None
 ) -> MetaFormatError | None:
-    if parent is None or meta.batch_size[: len(parent.batch_size)] == parent.batch_size:
+    if parent is None or starts_with_batch(meta.batch_size, parent.batch_size):
         return None
     return MetaFormatError(
         f"{storage.describe(join_rel(*dirs, META_NAME))}: batch_size {list(meta.batch_size)} does "

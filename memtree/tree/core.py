@@ -32,6 +32,7 @@ from ..errors import (
     AmbiguousTruthError,
 )
 from ..format.names import validate_key
+from ..format.schema import starts_with_batch
 from ..format.level import Level
 from ..format.values import NonTensor, check_nesting
 from ..store.read import PendingLevel, loading_lock
@@ -135,7 +136,7 @@ class TreeCore:
             check_nesting(value.data, repr(key))
             return value
         if isinstance(value, TreeCore):
-            if value._batch_size[: len(self._batch_size)] != self._batch_size:
+            if not starts_with_batch(value._batch_size, self._batch_size):
                 raise BatchSizeError(
                     f"sub-tree {key!r} has batch_size {list(value._batch_size)}, which does not "
                     f"start with this tree's {list(self._batch_size)}"
@@ -155,8 +156,7 @@ class TreeCore:
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
         if isinstance(value, torch.Tensor):
-            nd = len(self._batch_size)
-            if value.shape[:nd] != self._batch_size:
+            if not starts_with_batch(value.shape, self._batch_size):
                 raise BatchSizeError(
                     f"tensor for key {key!r} has shape {list(value.shape)}, which does not start "
                     f"with the tree's batch_size {list(self._batch_size)}; reshape it or change "
@@ -195,7 +195,7 @@ class TreeCore:
 
     def _set_batch_size(self, size: torch.Size) -> None:
         for v in self._data.values():
-            if isinstance(v, TreeCore) and v._batch_size[: len(size)] != size:
+            if isinstance(v, TreeCore) and not starts_with_batch(v._batch_size, size):
                 v._set_batch_size(size)
         self._batch_size = size
 
