@@ -272,7 +272,8 @@ def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
         >>> starts_with_batch((4, 3), (4,)), starts_with_batch((3,), (4,)), starts_with_batch((), ())
         (True, False, True)
     """
-    return tuple(shape[: len(batch_size)]) == tuple(batch_size)
+    prefix = shape[: len(batch_size)]
+    return prefix == batch_size or tuple(prefix) == tuple(batch_size)  # no copies in the common case
 
 
 def _leaves_directory(name: str) -> bool:
