@@ -10,6 +10,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +23,7 @@ from torch import nn
 
 from ..tree.bind import module_groups, names_list, set_slot
 
-__all__ = ["empty_init", "init_missing"]
+__all__ = ["INIT_FUNCTIONS", "empty_init", "init_missing"]
 
 
 def _direct_tensors(m: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
@@ -101,23 +104,126 @@ def init_missing(module: nn.Module, *, device: torch.device | str | None = None)
     return names
 
 
+#: The ``torch.nn.init`` functions that do nothing to a meta tensor inside :func:`empty_init`
+#: (the list Hugging Face's ``no_init_weights`` patches). Running them on meta tensors would
+#: compute nothing, yet the meta kernels of ``normal_``, ``trunc_normal_`` (and a few others)
+#: import ``torch._dynamo`` on first use: about a second in a fresh process.
+INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "sparse_",
+)
+
+_lock = threading.Lock()
+_active_contexts = 0  # every thread's, under _lock: the patches stay while it is > 0
+_patches: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, replacement)
+_local = threading.local()  # .depth: this thread's open empty_init contexts
+
+
+def _on() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+def _install() -> None:
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def meta_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(self, name, param)
+        if not _on():
+            return
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta" and not isinstance(p, nn.parameter.UninitializedParameter):
+            new = torch.Tensor._make_subclass(type(p), p.data.to("meta"), p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            self._parameters[name] = new
+
+    def meta_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if (
+            _on()
+            and tensor is not None
+            and persistent
+            and not isinstance(tensor, nn.parameter.UninitializedBuffer)
+        ):
+            tensor = tensor.to("meta")
+        register_buffer(self, name, tensor, persistent)
+
+    def skip_on_meta(original: Any) -> Any:
+        @functools.wraps(original)
+        def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if _on() and isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                return tensor
+            return original(tensor, *args, **kwargs)
+
+        return init
+
+    _patches[:] = [
+        (nn.Module, "register_parameter", register_parameter, meta_parameter),
+        (nn.Module, "register_buffer", register_buffer, meta_buffer),
+    ]
+    for name in INIT_FUNCTIONS:
+        original = getattr(nn.init, name, None)
+        if original is not None:
+            _patches.append((nn.init, name, original, skip_on_meta(original)))
+    # transformers keeps its own table of the torch.nn.init functions, taken at import, and its
+    # models' _init_weights call those: skip them too when transformers is already imported
+    hf = sys.modules.get("transformers.initialization")
+    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict):
+        for name, original in list(table.items()):
+            if name in INIT_FUNCTIONS and callable(original):
+                _patches.append((table, name, original, skip_on_meta(original)))
+    for owner, attr, _original, replacement in _patches:
+        _set(owner, attr, replacement)
+
+
+def _get(owner: Any, attr: str) -> Any:
+    return owner.get(attr) if isinstance(owner, dict) else getattr(owner, attr, None)
+
+
+def _set(owner: Any, attr: str, value: Any) -> None:
+    if isinstance(owner, dict):
+        owner[attr] = value
+    else:
+        setattr(owner, attr, value)
+
+
+def _uninstall() -> None:
+    for owner, attr, original, replacement in reversed(_patches):
+        # put the original back unless someone patched over us meanwhile (then ours stays under
+        # theirs and, outside any empty_init, only passes calls through)
+        if _get(owner, attr) is replacement:
+            _set(owner, attr, original)
+    _patches.clear()
+
+
 @contextmanager
 def empty_init() -> Iterator[None]:
     """Build modules without allocating their weights: parameters go to the meta device.
 
     Inside the context, every parameter and every *persistent* buffer registered by a module
-    constructor is moved to the meta device as soon as it is registered, so the constructor's
-    own initialisation (``reset_parameters``) runs on meta tensors and costs nothing. Bind real
-    weights afterwards with ``load_memmap(d).to_module(model)`` or :func:`load_into_module`.
+    constructor is moved to the meta device as soon as it is registered, and the
+    ``torch.nn.init`` functions (:data:`INIT_FUNCTIONS`) return meta tensors untouched, so the
+    constructor's own initialisation (``reset_parameters``) computes nothing (it would also
+    import ``torch._dynamo`` on first use: a second in a fresh process). Bind real weights
+    afterwards with ``load_memmap(d).to_module(model)`` or :func:`load_into_module`, and
+    initialise what no checkpoint holds with :func:`init_missing`.
 
     *Non-persistent* buffers (``register_buffer(..., persistent=False)``: rotary frequencies,
     position ids, causal masks) are never in a checkpoint, so they are kept as the constructor
     computed them (on its device, usually the CPU): the model is runnable once the persistent
     tensors are bound. Non-persistent buffers are usually small; their memory is allocated.
+    ``torch.nn.init`` functions applied to tensors that are not on the meta device still run.
 
-    The context patches ``nn.Module.register_parameter``/``register_buffer`` for its duration
-    (like ``accelerate.init_empty_weights``): it affects modules built in other threads meanwhile.
-    A constructor that computes a weight eagerly before registering it (e.g.
+    The context patches ``nn.Module.register_parameter``/``register_buffer`` and the
+    ``torch.nn.init`` functions while any thread is inside one (like
+    ``accelerate.init_empty_weights`` and Hugging Face's ``no_init_weights``; also the table of
+    them that ``transformers`` models initialise with, if it is imported), but the patched
+    functions only act in the threads that entered the context: a module built meanwhile in
+    another thread is built normally. Contexts nest; leaving the outermost one (also by an
+    exception) restores everything. Code that calls initialisers it imported before (``from
+    torch.nn.init import normal_``) or tensor methods (``weight.normal_()``) still runs them, on
+    meta tensors; a constructor that computes a weight eagerly before registering it (e.g.
     ``nn.Parameter(torch.randn(n, m))``) still pays for that one tensor, briefly.
 
     Example:
@@ -127,26 +233,17 @@ def empty_init() -> Iterator[None]:
         >>> big.weight.device, big.weight.requires_grad
         (device(type='meta'), True)
     """
-    register_parameter = nn.Module.register_parameter
-    register_buffer = nn.Module.register_buffer
-
-    def meta_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register_parameter(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta" and not isinstance(p, nn.parameter.UninitializedParameter):
-            new = torch.Tensor._make_subclass(type(p), p.data.to("meta"), p.requires_grad)
-            new.__dict__.update(p.__dict__)
-            self._parameters[name] = new
-
-    def meta_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        if tensor is not None and persistent and not isinstance(tensor, nn.parameter.UninitializedBuffer):
-            tensor = tensor.to("meta")
-        register_buffer(self, name, tensor, persistent)
-
-    nn.Module.register_parameter = meta_parameter  # type: ignore[method-assign]
-    nn.Module.register_buffer = meta_buffer  # type: ignore[method-assign]
+    global _active_contexts
+    with _lock:
+        if _active_contexts == 0:
+            _install()
+        _active_contexts += 1
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        _local.depth -= 1
+        with _lock:
+            _active_contexts -= 1
+            if _active_contexts == 0:
+                _uninstall()
