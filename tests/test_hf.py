@@ -23,11 +23,13 @@ from memtree import (
     LoadResult,
     MemtreeError,
     MemtreeKeyError,
+    TensorTree,
     UnsafePathError,
     empty_init,
     load_into_module,
 )
 from memtree.interop import open_checkpoint, save_safetensors
+from memtree.format.names import TIED_KEY
 from memtree.interop.sharded import MAX_INDEX_BYTES
 
 # offline, quiet: set before transformers / huggingface_hub are imported (they read them once)
@@ -394,3 +396,69 @@ def test_a_bf16_checkpoint_into_an_fp32_model_with_dtype(tf, tmp_path) -> None:
     assert load_into_module(fresh, tmp_path, dtype=torch.float32) == LoadResult([], [])
     assert fresh.model.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(_out(fresh), _out(reference))
+
+
+# ------------------------------------------------------------- export for Hugging Face
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForSequenceClassification"}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_a_tree_from_module_exported_to_safetensors_loads_with_from_pretrained(tf, tmp_path, arch) -> None:
+    saved = _build(tf, arch, seed=0)
+    tree = TensorTree.from_module(saved)
+    if arch == "gpt2":  # the tie is recorded, the head stored once under the embedding's name
+        assert tree[TIED_KEY] == {"lm_head.weight": "transformer.wte.weight"}
+    saved.config.save_pretrained(tmp_path)
+    save_safetensors(tree, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    keys = open_checkpoint(tmp_path).keys()
+    assert TIED_KEY not in keys and ("lm_head.weight" in keys) == (arch == "llama")  # bert: no head
+    loaded, info = getattr(tf, _CLASSES[arch]).from_pretrained(tmp_path, output_loading_info=True)
+    assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(_out(loaded.eval()), _out(saved))
+    if arch == "gpt2":
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    # and back into memtree: live (filled in place) and under empty_init (bound), tied again
+    for meta in (False, True):
+        fresh = _build(tf, arch, seed=1, meta=meta)
+        assert load_into_module(fresh, tmp_path) == LoadResult([], [])
+        assert torch.equal(_out(fresh), _out(saved))
+        if arch == "gpt2":
+            assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_a_tied_export_round_trips_through_to_module_and_a_memtree_directory(tf, tmp_path) -> None:
+    saved = _build(tf, "gpt2", seed=0)
+    save_safetensors(TensorTree.from_module(saved), tmp_path / "model.safetensors")
+    ckpt = open_checkpoint(tmp_path / "model.safetensors")
+    with empty_init():
+        fresh = _build(tf, "gpt2", seed=1)
+    TensorTree({k: ckpt[k] for k in ckpt}).to_module(fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(_out(fresh), _out(saved))
+    tree = TensorTree.from_module(fresh)  # the same tie record again
+    tree.memmap(tmp_path / "mt")
+    save_safetensors(memtree.load_memmap(tmp_path / "mt"), tmp_path / "again.safetensors")
+    assert (tmp_path / "again.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_save_pretrained_shards_open_as_a_tree_and_bind_under_empty_init(tf, tmp_path, arch) -> None:
+    saved = _build(tf, arch, seed=0)
+    saved.save_pretrained(tmp_path, max_shard_size="50KB")
+    ckpt = open_checkpoint(tmp_path)
+    assert len(ckpt.files) > 1
+    with empty_init():
+        fresh = MODELS[arch](tf)
+    assert all(p.is_meta for p in fresh.parameters())
+    TensorTree({k: ckpt[k] for k in ckpt}).to_module(fresh)
+    assert not any(p.is_meta for p in fresh.parameters())
+    assert torch.equal(_out(fresh), _out(saved))
+    if arch == "gpt2":
+        assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_a_malformed_tie_record_is_not_dropped_silently(tmp_path) -> None:
+    with pytest.raises(memtree.NonTensorValueError, match="__tied__"):
+        save_safetensors({"w": torch.zeros(1), TIED_KEY: {"a": 3}}, tmp_path / "x.safetensors")
+    save_safetensors({"w": torch.zeros(1), TIED_KEY: {"v": "w"}}, tmp_path / "y.safetensors")
+    assert list(open_checkpoint(tmp_path / "y.safetensors")) == ["w"]

@@ -39,6 +39,7 @@ __all__ = [
     "SCRATCH_MARK",
     "META_TMP",
     "SIBLING",
+    "TIED_KEY",
     "staging_path",
     "old_path",
     "lock_path",
@@ -50,6 +51,9 @@ __all__ = [
     "is_safe_name",
 ]
 
+#: Root key of the JSON leaf in which ``TensorTree.from_module`` records tied tensors:
+#: ``{alias: stored name}``.
+TIED_KEY = "__tied__"
 #: The name of each level's metadata file.
 META_NAME = "meta.json"
 #: Suffix of a leaf's raw data file.

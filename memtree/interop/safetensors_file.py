@@ -50,7 +50,8 @@ import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.schema import MAX_NBYTES, extent_bytes
-from ..format.values import json_depth
+from ..format.names import TIED_KEY
+from ..format.values import NonTensor, json_depth
 from ..errors import (
     CheckpointFormatError,
     DtypeError,
@@ -415,6 +416,16 @@ def save_safetensors(
     ``state_dict``. Bytes are written as they are: the file is bit-exact for every dtype
     safetensors supports.
 
+    **Tied tensors.** A tree made by :meth:`~memtree.TensorTree.from_module` holds a tied tensor
+    (a language model's input embedding and output projection) once, under its first name, and
+    records the other names in its root ``"__tied__"`` leaf. That record is not written: the file
+    holds each shared tensor once, under the name Hugging Face keeps (``transformer.wte.weight``,
+    not ``lm_head.weight``: the names in a model's ``_tied_weights_keys`` come later), which is
+    what ``from_pretrained`` expects, and what ``safetensors.torch.save_model`` writes. A model
+    that ties the names itself (every ``transformers`` model with tied embeddings) is tied again
+    when the file is loaded into it with :func:`~memtree.load_into_module`. Pass
+    ``metadata={"format": "pt"}`` for readers that ask for it (older ``transformers``).
+
     Args:
         tensors: a TensorTree or a (nested) mapping of str to tensors.
         path: the file to create.
@@ -453,6 +464,8 @@ def save_safetensors(
 def _flat_items(obj: Any, prefix: tuple[str, ...], sep: str) -> Iterable[tuple[str, torch.Tensor]]:
     level = as_level(obj)
     for key, value in (level.entries if level is not None else obj).items():
+        if not prefix and key == TIED_KEY and _is_tie_record(value):
+            continue  # the aliases of tensors written under their first name
         path = prefix + (key,)
         if isinstance(value, Mapping) or as_level(value) is not None:
             yield from _flat_items(value, path, sep)
@@ -463,3 +476,8 @@ def _flat_items(obj: Any, prefix: tuple[str, ...], sep: str) -> Iterable[tuple[s
                 f"{sep.join(path)!r} is a non-tensor value; safetensors holds tensors only: "
                 "exclude it (tree.exclude(key)) or keep a memtree directory"
             )
+
+
+def _is_tie_record(value: Any) -> bool:
+    data = value.data if isinstance(value, NonTensor) else value
+    return isinstance(data, Mapping) and all(type(k) is str and type(v) is str for k, v in data.items())

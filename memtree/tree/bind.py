@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..errors import MemtreeKeyError, ShapeMismatchError, SourceError
+from ..format.names import TIED_KEY
 from ..format.values import NonTensor
 from ..store.mapped import MemoryMappedTensor
 
@@ -77,8 +78,6 @@ __all__ = [
     "names_list",
 ]
 
-#: Root key of the JSON leaf that records tied tensors: ``{alias: stored name}``.
-TIED_KEY = "__tied__"
 _EXTRA_STATE = "_extra_state"
 _LIST_MAX = 10
 
