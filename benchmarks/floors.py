@@ -13,6 +13,7 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py touch-cold [ROUNDS]  # the same, every file evicted first
     .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
     .venv/bin/python benchmarks/floors.py w4-ready [ROUNDS]    # the same with the model's build (W4's "ready")
+    .venv/bin/python benchmarks/floors.py w4-ready-fresh [ROUNDS] [gpt2|w4]  # "ready", each in a new process
 
 ``save`` also runs tensordict's ``memmap`` at the same thread count when it is installed: how
 far the incumbent is from the same floor, in the same rounds. ``touch-cold`` evicts every file
@@ -23,6 +24,9 @@ cannot leave a half-written tree costs. ``touch`` and ``w4`` also time the *form
 same directory read with the fewest calls and no checks at all (read and decode each level's
 ``meta.json``, ``torch.from_file`` each leaf by path), the least any reader of this on-disk
 format pays, next to the one-file raw limit (``touch``) or safetensors (``w4``).
+``w4-ready-fresh`` times W4's ``ready`` (library import + build + load + bind) in a new
+interpreter per run (``w4_model.fresh_ready``), for transformers' GPT-2 (124M parameters, the
+default) or W4's own model, which shows what the first meta-device build costs.
 """
 
 from __future__ import annotations
@@ -127,10 +131,11 @@ def _alternate(
     rounds: int,
     fresh: bool,
     before: Callable[[], None] | None = None,
+    own_time: bool = False,
 ) -> None:
     """Run the systems round after round (the first is the reference of the ratios); ``fresh``:
     sync before each system and delete its output after; ``before``: called before each system
-    (untimed)."""
+    (untimed); ``own_time``: the systems return the seconds to count (else the call is timed)."""
     wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
     names = list(systems)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -147,7 +152,7 @@ def _alternate(
                     before()
                 t0 = time.perf_counter()
                 out = systems[k](p)
-                took[k] = time.perf_counter() - t0
+                took[k] = out if own_time else time.perf_counter() - t0
                 del out
                 if fresh:
                     shutil.rmtree(p, ignore_errors=True)
@@ -285,6 +290,31 @@ def main(argv: list[str]) -> None:
                 ),
             }
             _alternate(wrapped, rounds, fresh=False)
+        finally:
+            shutil.rmtree(wd, ignore_errors=True)
+    elif what == "w4-ready-fresh":
+        import w4_model
+
+        wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
+        cfg = {"quick": False, "workdir": wd, "model": argv[2] if len(argv) > 2 else "gpt2"}
+        flags: dict[str, set[str]] = {}
+        try:
+            print(w4_model.prepare(cfg))
+
+            def fresh(name: str) -> Callable[[str], float]:
+                def run(_: str) -> float:
+                    doc = w4_model.fresh_ready(name, cfg)
+                    flags.setdefault(name, set()).update(
+                        ["output equal" if doc["equal"] else "OUTPUT DIFFERS"]
+                        + (["imported torch._dynamo"] if doc["dynamo"] else [])
+                    )
+                    return float(doc["seconds"])
+                return run
+
+            rows = ["safetensors + assign", "torch.load(mmap) + assign", "memtree to_module"]
+            _alternate({k: fresh(k) for k in rows}, int(argv[1]) if len(argv) > 1 else 11, fresh=False, own_time=True)
+            for name in rows:
+                print(f"{name}: {', '.join(sorted(flags[name]))}")
         finally:
             shutil.rmtree(wd, ignore_errors=True)
     else:

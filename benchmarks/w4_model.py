@@ -14,12 +14,29 @@ Rows (``ready`` = build the module + bind the weights; meta/empty-init modules a
   ``memtree.load_memmap(d).to_module(model)`` (N/A until memtree has them);
 * ``raw mmap + assign`` (the limit): meta module, one raw file mapped, ``torch.frombuffer``
   views, ``load_state_dict(assign=True)``.
+
+``ready, fresh process`` (rows in :data:`FRESH_ROWS`): the same ``ready`` in a new interpreter
+(spawned; it imports torch, and transformers for ``model="gpt2"``, before the clock starts),
+timing the row's library import + build + load + bind: what a process that starts, loads a
+model and serves pays once. The first build of a module on the meta device runs its
+initialisers there, and the meta kernel of ``normal_`` (``nn.Embedding``) imports
+``torch._dynamo`` (about a second) unless something imported it before (``transformers``' GPT-2
+module does).
+
+``cfg["model"] = "gpt2"`` (``benchmarks/floors.py w4-ready-fresh``) builds ``transformers``'
+``GPT2LMHeadModel(GPT2Config())`` (124M parameters, tied embeddings) instead of :class:`Model`;
+only :data:`FRESH_ROWS` and the raw limit are prepared for it.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import statistics
+import subprocess
+import sys
+import time
 import warnings
 from typing import Any, Callable
 
@@ -29,6 +46,9 @@ from torch import nn
 
 from harness import Result, Settings, disk_usage, measure
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: The rows also measured in a fresh process: the libraries that bind a meta model's weights.
+FRESH_ROWS = ["torch.load(mmap) + assign", "safetensors + assign", "memtree to_module"]
 ROWS = [
     "torch.load + load_state_dict",
     "torch.load(mmap) + assign",
@@ -87,8 +107,37 @@ def _dims(cfg: dict[str, Any]) -> dict[str, int]:
     return {"vocab": 32000, "d": 768, "layers": 12, "heads": 12, "max_len": 1024}
 
 
-def _build(cfg: dict[str, Any]) -> Model:
+def _gpt2(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model", "w4") == "gpt2"
+
+
+def _build(cfg: dict[str, Any]) -> nn.Module:
+    if _gpt2(cfg):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        small = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 500, "n_positions": 64}
+        return GPT2LMHeadModel(GPT2Config(**(small if cfg["quick"] else {})))
     return Model(**_dims(cfg))
+
+
+def _vocab(cfg: dict[str, Any]) -> int:
+    return 500 if cfg["quick"] else 50257 if _gpt2(cfg) else _dims(cfg)["vocab"]
+
+
+def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _assign(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """``load_state_dict(sd, assign=True)``; a model that ties weights (``transformers``' GPT-2:
+    the head is the embedding, stored once) is tied again with its ``tie_weights()``."""
+    tie = getattr(model, "tie_weights", None)
+    result = model.load_state_dict(sd, assign=True, strict=tie is None)
+    if tie is not None:
+        tie()
+        if result.unexpected_keys or any(p.is_meta for p in model.parameters()):
+            raise RuntimeError(f"the checkpoint does not fit the model: {result}")
 
 
 def _memtree_module_api() -> str | None:
@@ -127,9 +176,9 @@ def prepare(cfg: dict[str, Any]) -> str:
     os.makedirs(wd, exist_ok=True)
     torch.manual_seed(0)
     model = _build(cfg).eval()
-    tokens = torch.randint(0, _dims(cfg)["vocab"], (1, 16 if cfg["quick"] else 128))
+    tokens = torch.randint(0, _vocab(cfg), (1, 16 if cfg["quick"] else 128))
     with torch.no_grad():
-        out = model(tokens)
+        out = _forward(model, tokens)
     torch.save({"tokens": tokens, "out": out}, os.path.join(wd, "ref.pt"))
     sd = model.state_dict()
     torch.save(sd, os.path.join(wd, "ckpt.pt"))
@@ -139,9 +188,19 @@ def prepare(cfg: dict[str, Any]) -> str:
     try:
         from safetensors.torch import save_file
 
-        save_file(sd, os.path.join(wd, "model.safetensors"))
+        # tied tensors (GPT-2's head): save_file refuses shared tensors; keep the first name, as
+        # save_pretrained does (safetensors' save_model keeps lm_head.weight, which tie_weights
+        # would then overwrite with the unloaded embedding)
+        seen: set[int] = set()
+        once = {k: v for k, v in sd.items() if not (v.data_ptr() in seen or seen.add(v.data_ptr()))}
+        save_file(once, os.path.join(wd, "model.safetensors"))
     except ImportError:
         pass
+    if _gpt2(cfg):  # only FRESH_ROWS and the raw limit
+        from memtree import TensorTree
+
+        TensorTree.from_module(model).memmap(os.path.join(wd, "memtree"))
+        return f"GPT-2: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
     try:
         from tensordict import TensorDict
 
@@ -184,7 +243,7 @@ def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], li
         def ready() -> nn.Module:
             with meta:
                 model = _build(cfg)
-            model.load_state_dict(torch.load(p, weights_only=True, mmap=True), assign=True)
+            _assign(model, torch.load(p, weights_only=True, mmap=True))
             return model
 
         return ready, [p]
@@ -196,7 +255,7 @@ def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], li
         def ready() -> nn.Module:
             with meta:
                 model = _build(cfg)
-            model.load_state_dict(load_file(p), assign=True)
+            _assign(model, load_file(p))
             return model
 
         return ready, [p]
@@ -259,11 +318,42 @@ def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], li
                     ).view(shape)
                     for k, off, shape, dt in layout
                 }
-            model.load_state_dict(sd, assign=True)
+            _assign(model, sd)
             return model
 
         return ready, [p]
     raise ValueError(name)
+
+
+def fresh_ready(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time ``name``'s ``ready`` in a new interpreter; see the module docstring.
+
+    Returns:
+        ``{"seconds": .., "equal": the output equals the original's, "dynamo": torch._dynamo
+        was imported when the model was ready}``
+    """
+    args = json.dumps({"name": name, "cfg": {k: cfg.get(k) for k in ("quick", "workdir", "model")}})
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import w4_model; w4_model._fresh_child({args!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: the fresh process failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _fresh_child(args_json: str) -> None:
+    args = json.loads(args_json)
+    cfg = args["cfg"]
+    if _gpt2(cfg):
+        import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (every row imports it alike)
+    t0 = time.perf_counter()
+    ready, _ = _loader(args["name"], cfg)
+    model = ready()
+    seconds = time.perf_counter() - t0
+    dynamo = "torch._dynamo" in sys.modules
+    ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
+    with torch.no_grad():
+        equal = torch.equal(_forward(model.eval(), ref["tokens"]), ref["out"])
+    print(json.dumps({"seconds": seconds, "equal": equal, "dynamo": dynamo}))
 
 
 def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
@@ -289,7 +379,7 @@ def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
 
         def forward(model: nn.Module) -> torch.Tensor:
             with torch.no_grad():
-                return model.eval()(ref["tokens"])
+                return _forward(model.eval(), ref["tokens"])
 
         def check(_: Any, out: torch.Tensor) -> None:
             if torch.equal(out, ref["out"]):
@@ -307,5 +397,15 @@ def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
             Result(
                 "w4", name, "first forward", cache, sec, runs, rss, anon, limit=is_limit, note=note
             )
+        )
+    if name in FRESH_ROWS:
+        fresh = [fresh_ready(name, cfg) for _ in range(settings.warmup + settings.repeat)]
+        runs = [r["seconds"] for r in fresh[settings.warmup :]]
+        note = "; ".join(
+            sorted({"output equal" if r["equal"] else "OUTPUT DIFFERS" for r in fresh})
+            + sorted({"imported torch._dynamo" for r in fresh if r["dynamo"]})
+        )
+        rows.append(
+            Result("w4", name, "ready, fresh process", "warm", statistics.median(runs), runs, note=note)
         )
     return rows

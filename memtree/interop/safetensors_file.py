@@ -420,8 +420,8 @@ def save_safetensors(
     (a language model's input embedding and output projection) once, under its first name, and
     records the other names in its root ``"__tied__"`` leaf. That record is not written: the file
     holds each shared tensor once, under the name Hugging Face keeps (``transformer.wte.weight``,
-    not ``lm_head.weight``: the names in a model's ``_tied_weights_keys`` come later), which is
-    what ``from_pretrained`` expects, and what ``safetensors.torch.save_model`` writes. A model
+    not ``lm_head.weight``: the names in a model's ``_tied_weights_keys`` come later), as
+    ``save_pretrained`` writes it and ``from_pretrained`` expects it. A model
     that ties the names itself (every ``transformers`` model with tied embeddings) is tied again
     when the file is loaded into it with :func:`~memtree.load_into_module`. Pass
     ``metadata={"format": "pt"}`` for readers that ask for it (older ``transformers``).
