@@ -13,7 +13,7 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py touch-cold [ROUNDS]  # the same, every file evicted first
     .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
     .venv/bin/python benchmarks/floors.py w4-ready [ROUNDS]    # the same with the model's build (W4's "ready")
-    .venv/bin/python benchmarks/floors.py w4-ready-fresh [ROUNDS] [gpt2|w4]  # "ready", each in a new process
+    .venv/bin/python benchmarks/floors.py w4-ready-fresh [ROUNDS] [gpt2|w4] [fork|spawn]  # "ready", each in a new process
 
 ``save`` also runs tensordict's ``memmap`` at the same thread count when it is installed: how
 far the incumbent is from the same floor, in the same rounds. ``touch-cold`` evicts every file
@@ -24,8 +24,9 @@ cannot leave a half-written tree costs. ``touch`` and ``w4`` also time the *form
 same directory read with the fewest calls and no checks at all (read and decode each level's
 ``meta.json``, ``torch.from_file`` each leaf by path), the least any reader of this on-disk
 format pays, next to the one-file raw limit (``touch``) or safetensors (``w4``).
-``w4-ready-fresh`` times W4's ``ready`` (library import + build + load + bind) in a new
-interpreter per run (``w4_model.fresh_ready``), for transformers' GPT-2 (124M parameters, the
+``w4-ready-fresh`` times W4's ``ready`` in a new process per run (``w4_model.fresh_ready``): a
+forked child of a process that imported every library (build + load + bind; the default) or a
+spawned interpreter (the library's import too), for transformers' GPT-2 (124M parameters, the
 default) or W4's own model, which shows what the first meta-device build costs.
 """
 
@@ -297,13 +298,16 @@ def main(argv: list[str]) -> None:
 
         wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
         cfg = {"quick": False, "workdir": wd, "model": argv[2] if len(argv) > 2 else "gpt2"}
+        how = argv[3] if len(argv) > 3 else "fork"
         flags: dict[str, set[str]] = {}
         try:
-            print(w4_model.prepare(cfg))
+            print(w4_model.prepare(cfg), f"({how})")
+            if how == "fork":
+                w4_model.fork_parent_imports(cfg)
 
             def fresh(name: str) -> Callable[[str], float]:
                 def run(_: str) -> float:
-                    doc = w4_model.fresh_ready(name, cfg)
+                    doc = w4_model.fresh_ready(name, cfg, how)
                     flags.setdefault(name, set()).update(
                         ["output equal" if doc["equal"] else "OUTPUT DIFFERS"]
                         + (["imported torch._dynamo"] if doc["dynamo"] else [])

@@ -18,7 +18,8 @@ Rows (``ready`` = build the module + bind the weights; meta/empty-init modules a
 ``ready, fresh process`` (rows in :data:`FRESH_ROWS`): the same ``ready`` in a new interpreter
 (spawned; it imports torch, and transformers for ``model="gpt2"``, before the clock starts),
 timing the row's library import + build + load + bind: what a process that starts, loads a
-model and serves pays once. The first build of a module on the meta device runs its
+model and serves pays once (``benchmarks/floors.py w4-ready-fresh`` also runs it in forked
+children of a process that imported every library: build + load + bind only). The first build of a module on the meta device runs its
 initialisers there, and the meta kernel of ``normal_`` (``nn.Embedding``) imports
 ``torch._dynamo`` (about a second) unless something imported it before (``transformers``' GPT-2
 module does).
@@ -325,22 +326,55 @@ def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], li
     raise ValueError(name)
 
 
-def fresh_ready(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Time ``name``'s ``ready`` in a new interpreter; see the module docstring.
+def fresh_ready(name: str, cfg: dict[str, Any], how: str = "spawn") -> dict[str, Any]:
+    """Time ``name``'s ``ready`` in a new process; see the module docstring.
+
+    ``how="spawn"``: a new interpreter, which imports torch (and transformers' GPT-2 module)
+    untimed; the row's library import is timed. ``how="fork"``: a child of this process (whose
+    imports it inherits, so the library imports are not timed: call :func:`fork_parent_imports`
+    first); the child's intra-op threads are limited to one after the timed part, for the check.
 
     Returns:
         ``{"seconds": .., "equal": the output equals the original's, "dynamo": torch._dynamo
         was imported when the model was ready}``
     """
     args = json.dumps({"name": name, "cfg": {k: cfg.get(k) for k in ("quick", "workdir", "model")}})
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import w4_model; w4_model._fresh_child({args!r})"
+    if how == "fork":
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            status = 1
+            try:
+                os.close(read)
+                with os.fdopen(write, "w") as out:
+                    out.write(_fresh_child(args, forked=True))
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        with os.fdopen(read) as got:
+            doc = got.read()
+        _, status = os.waitpid(pid, 0)
+        if status or not doc:
+            raise RuntimeError(f"{name}: the forked process failed (status {status})")
+        return json.loads(doc)
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import w4_model; print(w4_model._fresh_child({args!r}))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"{name}: the fresh process failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def _fresh_child(args_json: str) -> None:
+def fork_parent_imports(cfg: dict[str, Any]) -> None:
+    """What a forked :func:`fresh_ready` child inherits: every row's library, imported."""
+    import memtree  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+    if _gpt2(cfg):
+        import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+
+
+def _fresh_child(args_json: str, forked: bool = False) -> str:
     args = json.loads(args_json)
     cfg = args["cfg"]
     if _gpt2(cfg):
@@ -350,10 +384,12 @@ def _fresh_child(args_json: str) -> None:
     model = ready()
     seconds = time.perf_counter() - t0
     dynamo = "torch._dynamo" in sys.modules
+    if forked:
+        torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is gone
     ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
     with torch.no_grad():
         equal = torch.equal(_forward(model.eval(), ref["tokens"]), ref["out"])
-    print(json.dumps({"seconds": seconds, "equal": equal, "dynamo": dynamo}))
+    return json.dumps({"seconds": seconds, "equal": equal, "dynamo": dynamo})
 
 
 def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
