@@ -163,6 +163,8 @@ def evaluate(rows: list[Row]) -> list[tuple[str, str, str]]:
     ready = _pick(rows, "w4", "ready")
     m = _best(ready, _is_memtree)
     ratio_line("W4 ready ≤ best library", m, _best(ready, _is_anchor), 1.0)
+    fresh = _pick(rows, "w4", "ready, fresh process")
+    ratio_line("W4 ready in a fresh process ≤ best library", _best(fresh, _is_memtree), _best(fresh, _is_anchor), 1.0)
     model = next(
         (r for r in rows if r["workload"] == "w4" and r["system"] == "raw mmap + assign"), None
     )
