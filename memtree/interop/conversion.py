@@ -118,6 +118,24 @@ class ConvertResult:
     ``{"optimizer.param_groups": "tuple -> list at [0]['betas']", "history": "list -> keys by
     index ('0', '1', ...)", "optimizer.state": "int keys -> str keys"}``."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The result as plain JSON data (``memtree convert --json``).
+
+        Example:
+            >>> ConvertResult("torch", "memtree", tensors=2, nbytes=16).to_dict()["bytes"]
+            16
+        """
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "files": list(self.files),
+            "dropped": list(self.dropped),
+            "altered": dict(self.altered),
+        }
+
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """A floating-point dtype from a name (``"bfloat16"``, ``"torch.float16"``) or ``None``.

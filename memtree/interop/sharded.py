@@ -279,7 +279,7 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 #: The index of a sharded model directory (Hugging Face's name).
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B)?", re.IGNORECASE)
+_SIZE = re.compile(r"(-?(?:\d+(?:\.\d*)?|\.\d+))\s*([KMGT]i?B|B)?", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1}
 _UNITS.update({f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGT")})
 _UNITS.update({f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")})

@@ -42,9 +42,9 @@ from typing import Any
 import orjson
 import torch
 
-from ..errors import InvalidKeyError
-from ..format.dtypes import dtype_name, itemsize
-from ..format.level import Level
+from ..errors import DtypeError, InvalidArgumentError, InvalidKeyError
+from ..format.dtypes import itemsize
+from ..format.level import Level, as_level
 from ..format.names import META_NAME
 from ..format.schema import TREE_TYPE
 from ..format.values import NonTensor, json_problem
@@ -54,13 +54,21 @@ from .staged import staged_directory
 from .tensordict import _NAME_MAX, _encode, is_tensordict_dir
 from .write import LeafJob, _storable
 
-__all__ = ["TensordictWrite", "write_tensordict_dir"]
+__all__ = ["TensordictWrite", "save_tensordict", "write_tensordict_dir"]
 
 #: The fields tensordict's ``meta.json`` holds besides the entries: keys named so cannot be written.
 _RESERVED = ("shape", "device", "_type", "_format_version", "_class", "_names")
 _TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
 _NONTENSOR_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
 _FORMAT_FIELDS = {"_format_version": 1, "_class": "tensordict:TensorDict"}
+#: The dtypes tensordict's loader reads (its ``_STR_DTYPE_TO_DTYPE``; no float8).
+TENSORDICT_DTYPES = frozenset(
+    f"torch.{name}"
+    for name in (
+        "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+        "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    )
+)
 
 
 @dataclass
@@ -99,7 +107,8 @@ def write_tensordict_dir(
         InvalidKeyError: a key tensordict's layout cannot hold (a field name of its
             ``meta.json`` such as ``"shape"``, or a file name longer than 255 bytes).
         DestinationExistsError: ``prefix`` exists and may not be replaced.
-        DtypeError: a tensor that cannot be stored (sparse, meta...).
+        DtypeError: a dtype tensordict cannot read (float8), or a tensor that cannot be
+            stored (sparse, meta...).
     """
     report = TensordictWrite()
     writer = _Writer(report, fsync)
@@ -109,6 +118,38 @@ def write_tensordict_dir(
     ) as staging:
         writer.level(staging, level, ())
     return report
+
+
+def save_tensordict(
+    tree: Any, prefix: str | os.PathLike[str], *, existsok: bool = False, fsync: bool = False
+) -> TensordictWrite:
+    """Save a :class:`~memtree.TensorTree` as a directory that tensordict's ``load_memmap`` reads.
+
+    The counterpart of :func:`~memtree.interop.save_safetensors` for tensordict; ``memtree
+    convert SRC DST --format tensordict`` does the same from any source, one tensor at a time.
+
+    Args:
+        tree: a TensorTree (or a :class:`~memtree.format.level.Level`).
+        prefix: the directory to create (published atomically).
+        existsok: replace an existing tensordict directory.
+        fsync: make it durable before it appears.
+
+    Returns:
+        A :class:`TensordictWrite` (counts; values left out; levels written differently).
+
+    Example:
+        >>> import os, tempfile, torch, memtree
+        >>> d = os.path.join(tempfile.mkdtemp(), "td")
+        >>> save_tensordict(memtree.TensorTree({"x": torch.ones(2)}, batch_size=[2]), d).tensors
+        1
+    """
+    level = as_level(tree)
+    if level is None:
+        raise InvalidArgumentError(
+            f"save_tensordict saves a memtree.TensorTree, got {type(tree).__name__}; wrap a dict "
+            "with memtree.TensorTree(d, batch_size=...)"
+        )
+    return write_tensordict_dir(prefix, level, existsok=existsok, fsync=fsync)
 
 
 class _Writer:
@@ -135,6 +176,12 @@ class _Writer:
             if isinstance(value, Level):
                 self.check(value, path + (key,))
             elif isinstance(value, torch.Tensor):
+                if str(value.dtype) not in TENSORDICT_DTYPES:
+                    raise DtypeError(
+                        f"key {where!r}: tensordict's load_memmap cannot read {value.dtype} (it "
+                        f"reads {', '.join(sorted(d[6:] for d in TENSORDICT_DTYPES))}); cast it "
+                        "first (convert --dtype bfloat16 casts floating-point tensors)"
+                    )
                 self.nbytes += value.numel() * itemsize(value.dtype)
 
     def level(self, directory: str, level: Level, path: tuple[str, ...]) -> None:
@@ -167,7 +214,6 @@ class _Writer:
         self.meta(directory, meta)
 
     def tensor(self, directory: str, key: str, value: torch.Tensor, path: tuple[str, ...]) -> dict[str, Any]:
-        dtype_name(value.dtype)  # raises DtypeError for a dtype memtree cannot store
         nbytes = value.numel() * itemsize(value.dtype)
         if nbytes:
             job = LeafJob(_encode(key) + ".memmap", path, value, nbytes)
