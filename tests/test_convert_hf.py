@@ -336,3 +336,68 @@ def test_transformers_save_pretrained_shards_convert_and_load(tmp_path: Path, tf
     shutil.copy(tmp_path / "theirs" / "config.json", tmp_path / "ours" / "config.json")
     again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert torch.equal(_logits(again), _logits(model))
+
+
+# -- kill -9 at each step of the commit (RELIABILITY §8a test 1, for model and tensordict dirs) ----
+def _convert_child(src: str, dst: str, fmt: str, fault: str) -> None:
+    from memtree.store import faults
+
+    os.environ[faults.ENV] = fault
+    faults.reload()
+    memtree.convert(src, dst, format=fmt, max_shard_size=3000 if fmt == "safetensors" else None,
+                    existsok=True)
+
+
+def _content(path: Path, fmt: str) -> dict[str, list[float]] | None:
+    if not path.exists():
+        return None
+    if fmt == "safetensors":
+        with open_checkpoint(path) as ckpt:
+            return {k: ckpt[k].tolist() for k in ckpt}
+    tree = memtree.load_memmap(path)
+    return {k if isinstance(k, str) else ".".join(k): tree[k].tolist()
+            for k in tree.keys(include_nested=True, leaves_only=True)}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "tensordict"])
+@pytest.mark.parametrize(
+    "scenario, fault, expected",
+    [
+        ("new", "staging_created", "absent"),
+        ("new", "before_publish", "absent"),
+        ("new", "after_publish", "new"),
+        ("overwrite", "staging_created", "old"),
+        ("overwrite", "before_publish", "old"),
+        ("overwrite", "before_old_removed", "new"),
+    ],
+)
+def test_kill_during_the_commit_leaves_old_or_new_never_partial(
+    tmp_path: Path, fmt: str, scenario: str, fault: str, expected: str
+) -> None:
+    import multiprocessing as mp
+
+    from memtree.store import faults
+
+    old_src, new_src = tmp_path / "old.pt", tmp_path / "new.pt"
+    torch.save({f"w{i}": torch.full((300,), float(i)) for i in range(4)}, old_src)
+    torch.save({f"w{i}": torch.full((300,), -float(i)) for i in range(5)}, new_src)
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    dst = parent / "out"
+    if scenario == "overwrite":
+        memtree.convert(old_src, dst, format=fmt, max_shard_size=3000 if fmt == "safetensors" else None)
+    old = _content(dst, fmt)
+    p = mp.get_context("fork").Process(target=_convert_child, args=(str(new_src), str(dst), fmt, fault))
+    p.start()
+    p.join(120)
+    assert p.exitcode == faults.EXIT_CODE, f"the writer never reached {fault} (exit {p.exitcode})"
+    got = _content(dst, fmt)
+    if expected == "absent":
+        assert got is None
+    elif expected == "old":
+        assert got == old and old is not None
+    else:
+        assert got is not None and got["w4"] == [-4.0] * 300
+    memtree.recover(parent)
+    assert os.listdir(parent) == ([] if expected == "absent" else ["out"])
+    assert _content(dst, fmt) == got
