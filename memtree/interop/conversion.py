@@ -1,8 +1,10 @@
 """``convert``: stream a checkpoint or tree from one format to another, one tensor at a time.
 
-Sources: a ``torch.save`` file, a ``.safetensors`` file, a tensordict ``memmap`` directory, or a
-memtree directory. Destinations: a memtree directory, or a ``.safetensors`` file (chosen by the
-destination's name).
+Sources: a ``torch.save`` file, a ``.safetensors`` file, a Hugging Face shard index or model
+directory (through :mod:`memtree.interop.sharded`, which validates the index), a tensordict
+``memmap`` directory, or a memtree directory. Destinations (``format=``): a memtree directory,
+a ``.safetensors`` file, a Hugging Face model directory (``model.safetensors`` or shards and
+their index), or a tensordict directory.
 
 How memory stays bounded by the largest tensor (not the file): the source is opened lazily and
 turned into a :class:`~memtree.format.level.Level` whose tensor leaves are
@@ -18,7 +20,14 @@ pages would stay resident), is cast if asked, and is dropped once its file is wr
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`
   writes the header from shapes and dtypes, then each tensor at its offset, into a temporary
-  file renamed into place at the end.
+  file renamed into place at the end;
+* to a model directory, :func:`~memtree.interop.sharded.write_model_directory` splits the
+  tensors as ``huggingface_hub`` does and writes each file with the same ``write_safetensors``,
+  in a staging directory published by the commit of ``write_tree``
+  (:func:`~memtree.store.staged.staged_directory`); tied ``torch.save`` tensors (the same view
+  of one storage) are written once, under the first name, as ``save_pretrained`` does;
+* to a tensordict directory, :func:`~memtree.store.tensordict_write.write_tensordict_dir`
+  writes tensordict's layout, published the same way.
 
 Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"`` ->
 ``encoder/0/weight``, as ``TensorTree.from_module`` nests them) unless ``flat_keys=True``;
