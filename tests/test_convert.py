@@ -637,7 +637,7 @@ def test_progress_bar_only_where_asked(tmp_path: Path, capsys: pytest.CaptureFix
 # RSS too), then for each conversion of the big one reset the kernel's high-water mark
 # (clear_refs 5) and report how far RSS rose above where it started.
 _MEASURE = """
-import gc, json, resource, sys, torch
+import gc, json, resource, sys, time, torch
 from memtree.interop import convert
 
 root, numel = sys.argv[1], int(sys.argv[2])
@@ -660,13 +660,16 @@ def reset_peak():
         return False
 
 out = {}
-for dst, dtype in (("tree", None), ("out.safetensors", "bfloat16")):
-    convert(f"{root}/small.pt", f"{root}/warm-{dst}", dtype=dtype)
+for dst, dtype, kw in (("tree", None, {}), ("out.safetensors", "bfloat16", {}),
+                       ("hf", None, {"format": "safetensors", "max_shard_size": "100MB"})):
+    convert(f"{root}/small.pt", f"{root}/warm-{dst}", dtype=dtype, **kw)
     exact = reset_peak()
     base = status("VmRSS")
-    convert(f"{root}/big.pt", f"{root}/{dst}", dtype=dtype)
+    started = time.perf_counter()
+    convert(f"{root}/big.pt", f"{root}/{dst}", dtype=dtype, **kw)
+    seconds = time.perf_counter() - started
     peak = status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out[dst] = {"growth": peak - base, "exact": exact}
+    out[dst] = {"growth": peak - base, "exact": exact, "seconds": seconds}
 print(json.dumps(out))
 """
 
@@ -688,11 +691,12 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     assert size > 500 * 2**20
     # to a tree, tensors are copied file to file (no tensor is held); to safetensors, each is
     # read, plus a bfloat16 copy while casting
-    for dst, cast in (("tree", 0.0), ("out.safetensors", 1.5)):
+    # to a model directory, each tensor is read (no cast) and written into its shard
+    for dst, cast in (("tree", 0.0), ("out.safetensors", 1.5), ("hf", 1.0)):
         growth, exact = stats[dst]["growth"], stats[dst]["exact"]
         print(
             f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "
-            f"(largest tensor {largest / 2**20:.0f} MiB)"
+            f"(largest tensor {largest / 2**20:.0f} MiB) in {stats[dst]['seconds']:.2f} s"
         )
         bound = largest * cast + 24 * 2**20 if exact else 2.5 * largest
         assert growth < bound < 0.35 * size, (dst, growth)
@@ -702,3 +706,5 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     assert torch.equal(
         open_checkpoint(tmp_path / "out.safetensors")["block.5.weight"], expected.to(torch.bfloat16)
     )
+    assert len(os.listdir(tmp_path / "hf")) == 9  # 8 shards of one 64 MiB tensor each, the index
+    assert torch.equal(open_checkpoint(tmp_path / "hf")["block.5.weight"], expected)
