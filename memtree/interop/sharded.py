@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -58,7 +59,13 @@ from typing import Any, Union
 
 import torch
 
-from ..errors import CheckpointFormatError, InvalidArgumentError, MemtreeKeyError, UnsafePathError
+from ..errors import (
+    CheckpointFormatError,
+    InvalidArgumentError,
+    MemtreeKeyError,
+    StorageError,
+    UnsafePathError,
+)
 from ..format.dtypes import itemsize
 from ..store.commit import write_small_file
 from ..store.staged import staged_directory
@@ -217,6 +224,13 @@ class ShardedReader(Closing):
         self._readers: dict[str, FileReader] = {}
         try:
             for name, keys in by_shard.items():
+                if not os.path.lexists(paths[name]):
+                    raise StorageError(
+                        errno.ENOENT,
+                        f"{self.path}: the shard {name:.120} does not exist in {directory} (the "
+                        f"index lists {len(keys)} tensors in it); the download is incomplete (fetch "
+                        "the missing shard) or the index does not belong to this directory",
+                    )
                 reader = self._readers[name] = open_file(paths[name])
                 held = set(reader.keys())
                 lacking = [k for k in keys if k not in held]
