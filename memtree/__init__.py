@@ -16,6 +16,7 @@ from .tree.dataset import BatchIndexSampler, batch_loader, collate
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .interop import convert, open_checkpoint, save_safetensors
+from .interop import save_tensordict
 from .store.mapped import MemoryMappedTensor
 from .nn.empty_init import empty_init, init_missing
 from .nn.loading import LoadResult, load_into_module
@@ -42,6 +43,7 @@ __all__ = [
     "batch_loader",
     "open_checkpoint",
     "save_safetensors",
+    "save_tensordict",
     "convert",
     "recover",
     "verify_tree",
