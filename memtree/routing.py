@@ -312,32 +312,41 @@ class _SaveSession:
         self.storages: list[tuple[torch.UntypedStorage, torch.dtype]] = []  # also keeps them alive
         self.refs: dict[tuple[str, torch.dtype], _StorageRef] = {}
 
-    def ref(self, storage: torch.storage.TypedStorage) -> _StorageRef | None:
-        untyped = storage._untyped_storage
-        if untyped.device.type not in _LOCATION_PREFIXES:
-            return None
+    def ref(self, storage: Any, hint: torch.dtype | None) -> _StorageRef | None:
+        """The reference for a typed or untyped storage (``hint``: the tensor's dtype), or None."""
+        typed = isinstance(storage, torch.storage.TypedStorage)
+        untyped = storage._untyped_storage if typed else storage
+        dtype = storage.dtype if typed else hint if hint is not None else torch.uint8
+        if untyped.device.type not in _LOCATION_PREFIXES or untyped.nbytes() and not untyped.data_ptr():
+            return None  # other devices, and storages without data (fake ones): left to torch.save
         try:
-            dtype_name(storage.dtype)
-        except DtypeError:  # quantized storages: left to torch.save
-            return None
-        if untyped.nbytes() and not untyped.data_ptr():  # no data (fake or lazy storages)
+            dtype_name(dtype)
+        except DtypeError:  # quantized storages
             return None
         key = self.keys.get(untyped._cdata)
         if key is None:
             key = self.keys[untyped._cdata] = str(len(self.storages))
-            self.storages.append((untyped, storage.dtype))
-        ref = self.refs.get((key, storage.dtype))
+            self.storages.append((untyped, dtype))
+        # torch.load hands its rebuild functions typed storages, bytes for untyped ones
+        ref_dtype = dtype if typed else torch.uint8
+        ref = self.refs.get((key, ref_dtype))
         if ref is None:  # one object per (storage, dtype): pickle memoises it, so loads share it
             location = torch.serialization.location_tag(untyped)
-            ref = self.refs[(key, storage.dtype)] = _StorageRef(self.entry, key, dtype_name(storage.dtype), location)
+            ref = _StorageRef(self.entry, key, dtype_name(ref_dtype), location)
+            self.refs[(key, ref_dtype)] = ref
         return ref
 
-    def swap(self, value: Any, depth: int = 0) -> Any:
-        """``value`` (a tensor's reduction) with the storages in it replaced by references."""
-        if isinstance(value, torch.storage.TypedStorage):
-            return self.ref(value) or value
+    def swap(self, value: Any, depth: int = 0, hint: torch.dtype | None = None) -> Any:
+        """``value`` (a tensor's reduction) with the storages in it replaced by references.
+
+        Storages come typed (``_rebuild_tensor_v2``) or untyped, followed by their dtype
+        (``_rebuild_tensor_v3``, dtypes without a typed storage class: uint16, float8...).
+        """
+        if isinstance(value, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            return self.ref(value, hint) or value
         if type(value) is tuple and depth < 4:
-            return tuple(self.swap(v, depth + 1) for v in value)
+            hint = next((v for v in value if isinstance(v, torch.dtype)), None)
+            return tuple(self.swap(v, depth + 1, hint) for v in value)
         return value
 
     def leaves(self) -> dict[str, torch.Tensor]:
@@ -394,6 +403,7 @@ def _prepare_directory(where: str) -> None:
 
 
 def _save_routed(obj: object, f: Any, where: tuple[str, bool], route: _Route, kwargs: dict[str, Any]) -> None:
+    """Pickle ``obj`` with its storages as references, write the tree, then commit the pickle."""
     directory, is_default = where
     target = os.path.abspath(os.fsdecode(os.fspath(f))) if _is_path(f) else None
     tag = _tag(target if target is not None else "<stream>")
@@ -401,11 +411,19 @@ def _save_routed(obj: object, f: Any, where: tuple[str, bool], route: _Route, kw
     session = _SaveSession(routed_entry_name(tag))
     entry_path = os.path.join(directory, session.entry)
     with WriterLock(lock_path(directory, tag), f"the routed save of {f!r}", timeout=LOCK_TIMEOUT):
-        tmp = staging_path(*os.path.split(target)) if target is not None else None
+        # a path target is written in a hidden directory beside it, under its own name (torch
+        # names the archive's root folder after the file), then renamed over it: the commit
+        staging = staging_path(*os.path.split(target)) if target is not None else None
+        tmp = os.path.join(staging, os.path.basename(target)) if staging and target else None
         buffer = io.BytesIO()
-        token = _SAVE_SESSION.set(session)
         try:
-            _ORIGINAL["save"](obj, tmp if tmp is not None else buffer, _PICKLE_MODULE, **kwargs)
+            if staging is not None:
+                os.mkdir(staging)
+            token = _SAVE_SESSION.set(session)
+            try:
+                _ORIGINAL["save"](obj, tmp if tmp is not None else buffer, _PICKLE_MODULE, **kwargs)
+            finally:
+                _SAVE_SESSION.reset(token)
             if session.storages:
                 TensorTree(session.leaves()).memmap(
                     entry_path, existsok=False, num_threads=route.num_threads, fsync=route.fsync
@@ -419,13 +437,12 @@ def _save_routed(obj: object, f: Any, where: tuple[str, bool], route: _Route, kw
                 if route.fsync:
                     fsync_dir(os.path.dirname(target))
         except BaseException:
-            if tmp is not None and os.path.lexists(tmp):
-                os.unlink(tmp)
             if os.path.lexists(entry_path):
                 shutil.rmtree(entry_path, ignore_errors=True)
             raise
         finally:
-            _SAVE_SESSION.reset(token)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         if target is not None:  # a stream's trees are the caller's to remove
             _remove_older(directory, session.entry, None if is_default else tag)
 
