@@ -59,7 +59,7 @@ import shutil
 import threading
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Union
 
 import numpy as np
@@ -67,8 +67,18 @@ import torch
 
 from .errors import CheckpointFormatError, DtypeError, NotAMemtreeError, RoutingError
 from .format.dtypes import dtype_from_name, dtype_name, itemsize
-from .format.names import META_NAME, ROUTED_ENTRY, ROUTED_SUFFIX, lock_path, old_path, routed_entry_name, staging_path
+from .format.names import (
+    META_NAME,
+    ROUTED_ENTRY,
+    ROUTED_SUFFIX,
+    SIBLING,
+    lock_path,
+    old_path,
+    routed_entry_name,
+    staging_path,
+)
 from .store.commit import WriterLock, fsync_dir
+from .store.recovery import recover_locked
 from .tree.tensortree import TensorTree, load_memmap
 
 __all__ = ["saving", "loading"]
@@ -133,7 +143,7 @@ def _active(var: contextvars.ContextVar[tuple[_Route, ...]], route: _Route, name
         _uninstall(name)
 
 
-def saving(path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0) -> Any:
+def saving(path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0) -> AbstractContextManager[None]:
     """Route ``torch.save`` calls in this thread/task through memtree while the context is active.
 
     Each ``torch.save(obj, f)`` writes ``f`` as a small ``torch.save`` file whose tensors are
@@ -167,7 +177,7 @@ def saving(path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0
     return _active(_SAVING, _Route(path, fsync, num_threads), "save")
 
 
-def loading(path: PathChoice = None) -> Any:
+def loading(path: PathChoice = None) -> AbstractContextManager[None]:
     """Route ``torch.load`` calls in this thread/task through memtree while the context is active.
 
     A file written under :func:`saving` is loaded with its tensors mapped from its tree,
@@ -251,7 +261,8 @@ def _save(
     routes = _SAVING.get()
     where = routes[-1].directory(f) if routes else None
     if where is None:
-        return _ORIGINAL["save"](obj, f, pickle_module, **kwargs)
+        _ORIGINAL["save"](obj, f, pickle_module, **kwargs)
+        return
     if pickle_module is not pickle:
         raise RoutingError(
             f"torch.save({f!r}) under memtree.saving() was given pickle_module={pickle_module!r}; "
@@ -403,39 +414,53 @@ def _prepare_directory(where: str) -> None:
 
 
 def _save_routed(obj: object, f: Any, where: tuple[str, bool], route: _Route, kwargs: dict[str, Any]) -> None:
-    """Pickle ``obj`` with its storages as references, write the tree, then commit the pickle."""
+    """Pickle ``obj`` with its storages as references, write the tree, then commit the pickle.
+
+    A path target is locked like a memtree destination (``.<name>.memtree.lock`` beside it, whose
+    journal names the staging directory, so the next save cleans up after a killed one). Its
+    pickle is written under its own name (torch names the archive's root folder after the file)
+    in that staging directory, and renamed over the target: the commit.
+    """
     directory, is_default = where
     target = os.path.abspath(os.fsdecode(os.fspath(f))) if _is_path(f) else None
     tag = _tag(target if target is not None else "<stream>")
+    if target is not None:
+        parent, name = os.path.split(target)
+        if not os.path.isdir(parent):
+            raise RoutingError(f"Parent directory {parent} does not exist.")  # as torch.save says
+        lock = WriterLock(lock_path(parent, name), target, timeout=LOCK_TIMEOUT)
+    else:
+        lock = WriterLock(lock_path(directory, tag), f"the tree directory {directory}", timeout=LOCK_TIMEOUT)
     _prepare_directory(directory)
     session = _SaveSession(routed_entry_name(tag))
     entry_path = os.path.join(directory, session.entry)
-    with WriterLock(lock_path(directory, tag), f"the routed save of {f!r}", timeout=LOCK_TIMEOUT):
-        # a path target is written in a hidden directory beside it, under its own name (torch
-        # names the archive's root folder after the file), then renamed over it: the commit
-        staging = staging_path(*os.path.split(target)) if target is not None else None
-        tmp = os.path.join(staging, os.path.basename(target)) if staging and target else None
-        buffer = io.BytesIO()
+    with lock:
+        staging = None
+        if target is not None:
+            recover_locked(parent, name, lock)
+            staging = staging_path(parent, name)
+            lock.write_journal({"staging": os.path.basename(staging)}, fsync=route.fsync)
         try:
             if staging is not None:
                 os.mkdir(staging)
+            out: Any = os.path.join(staging, name) if staging is not None else io.BytesIO()
             token = _SAVE_SESSION.set(session)
             try:
-                _ORIGINAL["save"](obj, tmp if tmp is not None else buffer, _PICKLE_MODULE, **kwargs)
+                _ORIGINAL["save"](obj, out, _PICKLE_MODULE, **kwargs)
             finally:
                 _SAVE_SESSION.reset(token)
             if session.storages:
                 TensorTree(session.leaves()).memmap(
                     entry_path, existsok=False, num_threads=route.num_threads, fsync=route.fsync
                 )
-            if tmp is None:  # a stream: the pickle goes in last, once the tree is committed
-                f.write(buffer.getvalue())
+            if target is None:  # a stream: the pickle goes in last, once the tree is committed
+                f.write(out.getvalue())
             else:
                 if route.fsync:
-                    _fsync_file(tmp)
-                os.replace(tmp, target)  # the commit
+                    _fsync_file(out)
+                os.replace(out, target)  # the commit
                 if route.fsync:
-                    fsync_dir(os.path.dirname(target))
+                    fsync_dir(parent)
         except BaseException:
             if os.path.lexists(entry_path):
                 shutil.rmtree(entry_path, ignore_errors=True)
@@ -456,17 +481,29 @@ def _fsync_file(path: str) -> None:
 
 
 def _remove_older(directory: str, keep: str, tag: str | None) -> None:
-    """Delete the trees of earlier saves of this target (``tag``; every one when None)."""
+    """Delete what earlier saves of this target left in ``directory`` (``tag``: every one when None).
+
+    Their trees (of the previous save, or orphaned by a crash before its commit), and the staging
+    directories and lock files of tree writes that a crash interrupted. The caller holds the
+    target's lock, so no save of this target is in flight.
+    """
     for name in os.listdir(directory):
-        m = ROUTED_ENTRY.fullmatch(name)
-        if m is None or name == keep or (tag is not None and m["tag"] != tag):
+        sibling = SIBLING.fullmatch(name)
+        entry = ROUTED_ENTRY.fullmatch(sibling["name"] if sibling else name)
+        if entry is None or name == keep or (tag is not None and entry["tag"] != tag):
             continue
-        old = old_path(directory, name)
+        path = os.path.join(directory, name)
         try:
-            os.rename(os.path.join(directory, name), old)  # gone from its name at once
+            if sibling is None:
+                old = old_path(directory, name)
+                os.rename(path, old)  # gone from its name at once, then deleted
+                shutil.rmtree(old, ignore_errors=True)
+            elif sibling["lock"]:
+                os.unlink(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -479,7 +516,7 @@ class _LoadSession:
         self.map_location = map_location
         self.entry: str | None = None
         self.tree: TensorTree | None = None
-        self.storages: dict[tuple[str, str], torch.UntypedStorage] = {}
+        self.storages: dict[tuple[str, str], Any] = {}  # restored UntypedStorages
 
     def _bad(self, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(
@@ -524,10 +561,10 @@ class _LoadSession:
         # an empty leaf's storage: a non-resizable one, so that no reference can grow it
         return torch.from_numpy(np.empty(0, np.uint8)).untyped_storage()
 
-    def _restore(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    def _restore(self, storage: torch.UntypedStorage, location: str) -> Any:
         """``storage`` where ``torch.load`` would put it: ``map_location`` applied as torch does."""
         ml = self.map_location
-        restore = torch.serialization.default_restore_location
+        restore: Callable[[Any, str], Any] = torch.serialization.default_restore_location
         if ml is None:
             return restore(storage, location)
         if isinstance(ml, dict):
