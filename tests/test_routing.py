@@ -608,3 +608,110 @@ def test_property_round_trip_keeps_values_and_aliasing(tmp_path, objs):
             same_back = back[i].untyped_storage().data_ptr() == back[j].untyped_storage().data_ptr()
             if same:
                 assert same_back, (i, j)
+
+
+# ------------------------------------------------------------ kill -9 at every step of a save
+
+FORK = __import__("multiprocessing").get_context("fork")
+
+
+def _killed_saver(path, fault):
+    """Re-save ``path`` (value 1) and die with os._exit(137) at ``fault``."""
+    from memtree.store import faults
+
+    def die(*a, **k):
+        os._exit(137)
+
+    if fault == "while_pickling":  # the second tensor being pickled
+        calls = []
+        real = routing._RoutingPickler.reducer_override
+
+        def override(self, obj):
+            if isinstance(obj, torch.Tensor):
+                calls.append(1)
+                if len(calls) == 2:
+                    die()
+            return real(self, obj)
+
+        routing._RoutingPickler.reducer_override = override
+    elif fault == "before_pickle_commit":  # tree committed, pickle not renamed over the file
+        routing.os.replace = die
+    elif fault == "after_pickle_commit":  # pickle committed, older trees not yet removed
+        routing._remove_older = die
+    else:  # a step of the tree's own write (memtree's fault points)
+        os.environ[faults.ENV] = fault
+        faults.reload()
+    with memtree.saving():
+        torch.save({"a": torch.full((1000,), 1.0), "b": torch.full((10,), 1, dtype=torch.int8)}, path)
+    os._exit(0)
+
+
+FAULTS = [
+    ("while_pickling", 0),
+    ("after_lock", 0),
+    ("staging_created", 0),
+    ("after_leaf:2", 0),
+    ("before_root_meta", 0),
+    ("before_publish", 0),
+    ("after_publish", 0),
+    ("before_pickle_commit", 0),
+    ("after_pickle_commit", 1),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, expected", FAULTS, ids=[f for f, _ in FAULTS])
+def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_pair(tmp_path, fault, expected):
+    path = tmp_path / "c.pt"
+    save_routed({"a": torch.full((1000,), 0.0), "b": torch.full((10,), 0, dtype=torch.int8)}, path)
+    p = FORK.Process(target=_killed_saver, args=(path, fault))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 137, p.exitcode
+    got = load_routed(path)
+    assert got["a"].eq(expected).all() and got["b"].eq(expected).all(), fault
+    # the next save cleans up whatever the killed one left, beside the file and in its directory
+    save_routed({"a": torch.full((1000,), 2.0), "b": torch.full((10,), 2, dtype=torch.int8)}, path)
+    assert load_routed(path)["a"][0] == 2.0
+    assert sorted(os.listdir(tmp_path)) == ["c.pt", "c.pt.memtree"]
+    assert len(os.listdir(tmp_path / "c.pt.memtree")) == 1
+
+
+def test_concurrent_saves_of_one_file_are_serialised(tmp_path):
+    path = tmp_path / "c.pt"
+    errors = []
+
+    def saver(v):
+        try:
+            for _ in range(5):
+                save_routed({"a": torch.full((5000,), float(v)), "b": torch.full((3,), float(v))}, path)
+                got = load_routed(path)
+                assert got["a"][0] == got["b"][0] == got["a"][-1]  # one save's pair, never a mix
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=saver, args=(v,)) for v in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert len(entries(path)) == 1 and sorted(os.listdir(tmp_path)) == ["c.pt", "c.pt.memtree"]
+
+
+def test_other_targets_forms_and_options(tmp_path):
+    w = torch.randn(4, 4)
+    with memtree.saving(fsync=True, num_threads=2):
+        torch.save({"w": w, "v": w[1]}, str(tmp_path / "s.pt"))
+        torch.save({"w": w}, os.fsencode(tmp_path / "b.pt"))
+        torch.save({"w": w}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    for name in ("s.pt", "b.pt", "legacy.pt"):
+        assert len(entries(tmp_path / name)) == 1, name
+        for weights_only in (True, False):
+            assert torch.equal(load_routed(tmp_path / name, weights_only=weights_only)["w"], w), name
+
+
+def test_a_missing_parent_directory_is_refused_and_nothing_is_created(tmp_path):
+    with memtree.saving(), pytest.raises(RuntimeError, match="does not exist"):
+        torch.save(torch.ones(1), tmp_path / "no" / "c.pt")
+    assert os.listdir(tmp_path) == []
