@@ -65,7 +65,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from .errors import CheckpointFormatError, DtypeError, NotAMemtreeError, RoutingError
+from .errors import CheckpointFormatError, DtypeError, InvalidArgumentError, NotAMemtreeError, RoutingError
 from .format.dtypes import dtype_from_name, dtype_name, itemsize
 from .format.names import (
     META_NAME,
@@ -78,6 +78,7 @@ from .format.names import (
     staging_path,
 )
 from .store.commit import WriterLock, fsync_dir
+from .store.options import WriteOptions
 from .store.recovery import recover_locked
 from .tree.tensortree import TensorTree, load_memmap
 
@@ -97,7 +98,10 @@ class _Route:
 
     def __init__(self, path: PathChoice, fsync: bool = False, num_threads: int = 0) -> None:
         if path is not None and not callable(path) and not isinstance(path, (str, bytes, os.PathLike)):
-            raise TypeError(f"path must be None, a directory or a function of the torch.save target, not {path!r}")
+            raise InvalidArgumentError(
+                f"path must be None, a directory or a function of the torch.save target, not {path!r}"
+            )
+        WriteOptions.of(fsync=fsync, num_threads=num_threads)  # refused now, not at the first save
         self.path = path
         self.fsync = fsync
         self.num_threads = num_threads
@@ -143,7 +147,9 @@ def _active(var: contextvars.ContextVar[tuple[_Route, ...]], route: _Route, name
         _uninstall(name)
 
 
-def saving(path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0) -> AbstractContextManager[None]:
+def saving(
+    path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0
+) -> AbstractContextManager[None]:
     """Route ``torch.save`` calls in this thread/task through memtree while the context is active.
 
     Each ``torch.save(obj, f)`` writes ``f`` as a small ``torch.save`` file whose tensors are

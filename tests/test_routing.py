@@ -398,6 +398,15 @@ def test_other_pickle_module_is_refused(tmp_path):
     assert not os.path.exists(tmp_path / "x.pt")
 
 
+def test_bad_arguments_are_refused_on_entry():
+    for kwargs in ({"path": 3}, {"num_threads": -1}, {"fsync": "yes"}):
+        with pytest.raises(memtree.InvalidArgumentError):
+            memtree.saving(**kwargs)
+    with pytest.raises(memtree.InvalidArgumentError):
+        memtree.loading(path=3.5)
+    assert torch.save is REAL_SAVE
+
+
 def test_a_memtree_tree_is_not_a_routing_directory(tmp_path):
     memtree.TensorTree({"a": torch.ones(1)}).memmap(tmp_path / "tree")
     with memtree.saving(path=tmp_path / "tree"), pytest.raises(RoutingError, match="is a memtree tree"):
