@@ -110,6 +110,33 @@ def test_tied_tensors_views_and_dtype_views_stay_tied(tmp_path):
     assert list(memtree.load_memmap(tmp_path / "c.pt.memtree" / entry).keys()) == ["0"]  # one storage
 
 
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_unusual_tensors(tmp_path, weights_only):
+    """conj bits, non-leaf tensors, sparse and nested tensors (their parts are routed), quantized
+    ones (left inside the file), a tensor carrying an attribute."""
+    x = torch.randn(3, requires_grad=True)
+    tagged = torch.ones(3)
+    tagged.note = "kept"
+    obj = {
+        "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        "nonleaf": x * 2,
+        "sparse": torch.sparse_coo_tensor([[0, 2]], torch.tensor([1.0, 2.0]), (4,)),
+        "quantized": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+        "nested": torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)]),
+        "tagged": tagged,
+    }
+    save_routed(obj, tmp_path / "c.pt")
+    back = load_routed(tmp_path / "c.pt", weights_only=weights_only)
+    assert back["conj"].is_conj() and torch.equal(back["conj"], obj["conj"])
+    assert back["nonleaf"].requires_grad and torch.equal(back["nonleaf"], obj["nonleaf"])
+    assert torch.equal(back["sparse"].to_dense(), obj["sparse"].to_dense())
+    assert torch.equal(back["quantized"].dequantize(), obj["quantized"].dequantize())
+    assert all(torch.equal(a, b) for a, b in zip(back["nested"].unbind(), obj["nested"].unbind()))
+    assert back["tagged"].note == "kept"
+    names = zipfile.ZipFile(tmp_path / "c.pt").namelist()
+    assert len([n for n in names if "/data/" in n]) == 1  # the quantized storage only
+
+
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
