@@ -27,6 +27,7 @@ from .store.recovery import recover
 from .tree.records import tensorclass
 from .tree.tensortree import TensorTree, load_memmap
 from .store.verify import Problem, VerifyReport, verify_tree
+from .routing import loading, saving
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,8 @@ __all__ = [
     "init_missing",
     "offload",
     "OffloadedTensor",
+    "saving",
+    "loading",
     *_errors_all,
 ]
 

@@ -32,6 +32,7 @@ __all__ = [
     "UnsafePickleError",
     "CheckpointFormatError",
     "LegacyCheckpointError",
+    "RoutingError",
     "ExistingMemmapError",
     "NotAMemtreeError",
     "NotCommittedError",
@@ -125,6 +126,10 @@ class CheckpointFormatError(MemtreeError, ValueError):
 
 class LegacyCheckpointError(CheckpointFormatError):
     """A ``torch.save`` file in the legacy (pre-zip, torch < 1.6) format, which needs full unpickling."""
+
+
+class RoutingError(MemtreeError, RuntimeError):
+    """``torch.save``/``torch.load`` routing (``memtree.saving``/``loading``) cannot be used here."""
 
 
 class ExistingMemmapError(MemtreeError, ValueError):
