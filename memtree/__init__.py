@@ -17,6 +17,7 @@ from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .interop import convert, open_checkpoint, save_safetensors
 from .store.mapped import MemoryMappedTensor
+from .store.crypto import EncryptionKey
 from .nn.empty_init import empty_init, init_missing
 from .nn.loading import LoadResult, load_into_module
 from .format.values import NonTensor
@@ -53,6 +54,7 @@ __all__ = [
     "init_missing",
     "offload",
     "OffloadedTensor",
+    "EncryptionKey",
     *_errors_all,
 ]
 
