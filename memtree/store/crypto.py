@@ -172,8 +172,9 @@ class TreeCipher:
         return f"TreeCipher({self.meta.algorithm}, chunk_bytes={self.meta.chunk_bytes})"
 
     @classmethod
-    def new(cls, key: EncryptionKey, chunk_bytes: int = CHUNK_BYTES) -> TreeCipher:
-        """Keys for a new tree: a fresh random salt.
+    def new(cls, key: EncryptionKey, chunk_bytes: int | None = None) -> TreeCipher:
+        """Keys for a new tree: a fresh random salt; chunks of ``chunk_bytes`` (default
+        :data:`CHUNK_BYTES`).
 
         Example:
             >>> TreeCipher.new(EncryptionKey.generate()).meta.chunk_bytes == CHUNK_BYTES
@@ -182,7 +183,8 @@ class TreeCipher:
         require_backend()
         salt = os.urandom(_SALT_BYTES)
         check = _hkdf(key.to_bytes(), salt, b" key check", _CHECK_BYTES)
-        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk_bytes, salt.hex(), check.hex()))
+        chunk = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
+        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, salt.hex(), check.hex()))
 
     @classmethod
     def open(cls, key: EncryptionKey, meta: EncryptionMeta, where: str) -> TreeCipher:
@@ -197,7 +199,8 @@ class TreeCipher:
         if not hmac.compare_digest(check.hex(), meta.key_check):
             raise DecryptionError(
                 f"{where} was encrypted with another key: the key given does not match its "
-                "key_check; pass the key it was written with"
+                "key_check (or the salt or key_check in its meta.json were changed); pass the "
+                "key it was written with"
             )
         return cls._derive(key, meta)
 
