@@ -9,6 +9,8 @@ Writers use 4 KiB chunks here (``CHUNK_BYTES`` patched) so that small leaves spa
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -434,3 +436,108 @@ def test_import_and_plain_trees_without_cryptography(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- encrypted names ------------------------------------------------------------------------------
+
+SECRET_NAMES = ("layer_secret", "weight_secret", "note_secret", "hidden_value")
+
+
+@pytest.fixture(scope="module")
+def sealed_names(tmp_path_factory, key) -> tuple[str, dict[tuple[str, ...], object]]:
+    path = str(tmp_path_factory.mktemp("names") / "t")
+    tree = memtree.TensorTree(
+        {
+            "layer_secret": {"weight_secret": random_tensor((3, CHUNK // 2 + 1), torch.float16, seed=7)},
+            "note_secret": "hidden_value",
+            "big": random_tensor((CHUNK + 3,), torch.uint8, seed=8),
+            "e": torch.empty(0),
+        },
+    )
+    mp = pytest.MonkeyPatch()
+    mp.setattr(crypto, "CHUNK_BYTES", CHUNK)
+    try:
+        tree.memmap(path, encryption=key, encrypt_names=True, checksum="crc32")
+    finally:
+        mp.undo()
+    return path, fingerprint(tree)
+
+
+def test_encrypted_names_round_trip_and_hide_every_name(sealed_names, key) -> None:
+    root, expected = sealed_names
+    assert fingerprint(memtree.load_memmap(root, encryption=key)) == expected
+    part = memtree.load_memmap(root, encryption=key, keys=[("layer_secret", "weight_secret")])
+    assert part.keys(include_nested=True, leaves_only=True) == [("layer_secret", "weight_secret")]
+    for path in [root, *_files(root)]:
+        for name in SECRET_NAMES + ("float16", "big"):
+            assert name not in os.path.relpath(path, os.path.dirname(root))
+            if os.path.isfile(path):
+                assert name.encode() not in open(path, "rb").read()
+    with pytest.raises(memtree.DecryptionError, match="names included"):
+        memtree.load_memmap(root, device="meta")  # no structure without the key either
+    with pytest.raises(memtree.DecryptionError, match="another key"):
+        memtree.load_memmap(root, encryption=memtree.EncryptionKey.generate())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_single_bit_flip_with_encrypted_names(sealed_names, key, data) -> None:
+    root, expected = sealed_names
+    path = data.draw(st.sampled_from(_files(root)))
+    original = open(path, "rb").read()
+    bit = data.draw(st.integers(0, 8 * len(original) - 1))
+    damaged = bytearray(original)
+    damaged[bit // 8] ^= 1 << (bit % 8)
+    open(path, "wb").write(damaged)
+    try:
+        try:
+            loaded = memtree.load_memmap(root, encryption=key)
+        except memtree.MemtreeError as err:
+            if path.endswith(".memmap"):
+                assert isinstance(err, memtree.DecryptionError), err
+            return
+        assert path.endswith("meta.json") and fingerprint(loaded) == expected
+    finally:
+        open(path, "wb").write(original)
+
+
+def test_sealed_entries_are_authenticated_beyond_the_mac(sealed_names, key, tmp_path) -> None:
+    """A forged level whose mac is right (computed with the key) but whose sealed entries were
+    changed still fails: the entries are AES-GCM sealed with the level's own key."""
+    root = _copy(sealed_names[0], tmp_path)
+    meta = _root_meta(root)
+    cipher = crypto.TreeCipher.open(key, meta.encryption, root)
+    blob = bytearray(base64.b64decode(meta.sealed))
+    blob[0] ^= 1
+    forged = dataclasses.replace(meta, sealed=base64.b64encode(bytes(blob)).decode(), mac=None)
+    forged = dataclasses.replace(forged, mac=cipher._mac(forged, ""))
+    with pytest.raises(memtree.DecryptionError, match="sealed entries"):
+        cipher.reveal(forged, "", root)
+    sub = next(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    moved = os.path.join(root, sub, "meta.json")
+    open(moved, "wb").write(open(os.path.join(root, "meta.json"), "rb").read())  # root's level one down
+    with pytest.raises(memtree.DecryptionError):
+        memtree.load_memmap(root, encryption=key)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.pop("sealed"), "base64"),
+        (lambda d: d.update(sealed="not base64!"), "base64"),
+        (lambda d: d["entries"].append({"key": "j", "kind": "json", "value": 1}), "must be empty"),
+        (lambda d: d.update(batch_size=[2]), "must be empty"),
+        (lambda d: d["encryption"].update(names=False), "only in levels whose names"),
+        (lambda d: d["encryption"].update(names=1), "true or false"),
+    ],
+)
+def test_schema_of_sealed_levels(sealed_names, change, message) -> None:
+    doc = orjson.loads(open(os.path.join(sealed_names[0], "meta.json"), "rb").read())
+    change(doc)
+    with pytest.raises(memtree.MetaFormatError, match=message):
+        parse_level(orjson.dumps(doc), "meta.json")
+
+
+def test_encrypt_names_needs_a_key(tmp_path) -> None:
+    with pytest.raises(memtree.InvalidArgumentError, match="needs encryption"):
+        memtree.TensorTree({"x": torch.zeros(1)}).memmap(tmp_path / "t", encrypt_names=True)

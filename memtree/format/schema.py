@@ -54,6 +54,7 @@ __all__ = [
     "ENCRYPTION_ALGORITHM",
     "TAG_BYTES",
     "sealed_nbytes",
+    "encrypted_level",
     "LevelMeta",
     "dump_level",
     "parse_level",
@@ -204,13 +205,15 @@ class EncryptionMeta:
 
     ``salt`` (32 random bytes, hex) is the per-tree nonce material the keys are derived from;
     ``key_check`` (16 bytes, hex) is derived from the key and the salt, so a wrong key is told
-    apart from damaged data. The key itself is never written.
+    apart from damaged data. The key itself is never written. ``names``: the levels' entries
+    (keys, names, shapes, values) are sealed too, and file names are random.
     """
 
     algorithm: str
     chunk_bytes: int
     salt: str
     key_check: str
+    names: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,9 @@ class LevelMeta:
     """One level of a tree: its batch size and its entries in key order.
 
     An encrypted tree's levels carry ``encryption`` and ``mac`` (HMAC-SHA256 of the level's
-    ``meta.json`` without the ``mac`` field, bound to the level's place in the tree).
+    ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
+    encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
+    real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
     """
 
     batch_size: tuple[int, ...]
@@ -227,6 +232,7 @@ class LevelMeta:
     save_id: str | None = None
     encryption: EncryptionMeta | None = None
     mac: str | None = None
+    sealed: str | None = None
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
@@ -267,8 +273,14 @@ def dump_level(meta: LevelMeta) -> bytes:
     if meta.encryption is not None:
         enc = meta.encryption
         d["encryption"] = {
-            "algorithm": enc.algorithm, "chunk_bytes": enc.chunk_bytes, "salt": enc.salt, "key_check": enc.key_check
+            "algorithm": enc.algorithm,
+            "chunk_bytes": enc.chunk_bytes,
+            "salt": enc.salt,
+            "key_check": enc.key_check,
+            "names": enc.names,
         }
+    if meta.sealed is not None:
+        d["sealed"] = meta.sealed
     if meta.mac is not None:
         d["mac"] = meta.mac
     d["entries"] = [_entry_dict(e) for e in meta.entries]
@@ -345,8 +357,8 @@ def _leaves_directory(name: str) -> bool:
 
 
 _LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
-_LEVEL_OPTIONAL = frozenset({"save_id", "encryption", "mac"})
-_ENCRYPTION_FIELDS = frozenset({"algorithm", "chunk_bytes", "salt", "key_check"})
+_LEVEL_OPTIONAL = frozenset({"save_id", "encryption", "mac", "sealed"})
+_ENCRYPTION_FIELDS = frozenset({"algorithm", "chunk_bytes", "salt", "key_check", "names"})
 
 
 def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
@@ -427,9 +439,48 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             names.add(folded)
         entries.append(entry)
     encryption, mac = _parse_encryption(c, doc)
-    if encryption is not None:
-        entries = _sealed_entries(c, entries, encryption.chunk_bytes)
-    return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, encryption, mac)
+    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+    if encryption is None:
+        return meta
+    sealed = doc.get("sealed")
+    if encryption.names:
+        if type(sealed) is not str or not _BASE64.fullmatch(sealed) or len(sealed) % 4:
+            raise c.fail("sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}")
+        if meta != LevelMeta((), (), TREE_TYPE, save_id):
+            raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
+        return LevelMeta((), (), TREE_TYPE, save_id, encryption, mac, sealed)
+    if sealed is not None:
+        raise c.fail("sealed", "is only in levels whose names are encrypted")
+    return encrypted_level(meta, encryption, mac, where)
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None, where: str) -> LevelMeta:
+    """``meta`` as a level of an encrypted tree: its leaves know the chunk size.
+
+    Raises:
+        MetaFormatError: a pickle or a growable leaf, which an encrypted level never holds.
+
+    Example:
+        >>> import torch
+        >>> enc = EncryptionMeta(ENCRYPTION_ALGORITHM, 4096, "0" * 64, "0" * 32)
+        >>> plain = LevelMeta((), (LeafMeta("w", "w.memmap", torch.uint8, (10,)),))
+        >>> encrypted_level(plain, enc, None, "meta.json").entries[0].file_nbytes
+        26
+    """
+    c = _Checker(where)
+    entries: list[Entry] = []
+    for i, e in enumerate(meta.entries):
+        if isinstance(e, PickleMeta):
+            raise c.fail(f"entries[{i}]", "is a pickle, which an encrypted level never holds")
+        if isinstance(e, LeafMeta):
+            if e.capacity is not None:
+                raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
+            e = LeafMeta(e.key, e.file, e.dtype, e.shape, e.checksum, None, encryption.chunk_bytes)
+        entries.append(e)
+    return LevelMeta(meta.batch_size, tuple(entries), meta.type, meta.save_id, encryption, mac, meta.sealed)
 
 
 def _is_hex(v: Any, digits: int) -> bool:
@@ -453,24 +504,11 @@ def _parse_encryption(c: _Checker, doc: dict[str, Any]) -> tuple[EncryptionMeta 
     for name, digits in (("salt", 64), ("key_check", 32)):
         if not _is_hex(raw[name], digits):
             raise c.fail(f"encryption.{name}", f"must be {digits} lowercase hex digits, got {raw[name]!r:.80}")
+    if type(raw["names"]) is not bool:
+        raise c.fail("encryption.names", f"must be true or false, got {raw['names']!r:.40}")
     if not _is_hex(doc["mac"], 64):
         raise c.fail("mac", f"must be 64 lowercase hex digits, got {doc['mac']!r:.80}")
-    return EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, raw["salt"], raw["key_check"]), doc["mac"]
-
-
-def _sealed_entries(c: _Checker, entries: list[Entry], chunk_bytes: int) -> list[Entry]:
-    """The entries of an encrypted level: leaves know their chunk size; no growable leaf and no
-    pickle (neither can be encrypted)."""
-    out: list[Entry] = []
-    for i, e in enumerate(entries):
-        if isinstance(e, PickleMeta):
-            raise c.fail(f"entries[{i}]", "is a pickle, which an encrypted level never holds")
-        if isinstance(e, LeafMeta):
-            if e.capacity is not None:
-                raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
-            e = LeafMeta(e.key, e.file, e.dtype, e.shape, e.checksum, None, chunk_bytes)
-        out.append(e)
-    return out
+    return EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, raw["salt"], raw["key_check"], raw["names"]), doc["mac"]
 
 
 def _too_large(shape: tuple[int, ...], extent: int) -> str:

@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import hmac
@@ -53,18 +54,23 @@ import torch
 
 from ..errors import DecryptionError, InvalidArgumentError, MissingDependencyError, StorageError
 from ..format.dtypes import dtype_name
+from ..format.names import LEAF_SUFFIX
 from ..format.schema import (
     ENCRYPTION_ALGORITHM,
     TAG_BYTES,
+    TREE_TYPE,
+    ChildMeta,
     EncryptionMeta,
     LeafMeta,
     LevelMeta,
     dump_level,
+    encrypted_level,
+    parse_level,
     sealed_nbytes,
 )
 from .files import FileRange, byte_view, new_digest, new_file, preallocate_fd
 
-__all__ = ["EncryptionKey", "TreeCipher", "CHUNK_BYTES", "require_backend", "open_cipher"]
+__all__ = ["EncryptionKey", "TreeCipher", "CHUNK_BYTES", "require_backend", "open_cipher", "hide_names"]
 
 #: Plaintext bytes per encrypted chunk that writers use (readers take the tree's ``chunk_bytes``):
 #: small enough to spread one leaf over the decrypting threads, large enough that the per-chunk
@@ -76,6 +82,7 @@ _SALT_BYTES = 32
 _CHECK_BYTES = 16
 _NONCE_BYTES = 12
 _INFO = b"memtree/v2 " + ENCRYPTION_ALGORITHM.encode()
+_LEVEL_AAD = b"memtree/v2 sealed level\0"
 
 
 class EncryptionKey:
@@ -172,9 +179,9 @@ class TreeCipher:
         return f"TreeCipher({self.meta.algorithm}, chunk_bytes={self.meta.chunk_bytes})"
 
     @classmethod
-    def new(cls, key: EncryptionKey, chunk_bytes: int | None = None) -> TreeCipher:
+    def new(cls, key: EncryptionKey, chunk_bytes: int | None = None, *, names: bool = False) -> TreeCipher:
         """Keys for a new tree: a fresh random salt; chunks of ``chunk_bytes`` (default
-        :data:`CHUNK_BYTES`).
+        :data:`CHUNK_BYTES`); ``names``: seal every level's entries too.
 
         Example:
             >>> TreeCipher.new(EncryptionKey.generate()).meta.chunk_bytes == CHUNK_BYTES
@@ -184,7 +191,7 @@ class TreeCipher:
         salt = os.urandom(_SALT_BYTES)
         check = _hkdf(key.to_bytes(), salt, b" key check", _CHECK_BYTES)
         chunk = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
-        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, salt.hex(), check.hex()))
+        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, salt.hex(), check.hex(), names))
 
     @classmethod
     def open(cls, key: EncryptionKey, meta: EncryptionMeta, where: str) -> TreeCipher:
@@ -211,6 +218,14 @@ class TreeCipher:
         return cls(meta, _hkdf(raw, salt, b" data", 32), _hkdf(raw, salt, b" meta mac", 32))
 
     # -- meta.json ------------------------------------------------------------------------------
+    def _expand(self, label: bytes, rel: str) -> bytes:
+        """HKDF-Expand (RFC 5869) of the data key to one 32-byte block: HMAC(PRK, info || 0x01)."""
+        info = _INFO + label + b"\0" + rel.encode() + b"\x01"
+        return hmac.new(self.data_key, info, hashlib.sha256).digest()
+
+    def _level_aead(self, rel: str) -> Any:
+        return require_backend()(self._expand(b" level", rel))
+
     def _mac(self, meta: LevelMeta, rel: str) -> str:
         body = dump_level(replace(meta, mac=None))
         msg = b"memtree/v2 level\0" + rel.encode() + b"\0" + body
@@ -219,16 +234,21 @@ class TreeCipher:
     def seal_level(self, meta: LevelMeta, rel: str) -> LevelMeta:
         """``meta`` as an encrypted level at directory ``rel`` (``""``: the root): its leaves
         encrypted in this tree's chunks, the ``encryption`` object and the ``mac``."""
-        chunk = self.meta.chunk_bytes
-        entries = tuple(replace(e, chunk_bytes=chunk) if isinstance(e, LeafMeta) else e for e in meta.entries)
-        sealed = replace(meta, entries=entries, encryption=self.meta, mac=None)
-        return replace(sealed, mac=self._mac(sealed, rel))
+        encrypted = encrypted_level(meta, self.meta, None, rel)
+        if self.meta.names:  # the level's real meta.json, encrypted: a key per level, used once
+            inner = dump_level(replace(meta, save_id=None))
+            blob = self._level_aead(rel).encrypt(bytes(_NONCE_BYTES), inner, _LEVEL_AAD + rel.encode())
+            encrypted = LevelMeta((), (), TREE_TYPE, meta.save_id, self.meta, None, base64.b64encode(blob).decode())
+        return replace(encrypted, mac=self._mac(encrypted, rel))
 
-    def check_level(self, meta: LevelMeta, rel: str, where: str) -> None:
-        """Refuse a level of this tree whose ``meta.json`` was changed, moved or not sealed.
+    def reveal(self, meta: LevelMeta, rel: str, where: str) -> LevelMeta:
+        """A level of this tree as read from ``where``, authenticated (and decrypted, when its
+        names are encrypted): refuses a ``meta.json`` that was changed, moved or not sealed.
 
         Raises:
-            DecryptionError: no ``mac``, another tree's ``encryption``, or a ``mac`` mismatch.
+            DecryptionError: no ``mac``, another tree's ``encryption``, a ``mac`` mismatch.
+            MetaFormatError: the decrypted level breaks the schema (only a writer with the key
+                could make one).
         """
         if meta.encryption != self.meta or meta.mac is None:
             raise DecryptionError(
@@ -240,12 +260,22 @@ class TreeCipher:
                 f"{where}/meta.json fails authentication: it was changed after it was written, "
                 "or moved from elsewhere in the tree (its mac covers every field and its place)"
             )
+        if meta.sealed is None:
+            return meta
+        try:
+            inner = self._level_aead(rel).decrypt(
+                bytes(_NONCE_BYTES), base64.b64decode(meta.sealed), _LEVEL_AAD + rel.encode()
+            )
+        except Exception as err:  # cryptography's InvalidTag (the mac matched: only with the key)
+            if type(err).__name__ != "InvalidTag":
+                raise
+            raise DecryptionError(f"{where}/meta.json: its sealed entries fail authentication") from None
+        level = parse_level(inner, f"{where}/meta.json (decrypted)", depth=rel.count("/") + 1 if rel else 0)
+        return encrypted_level(replace(level, save_id=meta.save_id), self.meta, meta.mac, where)
 
     # -- leaves ---------------------------------------------------------------------------------
     def _leaf(self, rel: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> _LeafSeal:
-        # HKDF-Expand (RFC 5869) of the data key to one 32-byte block: HMAC(PRK, info || 0x01)
-        info = _INFO + b" leaf\0" + rel.encode() + b"\x01"
-        aead = require_backend()(hmac.new(self.data_key, info, hashlib.sha256).digest())
+        aead = require_backend()(self._expand(b" leaf", rel))
         head = b"memtree/v2 chunk\0" + orjson.dumps([rel, dtype_name(dtype), list(shape)]) + b"\0"
         chunks = max(1, -(-nbytes // self.meta.chunk_bytes))
         return _LeafSeal(aead, head, nbytes, self.meta.chunk_bytes, chunks)
@@ -370,10 +400,14 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def open_cipher(meta: LevelMeta, key: EncryptionKey | None, where: str, *, structure_only: bool) -> TreeCipher | None:
-    """The cipher of a tree from its root ``meta.json`` and the caller's key (root checked).
+def open_cipher(
+    meta: LevelMeta, key: EncryptionKey | None, where: str, *, structure_only: bool
+) -> tuple[TreeCipher | None, LevelMeta]:
+    """The cipher of a tree from its root ``meta.json`` and the caller's key, and the root level
+    (authenticated; decrypted when its names are encrypted).
 
-    ``structure_only`` (``device="meta"``): no leaf is read, so no key is needed.
+    ``structure_only`` (``device="meta"``): no leaf is read, so no key is needed, unless the
+    names are encrypted.
 
     Raises:
         DecryptionError: an encrypted tree without a key, a key for a plain tree, a wrong key,
@@ -386,18 +420,56 @@ def open_cipher(meta: LevelMeta, key: EncryptionKey | None, where: str, *, struc
                 f"{where} is not encrypted, but a key was given: its data is not authenticated "
                 "by that key. Load it without encryption= if you expect a plain tree"
             )
-        return None
+        return None, meta
     if key is None:
+        if meta.encryption.names:
+            raise DecryptionError(
+                f"{where} is encrypted, names included ({meta.encryption.algorithm}); pass its key: "
+                "load_memmap(path, encryption=key)"
+            )
         if structure_only:
-            return None
+            return None, meta
         raise DecryptionError(
             f"{where} is encrypted ({meta.encryption.algorithm}); pass its key: "
             "load_memmap(path, encryption=key). Names, shapes and dtypes are readable without it "
             "(device='meta', `memtree info`)"
         )
     cipher = TreeCipher.open(key, meta.encryption, where)
-    cipher.check_level(meta, "", where)
-    return cipher
+    return cipher, cipher.reveal(meta, "", where)
+
+
+def hide_names(plan: Any) -> None:
+    """Give every file and directory of a write plan a random name (``encrypt_names=True``).
+
+    ``plan`` is a :class:`memtree.store.write.WritePlan`: its levels' directories, their
+    entries' ``file``/``dir`` names and its leaves' paths are renamed consistently, in place.
+    The real names (keys) then exist only inside the sealed ``meta.json`` files.
+    """
+    renamed: dict[str, str] = {"": ""}  # directory path in the plan -> random path
+    files: dict[str, str] = {}
+    for lp in sorted(plan.levels, key=lambda lp: lp.depth):  # parents first
+        new_rel = renamed[lp.rel]
+        used: set[str] = set()
+        entries = []
+        for e in lp.meta.entries:
+            if isinstance(e, (LeafMeta, ChildMeta)):
+                name = _random_name(used) + (LEAF_SUFFIX if isinstance(e, LeafMeta) else "")
+                old = e.file if isinstance(e, LeafMeta) else e.dir
+                full = f"{new_rel}/{name}" if new_rel else name
+                (files if isinstance(e, LeafMeta) else renamed)[f"{lp.rel}/{old}" if lp.rel else old] = full
+                e = replace(e, file=name) if isinstance(e, LeafMeta) else replace(e, dir=name)
+            entries.append(e)
+        lp.rel, lp.meta = new_rel, replace(lp.meta, entries=tuple(entries))
+    for job in plan.leaves:
+        job.rel = files[job.rel]
+
+
+def _random_name(used: set[str]) -> str:
+    while True:
+        name = os.urandom(8).hex()
+        if name not in used:
+            used.add(name)
+            return name
 
 
 # -- the decrypting and encrypting threads -----------------------------------------------------

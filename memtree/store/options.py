@@ -217,6 +217,8 @@ class WriteOptions:
         checksum: ``"crc32"`` or ``"sha256"``: record each leaf's checksum (not with ``like``).
         progress: a progress bar of the bytes written: ``None`` on a terminal only.
         encryption: encrypt the leaves with this key (``docs/guide/encryption.md``).
+        encrypt_names: with ``encryption``, also seal every level's entries (keys, shapes,
+            values) and give files random names.
     """
 
     like: bool = False
@@ -229,6 +231,7 @@ class WriteOptions:
     checksum: str | None = None
     progress: bool | None = None
     encryption: EncryptionKey | None = None
+    encrypt_names: bool = False
 
     @classmethod
     def of(cls, **kwargs: Any) -> WriteOptions:
@@ -241,7 +244,7 @@ class WriteOptions:
         if unknown:
             raise InvalidArgumentError(f"unknown write options {unknown}")
         options = cls(**kwargs)
-        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing"):
+        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing", "encrypt_names"):
             _flag(name, getattr(options, name))
         if type(options.num_threads) is not int or options.num_threads < 0:
             raise InvalidArgumentError(f"num_threads must be an int >= 0, got {options.num_threads!r:.40}")
@@ -250,6 +253,8 @@ class WriteOptions:
             raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
         if options.progress is not None:
             _flag("progress", options.progress)
+        if options.encrypt_names and options.encryption is None:
+            raise InvalidArgumentError("encrypt_names=True needs encryption=key")
         if _key(options.encryption) is not None:
             if options.like:
                 raise InvalidArgumentError(

@@ -288,7 +288,7 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
-    source.reader.cipher = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
+    source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
 
 
@@ -423,7 +423,7 @@ class _Source:
         """The validated ``meta.json`` of the level ``dirs`` (open as ``dir_fd``)."""
         meta = self.written.get(dirs) or read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
         if dirs and self.reader.cipher is not None:  # an encrypted tree: every level authenticated
-            self.reader.cipher.check_level(meta, "/".join(dirs), where)
+            return self.reader.cipher.reveal(meta, "/".join(dirs), where)
         return meta
 
     def open_level(self, dirs: tuple[str, ...]) -> int:

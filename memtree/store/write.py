@@ -60,7 +60,7 @@ from ..errors import (
     LimitError,
     MemtreeError,
 )
-from .crypto import TreeCipher
+from .crypto import TreeCipher, hide_names
 from .faults import point
 from .files import FileRange, check_free_space, create_leaf, is_plain_memory, storage_error
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
@@ -377,6 +377,8 @@ def write_tree(
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
         plan = plan_write(level, options, dest=dest)
+        if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
+            hide_names(plan)
     parent, name = os.path.split(dest)
     try:
         if not os.path.isdir(parent):
@@ -485,7 +487,7 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     point("before_leaves")
     sums: dict[str, str] = {}
     written: dict[str, LevelMeta] = {}
-    cipher = TreeCipher.new(options.encryption) if options.encryption is not None else None
+    cipher = TreeCipher.new(options.encryption, names=options.encrypt_names) if options.encryption else None
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)

@@ -105,13 +105,16 @@ class Persistence(ShapeOps):
         checksum: str | None = None,
         progress: bool | None = None,
         encryption: EncryptionKey | None = None,
+        encrypt_names: bool = False,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
         ``encryption=key`` (a :class:`memtree.EncryptionKey`, extra ``memtree[crypto]``) encrypts
         every leaf with AES-256-GCM and authenticates every ``meta.json``; the tree returned is
         then in memory, not mapped: each level is decrypted from the files when first used
-        (``docs/guide/encryption.md``).
+        (``docs/guide/encryption.md``). Keys, shapes, dtypes and non-tensor values stay
+        readable without the key, unless ``encrypt_names=True``: then each level's entries are
+        sealed too and files get random names.
 
         Example:
             >>> import tempfile, torch, memtree
@@ -129,6 +132,7 @@ class Persistence(ShapeOps):
         level = self._write(prefix, WriteOptions.of(
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
             allow_pickle=allow_pickle, checksum=checksum, progress=progress, encryption=encryption,
+            encrypt_names=encrypt_names,
         ))
         return type(self)._from_level(level, self._device)
 
