@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import orjson
 import pytest
@@ -102,6 +103,58 @@ def test_nested_tree_values_batch_sizes_and_selection(tmp_path, key) -> None:
     part = memtree.load_memmap(tmp_path / "t", encryption=key, keys=[("obs", "img")])
     assert part.keys(include_nested=True, leaves_only=True) == [("obs", "img")]
     assert torch.equal(part["obs", "img"], tree["obs", "img"])
+
+
+def test_leaves_lying_in_another_file_are_read_and_encrypted(tmp_path, key) -> None:
+    """A checkpoint's tensor (a LazyLeaf with a file range) is read chunk by chunk from its
+    file, encrypted, and a source that ends early is a clear error."""
+    from memtree.format.level import Level
+    from memtree.interop.lazy import LazyLeaf
+    from memtree.store.files import FileRange
+    from memtree.store.write import write_tree
+
+    data = random_tensor((3 * CHUNK + 5,), torch.uint8, seed=9)
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"xx" + data.numpy().tobytes())
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        def lazy(nbytes: int) -> LazyLeaf:
+            return LazyLeaf(data.shape, data.dtype, data.clone, lambda: FileRange(fd, 2, nbytes, "tensor of src.bin"))
+
+        write_tree(tmp_path / "t", Level((), {"x": lazy(data.nbytes)}), WriteOptions.of(encryption=key))
+        os.truncate(src, data.nbytes)  # now 2 bytes short
+        with pytest.raises(memtree.StorageError, match="ends before"):
+            write_tree(tmp_path / "u", Level((), {"x": lazy(data.nbytes)}), WriteOptions.of(encryption=key))
+    finally:
+        os.close(fd)
+    assert torch.equal(memtree.load_memmap(tmp_path / "t", encryption=key)["x"], data)
+    assert not os.path.exists(tmp_path / "u")
+
+
+def test_chunks_are_sealed_and_opened_by_the_pool(tmp_path, key, monkeypatch) -> None:
+    """Leaves of several chunks go through the pool of threads (also on a 1-CPU machine, with
+    the pool size forced here); a failing chunk in the middle stops the leaf cleanly."""
+    monkeypatch.setattr(crypto, "_workers", lambda: 4)
+    monkeypatch.setattr(crypto, "_POOL", None)
+    threads: set[str] = set()
+    aad = crypto._LeafSeal.aad
+
+    def spy(self: crypto._LeafSeal, i: int) -> bytes:
+        threads.add(threading.current_thread().name)
+        return aad(self, i)
+
+    monkeypatch.setattr(crypto._LeafSeal, "aad", spy)
+    tree = memtree.TensorTree({"x": random_tensor((40 * CHUNK + 1,), torch.uint8, seed=11)})
+    write(tree, str(tmp_path / "t"), key, checksum="sha256")
+    assert fingerprint(memtree.load_memmap(tmp_path / "t", encryption=key)) == fingerprint(tree)
+    assert threads and all(name.startswith("memtree-crypto") for name in threads)
+    assert memtree.verify_tree(tmp_path / "t").ok  # the checksum hashed the chunks in order
+    path = tmp_path / "t" / "x.memmap"
+    data = bytearray(path.read_bytes())
+    data[20 * (CHUNK + 16) + 5] ^= 4
+    path.write_bytes(data)
+    with pytest.raises(memtree.DecryptionError, match="chunk 20 of 41"):
+        memtree.load_memmap(tmp_path / "t", encryption=key)
 
 
 def test_plaintext_never_on_disk_and_metadata_readable_without_key(tmp_path, key) -> None:

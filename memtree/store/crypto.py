@@ -312,7 +312,7 @@ class TreeCipher:
 
             def seal(i: int) -> bytes:
                 lo = i * leaf.chunk
-                sealed = leaf.aead.encrypt(leaf.nonce(i), plain(lo, min(leaf.chunk, leaf.nbytes - lo)), leaf.aad(i))
+                sealed: bytes = leaf.aead.encrypt(leaf.nonce(i), plain(lo, min(leaf.chunk, leaf.nbytes - lo)), leaf.aad(i))
                 _pwrite_all(fd, sealed, i * (leaf.chunk + TAG_BYTES))
                 return sealed
 
