@@ -582,6 +582,7 @@ def test_sealed_entries_are_authenticated_beyond_the_mac(sealed_names, key, tmp_
         (lambda d: d.update(batch_size=[2]), "must be empty"),
         (lambda d: d["encryption"].update(names=False), "only in levels whose names"),
         (lambda d: d["encryption"].update(names=1), "true or false"),
+        (lambda d: [d.pop("encryption"), d.pop("mac")], "only in encrypted levels"),
     ],
 )
 def test_schema_of_sealed_levels(sealed_names, change, message) -> None:

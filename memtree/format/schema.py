@@ -440,9 +440,11 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         entries.append(entry)
     encryption, mac = _parse_encryption(c, doc)
     meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
-    if encryption is None:
-        return meta
     sealed = doc.get("sealed")
+    if encryption is None:
+        if sealed is not None:
+            raise c.fail("sealed", "is only in encrypted levels (with encryption and mac)")
+        return meta
     if encryption.names:
         if type(sealed) is not str or not _BASE64.fullmatch(sealed) or len(sealed) % 4:
             raise c.fail("sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}")
