@@ -19,7 +19,10 @@ The format is ``docs/format.md``, "Version 2: encryption"; the guide is
   directory path), so that no entry can be removed, renamed, retyped or moved between levels.
 
 Names, shapes, dtypes and non-tensor values stay readable without the key (``memtree info``,
-``load_memmap(..., device="meta")``). Encrypted trees load into memory, not mapped: chunks are
+``load_memmap(..., device="meta")``), unless the tree is written with ``encrypt_names=True``:
+then files and directories get random names (:func:`hide_names`) and each level's real
+``meta.json`` is sealed with AES-256-GCM under a key of its own, inside a stub that only its
+``mac`` and ``sealed`` fields fill. Encrypted trees load into memory, not mapped: chunks are
 decrypted by a pool of threads (``cryptography`` releases the GIL).
 
 Example:
