@@ -447,7 +447,9 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         return meta
     if encryption.names:
         if type(sealed) is not str or not _BASE64.fullmatch(sealed) or len(sealed) % 4:
-            raise c.fail("sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}")
+            raise c.fail(
+                "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
+            )
         if meta != LevelMeta((), (), TREE_TYPE, save_id):
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
         return LevelMeta((), (), TREE_TYPE, save_id, encryption, mac, sealed)

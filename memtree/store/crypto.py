@@ -315,7 +315,8 @@ class TreeCipher:
 
             def seal(i: int) -> bytes:
                 lo = i * leaf.chunk
-                sealed: bytes = leaf.aead.encrypt(leaf.nonce(i), plain(lo, min(leaf.chunk, leaf.nbytes - lo)), leaf.aad(i))
+                part = plain(lo, min(leaf.chunk, leaf.nbytes - lo))
+                sealed: bytes = leaf.aead.encrypt(leaf.nonce(i), part, leaf.aad(i))
                 _pwrite_all(fd, sealed, i * (leaf.chunk + TAG_BYTES))
                 return sealed
 

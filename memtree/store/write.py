@@ -487,14 +487,16 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     point("before_leaves")
     sums: dict[str, str] = {}
     written: dict[str, LevelMeta] = {}
-    cipher = TreeCipher.new(options.encryption, names=options.encrypt_names) if options.encryption else None
+    key = options.encryption  # encryption at rest: store/crypto.py
+    cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
         try:
-            if cipher is not None and data is not None:  # encryption at rest: store/crypto.py
+            if cipher is not None and data is not None:
+                shape = tuple(j.tensor.shape)
                 digest = cipher.write_leaf(
-                    f"{staging}/{j.rel}", j.rel, data, j.tensor.dtype, tuple(j.tensor.shape), fsync=fsync, checksum=checksum
+                    f"{staging}/{j.rel}", j.rel, data, j.tensor.dtype, shape, fsync=fsync, checksum=checksum
                 )
             else:
                 digest = create_leaf(

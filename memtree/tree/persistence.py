@@ -234,7 +234,8 @@ class Persistence(ShapeOps):
             ['b', ('b', 'c')]
         """
         options = ReadOptions.of(
-            keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify, encryption=encryption
+            keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify,
+            encryption=encryption,
         )
         dev = options.device
         root = open_prefix(prefix, options, **remote)
