@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Union
 
@@ -450,9 +450,9 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             raise c.fail(
                 "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
             )
-        if meta != LevelMeta((), (), TREE_TYPE, save_id):
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id):
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
-        return LevelMeta((), (), TREE_TYPE, save_id, encryption, mac, sealed)
+        return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
     if sealed is not None:
         raise c.fail("sealed", "is only in levels whose names are encrypted")
     return encrypted_level(meta, encryption, mac, where)
@@ -482,9 +482,9 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
         if isinstance(e, LeafMeta):
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
-            e = LeafMeta(e.key, e.file, e.dtype, e.shape, e.checksum, None, encryption.chunk_bytes)
+            e = replace(e, chunk_bytes=encryption.chunk_bytes)
         entries.append(e)
-    return LevelMeta(meta.batch_size, tuple(entries), meta.type, meta.save_id, encryption, mac, meta.sealed)
+    return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
 
 
 def _is_hex(v: Any, digits: int) -> bool:

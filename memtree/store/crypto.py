@@ -241,7 +241,9 @@ class TreeCipher:
         if self.meta.names:  # the level's real meta.json, encrypted: a key per level, used once
             inner = dump_level(replace(meta, save_id=None))
             blob = self._level_aead(rel).encrypt(bytes(_NONCE_BYTES), inner, _LEVEL_AAD + rel.encode())
-            encrypted = LevelMeta((), (), TREE_TYPE, meta.save_id, self.meta, None, base64.b64encode(blob).decode())
+            encrypted = LevelMeta(
+                (), (), TREE_TYPE, save_id=meta.save_id, encryption=self.meta, sealed=base64.b64encode(blob).decode()
+            )
         return replace(encrypted, mac=self._mac(encrypted, rel))
 
     def reveal(self, meta: LevelMeta, rel: str, where: str) -> LevelMeta:
