@@ -18,6 +18,7 @@ from .errors import __all__ as _errors_all
 from .interop import convert, open_checkpoint, save_safetensors
 from .interop import save_tensordict
 from .store.mapped import MemoryMappedTensor
+from .store.crypto import EncryptionKey
 from .nn.empty_init import empty_init, init_missing
 from .nn.loading import LoadResult, load_into_module
 from .format.values import NonTensor
@@ -58,6 +59,7 @@ __all__ = [
     "OffloadedTensor",
     "saving",
     "loading",
+    "EncryptionKey",
     *_errors_all,
 ]
 

@@ -47,6 +47,8 @@ __all__ = [
     "InsufficientSpaceError",
     "LockError",
     "IntegrityError",
+    "DecryptionError",
+    "MissingDependencyError",
     "RemoteError",
     "RemoteRangeError",
     "RemoteChangedError",
@@ -186,6 +188,15 @@ class LockError(MemtreeError, TimeoutError):
 
 class IntegrityError(MemtreeError, ValueError):
     """A leaf file's checksum does not match the one recorded in ``meta.json``."""
+
+
+class DecryptionError(IntegrityError):
+    """An encrypted tree cannot be decrypted: no key, a wrong key, a key for a tree that is not
+    encrypted, or data or ``meta.json`` failing authentication (changed, swapped or truncated)."""
+
+
+class MissingDependencyError(MemtreeError, ImportError):
+    """An optional feature needs a package that is not installed (the message names the extra)."""
 
 
 class RemoteError(MemtreeError, OSError):

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ..errors import (
+    DecryptionError,
     IntegrityError,
     LeafSizeError,
     LimitError,
@@ -77,6 +78,7 @@ from ..format.schema import (
 )
 from ..format.names import META_NAME
 from ..format.level import Level, Value
+from .crypto import TreeCipher, open_cipher
 from .mapped import map_leaf
 from ..format.values import NonTensor, UnloadedPickle
 from ..format.names import is_uncommitted_name
@@ -286,6 +288,7 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
+    source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
 
 
@@ -418,10 +421,10 @@ class _Source:
 
     def meta(self, dirs: tuple[str, ...], where: str, dir_fd: int) -> LevelMeta:
         """The validated ``meta.json`` of the level ``dirs`` (open as ``dir_fd``)."""
-        known = self.written.get(dirs)
-        if known is not None:
-            return known
-        return read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+        meta = self.written.get(dirs) or read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+        if dirs and self.reader.cipher is not None:  # an encrypted tree: every level authenticated
+            return self.reader.cipher.reveal(meta, "/".join(dirs), where)
+        return meta
 
     def open_level(self, dirs: tuple[str, ...]) -> int:
         """A new descriptor of the level ``dirs`` below the root (never following links)."""
@@ -535,7 +538,7 @@ class PendingLevel:
                         f"key {self.keys + (entry.key,)!r} is a tensor leaf at {self.where}; it "
                         f"has no sub-key {next(iter(sub))!r}"
                     )
-                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
+                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys, self.dirs)
             elif isinstance(entry, ChildMeta):
                 path = self.keys + (entry.key,)
                 where = os.path.join(self.where, entry.dir)
@@ -581,10 +584,15 @@ class _Reader:
         self.on_meta = self.device.type == "meta"
         self.allow_pickle = options.allow_pickle
         self.verify = options.verify
+        self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
 
-    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
+    def leaf(
+        self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
+    ) -> torch.Tensor:
         if self.on_meta:
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if entry.chunk_bytes is not None:
+            return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
         try:
             fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
@@ -612,6 +620,26 @@ class _Reader:
         if not self.on_cpu:
             tensor = tensor.to(self.device)
         return tensor
+
+    def sealed_leaf(
+        self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
+    ) -> torch.Tensor:
+        """An encrypted leaf, decrypted into memory (:mod:`memtree.store.crypto`)."""
+        path = os.path.join(where, entry.file)
+        if self.cipher is None:  # only a damaged tree has an encrypted level below a plain root
+            raise DecryptionError(f"leaf {entry.key!r} at {path} is encrypted, but the tree's root is not")
+        fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+        try:
+            if self.verify and entry.checksum is not None:  # the ciphertext's: checkable without the key
+                self.check(file_checksum(fd, entry.checksum_nbytes, _algorithm(entry)), entry, path, parents)
+            tensor = self.cipher.read_leaf(fd, "/".join(dirs + (entry.file,)), entry, path, parents + (entry.key,))
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {path}") from err
+        finally:
+            os.close(fd)
+        return tensor if self.on_cpu else tensor.to(self.device)
 
     @staticmethod
     def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str) -> int:

@@ -235,6 +235,11 @@ def fetch_tree(
     root_info = storage.stat(META_NAME)  # before the read: a later change shows in the re-stat
     root_bytes = storage.read_meta("")
     root_meta = parse_level(root_bytes, storage.describe(META_NAME), depth=0)
+    if root_meta.encryption is not None or options.encryption is not None:
+        raise InvalidArgumentError(
+            f"{storage.describe('')}: encrypted trees load from a local directory only (copy it "
+            "there, then load_memmap(path, encryption=key)); remote trees are never decrypted"
+        )
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:

@@ -187,7 +187,7 @@ class _Walker:
 
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, key: tuple[str, ...]) -> None:
         path = os.path.join(where, entry.file)
-        nbytes = entry.nbytes
+        nbytes = entry.checksum_nbytes  # an encrypted leaf's checksum covers its ciphertext
         expected = f"{entry.file_nbytes:,} bytes ({dtype_name(entry.dtype)} {list(entry.shape)}"
         expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
         try:
