@@ -40,9 +40,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.dtypes import itemsize
 from ..format.names import staging_path
@@ -56,6 +54,9 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
+
+if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and checksumming
+    import torch  # files need none (``memtree info`` starts without torch)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -155,6 +156,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -283,6 +286,8 @@ def is_plain_memory(tensor: torch.Tensor) -> bool:
         >>> is_plain_memory(torch.ones(2, 3)), is_plain_memory(torch.ones(2, 3).t())
         (True, False)
     """
+    import torch
+
     return (
         type(tensor) is torch.Tensor
         and tensor.is_cpu
@@ -619,14 +624,17 @@ def open_leaf(
 
 
 def map_fd(
-    fd: int, path: str, nbytes: int, *, writable: bool, dtype: torch.dtype = torch.uint8
+    fd: int, path: str, nbytes: int, *, writable: bool, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Map the first ``nbytes`` of an open, checked file as a flat tensor of ``dtype``.
 
     ``nbytes`` is a multiple of the dtype's item size. ``writable=True`` maps shared (writes
     reach the file); ``False`` maps private copy-on-write (the file can never change through
-    it).
+    it). ``dtype`` defaults to ``torch.uint8``.
     """
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     source = f"/proc/self/fd/{fd}" if _PROC_FD else path
