@@ -75,6 +75,7 @@ __all__ = [
     "check_free_space",
     "open_checked",
     "open_leaf",
+    "leaf_size_error",
     "map_fd",
     "read_fd",
     "storage_error",
@@ -552,6 +553,24 @@ def check_free_space(directory: str, nbytes: int, what: str) -> None:
         )
 
 
+def leaf_size_error(where: str, size: int, nbytes: int) -> LeafSizeError:
+    """The error of a leaf file of ``size`` bytes where its metadata promises ``nbytes``, with
+    the likely cause and the fix (the loader raises it; ``memtree verify`` reports it).
+
+    Example:
+        >>> str(leaf_size_error("t/x.memmap", 5, 32)).split(":")[0]
+        'leaf file t/x.memmap has 5 bytes, expected 32'
+    """
+    why = (
+        "a growth (append_, extend_, resize_) was killed before it committed, and "
+        "memtree.recover() on the tree's parent directory cuts the file back; or the file "
+        "was changed: then re-save the tree"
+        if size > nbytes
+        else "the write was interrupted or the file was changed; re-save the tree"
+    )
+    return LeafSizeError(f"leaf file {where} has {size:,} bytes, expected {nbytes:,}: {why}")
+
+
 def open_checked(
     name: str, nbytes: int, where: str, *, dir_fd: int | None = None, strict_size: bool = True
 ) -> int:
@@ -609,14 +628,7 @@ def open_leaf(
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{where} is not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_size != nbytes and (strict_size or st.st_size < nbytes):
-            why = (
-                "a growth (append_, extend_, resize_) was killed before it committed, and "
-                "memtree.recover() on the tree's parent directory cuts the file back; or the file "
-                "was changed: then re-save the tree"
-                if st.st_size > nbytes
-                else "the write was interrupted or the file was changed; re-save the tree"
-            )
-            raise LeafSizeError(f"leaf file {where} has {st.st_size:,} bytes, expected {nbytes:,}: {why}")
+            raise leaf_size_error(where, st.st_size, nbytes)
     except BaseException:
         os.close(fd)
         raise
