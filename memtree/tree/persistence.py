@@ -197,7 +197,7 @@ class Persistence(ShapeOps):
                 file raises here rather than on first use. ``verify=True``, ``mmap=False``,
                 ``device`` other than CPU/meta, and remote URLs always load everything at once.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
-                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync`` (see
+                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync``, ``progress`` (see
                 :func:`memtree.remote.load`).
 
         Example:
