@@ -276,10 +276,10 @@ def describe(
         from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
         url = str(source)
-        storage = FsspecStorage(url, storage_options=storage_options,
-                                timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+        remote = FsspecStorage(url, storage_options=storage_options,
+                               timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
         with ThreadPoolExecutor(_REMOTE_THREADS) as pool:
-            return _describe_storage(storage, url, pool)
+            return _describe_storage(remote, url, pool)
     if storage_options is not None or timeout is not None:
         from ..errors import InvalidArgumentError
 

@@ -104,7 +104,7 @@ def itemsize(dtype: torch.dtype | str) -> int:
         >>> itemsize("bfloat16"), itemsize("complex128")
         (2, 16)
     """
-    if type(dtype) is str:
+    if isinstance(dtype, str):
         return DTYPE_ITEMSIZES[dtype]
     size = _ITEMSIZE.get(dtype)
     if size is None:

@@ -127,8 +127,9 @@ class LeafMeta:
     capacity: int | None = None
 
     def __post_init__(self) -> None:
-        if type(self.dtype_name) is not str:  # a torch.dtype
-            object.__setattr__(self, "dtype_name", dtype_name(self.dtype_name))
+        given: Any = self.dtype_name
+        if type(given) is not str:  # a torch.dtype
+            object.__setattr__(self, "dtype_name", dtype_name(given))
 
     @property
     def dtype(self) -> torch.dtype:

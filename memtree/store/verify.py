@@ -220,8 +220,8 @@ class _Walker:
         except MemtreeError as err:
             return problem(_kind(err), str(err))
         if info.size != entry.file_nbytes:
-            err = leaf_size_error(path, info.size, entry.file_nbytes)
-            return problem("size", str(err), expected, f"{info.size:,} bytes")
+            size_error = leaf_size_error(path, info.size, entry.file_nbytes)
+            return problem("size", str(size_error), expected, f"{info.size:,} bytes")
         if not (self.checksums and entry.checksum is not None):  # a checksum covers the tensor's bytes
             return found
         try:
@@ -330,7 +330,12 @@ def verify_tree(
         if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
             report.layout = "tensordict"
             with Progress(desc="verify", unit="leaf", progress=progress) as bar:
-                check_tensordict_dir(root, walker.tensordict_problem, lambda: (walker.tensordict_leaf(), bar.update()))
+
+                def leaf() -> None:
+                    walker.tensordict_leaf()
+                    bar.update()
+
+                check_tensordict_dir(root, walker.tensordict_problem, leaf)
             return report
     try:
         storage = _open_storage(root, remote, storage_options, timeout)
