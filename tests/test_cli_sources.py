@@ -135,6 +135,17 @@ def test_info_torch_save_file(tmp_path: Path) -> None:
     assert doc["entries"][1]["value"] == 7 and doc["totals"]["bytes"] == 12
 
 
+def test_info_torch_save_values_json_cannot_hold_are_shown_as_text(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.pt"
+    torch.save({"w": torch.ones(1), "cfg": {1: (2, 3), "b": b"xy", "c": 1 + 2j, "sz": torch.Size([2])}}, path)
+    values = {e["key"][0]: e["value"] for e in cli_json("info", str(path))["entries"] if e["kind"] == "json"}
+    assert values == {"cfg.1": [2, 3], "cfg.b": "b'xy'", "cfg.c": "(1+2j)", "cfg.sz": "torch.Size([2])"}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["info", str(path)]) == 0
+    assert "torch.Size([2])" in out.getvalue()
+
+
 def test_info_torch_save_with_a_malicious_pickle_refuses_and_runs_nothing(tmp_path: Path, capsys) -> None:
     marker = tmp_path / "pwned"
 

@@ -40,13 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.schema import FORMAT, TREE_TYPE, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
 from ..store.storage import LocalStorage, Storage, is_url
 from ..store.walk import WalkedLevel, walk
-from .output import add_json_flag, emit_json, emit_text
+from .output import add_json_flag, emit_json, emit_text, to_json
 
 if TYPE_CHECKING:
     from ..format.level import Level
@@ -432,7 +430,7 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
             typed = f" {e['type']}" if e["type"] != TREE_TYPE else ""
             rows.append((name + "/", "", f"batch_size {e['batch_size']}{typed}", note))
         elif kind == "json":
-            value = orjson.dumps(e["value"]).decode()
+            value = to_json(e["value"])
             if len(value) > _VALUE_WIDTH:
                 value = value[: _VALUE_WIDTH - 1] + "…"
             rows.append((name, "json", value, ""))

@@ -46,6 +46,7 @@ __all__ = [
     "emit_json",
     "emit_text",
     "error_document",
+    "to_json",
 ]
 
 EXIT_OK = 0
@@ -68,9 +69,21 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def to_json(value: Any, *, indent: bool = False) -> str:
+    """``value`` as JSON text. What JSON cannot hold is written as text: a key that is not a
+    string as its ``str``, a value orjson does not know (``bytes``, ``complex``, a
+    ``torch.Size``...) as its ``repr``; NaN and infinities as ``null``.
+
+    Example:
+        >>> print(to_json({"a": (1, 2), 3: b"x", "c": 1j}))
+        {"a":[1,2],"3":"b'x'","c":"1j"}
+    """
+    option = orjson.OPT_NON_STR_KEYS | (orjson.OPT_INDENT_2 if indent else 0)
+    return orjson.dumps(value, default=repr, option=option).decode()
+
+
 def emit_json(document: dict[str, Any]) -> None:
-    """Print ``document`` as one indented JSON object (non-string keys and dataclasses are
-    refused by orjson: build plain dicts).
+    """Print ``document`` as one indented JSON object (see :func:`to_json`).
 
     Example:
         >>> emit_json({"n": 1})
@@ -78,7 +91,7 @@ def emit_json(document: dict[str, Any]) -> None:
           "n": 1
         }
     """
-    _write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
+    _write(to_json(document, indent=True))
 
 
 def emit_text(text: str) -> None:
