@@ -284,6 +284,7 @@ def is_plain_memory(tensor: torch.Tensor) -> bool:
     subclass, no lazy conjugate or negation bit): it can be written from ``data_ptr()``.
 
     Example:
+        >>> import torch
         >>> is_plain_memory(torch.ones(2, 3)), is_plain_memory(torch.ones(2, 3).t())
         (True, False)
     """
