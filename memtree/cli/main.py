@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         1
     """
     args_in = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args_in if not a.startswith("-")), None)
+    command = args_in[0] if args_in and not args_in[0].startswith("-") else None  # None: every command
     args = _build_parser(command if command in COMMANDS else None).parse_args(args_in)
     try:
         return int(args._run(args))
