@@ -40,8 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from ..errors import MemtreeError, NotAMemtreeError
-from ..format.schema import FORMAT, TREE_TYPE, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
+from ..format.names import META_NAME
+from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
 from ..store.storage import LocalStorage, Storage, is_url
 from ..store.walk import WalkedLevel, walk
 from .output import add_json_flag, emit_json, emit_text, to_json
@@ -149,13 +152,17 @@ def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], 
             totals.pickled_values += 1
 
 
-def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | None = None) -> dict[str, Any]:
-    levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool)}
+def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | None = None,
+                      data: bytes | None = None) -> dict[str, Any]:
+    """Every level through the walker; ``data``: the root ``meta.json``, if already read."""
+    data = storage.read_meta("") if data is None else data
+    root: LevelMeta = parse_level(data, storage.describe(META_NAME))
+    version = orjson.loads(data)["version"]  # the tree's own (parse_level accepted it)
+    levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
-    root: LevelMeta = levels[()].meta
-    return {"kind": "memtree", "path": path, "format": FORMAT, "version": VERSION, "type": root.type,
+    return {"kind": "memtree", "path": path, "format": FORMAT, "version": version, "type": root.type,
             "batch_size": list(root.batch_size), "save_id": root.save_id,
             "totals": totals.as_dict(), "entries": entries}
 
@@ -309,7 +316,7 @@ def describe(
 
             if is_tensordict_dir(path):
                 return _describe_tensordict(path)
-        return _describe_storage(storage, storage.root)
+        return _describe_storage(storage, storage.root, data=data)
 
 
 def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
