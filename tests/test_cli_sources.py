@@ -247,6 +247,56 @@ def test_info_of_something_else_is_a_clear_error(tmp_path: Path, capsys) -> None
         assert cli_json("info", str(source), code=1)["error"]["message"]
 
 
+# -- fuzz: whatever the bytes, a clean exit 0 or 1 -------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _exit_code(argv: list[str]) -> int:
+    out, err = io.StringIO(), io.StringIO()
+    from contextlib import redirect_stderr
+
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    if code == 1 and "--json" not in argv:
+        assert err.getvalue().startswith("memtree: error: ") and err.getvalue().count("\n") == 1
+    return code
+
+
+@FUZZ
+@given(head=st.sampled_from([b"", b"PK\x03\x04", struct.pack("<Q", 30) + b'{"a":', b"\x80\x02"]),
+       body=st.binary(max_size=300))
+def test_fuzz_info_on_a_file_of_random_bytes(tmp_path: Path, head: bytes, body: bytes) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(head + body)
+    assert _exit_code(["info", str(path)]) in (0, 1)
+    assert _exit_code(["info", str(path), "--json"]) in (0, 1)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_info_and_verify_on_a_mutated_meta_json(tree_dir: Path, data: st.DataObject) -> None:
+    meta = tree_dir / "opt" / "meta.json"
+    original = meta.read_bytes()
+    at = data.draw(st.integers(0, len(original) - 1))
+    kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+    if kind == "flip":
+        mutated = original[:at] + bytes([original[at] ^ data.draw(st.integers(1, 255))]) + original[at + 1:]
+    elif kind == "cut":
+        mutated = original[:at]
+    else:
+        mutated = original[:at] + data.draw(st.binary(min_size=1, max_size=8)) + original[at:]
+    meta.write_bytes(mutated)
+    try:
+        assert _exit_code(["info", str(tree_dir), "--json"]) in (0, 1)
+        assert _exit_code(["verify", str(tree_dir), "--json"]) in (0, 1)
+    finally:
+        meta.write_bytes(original)
+
+
 # -- URLs ---------------------------------------------------------------------------------------
 
 fsspec = pytest.importorskip("fsspec")
