@@ -92,6 +92,7 @@ __all__ = [
     "META_FLAGS",
 ]
 
+
 def walk_levels(
     root_fd: int, root: str, visit: Callable[[tuple[str, ...], str, int, LevelMeta], None]
 ) -> None:

@@ -82,6 +82,7 @@ __all__ = [
 _BACKOFF_S = 0.05
 _T = TypeVar("_T")
 
+
 def is_url(prefix: str | os.PathLike[str]) -> bool:
     """True for an fsspec URL that the remote reader handles (any scheme but ``file://``).
 
@@ -97,6 +98,7 @@ def is_url(prefix: str | os.PathLike[str]) -> bool:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+
 
 def open_dir(name: str, where: str, dir_fd: int | None) -> int:
     """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
