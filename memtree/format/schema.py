@@ -9,9 +9,8 @@ raises :class:`~memtree.errors.MetaFormatError` naming the file and the field. T
 documented in ``docs/format.md``.
 
 Example:
-    >>> import torch
     >>> from memtree.format.schema import LevelMeta, LeafMeta, dump_level, parse_level
-    >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", torch.float32, (2, 3)),))
+    >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", "float32", (2, 3)),))
     >>> parse_level(dump_level(meta), "meta.json") == meta
     True
 """
@@ -25,15 +24,17 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import orjson
-import torch
 
-from .dtypes import dtype_from_name, dtype_name, itemsize
-from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from .dtypes import DTYPE_ITEMSIZES, dtype_from_name, dtype_name, itemsize
+from ..errors import DtypeError, LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
 from .values import MAX_JSON_DEPTH, json_depth
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT",
@@ -104,7 +105,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("memtree's format is little-endian; big-endian hosts are not supported")
 
 
-def extent_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def extent_bytes(shape: tuple[int, ...], dtype: torch.dtype | str) -> int:
     """Bytes a tensor of ``shape`` spans with its zero dims counted as 1.
 
     For a tensor with elements it is its size in bytes; for a zero-element one, torch still
@@ -137,23 +138,45 @@ def is_type_name(name: object) -> bool:
 class LeafMeta:
     """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
 
-    ``capacity`` (growable leaves only) is the number of rows along dim 0 that the file holds;
-    the tensor is the first ``shape[0]`` of them.
+    The dtype is kept as its format name (``dtype_name``; a ``torch.dtype`` given to the
+    constructor is turned into its name), so that metadata is parsed without torch; the
+    ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
+    of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
     """
 
     key: str
     file: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     checksum: str | None = None
     capacity: int | None = None
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        given: Any = self.dtype_name
+        if type(given) is not str:  # a torch.dtype
+            object.__setattr__(self, "dtype_name", dtype_name(given))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The leaf's torch dtype (imports torch on first use).
+
+        Raises:
+            DtypeError: this torch build lacks the dtype (float8 types need a recent torch).
+        """
+        dt = dtype_from_name(self.dtype_name)
+        if dt is None:
+            raise DtypeError(
+                f"leaf {self.key!r} ({self.file}) holds {self.dtype_name}, which this torch build "
+                "does not have; upgrade torch to load it"
+            )
+        return dt
+
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes (``numel × itemsize``)."""
-        return prod(self.shape) * itemsize(self.dtype)
+        return prod(self.shape) * DTYPE_ITEMSIZES[self.dtype_name]
 
     @property
     def file_nbytes(self) -> int:
@@ -163,7 +186,7 @@ class LeafMeta:
             return sealed_nbytes(self.nbytes, self.chunk_bytes)
         if self.capacity is None:
             return self.nbytes
-        return self.capacity * prod(self.shape[1:]) * itemsize(self.dtype)
+        return self.capacity * prod(self.shape[1:]) * DTYPE_ITEMSIZES[self.dtype_name]
 
     @property
     def checksum_nbytes(self) -> int:
@@ -241,7 +264,7 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
             "key": e.key,
             "kind": "tensor",
             "file": e.file,
-            "dtype": dtype_name(e.dtype),
+            "dtype": e.dtype_name,
             "shape": list(e.shape),
         }
         if e.capacity is not None:
@@ -616,30 +639,28 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
     key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
     if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
         return None
-    dtype = dtype_from_name(dtype_str)
-    if dtype is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
+    size = DTYPE_ITEMSIZES.get(dtype_str)
+    if size is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
         return None
     for x in shape:
         if type(x) is not int or x < 0:
             return None
     dims = tuple(shape)
     if not starts_with_batch(dims, batch_size) or (
-        (prod(dims) or prod(d or 1 for d in dims)) * itemsize(dtype) > MAX_NBYTES  # extent_bytes
+        (prod(dims) or prod(d or 1 for d in dims)) * size > MAX_NBYTES  # extent_bytes
     ):
         return None
-    return LeafMeta(key, file, dtype, dims)
+    return LeafMeta(key, file, dtype_str, dims)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
     key = c.string(raw["key"], f"{p}.key")
     file = c.name(raw["file"], f"{p}.file", LEAF_SUFFIX)
-    dtype_str = raw["dtype"]
-    dtype = dtype_from_name(dtype_str) if type(dtype_str) is str else None
-    if dtype is None:
+    dtype = raw["dtype"]
+    if type(dtype) is not str or dtype not in DTYPE_ITEMSIZES:
         raise c.fail(
             f"{p}.dtype",
-            f"names no dtype memtree can read here: {dtype_str!r:.40} "
-            "(see docs/format.md for the list; float8 types need a recent torch)",
+            f"names no dtype of the memtree format: {dtype!r:.40} (see docs/format.md for the list)",
         )
     shape = c.ints(raw["shape"], f"{p}.shape")
     if not starts_with_batch(shape, batch_size):

@@ -21,14 +21,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
 from ..format.schema import ChildMeta, LevelMeta
 from .crypto import EncryptionKey, require_backend
 from .files import check_checksum_option
+
+if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
+    import torch
 
 __all__ = [
     "MODES",
@@ -177,6 +178,8 @@ class ReadOptions:
             InvalidArgumentError: a bad ``mode``, flag, device or ``encryption``.
             KeyTypeError, MemtreeKeyError: a bad ``keys=`` entry.
         """
+        import torch
+
         try:
             dev = torch.device(device) if device is not None else None
         except (RuntimeError, TypeError) as err:
@@ -199,6 +202,8 @@ class ReadOptions:
     @property
     def target(self) -> torch.device:
         """Where leaves end up: ``device``, or the CPU."""
+        import torch
+
         return self.device if self.device is not None else torch.device("cpu")
 
 

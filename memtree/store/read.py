@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import pickle
 import resource
@@ -55,25 +54,22 @@ from ..errors import (
     DecryptionError,
     IntegrityError,
     LeafSizeError,
-    LimitError,
     MemtreeError,
     MemtreeKeyError,
     MetaFormatError,
     MissingLeafError,
-    NotAMemtreeError,
     NotCommittedError,
     PickleNotAllowedError,
     UnsafePathError,
 )
 from .files import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
+from .storage import META_FLAGS, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
-    MAX_META_BYTES,
     ChildMeta,
     JsonMeta,
     LeafMeta,
     LevelMeta,
     PickleMeta,
-    parse_level,
     starts_with_batch,
 )
 from ..format.names import META_NAME
@@ -97,85 +93,6 @@ __all__ = [
     "open_dir",
     "META_FLAGS",
 ]
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-
-def open_dir(name: str, where: str, dir_fd: int | None) -> int:
-    """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
-
-    Raises:
-        NotAMemtreeError, MissingLeafError, UnsafePathError, StorageError.
-    """
-    try:
-        return os.open(name, _DIR_FLAGS | (_NOFOLLOW if dir_fd is not None else 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        if dir_fd is None:
-            raise NotAMemtreeError(f"{where} does not exist; check the path") from None
-        raise MissingLeafError(f"sub-tree directory {where} is missing; the tree is damaged") from None
-    except NotADirectoryError:
-        if dir_fd is None:
-            raise NotAMemtreeError(f"{where} is not a directory; a memtree is a directory") from None
-        raise UnsafePathError(f"{where} is not a directory (or is a symbolic link)") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(
-                f"{where} is a symbolic link; memtree does not follow links inside a tree"
-            ) from None
-        raise storage_error(err, f"opening {where}") from err
-
-
-def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
-    """The bytes of the ``meta.json`` in an open directory, and its path.
-
-    Opened without following links, refused unless it is a regular file of at most
-    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
-    """
-    path = os.path.join(where, META_NAME)
-    try:
-        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        if root:
-            raise NotAMemtreeError(
-                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
-                "finished)"
-            ) from None
-        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
-        raise storage_error(err, f"opening {path}") from err
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
-                "a meta.json; it was not written by memtree (or tensordict)"
-            )
-        want = st.st_size + 1  # one byte more: a short read is the end of the file
-        data = os.read(fd, want)
-        if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
-            parts = [data]
-            left = MAX_META_BYTES + 1 - len(data)
-            while left > 0:
-                part = os.read(fd, min(left, 1 << 20))
-                if not part:
-                    break
-                parts.append(part)
-                left -= len(part)
-            data = b"".join(parts)
-    finally:
-        os.close(fd)
-    return data, path
-
-
-def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
-    """Read and validate the ``meta.json`` in an open directory."""
-    data, path = read_meta_bytes(dir_fd, where, root=root)
-    return parse_level(data, path, depth=depth)
 
 
 def walk_levels(

@@ -264,7 +264,7 @@ def _plan_leaf(
             "dims counted as 1); give its empty dims smaller sizes"
         )
     plan.leaves.append(LeafJob(rel, kpath, tensor, tensor.nbytes))
-    return LeafMeta(key, name, dtype, shape)
+    return LeafMeta(key, name, dtype_name(dtype), shape)
 
 
 # ---------------------------------------------------------------------------------------------

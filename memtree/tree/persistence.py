@@ -223,7 +223,7 @@ class Persistence(ShapeOps):
                 file raises :class:`~memtree.DecryptionError`. A key for a tree that is not
                 encrypted raises too.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
-                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync`` (see
+                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync``, ``progress`` (see
                 :func:`memtree.remote.load`).
 
         Example:
