@@ -384,11 +384,7 @@ def test_verify_json_never_shows_a_progress_bar(published: str) -> None:
 # -- every command: --json and the exit codes ----------------------------------------------------
 
 
-#: Commands whose --json comes from another branch of this round (drop once merged).
-_JSON_ELSEWHERE = {"convert"}
-
-
-@pytest.mark.parametrize("name", [c for c in COMMANDS if c not in _JSON_ELSEWHERE])
+@pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_command_takes_json(name: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([name, "--help"])

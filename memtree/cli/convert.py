@@ -29,12 +29,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..interop.conversion import FORMATS, ConvertResult, convert
 from ..interop.pickle_guard import PickleLimits
 from .info import _positive_int, format_bytes
+from .output import add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "report", "summary"]
 
@@ -73,12 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --format safetensors and a directory DST: the shard size limit, as Hugging "
         "Face's max_shard_size (5GB = 5*10^9 bytes, 500MB, 4GiB, or bytes; default 5GB)",
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print what was done as one JSON object (tensors, bytes, seconds, files, "
-        "dropped, altered); no progress bar unless --progress",
-    )
+    add_json_flag(parser)
     parser.add_argument(
         "--dtype",
         metavar="DTYPE",
@@ -149,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
         limits=PickleLimits(args.max_pickle_bytes, args.max_pickle_objects, args.max_pickle_depth),
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        emit_json(result.to_dict())
     else:
-        print(summary(result, args.src, args.dst))
+        emit_text(summary(result, args.src, args.dst))
         report(result)
     return 0
 

@@ -50,10 +50,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import torch
 
 from ..errors import DecryptionError, InvalidArgumentError, MissingDependencyError, StorageError
 from ..format.dtypes import dtype_name
@@ -72,6 +71,9 @@ from ..format.schema import (
     sealed_nbytes,
 )
 from .files import FileRange, byte_view, new_digest, new_file, preallocate_fd
+
+if TYPE_CHECKING:  # torch is imported by the functions that handle tensors (memtree info imports none)
+    import torch
 
 __all__ = ["EncryptionKey", "TreeCipher", "CHUNK_BYTES", "require_backend", "open_cipher", "hide_names"]
 
@@ -336,6 +338,8 @@ class TreeCipher:
             DecryptionError: a chunk fails authentication (nothing of the leaf is returned).
         """
         leaf = self._leaf(rel, entry.dtype, entry.shape, entry.nbytes)
+        import torch
+
         out = torch.empty(entry.shape, dtype=entry.dtype)
         view = byte_view(out)
 
@@ -383,7 +387,7 @@ class _LeafSeal:
 def _plaintext(data: torch.Tensor | FileRange) -> Callable[[int, int], Any]:
     """``read(offset, n)``: ``n`` bytes of a leaf's plaintext (a view of a tensor's memory, or
     read from the file a :class:`FileRange` names)."""
-    if isinstance(data, torch.Tensor):
+    if not isinstance(data, FileRange):
         view = byte_view(data)
         return lambda lo, n: view[lo : lo + n]
 
