@@ -52,7 +52,6 @@ import torch
 from ..errors import InvalidArgumentError, StorageError
 from ..format.dtypes import itemsize
 from .files import FileRange, byte_view, file_checksum, is_plain_memory, storage_error, tensor_checksum
-from .write import _run, _thread_count
 
 __all__ = [
     "READ_THREADS",
@@ -70,6 +69,9 @@ __all__ = [
 
 #: Threads that read at most (a small load is read by fewer, or by the calling thread).
 READ_THREADS = 4
+#: Bytes each reader thread must have to read, at least: a smaller load is read by fewer
+#: threads, or by the calling thread alone (starting a thread costs more than it saves).
+READ_MIN_WORK = 4 * 1024 * 1024
 #: Bytes one ``preadv`` asks for: large reads, and pieces small enough to spread one big tensor
 #: over the threads.
 READ_CHUNK = 16 * 1024 * 1024
@@ -297,11 +299,12 @@ def fill(
             made = CudaCopier(device)
         else:  # another accelerator: stage in host memory, copy_ moves it
             made = HostCopier()
+        host = device.type == "cpu"
         if ring_bytes is not None:
             ring = ring_bytes
         else:
-            ring = BOUNCE_BYTES * (max(threads, 1) + 2) if device.type == "cpu" else PINNED_RING_BYTES
-        _fill_staged(group, made, threads, ring)
+            ring = BOUNCE_BYTES * (max(threads, 1) + 2) if host else PINNED_RING_BYTES
+        _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK)
 
 
 def _verify(job: FillJob, found: str) -> None:
@@ -335,6 +338,71 @@ def _fill_direct(jobs: list[FillJob], threads: int) -> None:
 
     total = sum(j.source.nbytes for j in jobs)
     _run(items, work, _thread_count(threads, len(items), total))
+
+
+def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
+    """Reader threads worth starting: each must have :data:`READ_MIN_WORK` bytes (0: none)."""
+    if num_threads < 2 or pieces < 2:
+        return 0
+    useful = nbytes // READ_MIN_WORK
+    return min(num_threads, pieces, useful) if useful >= 2 else 0
+
+
+def _run(items: list[Any], work: Callable[[Any], int], threads: int) -> None:
+    """``work(item)`` for every item, by ``threads`` threads (0: this thread)."""
+    if threads == 0:
+        for item in items:
+            work(item)
+        return
+    todo = iter(items)  # a list iterator hands each item to one thread (atomic under the GIL)
+
+    def body(stop: threading.Event) -> None:
+        for item in todo:
+            if stop.is_set():
+                return
+            work(item)
+
+    _in_threads(threads, body)
+
+
+def _in_threads(
+    threads: int,
+    body: Callable[[threading.Event], None],
+    main: Callable[[threading.Event], None] | None = None,
+) -> None:
+    """Run ``body(stop)`` in ``threads`` threads, and ``main(stop)`` in this one meanwhile.
+
+    The first failure of a thread sets ``stop`` (bodies check it between pieces of work); a
+    failure of ``main`` (or an interrupt) sets it too. Every thread is joined before anything
+    is raised: ``main``'s failure first, else the first thread's.
+    """
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body(stop)
+        except BaseException as err:  # noqa: BLE001 - raised by the calling thread
+            failures.append(err)
+            stop.set()
+
+    started: list[threading.Thread] = []
+    try:
+        for i in range(threads):
+            t = threading.Thread(target=run, name=f"memtree-read-{i}", daemon=True)
+            t.start()
+            started.append(t)
+        if main is not None:
+            main(stop)
+        for t in started:
+            t.join()
+    except BaseException:
+        stop.set()
+        for t in started:
+            t.join()
+        raise
+    if failures:
+        raise failures[0]
 
 
 def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
@@ -377,11 +445,12 @@ def _staged_pieces(jobs: list[FillJob], chunk: int) -> Iterator[_Piece]:
             offset += nbytes
 
 
-def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: int) -> None:
-    """Fill ``jobs`` through a ring of host buffers of at most ``ring_bytes`` in all."""
+def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: int, chunk: int) -> None:
+    """Fill ``jobs`` through a ring of host buffers of at most ``chunk`` bytes each and
+    ``ring_bytes`` in all (at least two buffers of one element)."""
     total = sum(j.source.nbytes for j in jobs)
     widest = max(itemsize(j.src_dtype) for j in jobs)
-    chunk = max(widest, min(PINNED_CHUNK, ring_bytes // 2))
+    chunk = max(widest, min(chunk, ring_bytes // 2))
     estimate = total // chunk + len(jobs)
     readers = _thread_count(threads, estimate, total)
     count = max(1, min(ring_bytes // chunk, 2 * readers + 2, estimate))
@@ -431,22 +500,22 @@ def _pipeline(
     readers: int,
     done_bytes: dict[int, int],
 ) -> None:
-    """Reader threads fill free buffers; this thread copies them and frees them in order."""
+    """Reader threads fill free buffers; this thread copies them and frees them in order.
+
+    Back-pressure: a reader waits for a free buffer, and a buffer is free again only once its
+    copy is done (:meth:`Copier.wait`), one copy being in flight while the next is queued.
+    """
     free: queue.Queue[torch.Tensor] = queue.Queue()
     for buf in buffers:
         free.put(buf)
-    ready: queue.Queue[tuple[_Piece, torch.Tensor] | BaseException | None] = queue.Queue()
-    stop = threading.Event()
+    ready: queue.Queue[tuple[_Piece, torch.Tensor] | None] = queue.Queue()
     take = threading.Lock()
 
-    def next_piece() -> _Piece | None:
-        with take:  # one generator, several threads
-            return next(pieces, None)
-
-    def reader() -> None:
+    def reader(stop: threading.Event) -> None:
         try:
             while not stop.is_set():
-                piece = next_piece()
+                with take:  # one generator, several threads
+                    piece = next(pieces, None)
                 if piece is None:
                     return
                 buf = None
@@ -463,56 +532,40 @@ def _pipeline(
                     free.put(buf)
                     raise
                 ready.put((piece, buf))
-        except BaseException as err:  # noqa: BLE001 - raised by the calling thread
-            stop.set()
-            ready.put(err)
         finally:
-            ready.put(None)
+            ready.put(None)  # this reader is done
 
-    started: list[threading.Thread] = []
-    inflight: deque[tuple[Any, torch.Tensor, _Piece]] = deque()
-    failure: BaseException | None = None
+    def copy_all(stop: threading.Event) -> None:
+        inflight: deque[tuple[Any, torch.Tensor, _Piece]] = deque()
 
-    def retire() -> None:
-        token, buf, piece = inflight.popleft()
-        copier.wait(token)
-        free.put(buf)
-        _copied(piece, done_bytes)
+        def retire() -> None:
+            token, buf, piece = inflight.popleft()
+            copier.wait(token)
+            free.put(buf)
+            _copied(piece, done_bytes)
 
-    try:
-        for i in range(readers):
-            t = threading.Thread(target=reader, name=f"memtree-read-{i}", daemon=True)
-            t.start()
-            started.append(t)
         finished = 0
-        while finished < len(started):
-            msg = ready.get()
-            if msg is None:
-                finished += 1
-            elif isinstance(msg, BaseException):
-                failure = failure or msg
-            elif failure is None:
-                piece, buf = msg
-                with torch.no_grad():
-                    inflight.append((copier.copy(piece.dest, _typed(buf, piece)), buf, piece))
-                while len(inflight) > 1:  # one copy in flight while the next is queued
-                    retire()
-        while inflight and failure is None:
-            retire()
-    except BaseException as err:  # a copy failed, or interrupted: stop the readers
-        failure = failure or err
-    finally:
-        stop.set()
-        for t in started:
-            t.join()
-        while inflight:  # let the device finish with the buffers before they are freed
-            token = inflight.popleft()[0]
-            try:
-                copier.wait(token)
-            except Exception:  # noqa: BLE001 - the first failure is the one raised
-                pass
-    if failure is not None:
-        raise failure
+        try:
+            while finished < readers:
+                msg = ready.get()
+                if msg is None:
+                    finished += 1
+                elif not stop.is_set():  # after a failure, only drain
+                    piece, buf = msg
+                    with torch.no_grad():
+                        inflight.append((copier.copy(piece.dest, _typed(buf, piece)), buf, piece))
+                    while len(inflight) > 1:
+                        retire()
+            while inflight and not stop.is_set():
+                retire()
+        finally:
+            while inflight:  # the device must be done with a buffer before it is freed
+                try:
+                    copier.wait(inflight.popleft()[0])
+                except Exception:  # noqa: BLE001 - the first failure is the one raised
+                    pass
+
+    _in_threads(readers, reader, copy_all)
 
 
 def mapped_range(tensor: torch.Tensor) -> FileRange | None:
