@@ -573,8 +573,9 @@ def mapped_range(tensor: torch.Tensor) -> FileRange | None:
 
     For a contiguous :class:`~memtree.MemoryMappedTensor` of a file mapped from a tree: its
     file is opened again read-only, by path, without following links, and used only if it is
-    the very file that was mapped (same ``st_dev``/``st_ino``, long enough). ``None`` when
-    that does not hold (the caller then copies from the mapping). The caller closes the
+    the very file that was mapped (same ``st_dev``/``st_ino``; :func:`fill` checks its size:
+    a mapped file that was truncated is an error, not a ``SIGBUS``). ``None`` when that does
+    not hold (the caller then copies from the mapping). The caller closes the
     returned range's descriptor. Only for a mapping nobody has written to privately (a tree
     just loaded): a ``mode="r"`` mapping keeps private changes that the file does not have.
 
@@ -597,8 +598,8 @@ def mapped_range(tensor: torch.Tensor) -> FileRange | None:
         return None
     try:
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) == file.file_id and stat.S_ISREG(st.st_mode) and st.st_size >= offset + nbytes:
-            return FileRange(fd, offset, nbytes, f"leaf {file.path}")
+        if (st.st_dev, st.st_ino) == file.file_id and stat.S_ISREG(st.st_mode):
+            return FileRange(fd, offset, nbytes, f"leaf {file.path}")  # fill checks the size
     except OSError:
         pass
     os.close(fd)

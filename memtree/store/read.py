@@ -569,8 +569,12 @@ class PendingLevel:
 
     def load_all(self) -> Level:
         """This level and every level below it, loaded now."""
+        with _LOCK, self.source.reader.batch(None):  # every leaf below read by one threaded fill
+            return self._level_of_all()
+
+    def _level_of_all(self) -> Level:
         entries = {
-            k: v.load_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
+            k: v._level_of_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
         }
         return Level(self.meta.batch_size, entries, self.meta.type)
 
@@ -622,13 +626,14 @@ class _Reader:
             os.close(fd)
 
     @contextmanager
-    def batch(self, level: PendingLevel) -> Iterator[None]:
+    def batch(self, level: PendingLevel | None) -> Iterator[None]:
         """Loading ``level`` (and, when it is the outermost, the levels it loads meanwhile):
         leaves to read are queued and read together, by threads, when the outermost load ends
         (:func:`memtree.store.fill.fill`). If that fails, no level of the batch stays loaded."""
         outer = self.depth == 0
         self.depth += 1
-        self.levels.append(level)
+        if level is not None:
+            self.levels.append(level)
         try:
             yield
             if outer:
