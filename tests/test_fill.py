@@ -468,3 +468,14 @@ def test_cuda_ring_fills_bit_exact(tmp_path: Any) -> None:  # pragma: no cover -
     finally:
         os.close(fd)
     assert torch.equal(dest.cpu(), src) and torch.equal(cast.cpu(), src.double())
+
+
+def test_a_ring_of_one_buffer_still_completes(tmp_path: Any, threaded: None) -> None:
+    """Regression: with one buffer, a copy left in flight would leave the readers none."""
+    fd, src, dest = _ring_case(tmp_path, 2000)
+    fake = FakeCopier()
+    try:
+        fill([FillJob(dest, FileRange(fd, 0, src.nbytes, "w"), torch.float32)], copier=lambda _d: fake, ring_bytes=4)
+    finally:
+        os.close(fd)
+    assert torch.equal(dest, src.double()) and fake.allocated == 1 and fake.copies == 2000

@@ -42,6 +42,7 @@ import os
 import queue
 import stat
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -307,33 +308,112 @@ def fill(
         _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK)
 
 
-def _verify(job: FillJob, found: str) -> None:
-    assert job.checksum is not None
-    job.checksum[1](found)
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _zeros_operators() -> list[list[int]]:
+    """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a CRC-32 (zlib's)."""
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
+    op = one_bit
+    for _ in range(3):  # 8 bits: one byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    ops = [op]
+    for _ in range(63):
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+        ops.append(op)
+    return ops
+
+
+_ZEROS: list[list[int]] = []
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
+
+    Example:
+        >>> import zlib
+        >>> crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
+        True
+    """
+    if not _ZEROS:
+        _ZEROS.extend(_zeros_operators())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZEROS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+class _Sums:
+    """The checksums of the jobs that carry one, made as their pieces are read.
+
+    CRC-32 is computed piece by piece, by the thread that read the piece (its bytes still in
+    the CPU cache), and the pieces' CRCs are combined in order. Other algorithms hash the
+    whole destination once it is read (direct fills), or read the range again (staged fills).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.parts: dict[int, list[tuple[int, int, int]]] = {}  # job -> (offset, crc, nbytes)
+        self.done: dict[int, int] = {}
+
+    def empty(self, job: FillJob) -> None:
+        if job.checksum is not None and job.source.nbytes == 0:
+            self._finish(job, [], staged=not job.direct)
+
+    def add(self, job: FillJob, offset: int, data: memoryview, *, staged: bool) -> None:
+        if job.checksum is None:
+            return
+        crc = zlib.crc32(data) if job.checksum[0] == "crc32" else 0
+        with self.lock:
+            parts = self.parts.setdefault(id(job), [])
+            parts.append((offset, crc, len(data)))
+            done = self.done[id(job)] = self.done.get(id(job), 0) + len(data)
+        if done == job.source.nbytes:
+            self._finish(job, parts, staged=staged)
+
+    @staticmethod
+    def _finish(job: FillJob, parts: list[tuple[int, int, int]], *, staged: bool) -> None:
+        assert job.checksum is not None
+        algorithm, check = job.checksum
+        src = job.source
+        if algorithm == "crc32":
+            crc = 0
+            for _, part, nbytes in sorted(parts):
+                crc = crc32_combine(crc, part, nbytes)
+            found = f"crc32:{crc:08x}"
+        elif not staged:
+            found = tensor_checksum(job.dest, algorithm)
+        else:
+            try:
+                found = file_checksum(src.fd, src.nbytes, algorithm, src.offset)
+            except OSError as err:
+                raise storage_error(err, f"checking {src.what}") from err
+        check(found)
 
 
 def _fill_direct(jobs: list[FillJob], threads: int) -> None:
     items: list[tuple[FillJob, memoryview, int]] = []
-    left: dict[int, int] = {}
+    sums = _Sums()
     for job in jobs:
         view = byte_view(job.dest)
-        starts = range(0, len(view), READ_CHUNK)
-        items.extend((job, view, s) for s in starts)
-        left[id(job)] = len(starts)
-        if not starts and job.checksum is not None:
-            _verify(job, tensor_checksum(job.dest, job.checksum[0]))
-    lock = threading.Lock()
+        items.extend((job, view, s) for s in range(0, len(view), READ_CHUNK))
+        sums.empty(job)
 
     def work(item: tuple[FillJob, memoryview, int]) -> int:
         job, view, start = item
         piece = view[start : start + READ_CHUNK]
         read_exact(job.source.fd, piece, job.source.offset + start, job.source.what)
-        if job.checksum is not None:
-            with lock:
-                left[id(job)] -= 1
-                last = left[id(job)] == 0
-            if last:
-                _verify(job, tensor_checksum(job.dest, job.checksum[0]))
+        sums.add(job, start, piece, staged=False)
         return len(piece)
 
     total = sum(j.source.nbytes for j in jobs)
@@ -454,7 +534,9 @@ def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: 
     estimate = total // chunk + len(jobs)
     readers = _thread_count(threads, estimate, total)
     count = max(1, min(ring_bytes // chunk, 2 * readers + 2, estimate))
-    done_bytes: dict[int, int] = {}
+    sums = _Sums()
+    for job in jobs:
+        sums.empty(job)
     buffers: list[torch.Tensor] = []
     try:
         for _ in range(count):
@@ -463,34 +545,24 @@ def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: 
         if readers == 0:
             for piece in pieces:
                 buf = buffers[0]
-                _read_piece(piece, buf)
+                _read_piece(piece, buf, sums)
                 copier.wait(copier.copy(piece.dest, _typed(buf, piece)))
-                _copied(piece, done_bytes)
         else:
-            _pipeline(pieces, buffers, copier, readers, done_bytes)
+            _pipeline(pieces, buffers, copier, readers, sums)
     finally:
         for buf in buffers:
             copier.release(buf)
 
 
-def _read_piece(piece: _Piece, buf: torch.Tensor) -> None:
-    read_exact(piece.job.source.fd, byte_view(buf[: piece.nbytes]), piece.offset, piece.job.source.what)
+def _read_piece(piece: _Piece, buf: torch.Tensor, sums: _Sums) -> None:
+    job = piece.job
+    view = byte_view(buf[: piece.nbytes])
+    read_exact(job.source.fd, view, piece.offset, job.source.what)
+    sums.add(job, piece.offset - job.source.offset, view, staged=True)
 
 
 def _typed(buf: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return buf[: piece.nbytes].view(piece.job.src_dtype).view(piece.dest.shape)
-
-
-def _copied(piece: _Piece, done_bytes: dict[int, int]) -> None:
-    job = piece.job
-    done = done_bytes[id(job)] = done_bytes.get(id(job), 0) + piece.nbytes
-    if done == job.source.nbytes and job.checksum is not None:
-        src = job.source
-        try:
-            found = file_checksum(src.fd, src.nbytes, job.checksum[0], src.offset)
-        except OSError as err:
-            raise storage_error(err, f"checking {src.what}") from err
-        _verify(job, found)
 
 
 def _pipeline(
@@ -498,7 +570,7 @@ def _pipeline(
     buffers: list[torch.Tensor],
     copier: Copier,
     readers: int,
-    done_bytes: dict[int, int],
+    sums: _Sums,
 ) -> None:
     """Reader threads fill free buffers; this thread copies them and frees them in order.
 
@@ -527,7 +599,7 @@ def _pipeline(
                 if buf is None:
                     return
                 try:
-                    _read_piece(piece, buf)
+                    _read_piece(piece, buf, sums)
                 except BaseException:
                     free.put(buf)
                     raise
@@ -539,11 +611,11 @@ def _pipeline(
         inflight: deque[tuple[Any, torch.Tensor, _Piece]] = deque()
 
         def retire() -> None:
-            token, buf, piece = inflight.popleft()
+            token, buf, _ = inflight.popleft()
             copier.wait(token)
             free.put(buf)
-            _copied(piece, done_bytes)
 
+        keep = 1 if len(buffers) > 1 else 0  # copies left in flight: never the last free buffer
         finished = 0
         try:
             while finished < readers:
@@ -554,7 +626,7 @@ def _pipeline(
                     piece, buf = msg
                     with torch.no_grad():
                         inflight.append((copier.copy(piece.dest, _typed(buf, piece)), buf, piece))
-                    while len(inflight) > 1:
+                    while len(inflight) > keep:
                         retire()
             while inflight and not stop.is_set():
                 retire()
