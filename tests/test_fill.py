@@ -479,3 +479,17 @@ def test_a_ring_of_one_buffer_still_completes(tmp_path: Any, threaded: None) -> 
     finally:
         os.close(fd)
     assert torch.equal(dest, src.double()) and fake.allocated == 1 and fake.copies == 2000
+
+
+def test_gpu_benchmark_imports_and_runs_without_a_gpu() -> None:
+    """benchmarks/gpu_load.py must import anywhere and say so where there is no GPU."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "benchmarks", "gpu_load.py")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout
