@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import queue
 import stat
@@ -318,6 +319,7 @@ def _gf2_times(matrix: list[int], vector: int) -> int:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _zeros_operators() -> list[list[int]]:
     """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a CRC-32 (zlib's)."""
     one_bit = [0xEDB88320] + [1 << n for n in range(31)]
@@ -331,9 +333,6 @@ def _zeros_operators() -> list[list[int]]:
     return ops
 
 
-_ZEROS: list[list[int]] = []
-
-
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
 
@@ -342,12 +341,11 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         >>> crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
         True
     """
-    if not _ZEROS:
-        _ZEROS.extend(_zeros_operators())
+    zeros = _zeros_operators()
     k = 0
     while len2:
         if len2 & 1:
-            crc1 = _gf2_times(_ZEROS[k], crc1)
+            crc1 = _gf2_times(zeros[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
@@ -527,7 +525,7 @@ def _staged_pieces(jobs: list[FillJob], chunk: int) -> Iterator[_Piece]:
 
 def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: int, chunk: int) -> None:
     """Fill ``jobs`` through a ring of host buffers of at most ``chunk`` bytes each and
-    ``ring_bytes`` in all (at least two buffers of one element)."""
+    ``ring_bytes`` in all (but one buffer of one element at least)."""
     total = sum(j.source.nbytes for j in jobs)
     widest = max(itemsize(j.src_dtype) for j in jobs)
     chunk = max(widest, min(chunk, ring_bytes // 2))
@@ -546,7 +544,8 @@ def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: 
             for piece in pieces:
                 buf = buffers[0]
                 _read_piece(piece, buf, sums)
-                copier.wait(copier.copy(piece.dest, _typed(buf, piece)))
+                with torch.no_grad():
+                    copier.wait(copier.copy(piece.dest, _typed(buf, piece)))
         else:
             _pipeline(pieces, buffers, copier, readers, sums)
     finally:
