@@ -659,10 +659,13 @@ def mapped_range(tensor: torch.Tensor) -> FileRange | None:
         ((4, 12), None)
     """
     file = getattr(tensor, "_file", None)
-    if file is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
+    if file is None:
         return None
-    offset = tensor.storage_offset() * tensor.element_size()
-    nbytes = tensor.numel() * tensor.element_size()
+    with torch._C.DisableTorchFunctionSubclass():  # no subclass round trip per attribute
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            return None
+        offset = tensor.storage_offset() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
     try:
         fd = os.open(file.path, _READ_ONLY)
     except OSError:

@@ -652,6 +652,8 @@ class _Reader:
     def flush(self) -> None:
         """Read every queued leaf now (threaded ``preadv``) and close their files."""
         jobs, self.pending = self.pending, []
+        if not jobs:
+            return
         try:
             fill([job for job, _ in jobs])
         finally:
