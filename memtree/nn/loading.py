@@ -230,8 +230,9 @@ def _locator(source: Any, src: Source) -> Callable[[str], Any] | None:
     for in-memory sources.
     """
     lazy = src.lazy
-    if lazy is not None and callable(getattr(lazy, "fill_range", None)):
-        return lambda name: lazy.fill_range(src.entries[name])
+    fill_range = getattr(lazy, "fill_range", None)
+    if callable(fill_range):
+        return lambda name: fill_range(src.entries[name])
     if isinstance(source, (str, os.PathLike)) and lazy is None:
 
         def leaf(name: str) -> Any:

@@ -664,7 +664,7 @@ def mapped_range(tensor: torch.Tensor) -> FileRange | None:
     with torch._C.DisableTorchFunctionSubclass():  # no subclass round trip per attribute
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             return None
-        offset = tensor.storage_offset() * tensor.element_size()
+        offset = int(tensor.storage_offset()) * tensor.element_size()
         nbytes = tensor.numel() * tensor.element_size()
     try:
         fd = os.open(file.path, _READ_ONLY)
