@@ -281,6 +281,10 @@ class ShardedReader(Closing):
         """Read one tensor from its shard (see the shard readers' ``read``)."""
         return self._reader(key).read(key, mmap=mmap)
 
+    def fill_range(self, key: str) -> Any:
+        """Where ``key``'s bytes lie in its shard (see the shard readers' ``fill_range``)."""
+        return self._reader(key).fill_range(key)
+
     def close(self) -> None:
         """Close every shard (tensors already read stay valid)."""
         for reader in getattr(self, "_readers", {}).values():

@@ -44,8 +44,8 @@ import stat
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -62,7 +62,8 @@ from ..errors import (
     PickleNotAllowedError,
     UnsafePathError,
 )
-from .files import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
+from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
+from .fill import FillJob, fill
 from .storage import META_FLAGS, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
     ChildMeta,
@@ -211,6 +212,9 @@ def open_tree(
 
 _LOCK = threading.RLock()  # loading a pending level (threads share trees)
 _SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
+
+#: Most leaves queued for one threaded read (each holds its file open until then).
+MAX_PENDING_READS = 64
 
 #: How many pending levels, in all, may keep their directory open from their parent's load, so
 #: that loading them later opens no directory: at most this many, and at most an eighth of the
@@ -423,7 +427,8 @@ class PendingLevel:
         """
         with _LOCK:
             if self._loaded is None:
-                self._loaded = self._open_and_load()
+                with self.source.reader.batch(self):
+                    self._loaded = self._open_and_load()
             return self._loaded
 
     def _open_and_load(self) -> dict[str, Value | PendingLevel]:
@@ -484,8 +489,12 @@ class PendingLevel:
 
     def load_all(self) -> Level:
         """This level and every level below it, loaded now."""
+        with _LOCK, self.source.reader.batch(None):  # every leaf below read by one threaded fill
+            return self._level_of_all()
+
+    def _level_of_all(self) -> Level:
         entries = {
-            k: v.load_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
+            k: v._level_of_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
         }
         return Level(self.meta.batch_size, entries, self.meta.type)
 
@@ -502,6 +511,9 @@ class _Reader:
         self.allow_pickle = options.allow_pickle
         self.verify = options.verify
         self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
+        self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
+        self.depth = 0  # nested batch() calls
+        self.levels: list[PendingLevel] = []  # the levels of the open batch
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
@@ -516,27 +528,67 @@ class _Reader:
         except LeafSizeError:
             fd, st = self.open_grown(dir_fd, where, entry, path), None
         check = self.verify and entry.checksum is not None
+        if not (self.mmap and self.on_cpu):  # read, never mapped: into ordinary or device memory
+            try:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            except BaseException:
+                os.close(fd)
+                raise
+            checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents)) if check else None
+            self.pending.append((FillJob(tensor, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), checksum=checksum), fd))
+            if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
+                self.flush()
+            return tensor
         try:
-            if self.mmap:
-                if check:
-                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
-                tensor: torch.Tensor = map_leaf(
-                    fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st
-                )
-            else:
-                tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                read_fd(fd, tensor)
-                if check:  # hash the bytes just read: one pass over the file
-                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents)
+            if check:
+                self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
+            return map_leaf(fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st)
         except OSError as err:
             if isinstance(err, MemtreeError):
                 raise
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
             os.close(fd)
-        if not self.on_cpu:
-            tensor = tensor.to(self.device)
-        return tensor
+
+    @contextmanager
+    def batch(self, level: PendingLevel | None) -> Iterator[None]:
+        """Loading ``level`` (and, when it is the outermost, the levels it loads meanwhile):
+        leaves to read are queued and read together, by threads, when the outermost load ends
+        (:func:`memtree.store.fill.fill`). If that fails, no level of the batch stays loaded."""
+        outer = self.depth == 0
+        self.depth += 1
+        if level is not None:
+            self.levels.append(level)
+        try:
+            yield
+            if outer:
+                self.flush()
+        except BaseException:
+            if outer:
+                self.discard()
+                for loaded in self.levels:
+                    loaded._loaded = None
+            raise
+        finally:
+            self.depth -= 1
+            if outer:
+                self.levels.clear()
+
+    def flush(self) -> None:
+        """Read every queued leaf now (threaded ``preadv``) and close their files."""
+        jobs, self.pending = self.pending, []
+        if not jobs:
+            return
+        try:
+            fill([job for job, _ in jobs])
+        finally:
+            for _, fd in jobs:
+                os.close(fd)
+
+    def discard(self) -> None:
+        jobs, self.pending = self.pending, []
+        for _, fd in jobs:
+            os.close(fd)
 
     def sealed_leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
