@@ -32,6 +32,7 @@ __all__ = [
     "UnsafePickleError",
     "CheckpointFormatError",
     "LegacyCheckpointError",
+    "RoutingError",
     "ExistingMemmapError",
     "NotAMemtreeError",
     "NotCommittedError",
@@ -46,6 +47,8 @@ __all__ = [
     "InsufficientSpaceError",
     "LockError",
     "IntegrityError",
+    "DecryptionError",
+    "MissingDependencyError",
     "RemoteError",
     "RemoteRangeError",
     "RemoteChangedError",
@@ -127,6 +130,10 @@ class LegacyCheckpointError(CheckpointFormatError):
     """A ``torch.save`` file in the legacy (pre-zip, torch < 1.6) format, which needs full unpickling."""
 
 
+class RoutingError(MemtreeError, RuntimeError):
+    """``torch.save``/``torch.load`` routing (``memtree.saving``/``loading``) cannot be used here."""
+
+
 class ExistingMemmapError(MemtreeError, ValueError):
     """A leaf already lives in a file under another prefix (pass ``copy_existing=True``)."""
 
@@ -181,6 +188,15 @@ class LockError(MemtreeError, TimeoutError):
 
 class IntegrityError(MemtreeError, ValueError):
     """A leaf file's checksum does not match the one recorded in ``meta.json``."""
+
+
+class DecryptionError(IntegrityError):
+    """An encrypted tree cannot be decrypted: no key, a wrong key, a key for a tree that is not
+    encrypted, or data or ``meta.json`` failing authentication (changed, swapped or truncated)."""
+
+
+class MissingDependencyError(MemtreeError, ImportError):
+    """An optional feature needs a package that is not installed (the message names the extra)."""
 
 
 class RemoteError(MemtreeError, OSError):

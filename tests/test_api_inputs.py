@@ -260,3 +260,16 @@ def test_from_module_with_use_state_dict_is_what_state_dict_returns(kind: str) -
             assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
         else:
             assert got[name] == value, name
+
+
+@pytest.mark.parametrize("batch_size", [[2**64 - 1], [2**63], [1] * 65, [3, 2**63]])
+def test_batch_size_beyond_what_the_format_holds_is_refused_when_built(batch_size: list[int]) -> None:
+    # once accepted, such a tree was written and then refused by its own reader
+    with pytest.raises(memtree.BatchSizeError, match="below 2\\*\\*63"):
+        TensorTree(batch_size=batch_size)
+
+
+def test_batch_size_at_the_limits_round_trips(tmp_path: Path) -> None:
+    for n, batch_size in enumerate(([2**63 - 1], [1] * 64)):
+        tree = TensorTree(batch_size=batch_size).memmap(tmp_path / str(n))
+        assert list(memtree.load_memmap(tmp_path / str(n)).batch_size) == batch_size == list(tree.batch_size)

@@ -7,6 +7,7 @@ subprocess; help texts and text rendering details run in-process through ``cli.m
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -21,7 +22,9 @@ import torch
 import memtree
 from memtree import NonTensor, TensorTree
 from memtree.cli import main as cli_main
-from memtree.cli.main import COMMANDS
+from memtree.cli.main import COMMANDS as COMMAND_MODULES
+
+COMMANDS = [importlib.import_module(f"memtree.cli.{m}") for m in COMMAND_MODULES.values()]
 
 REPO = Path(__file__).resolve().parent.parent
 

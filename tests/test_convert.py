@@ -575,7 +575,7 @@ def test_legacy_and_unknown_sources_fail_with_a_clear_message(tmp_path: Path, ca
 
 
 @pytest.mark.slow
-def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> None:
+def test_python_m_memtree_convert_off_a_terminal_prints_a_summary_and_no_bar(tmp_path: Path) -> None:
     pt = tmp_path / "m.pt"
     torch.save({"w": torch.arange(4.0)}, pt)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -586,8 +586,50 @@ def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> No
         env=env,
         timeout=120,
     )
-    assert out.returncode == 0 and out.stdout == "" and out.stderr == ""
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.startswith(f"converted {pt} (torch) -> {tmp_path / 'm.safetensors'} (safetensors): 1 tensor, 16 B in ")
     assert open_checkpoint(tmp_path / "m.safetensors")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_convert_prints_what_it_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pt = tmp_path / "m.pt"
+    w = torch.arange(6.0)
+    torch.save({"enc.w": w, "tied": w, "betas": (0.9, 0.99), "obj": b"raw"}, pt)
+    assert main(["convert", str(pt), str(tmp_path / "hf"), "--format", "safetensors"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        out.splitlines()[0], "  model.safetensors"
+    ] and ": 1 tensor, 24 B in " in out.splitlines()[0]
+    assert "2 non-tensor value(s) not written" in err and "1 value(s) written in another form" in err
+    assert "tied: tied to enc.w" in err
+
+
+def test_convert_json_is_one_object_and_nothing_else(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pt = tmp_path / "m.pt"
+    torch.save({"a": torch.ones(250), "b": torch.ones(250), "cfg": (1, 2), "raw": b"x"}, pt)
+    argv = ["convert", str(pt), str(tmp_path / "hf"), "--format", "safetensors", "--max-shard-size", "1KB", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    doc = json.loads(out)
+    assert set(doc) == {"source", "destination", "tensors", "bytes", "seconds", "files", "dropped", "altered"}
+    assert doc["tensors"] == 2 and doc["bytes"] == 2000 and doc["source"] == "torch"
+    assert doc["files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(doc["dropped"]) == ["cfg", "raw"] and doc["seconds"] >= 0
+    assert main(["convert", str(pt), str(tmp_path / "tree"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dropped"] == ["raw"] and doc["altered"] == {"cfg": "tuple -> list"}
+
+
+def test_progress_bar_only_where_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    pt = tmp_path / "m.pt"
+    torch.save({"a": torch.ones(1000)}, pt)
+    assert main(["convert", str(pt), str(tmp_path / "t1"), "--json"]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar
+    assert main(["convert", str(pt), str(tmp_path / "t2"), "--json", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "converting m.pt" in err and json.loads(out)["tensors"] == 1
 
 
 # One fresh process: write a 512 MiB checkpoint (8 tensors of 64 MiB) and a tiny one, convert the
@@ -595,7 +637,7 @@ def test_python_m_memtree_convert_is_silent_off_a_terminal(tmp_path: Path) -> No
 # RSS too), then for each conversion of the big one reset the kernel's high-water mark
 # (clear_refs 5) and report how far RSS rose above where it started.
 _MEASURE = """
-import gc, json, resource, sys, torch
+import gc, json, resource, sys, time, torch
 from memtree.interop import convert
 
 root, numel = sys.argv[1], int(sys.argv[2])
@@ -618,13 +660,16 @@ def reset_peak():
         return False
 
 out = {}
-for dst, dtype in (("tree", None), ("out.safetensors", "bfloat16")):
-    convert(f"{root}/small.pt", f"{root}/warm-{dst}", dtype=dtype)
+for dst, dtype, kw in (("tree", None, {}), ("out.safetensors", "bfloat16", {}),
+                       ("hf", None, {"format": "safetensors", "max_shard_size": "100MB"})):
+    convert(f"{root}/small.pt", f"{root}/warm-{dst}", dtype=dtype, **kw)
     exact = reset_peak()
     base = status("VmRSS")
-    convert(f"{root}/big.pt", f"{root}/{dst}", dtype=dtype)
+    started = time.perf_counter()
+    convert(f"{root}/big.pt", f"{root}/{dst}", dtype=dtype, **kw)
+    seconds = time.perf_counter() - started
     peak = status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out[dst] = {"growth": peak - base, "exact": exact}
+    out[dst] = {"growth": peak - base, "exact": exact, "seconds": seconds}
 print(json.dumps(out))
 """
 
@@ -646,11 +691,12 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     assert size > 500 * 2**20
     # to a tree, tensors are copied file to file (no tensor is held); to safetensors, each is
     # read, plus a bfloat16 copy while casting
-    for dst, cast in (("tree", 0.0), ("out.safetensors", 1.5)):
+    # to a model directory, each tensor is read (no cast) and written into its shard
+    for dst, cast in (("tree", 0.0), ("out.safetensors", 1.5), ("hf", 1.0)):
         growth, exact = stats[dst]["growth"], stats[dst]["exact"]
         print(
             f"{size / 2**20:.0f} MiB checkpoint -> {dst}: peak RSS growth {growth / 2**20:.0f} MiB "
-            f"(largest tensor {largest / 2**20:.0f} MiB)"
+            f"(largest tensor {largest / 2**20:.0f} MiB) in {stats[dst]['seconds']:.2f} s"
         )
         bound = largest * cast + 24 * 2**20 if exact else 2.5 * largest
         assert growth < bound < 0.35 * size, (dst, growth)
@@ -660,3 +706,5 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     assert torch.equal(
         open_checkpoint(tmp_path / "out.safetensors")["block.5.weight"], expected.to(torch.bfloat16)
     )
+    assert len(os.listdir(tmp_path / "hf")) == 9  # 8 shards of one 64 MiB tensor each, the index
+    assert torch.equal(open_checkpoint(tmp_path / "hf")["block.5.weight"], expected)

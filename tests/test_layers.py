@@ -2,7 +2,8 @@
 to a higher one (``docs/architecture.md``).
 
 Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
-``tree/`` < ``nn/`` < the public top-level modules (``memtree``, ``memtree.remote``) < ``cli/``.
+``tree/`` < ``nn/`` < the public top-level modules (``memtree``, ``memtree.remote``,
+``memtree.routing``) < ``cli/``.
 Every ``import`` of a ``memtree`` module counts, at module level or inside a function; only
 imports under ``if TYPE_CHECKING:`` (annotations, never run) are left out.
 """
@@ -25,7 +26,7 @@ LAYERS = {
     "dcp": 3,
     "tree": 4,
     "nn": 5,
-    "": 6,  # memtree/__init__.py and memtree/remote.py: the public surface
+    "": 6,  # memtree/__init__.py, remote.py, routing.py: the public surface
     "cli": 7,
 }
 
@@ -99,6 +100,7 @@ def test_the_graph_sees_every_layer() -> None:
     layers = {_layer(m) for m in GRAPH}
     assert layers == set(LAYERS), f"a folder of memtree/ has no rank in LAYERS: {layers - set(LAYERS)}"
     assert "memtree.store.read" in GRAPH["memtree.store.open"]  # the parser sees relative imports
+    assert _layer("memtree.routing") == "" and "memtree.tree.tensortree" in GRAPH["memtree.routing"]
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))

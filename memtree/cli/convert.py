@@ -1,16 +1,29 @@
 """``memtree convert SRC DST``: convert checkpoints and trees, streaming one tensor at a time.
 
-SRC is a ``torch.save`` file (``.pt``/``.pth``/``.bin``), a ``.safetensors`` file, a tensordict
-``memmap`` directory or a memtree directory; DST is a memtree directory, or a file whose name
-ends in ``.safetensors``. Peak memory is about the largest tensor (twice it with ``--dtype``),
-not the checkpoint. A progress bar is shown on a terminal (with tqdm installed); nothing is
-printed otherwise, except notes (on standard error) about non-tensor values the destination
-cannot hold (not written) and about values written in another form (a tuple as a list, a list of
-tensors as keys by index, ...).
+SRC is a ``torch.save`` file (``.pt``/``.pth``/``.bin``), a ``.safetensors`` file, a shard index
+(``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), a Hugging Face model
+directory, a tensordict ``memmap`` directory or a memtree directory. DST is, by ``--format``:
+
+* ``memtree`` (the default): a memtree directory;
+* ``safetensors`` (the default when DST ends in ``.safetensors``): that one file; or, for any
+  other DST, a Hugging Face model directory: ``model.safetensors``, or shards
+  ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` when the tensors
+  exceed ``--max-shard-size`` (default 5GB, Hugging Face's units);
+* ``tensordict``: a directory that ``tensordict.TensorDict.load_memmap`` reads.
+
+Peak memory is about the largest tensor (twice it with ``--dtype``), not the checkpoint. When it
+is done, it prints what it did on standard output: tensors, bytes, time, files; and on standard
+error the non-tensor values the destination cannot hold (not written) and those written in
+another form (a tuple as a list, a list of tensors as keys by index, a tied weight written
+once...). ``--json`` prints all of it as one JSON object on standard output instead, and nothing
+else. A progress bar is shown on a terminal (with tqdm installed), never with ``--json`` or off
+a terminal unless ``--progress`` asks for it.
 
 Example:
     $ memtree convert model.pt model_tree --dtype bfloat16
     $ memtree convert model_tree model.safetensors
+    $ memtree convert model_tree hf_model/ --format safetensors --max-shard-size 5GB
+    $ memtree convert hf_model/ td_dir --format tensordict --json
 """
 
 from __future__ import annotations
@@ -18,16 +31,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..interop.conversion import ConvertResult, convert
+from ..interop.conversion import FORMATS, ConvertResult, convert
 from ..interop.pickle_guard import PickleLimits
-from .info import _positive_int
+from .info import _positive_int, format_bytes
+from .output import add_json_flag, emit_json, emit_text
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "report"]
+__all__ = ["NAME", "HELP", "add_arguments", "run", "report", "summary"]
 
 NAME = "convert"
 HELP = (
-    "convert a torch.save / .safetensors file or a tensordict / memtree directory into a memtree "
-    "directory or a .safetensors file, one tensor at a time"
+    "convert a torch.save / .safetensors file, a Hugging Face model directory or a tensordict / "
+    "memtree directory into a memtree directory, safetensors (a file or sharded model "
+    "directory) or a tensordict directory, one tensor at a time"
 )
 
 
@@ -36,11 +51,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "src",
         metavar="SRC",
-        help="a .pt/.pth/.bin or .safetensors file, or a tensordict or memtree directory",
+        help="a .pt/.pth/.bin or .safetensors file, a *.index.json shard index, or a Hugging "
+        "Face model, tensordict or memtree directory",
     )
     parser.add_argument(
-        "dst", metavar="DST", help="a memtree directory, or a file ending in .safetensors"
+        "dst",
+        metavar="DST",
+        help="the destination: a directory, or a file ending in .safetensors (see --format)",
     )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="what to write: a memtree directory (default), safetensors (one file when DST "
+        "ends in .safetensors, else a Hugging Face model directory), or a tensordict directory",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        default=None,
+        help="with --format safetensors and a directory DST: the shard size limit, as Hugging "
+        "Face's max_shard_size (5GB = 5*10^9 bytes, 500MB, 4GiB, or bytes; default 5GB)",
+    )
+    add_json_flag(parser)
     parser.add_argument(
         "--dtype",
         metavar="DTYPE",
@@ -94,19 +127,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.src`` into ``args.dst``; returns the exit code."""
+    progress = args.progress
+    if args.json and progress is None:
+        progress = False  # machine output: a bar only when asked for
     result = convert(
         args.src,
         args.dst,
+        format=args.format,
+        max_shard_size=args.max_shard_size,
         dtype=args.dtype,
         existsok=args.existsok,
         allow_pickle=args.allow_pickle,
         flat_keys=args.flat_keys,
         fsync=args.fsync,
-        progress=args.progress,
+        progress=progress,
         limits=PickleLimits(args.max_pickle_bytes, args.max_pickle_objects, args.max_pickle_depth),
     )
-    report(result)
+    if args.json:
+        emit_json(result.to_dict())
+    else:
+        emit_text(summary(result, args.src, args.dst))
+        report(result)
     return 0
+
+
+def summary(result: ConvertResult, src: str, dst: str) -> str:
+    """One line (two with a model directory's files) saying what :func:`convert` did.
+
+    Example:
+        >>> summary(ConvertResult("torch", "memtree", tensors=2, nbytes=2048, seconds=0.5), "m.pt", "t")
+        'converted m.pt (torch) -> t (memtree): 2 tensors, 2.0 KiB in 0.50 s'
+    """
+    tensors = f"{result.tensors} tensor{'' if result.tensors == 1 else 's'}"
+    line = (
+        f"converted {src} ({result.source}) -> {dst} ({result.destination}): {tensors}, "
+        f"{format_bytes(result.nbytes)} in {result.seconds:.2f} s"
+    )
+    if len(result.files) > 1:
+        line += f"\n  {len(result.files)} shards and model.safetensors.index.json"
+    elif result.files:
+        line += f"\n  {result.files[0]}"
+    return line
 
 
 def report(result: ConvertResult) -> None:

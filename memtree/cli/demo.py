@@ -22,6 +22,7 @@ from torch import nn
 
 from ..nn.empty_init import empty_init
 from ..tree.tensortree import TensorTree, load_memmap
+from .output import add_json_flag, emit_json, emit_text
 
 __all__ = ["run_demo", "NAME", "HELP", "add_arguments", "run"]
 
@@ -145,9 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memtree demo``."""
     parser.add_argument("--workdir", help="directory to work in (default: a temporary one, removed after)")
     parser.add_argument("--items", type=int, default=1_000_000, help="dataset size (default 1,000,000)")
+    add_json_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo and print its report."""
-    print(run_demo(args.workdir, args.items, keep=args.workdir is not None))
+    """Run the demo and print its report (with ``--json``: ``{"report": [line, ...]}``)."""
+    report = run_demo(args.workdir, args.items, keep=args.workdir is not None)
+    if args.json:
+        emit_json({"report": report.splitlines()})
+    else:
+        emit_text(report)
     return 0

@@ -1,10 +1,23 @@
-"""``memtree info DIR``: what a memtree directory holds, from its ``meta.json`` files only.
+"""``memtree info SOURCE``: what a tree or checkpoint holds, from its metadata only.
 
-Also describes directories written by tensordict's ``memmap`` (which ``load_memmap`` reads).
+SOURCE may be:
 
-Prints a tree of keys with dtypes, shapes and sizes, then totals and the format version. Leaf
-files are never opened (use ``memtree verify`` to check them), pickled values are never
-unpickled, and every ``meta.json`` is validated by the same parser as ``load_memmap``.
+* a memtree directory, or a URL of one (``https://``, ``s3://``, any fsspec URL; the optional
+  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.storage`) by
+  the level walker (:mod:`memtree.store.walk`): every ``meta.json`` validated by the same
+  parser as ``load_memmap``, no leaf file opened, no torch imported (``memtree info DIR`` answers
+  in well under a second);
+* a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);
+* a checkpoint root of :class:`memtree.Checkpointer` (sub-directories named by decimal step
+  numbers, each a memtree tree): its steps, their sizes, and which is the latest;
+* a ``torch.save`` file, a ``.safetensors`` file, a shard index
+  (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) or a Hugging Face model
+  directory, read by :func:`memtree.interop.open_checkpoint`: a safetensors header is parsed
+  with its limits, a ``torch.save`` pickle only by memtree's guarded reader (nothing outside
+  tensors and plain data is ever built: a pickle asking for more is refused, never run).
+
+Prints a tree of keys with dtypes, shapes and sizes, then totals; ``--json`` prints the same as
+one JSON object (schema in ``docs/guide/cli.md``).
 
 Example:
     $ memtree info ckpt
@@ -20,29 +33,50 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import stat
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import torch
 
-from ..format.dtypes import dtype_name
-from ..format.schema import FORMAT, TREE_TYPE, VERSION, ChildMeta, JsonMeta, LeafMeta, LevelMeta
-from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
-from ..format.level import Level
-from ..format.values import NonTensor
-from ..errors import NotCommittedError
-from ..store.read import open_dir, read_meta
-from ..format.names import is_uncommitted_name
+from ..errors import MemtreeError, NotAMemtreeError
+from ..format.names import META_NAME
+from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
+from ..store.storage import LocalStorage, Storage, is_url
+from ..store.walk import WalkedLevel, walk
+from .output import add_json_flag, emit_json, emit_text, to_json
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "describe", "render_text", "format_bytes"]
+if TYPE_CHECKING:
+    from ..format.level import Level
+
+__all__ = ["NAME", "HELP", "add_arguments", "run", "describe", "describe_root", "render_text",
+           "render_root", "format_bytes", "is_step_name"]
 
 NAME = "info"
-HELP = "show the keys, dtypes, shapes and sizes of a memtree directory (reads meta.json only)"
+HELP = (
+    "show the keys, dtypes, shapes and sizes of a memtree directory or URL, a tensordict "
+    "directory, a checkpoint root, a torch.save / .safetensors file or a Hugging Face model "
+    "(reads metadata only, never runs a pickle)"
+)
 
 _VALUE_WIDTH = 48
 _KEY_WIDTH = 60
+_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
+#: Concurrent meta.json reads for a URL (one round trip per generation of levels).
+_REMOTE_THREADS = 8
+
+
+def is_step_name(name: str) -> bool:
+    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
+
+    Example:
+        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
+        (True, True, False, False)
+    """
+    return _STEP.fullmatch(name) is not None
 
 
 def format_bytes(n: int) -> str:
@@ -72,6 +106,17 @@ class _Totals:
     checksummed: int = 0
     dtypes: dict[str, list[int]] = field(default_factory=dict)  # name -> [leaves, bytes]
 
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "levels": self.levels,
+            "json_values": self.json_values,
+            "pickled_values": self.pickled_values,
+            "checksummed": self.checksummed,
+            "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(self.dtypes.items())},
+        }
+
     def tensor(self, dtype: str, nbytes: int, checksum: str | None) -> None:
         self.tensors += 1
         self.nbytes += nbytes
@@ -81,43 +126,55 @@ class _Totals:
         per[1] += nbytes
 
 
-def _walk(dir_fd: int, where: str, rel: str, path: list[str], depth: int,
-          entries: list[dict[str, Any]], totals: _Totals) -> LevelMeta:
-    meta = read_meta(dir_fd, where, depth=depth, root=depth == 0)
+def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], path: list[str],
+             rel: str, entries: list[dict[str, Any]], totals: _Totals) -> None:
+    meta = levels[dirs].meta
     totals.levels += 1
     for e in meta.entries:
         item: dict[str, Any] = {"key": path + [e.key]}
+        entries.append(item)
         if isinstance(e, LeafMeta):
-            dtype = dtype_name(e.dtype)
-            item.update(kind="tensor", dtype=dtype, shape=list(e.shape), nbytes=e.nbytes,
+            item.update(kind="tensor", dtype=e.dtype_name, shape=list(e.shape), nbytes=e.nbytes,
                         file=rel + e.file, checksum=e.checksum)
             if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
                 item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
-            totals.tensor(dtype, e.nbytes, e.checksum)
-            entries.append(item)
+            totals.tensor(e.dtype_name, e.nbytes, e.checksum)
         elif isinstance(e, ChildMeta):
-            item.update(kind="tree", dir=rel + e.dir + "/")
-            entries.append(item)
-            child_fd = open_dir(e.dir, os.path.join(where, e.dir), dir_fd)
-            try:
-                child = _walk(child_fd, os.path.join(where, e.dir), rel + e.dir + "/",
-                              path + [e.key], depth + 1, entries, totals)
-            finally:
-                os.close(child_fd)
-            item.update(batch_size=list(child.batch_size), type=child.type)
+            child = levels[dirs + (e.dir,)].meta
+            item.update(kind="tree", dir=rel + e.dir + "/", batch_size=list(child.batch_size),
+                        type=child.type)
+            _entries(levels, dirs + (e.dir,), path + [e.key], rel + e.dir + "/", entries, totals)
         elif isinstance(e, JsonMeta):
             item.update(kind="json", value=e.value)
             totals.json_values += 1
-            entries.append(item)
         else:
             item.update(kind="pickle", file=rel + e.file)
             totals.pickled_values += 1
-            entries.append(item)
-    return meta
+
+
+def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | None = None,
+                      data: bytes | None = None) -> dict[str, Any]:
+    """Every level through the walker; ``data``: the root ``meta.json``, if already read."""
+    data = storage.read_meta("") if data is None else data
+    root: LevelMeta = parse_level(data, storage.describe(META_NAME))
+    version = orjson.loads(data)["version"]  # the tree's own (parse_level accepted it)
+    levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
+    entries: list[dict[str, Any]] = []
+    totals = _Totals()
+    _entries(levels, (), [], "", entries, totals)
+    return {"kind": "memtree", "path": path, "format": FORMAT, "version": version, "type": root.type,
+            "batch_size": list(root.batch_size), "save_id": root.save_id,
+            "totals": totals.as_dict(), "entries": entries}
 
 
 def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], totals: _Totals) -> None:
     """The same walk over a structure-only ``Level`` (tensordict directories: no file names)."""
+    import torch
+
+    from ..format.dtypes import dtype_name
+    from ..format.level import Level
+    from ..format.values import NonTensor
+
     totals.levels += 1
     for key, value in level.entries.items():
         item: dict[str, Any] = {"key": path + [key]}
@@ -136,68 +193,179 @@ def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], to
             totals.json_values += 1
 
 
-def describe(prefix: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe a memtree directory from its ``meta.json`` files (no leaf file is opened).
+def _describe_tensordict(root: str) -> dict[str, Any]:
+    from ..store.tensordict import read_tensordict_dir
+
+    level = read_tensordict_dir(root, device="meta")
+    entries: list[dict[str, Any]] = []
+    totals = _Totals()
+    _walk_level(level, [], entries, totals)
+    return {"kind": "tensordict", "path": root, "format": "tensordict", "version": None,
+            "type": level.type, "batch_size": list(level.batch_size), "save_id": None,
+            "totals": totals.as_dict(), "entries": entries}
+
+
+def _describe_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
+    """A torch.save / safetensors file, a shard index or a model directory: flat dotted keys."""
+    from ..format.dtypes import dtype_name
+    from ..interop.checkpoint import open_checkpoint
+
+    entries: list[dict[str, Any]] = []
+    totals = _Totals()
+    totals.levels = 1
+    with open_checkpoint(path, allow_pickle=allow_pickle) as ckpt:
+        for key in ckpt:
+            shape, dtype = ckpt.tensor_spec(key)
+            name = dtype_name(dtype)
+            nbytes = shape.numel() * dtype.itemsize
+            entries.append({"key": [key], "kind": "tensor", "dtype": name, "shape": list(shape),
+                            "nbytes": nbytes, "file": None, "checksum": None})
+            totals.tensor(name, nbytes, None)
+        for key, value in ckpt.non_tensors.items():
+            entries.append({"key": [key], "kind": "json", "value": value})
+            totals.json_values += 1
+        files = [os.path.relpath(f, os.path.dirname(ckpt.path)) for f in ckpt.files]
+        return {"kind": "checkpoint", "path": ckpt.path, "format": ckpt.format, "version": None,
+                "type": TREE_TYPE, "batch_size": [], "save_id": None, "files": files,
+                "metadata": ckpt.metadata, "totals": totals.as_dict(), "entries": entries}
+
+
+def describe(
+    source: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Describe a tree or checkpoint from its metadata (no tensor data is read).
+
+    Args:
+        source: a memtree directory or URL, a tensordict directory, a checkpoint root, a
+            ``torch.save``/``.safetensors`` file, a shard index or a Hugging Face model directory
+            (see the module docstring).
+        allow_pickle: ``torch.save`` files only: let the pickle build objects outside memtree's
+            safe allowlist. Only for files you trust; ``memtree info`` never sets it.
+        storage_options: URLs only: passed to fsspec (credentials, endpoint...).
+        timeout: URLs only: seconds one request may take (default: the remote reader's).
 
     Returns:
-        A JSON-ready dict: ``path``, ``format``, ``version``, ``type``, ``batch_size``,
-        ``save_id``, ``totals`` (``tensors``, ``bytes``, ``levels``, ``json_values``,
-        ``pickled_values``, ``checksummed``, ``dtypes``: name -> ``{"tensors", "bytes"}``) and
-        ``entries``: every key depth-first, each with ``key`` (the list of keys from the root),
-        ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per kind ``dtype``, ``shape``,
-        ``nbytes``, ``file``, ``checksum`` (and for a growable leaf ``capacity``, the rows its
-        file holds, and ``file_nbytes``) / ``dir``, ``batch_size``, ``type`` (``"TensorTree"``
-        or a ``@tensorclass`` name) / ``value`` / ``file`` (paths relative to ``path``). A directory written by tensordict's ``memmap`` (which
-        ``load_memmap`` also reads) is described with ``format`` ``"tensordict"``, ``version``
-        ``None`` and ``file``/``dir`` ``None``.
+        A JSON-ready dict. Every kind has ``kind`` (``"memtree"``, ``"tensordict"``,
+        ``"checkpoint"``, ``"checkpoint-root"``) and ``path``. A checkpoint root: see
+        :func:`describe_root`. The others: ``format`` (``"memtree"``, ``"tensordict"``,
+        ``"torch"``, ``"safetensors"``), ``version`` (memtree's format version, else ``None``),
+        ``type``, ``batch_size``, ``save_id``, ``totals`` (``tensors``, ``bytes``, ``levels``,
+        ``json_values``, ``pickled_values``, ``checksummed``, ``dtypes``: name ->
+        ``{"tensors", "bytes"}``) and ``entries``: every key depth-first, each with ``key`` (the
+        list of keys from the root), ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per
+        kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and for a growable leaf
+        ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``, ``batch_size``,
+        ``type`` / ``value`` / ``file`` (paths relative to ``path``; ``None`` where the format has
+        no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
+        ``files`` (its files, relative to the directory of ``path``) and ``metadata`` (a
+        safetensors header's ``__metadata__``).
 
     Raises:
-        MemtreeError: the directory is missing, is not a memtree, is an uncommitted staging
-            directory, or a ``meta.json`` is damaged.
+        MemtreeError: the source is missing, is none of the above, is an uncommitted staging
+            directory, or its metadata is damaged or hostile (a pickle that asks for more than
+            tensors and plain data is refused, never run).
 
     Example:
         >>> import tempfile, torch, memtree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = memtree.TensorTree({"w": torch.zeros(2, 3), "sub": {"n": 1}}).memmap(d)
         >>> info = describe(d)
-        >>> info["totals"]["bytes"], [e["key"] for e in info["entries"]]
-        (24, [['w'], ['sub'], ['sub', 'n']])
+        >>> info["kind"], info["totals"]["bytes"], [e["key"] for e in info["entries"]]
+        ('memtree', 24, [['w'], ['sub'], ['sub', 'n']])
     """
-    root = os.path.abspath(os.fspath(prefix))
-    if is_uncommitted_name(os.path.basename(os.path.realpath(root))):
-        raise NotCommittedError(
-            f"{root} is the staging directory (or old copy) of a write that never finished, not "
-            "a committed tree; memtree.recover() on its parent directory restores or deletes it"
-        )
-    entries: list[dict[str, Any]] = []
-    totals = _Totals()
-    if is_tensordict_dir(root):  # what load_memmap reads too (read-only compatibility)
-        level = read_tensordict_dir(root, device="meta")
-        _walk_level(level, [], entries, totals)
-        head: dict[str, Any] = {"format": "tensordict", "version": None, "type": level.type,
-                                "batch_size": list(level.batch_size), "save_id": None}
-    else:
-        fd = open_dir(root, root, None)
+    if is_url(source):
+        from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+
+        url = str(source)
+        remote = FsspecStorage(url, storage_options=storage_options,
+                               timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+        with ThreadPoolExecutor(_REMOTE_THREADS) as pool:
+            return _describe_storage(remote, url, pool)
+    if storage_options is not None or timeout is not None:
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"storage_options and timeout are for URLs only, got the path {source!r}")
+    path = os.path.abspath(os.fspath(source))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise NotAMemtreeError(f"{path} does not exist; check the path") from None
+    except OSError as err:
+        from ..store.files import storage_error
+
+        raise storage_error(err, f"reading {path}") from err
+    if not stat.S_ISDIR(mode):  # a checkpoint file or a shard index
+        return _describe_checkpoint(path, allow_pickle)
+    with LocalStorage(path) as storage:  # refuses a staging directory
         try:
-            meta = _walk(fd, root, "", [], 0, entries, totals)
-        finally:
-            os.close(fd)
-        head = {"format": FORMAT, "version": VERSION, "type": meta.type,
-                "batch_size": list(meta.batch_size), "save_id": meta.save_id}
-    return {
-        "path": root,
-        **head,
-        "totals": {
-            "tensors": totals.tensors,
-            "bytes": totals.nbytes,
-            "levels": totals.levels,
-            "json_values": totals.json_values,
-            "pickled_values": totals.pickled_values,
-            "checksummed": totals.checksummed,
-            "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(totals.dtypes.items())},
-        },
-        "entries": entries,
-    }
+            data = storage.read_meta("")
+        except NotAMemtreeError:  # no meta.json: a checkpoint root, a model directory?
+            if any(is_step_name(n) for n in os.listdir(path)):
+                return describe_root(path)
+            from ..interop.sharded import find_checkpoint
+
+            if find_checkpoint(path) is not None:
+                return _describe_checkpoint(path, allow_pickle)
+            raise
+        if not data.startswith(b'{"format":"memtree"'):  # tensordict's, or something else
+            from ..store.tensordict import is_tensordict_dir
+
+            if is_tensordict_dir(path):
+                return _describe_tensordict(path)
+        return _describe_storage(storage, storage.root, data=data)
+
+
+def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe a checkpoint root: its steps (sub-directories named by decimal step numbers,
+    each a memtree tree), their sizes, and the latest one. Anything else in the root (staging
+    directories, lock files) is not a step and is left out.
+
+    Returns:
+        ``{"kind": "checkpoint-root", "path", "latest", "steps": [...]}``: ``steps`` in
+        increasing order, each ``{"step", "path", "ok", "tensors", "bytes", "save_id",
+        "error"}`` (``ok`` is False and ``error`` says why when the step's ``meta.json`` files
+        cannot be read or are damaged; the sizes are then ``None``); ``latest`` is the highest
+        step that is ``ok`` (``None`` if none is).
+
+    Raises:
+        NotAMemtreeError: ``root`` does not exist or is not a directory.
+
+    Example:
+        >>> import os, tempfile, torch, memtree
+        >>> root = tempfile.mkdtemp()
+        >>> for step in (100, 200):
+        ...     _ = memtree.TensorTree({"w": torch.zeros(step)}).memmap(os.path.join(root, str(step)))
+        >>> info = describe_root(root)
+        >>> info["latest"], [(s["step"], s["bytes"]) for s in info["steps"]]
+        (200, [(100, 400), (200, 800)])
+    """
+    path = os.path.abspath(os.fspath(root))
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        raise NotAMemtreeError(f"{path} does not exist; check the path") from None
+    except NotADirectoryError:
+        raise NotAMemtreeError(f"{path} is not a directory; a checkpoint root is a directory") from None
+    steps: list[dict[str, Any]] = []
+    for name in sorted((n for n in names if is_step_name(n)), key=int):
+        where = os.path.join(path, name)
+        item: dict[str, Any] = {"step": int(name), "path": where, "ok": False, "tensors": None,
+                                "bytes": None, "save_id": None, "error": None}
+        try:
+            with LocalStorage(where) as storage:
+                tree = _describe_storage(storage, where)
+        except MemtreeError as err:
+            item["error"] = str(err)
+        else:
+            item.update(ok=True, tensors=tree["totals"]["tensors"], bytes=tree["totals"]["bytes"],
+                        save_id=tree["save_id"])
+        steps.append(item)
+    latest = max((s["step"] for s in steps if s["ok"]), default=None)
+    return {"kind": "checkpoint-root", "path": path, "latest": latest, "steps": steps}
 
 
 def _shown_key(key: str) -> str:
@@ -269,7 +437,7 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
             typed = f" {e['type']}" if e["type"] != TREE_TYPE else ""
             rows.append((name + "/", "", f"batch_size {e['batch_size']}{typed}", note))
         elif kind == "json":
-            value = orjson.dumps(e["value"]).decode()
+            value = to_json(e["value"])
             if len(value) > _VALUE_WIDTH:
                 value = value[: _VALUE_WIDTH - 1] + "…"
             rows.append((name, "json", value, ""))
@@ -282,11 +450,17 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     ]
     t = info["totals"]
     head = label if label is not None else info["path"]
-    what = (f"memtree format v{info['version']}" if info["format"] == FORMAT
-            else f"{info['format']} directory (read-only, no file names)")
-    out = [f"{head}: {what}, batch_size {info['batch_size']}"
-           + (f", type {info['type']}" if info["type"] != TREE_TYPE else "")
-           + (f", save_id {info['save_id']}" if info["save_id"] else "")]
+    if info["kind"] == "checkpoint":
+        shards = len(info["files"])
+        what = (f"{'torch.save' if info['format'] == 'torch' else info['format']} checkpoint"
+                + (f" in {shards} files" if shards > 1 else "") + " (dotted keys, flat)")
+        out = [f"{head}: {what}"]
+    else:
+        what = (f"memtree format v{info['version']}" if info["format"] == FORMAT
+                else f"{info['format']} directory (read-only, no file names)")
+        out = [f"{head}: {what}, batch_size {info['batch_size']}"
+               + (f", type {info['type']}" if info["type"] != TREE_TYPE else "")
+               + (f", save_id {info['save_id']}" if info["save_id"] else "")]
     for name, kind, detail, size in rows:
         if kind and size:  # a tensor: aligned columns
             size, _, note = size.partition("  ")
@@ -312,6 +486,36 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     return "\n".join(out)
 
 
+def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
+    """Render :func:`describe_root`'s result: one line per step, the latest marked.
+
+    Example:
+        >>> print(render_root({"path": "ckpts", "latest": 200, "steps": [
+        ...     {"step": 100, "ok": True, "tensors": 3, "bytes": 4096, "error": None},
+        ...     {"step": 200, "ok": True, "tensors": 3, "bytes": 4096, "error": None}]}))
+        ckpts: checkpoint root, 2 steps, latest 200
+          step  tensors     size
+           100        3  4.0 KiB
+           200        3  4.0 KiB  (latest)
+    """
+    steps = info["steps"]
+    head = label if label is not None else info["path"]
+    latest = info["latest"]
+    out = [f"{head}: checkpoint root, {_plural(len(steps), 'step')}, "
+           + (f"latest {latest}" if latest is not None else "no complete step")]
+    if not steps:
+        return out[0]
+    width = max(4, *(len(str(s["step"])) for s in steps))
+    out.append(f"  {'step'.rjust(width)}  tensors     size")
+    for s in steps:
+        if s["ok"]:
+            line = f"  {str(s['step']).rjust(width)}  {s['tensors']:>7,}  {format_bytes(s['bytes']):>7}"
+            out.append(line + ("  (latest)" if s["step"] == latest else ""))
+        else:
+            out.append(f"  {str(s['step']).rjust(width)}  damaged: {s['error']}")
+    return "\n".join(out)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -324,31 +528,26 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memtree info``."""
-    parser.add_argument("dir", metavar="DIR", help="a memtree directory (written by memmap)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (every key, totals, format version) for scripts")
+    parser.add_argument(
+        "source", metavar="SOURCE",
+        help="a memtree directory or URL, a tensordict directory, a checkpoint root, a torch.save "
+             "or .safetensors file, a shard index (*.index.json) or a Hugging Face model directory",
+    )
+    add_json_flag(parser)
     parser.add_argument("--depth", type=_positive_int, metavar="N", default=None,
                         help="show keys down to depth N only (1: top level); deeper sub-trees are "
                              "summarised. Totals always cover the whole tree; ignored with --json")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", default=None,
+                        help="URLs only: seconds one request may take (default 60)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Describe ``args.dir`` on standard output; returns the exit code."""
-    info = describe(args.dir)
+    """Describe ``args.source`` on standard output; returns the exit code."""
+    info = describe(args.source, timeout=args.timeout)
     if args.json:
-        text = orjson.dumps(info, option=orjson.OPT_INDENT_2).decode()
+        emit_json(info)
+    elif info["kind"] == "checkpoint-root":
+        emit_text(render_root(info, label=args.source))
     else:
-        text = render_text(info, max_depth=args.depth, label=args.dir)
-    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-    try:
-        text.encode(encoding)
-    except (UnicodeEncodeError, LookupError):  # e.g. an ASCII-only terminal
-        text = text.replace("…", "...").encode(encoding, "backslashreplace").decode(encoding)
-    try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:  # `memtree info big | head`: the reader has gone; that is fine
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        emit_text(render_text(info, max_depth=args.depth, label=args.source))
     return 0

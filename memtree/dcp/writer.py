@@ -342,7 +342,7 @@ def _level_metas(layout: _Layout, values: dict[str, Any]) -> dict[tuple[str, ...
                 entries.append(ChildMeta(key, layout.dirs[sub].rsplit("/", 1)[-1]))
             elif by_path[sub] in layout.files:
                 dtype, shape = layout.tensors[by_path[sub]]
-                entries.append(LeafMeta(key, layout.files[by_path[sub]].rsplit("/", 1)[-1], dtype, shape))
+                entries.append(LeafMeta(key, layout.files[by_path[sub]].rsplit("/", 1)[-1], dtype_name(dtype), shape))
             else:
                 entries.append(JsonMeta(key, values[by_path[sub]]))
         out[level] = LevelMeta((), tuple(entries))

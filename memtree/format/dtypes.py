@@ -1,8 +1,10 @@
 """The one table of dtypes the memtree format can hold.
 
 Names are torch's own (``str(dtype)`` without ``torch.``). The table is closed: a name read from
-a file is looked up here and nowhere else (never ``getattr(torch, name)``). Dtypes that this torch
-build does not have are left out of the table, so a file naming one is refused clearly.
+a file is looked up here and nowhere else (never ``getattr(torch, name)``). The names and their
+item sizes need no torch (``memtree info`` reads a tree's metadata without importing it); the
+torch dtypes are looked up on first use. Dtypes that this torch build does not have are left out
+of that lookup, so a tree naming one is refused clearly when it is loaded.
 
 Example:
     >>> import torch
@@ -15,43 +17,57 @@ Example:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import DtypeError
 
-__all__ = ["DTYPE_NAMES", "dtype_name", "dtype_from_name", "itemsize"]
+if TYPE_CHECKING:
+    import torch
 
-#: Every dtype name of format version 1, in the order documented in docs/format.md.
-DTYPE_NAMES: tuple[str, ...] = (
-    "bool",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)
+__all__ = ["DTYPE_NAMES", "DTYPE_ITEMSIZES", "dtype_name", "dtype_from_name", "itemsize"]
 
-_BY_NAME: dict[str, torch.dtype] = {}
-for _name in DTYPE_NAMES:
-    _dt = getattr(torch, _name, None)  # fixed names only, resolved once at import
-    if isinstance(_dt, torch.dtype):
-        _BY_NAME[_name] = _dt
-_BY_DTYPE: dict[torch.dtype, str] = {dt: name for name, dt in _BY_NAME.items()}
+#: Every dtype name of the format with its bytes per element, in the order documented in
+#: docs/format.md (a test checks each size against torch's ``element_size``).
+DTYPE_ITEMSIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+#: Every dtype name of the format, in the order documented in docs/format.md.
+DTYPE_NAMES: tuple[str, ...] = tuple(DTYPE_ITEMSIZES)
+
+_BY_NAME: dict[str, torch.dtype] = {}  # filled on first use (torch is imported then)
+_BY_DTYPE: dict[torch.dtype, str] = {}
+
+
+def _torch_tables() -> None:
+    import torch
+
+    by_name = {}
+    for name in DTYPE_NAMES:
+        dt = getattr(torch, name, None)  # fixed names only, resolved once
+        if isinstance(dt, torch.dtype):
+            by_name[name] = dt
+    _BY_DTYPE.update({dt: name for name, dt in by_name.items()})
+    _BY_NAME.update(by_name)  # last: a thread that sees it filled sees _BY_DTYPE filled too
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,6 +79,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _BY_DTYPE[dtype]
     except KeyError:
+        if not _BY_NAME:
+            _torch_tables()
+            return dtype_name(dtype)
         raise DtypeError(
             f"dtype {dtype} cannot be stored by memtree (supported: {', '.join(_BY_NAME)}); "
             "convert the tensor first, e.g. with .to(torch.float32) or .dequantize()"
@@ -70,14 +89,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype | None:
-    """The torch dtype for a format name, or ``None`` if the name is not in the table."""
+    """The torch dtype for a format name, or ``None`` if the name is not in the table (or this
+    torch build lacks it). Imports torch on first use."""
+    if not _BY_NAME:
+        _torch_tables()
     return _BY_NAME.get(name)
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype`` (looked up, not computed: it runs once per leaf)."""
+def itemsize(dtype: torch.dtype | str) -> int:
+    """Bytes per element of ``dtype``, a torch dtype or a format name (looked up, not computed:
+    it runs once per leaf; a name needs no torch).
+
+    Example:
+        >>> itemsize("bfloat16"), itemsize("complex128")
+        (2, 16)
+    """
+    if isinstance(dtype, str):
+        return DTYPE_ITEMSIZES[dtype]
     size = _ITEMSIZE.get(dtype)
     if size is None:
+        import torch
+
         size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="meta").element_size()
     return size
 

@@ -31,6 +31,11 @@ class Level:
     batch_size: tuple[int, ...]
     entries: dict[str, "Value"] = field(default_factory=dict)
     type: str = TREE_TYPE
+    #: The class another library recorded for this level (tensordict's ``_type``, e.g.
+    #: ``"<class 'pkg.Step'>"``), as text: the tree layer maps it to a registered
+    #: ``@tensorclass`` (:func:`memtree.tree.registry.class_for_foreign`), the tensordict writer
+    #: writes it back; memtree's own ``meta.json`` does not record it.
+    foreign_type: str | None = None
 
 
 Value = Union[torch.Tensor, Level, NonTensor]

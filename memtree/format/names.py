@@ -46,6 +46,9 @@ __all__ = [
     "scratch_path",
     "meta_tmp_name",
     "is_uncommitted_name",
+    "ROUTED_SUFFIX",
+    "ROUTED_ENTRY",
+    "routed_entry_name",
     "validate_key",
     "encode_level",
     "is_safe_name",
@@ -68,6 +71,11 @@ OLD_MARK = ".memtree-old-"
 LOCK_SUFFIX = ".memtree.lock"
 #: Marker in the name of a remote download's scratch directory, inside a cache directory.
 SCRATCH_MARK = ".memtree-download-"
+
+#: Suffix of the directory ``memtree.saving()`` puts beside a ``torch.save`` file (``ckpt.pt.memtree``).
+ROUTED_SUFFIX = ".memtree"
+#: One routed save's tree in that directory: ``<12 hex: the target's tag>-<16 random hex>``.
+ROUTED_ENTRY = re.compile(r"(?P<tag>[0-9a-f]{12})-[0-9a-f]{16}")
 
 #: A sibling of destination ``name``: its staging directory, old copy or lock file.
 SIBLING = re.compile(r"\.(?P<name>.+)\.memtree(?:-(?P<kind>tmp|old)-[0-9a-f]{32}|(?P<lock>\.lock))", re.S)
@@ -98,6 +106,16 @@ def scratch_path(parent: str, name: str) -> str:
 def meta_tmp_name() -> str:
     """A fresh name for a growth's temporary ``meta.json`` (matches :data:`META_TMP`)."""
     return f".{META_NAME}{STAGING_MARK}{uuid.uuid4().hex}"
+
+
+def routed_entry_name(tag: str) -> str:
+    """A fresh name for one routed save's tree (matches :data:`ROUTED_ENTRY`).
+
+    Example:
+        >>> bool(ROUTED_ENTRY.fullmatch(routed_entry_name("0" * 12)))
+        True
+    """
+    return f"{tag}-{uuid.uuid4().hex[:16]}"
 
 
 def is_uncommitted_name(basename: str) -> bool:

@@ -9,9 +9,8 @@ raises :class:`~memtree.errors.MetaFormatError` naming the file and the field. T
 documented in ``docs/format.md``.
 
 Example:
-    >>> import torch
     >>> from memtree.format.schema import LevelMeta, LeafMeta, dump_level, parse_level
-    >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", torch.float32, (2, 3)),))
+    >>> meta = LevelMeta((2,), (LeafMeta("w", "w.memmap", "float32", (2, 3)),))
     >>> parse_level(dump_level(meta), "meta.json") == meta
     True
 """
@@ -23,17 +22,19 @@ import re
 import sys
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import orjson
-import torch
 
-from .dtypes import dtype_from_name, dtype_name, itemsize
-from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from .dtypes import DTYPE_ITEMSIZES, dtype_from_name, dtype_name, itemsize
+from ..errors import DtypeError, LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
 from .values import MAX_JSON_DEPTH, json_depth
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT",
@@ -50,6 +51,11 @@ __all__ = [
     "JsonMeta",
     "PickleMeta",
     "Entry",
+    "EncryptionMeta",
+    "ENCRYPTION_ALGORITHM",
+    "TAG_BYTES",
+    "sealed_nbytes",
+    "encrypted_level",
     "LevelMeta",
     "dump_level",
     "parse_level",
@@ -75,11 +81,31 @@ CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 
+#: The one cipher of encrypted trees (``docs/format.md``, "Version 2: encryption").
+ENCRYPTION_ALGORITHM = "aes-256-gcm"
+#: Bytes of the authentication tag after each encrypted chunk.
+TAG_BYTES = 16
+#: Bounds of an encrypted tree's ``chunk_bytes`` (plaintext bytes per chunk).
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+def sealed_nbytes(nbytes: int, chunk_bytes: int) -> int:
+    """Size of an encrypted leaf file: the data plus one tag per chunk (an empty leaf has one
+    chunk, so its file holds a tag: never empty).
+
+    Example:
+        >>> sealed_nbytes(0, 4096), sealed_nbytes(4096, 4096), sealed_nbytes(4097, 4096)
+        (16, 4112, 4129)
+    """
+    return nbytes + TAG_BYTES * max(1, -(-nbytes // chunk_bytes))
+
+
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("memtree's format is little-endian; big-endian hosts are not supported")
 
 
-def extent_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def extent_bytes(shape: tuple[int, ...], dtype: torch.dtype | str) -> int:
     """Bytes a tensor of ``shape`` spans with its zero dims counted as 1.
 
     For a tensor with elements it is its size in bytes; for a zero-element one, torch still
@@ -112,28 +138,61 @@ def is_type_name(name: object) -> bool:
 class LeafMeta:
     """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
 
-    ``capacity`` (growable leaves only) is the number of rows along dim 0 that the file holds;
-    the tensor is the first ``shape[0]`` of them.
+    The dtype is kept as its format name (``dtype_name``; a ``torch.dtype`` given to the
+    constructor is turned into its name), so that metadata is parsed without torch; the
+    ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
+    of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
     """
 
     key: str
     file: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     checksum: str | None = None
     capacity: int | None = None
+    #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
+    chunk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        given: Any = self.dtype_name
+        if type(given) is not str:  # a torch.dtype
+            object.__setattr__(self, "dtype_name", dtype_name(given))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The leaf's torch dtype (imports torch on first use).
+
+        Raises:
+            DtypeError: this torch build lacks the dtype (float8 types need a recent torch).
+        """
+        dt = dtype_from_name(self.dtype_name)
+        if dt is None:
+            raise DtypeError(
+                f"leaf {self.key!r} ({self.file}) holds {self.dtype_name}, which this torch build "
+                "does not have; upgrade torch to load it"
+            )
+        return dt
 
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes (``numel × itemsize``)."""
-        return prod(self.shape) * itemsize(self.dtype)
+        return prod(self.shape) * DTYPE_ITEMSIZES[self.dtype_name]
 
     @property
     def file_nbytes(self) -> int:
-        """Exact size of the leaf's file in bytes: ``nbytes``, or ``capacity`` rows of it."""
+        """Exact size of the leaf's file in bytes: ``nbytes``, or ``capacity`` rows of it, or
+        for an encrypted leaf ``nbytes`` plus its tags (:func:`sealed_nbytes`)."""
+        if self.chunk_bytes is not None:
+            return sealed_nbytes(self.nbytes, self.chunk_bytes)
         if self.capacity is None:
             return self.nbytes
-        return self.capacity * prod(self.shape[1:]) * itemsize(self.dtype)
+        return self.capacity * prod(self.shape[1:]) * DTYPE_ITEMSIZES[self.dtype_name]
+
+    @property
+    def checksum_nbytes(self) -> int:
+        """Bytes from the file's start that ``checksum`` covers: the tensor's bytes, or the whole
+        file of an encrypted leaf (its ciphertext, which can be checked without the key)."""
+        return self.file_nbytes if self.chunk_bytes is not None else self.nbytes
 
 
 @dataclass(frozen=True)
@@ -164,13 +223,39 @@ Entry = Union[LeafMeta, ChildMeta, JsonMeta, PickleMeta]
 
 
 @dataclass(frozen=True)
+class EncryptionMeta:
+    """How a tree's leaves are encrypted (the same object at every level of the tree).
+
+    ``salt`` (32 random bytes, hex) is the per-tree nonce material the keys are derived from;
+    ``key_check`` (16 bytes, hex) is derived from the key and the salt, so a wrong key is told
+    apart from damaged data. The key itself is never written. ``names``: the levels' entries
+    (keys, names, shapes, values) are sealed too, and file names are random.
+    """
+
+    algorithm: str
+    chunk_bytes: int
+    salt: str
+    key_check: str
+    names: bool = False
+
+
+@dataclass(frozen=True)
 class LevelMeta:
-    """One level of a tree: its batch size and its entries in key order."""
+    """One level of a tree: its batch size and its entries in key order.
+
+    An encrypted tree's levels carry ``encryption`` and ``mac`` (HMAC-SHA256 of the level's
+    ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
+    encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
+    real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
+    """
 
     batch_size: tuple[int, ...]
     entries: tuple[Entry, ...]
     type: str = TREE_TYPE
     save_id: str | None = None
+    encryption: EncryptionMeta | None = None
+    mac: str | None = None
+    sealed: str | None = None
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
@@ -179,7 +264,7 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
             "key": e.key,
             "kind": "tensor",
             "file": e.file,
-            "dtype": dtype_name(e.dtype),
+            "dtype": e.dtype_name,
             "shape": list(e.shape),
         }
         if e.capacity is not None:
@@ -208,6 +293,19 @@ def dump_level(meta: LevelMeta) -> bytes:
     }
     if meta.save_id is not None:
         d["save_id"] = meta.save_id
+    if meta.encryption is not None:
+        enc = meta.encryption
+        d["encryption"] = {
+            "algorithm": enc.algorithm,
+            "chunk_bytes": enc.chunk_bytes,
+            "salt": enc.salt,
+            "key_check": enc.key_check,
+            "names": enc.names,
+        }
+    if meta.sealed is not None:
+        d["sealed"] = meta.sealed
+    if meta.mac is not None:
+        d["mac"] = meta.mac
     d["entries"] = [_entry_dict(e) for e in meta.entries]
     return orjson.dumps(d)
 
@@ -282,7 +380,8 @@ def _leaves_directory(name: str) -> bool:
 
 
 _LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
-_LEVEL_OPTIONAL = frozenset({"save_id"})
+_LEVEL_OPTIONAL = frozenset({"save_id", "encryption", "mac", "sealed"})
+_ENCRYPTION_FIELDS = frozenset({"algorithm", "chunk_bytes", "salt", "key_check", "names"})
 
 
 def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
@@ -362,7 +461,81 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+    encryption, mac = _parse_encryption(c, doc)
+    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+    sealed = doc.get("sealed")
+    if encryption is None:
+        if sealed is not None:
+            raise c.fail("sealed", "is only in encrypted levels (with encryption and mac)")
+        return meta
+    if encryption.names:
+        if type(sealed) is not str or not _BASE64.fullmatch(sealed) or len(sealed) % 4:
+            raise c.fail(
+                "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
+            )
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id):
+            raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
+        return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
+    if sealed is not None:
+        raise c.fail("sealed", "is only in levels whose names are encrypted")
+    return encrypted_level(meta, encryption, mac, where)
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None, where: str) -> LevelMeta:
+    """``meta`` as a level of an encrypted tree: its leaves know the chunk size.
+
+    Raises:
+        MetaFormatError: a pickle or a growable leaf, which an encrypted level never holds.
+
+    Example:
+        >>> import torch
+        >>> enc = EncryptionMeta(ENCRYPTION_ALGORITHM, 4096, "0" * 64, "0" * 32)
+        >>> plain = LevelMeta((), (LeafMeta("w", "w.memmap", torch.uint8, (10,)),))
+        >>> encrypted_level(plain, enc, None, "meta.json").entries[0].file_nbytes
+        26
+    """
+    c = _Checker(where)
+    entries: list[Entry] = []
+    for i, e in enumerate(meta.entries):
+        if isinstance(e, PickleMeta):
+            raise c.fail(f"entries[{i}]", "is a pickle, which an encrypted level never holds")
+        if isinstance(e, LeafMeta):
+            if e.capacity is not None:
+                raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
+            e = replace(e, chunk_bytes=encryption.chunk_bytes)
+        entries.append(e)
+    return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
+
+
+def _is_hex(v: Any, digits: int) -> bool:
+    return type(v) is str and len(v) == digits and all(ch in "0123456789abcdef" for ch in v)
+
+
+def _parse_encryption(c: _Checker, doc: dict[str, Any]) -> tuple[EncryptionMeta | None, str | None]:
+    """A level's ``encryption`` object and ``mac`` (both or neither)."""
+    if ("encryption" in doc) != ("mac" in doc):
+        raise c.fail("encryption", "and mac come together (an encrypted level has both)")
+    if "encryption" not in doc:
+        return None, None
+    raw = c.obj(doc["encryption"], "encryption", _ENCRYPTION_FIELDS, frozenset())
+    if raw["algorithm"] != ENCRYPTION_ALGORITHM:
+        raise c.fail("encryption.algorithm", f"must be {ENCRYPTION_ALGORITHM!r}, got {raw['algorithm']!r:.40}")
+    chunk = raw["chunk_bytes"]
+    if type(chunk) is not int or not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
+        raise c.fail(
+            "encryption.chunk_bytes", f"must be an int in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk!r:.40}"
+        )
+    for name, digits in (("salt", 64), ("key_check", 32)):
+        if not _is_hex(raw[name], digits):
+            raise c.fail(f"encryption.{name}", f"must be {digits} lowercase hex digits, got {raw[name]!r:.80}")
+    if type(raw["names"]) is not bool:
+        raise c.fail("encryption.names", f"must be true or false, got {raw['names']!r:.40}")
+    if not _is_hex(doc["mac"], 64):
+        raise c.fail("mac", f"must be 64 lowercase hex digits, got {doc['mac']!r:.80}")
+    return EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, raw["salt"], raw["key_check"], raw["names"]), doc["mac"]
 
 
 def _too_large(shape: tuple[int, ...], extent: int) -> str:
@@ -466,30 +639,28 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
     key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
     if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
         return None
-    dtype = dtype_from_name(dtype_str)
-    if dtype is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
+    size = DTYPE_ITEMSIZES.get(dtype_str)
+    if size is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
         return None
     for x in shape:
         if type(x) is not int or x < 0:
             return None
     dims = tuple(shape)
     if not starts_with_batch(dims, batch_size) or (
-        (prod(dims) or prod(d or 1 for d in dims)) * itemsize(dtype) > MAX_NBYTES  # extent_bytes
+        (prod(dims) or prod(d or 1 for d in dims)) * size > MAX_NBYTES  # extent_bytes
     ):
         return None
-    return LeafMeta(key, file, dtype, dims)
+    return LeafMeta(key, file, dtype_str, dims)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
     key = c.string(raw["key"], f"{p}.key")
     file = c.name(raw["file"], f"{p}.file", LEAF_SUFFIX)
-    dtype_str = raw["dtype"]
-    dtype = dtype_from_name(dtype_str) if type(dtype_str) is str else None
-    if dtype is None:
+    dtype = raw["dtype"]
+    if type(dtype) is not str or dtype not in DTYPE_ITEMSIZES:
         raise c.fail(
             f"{p}.dtype",
-            f"names no dtype memtree can read here: {dtype_str!r:.40} "
-            "(see docs/format.md for the list; float8 types need a recent torch)",
+            f"names no dtype of the memtree format: {dtype!r:.40} (see docs/format.md for the list)",
         )
     shape = c.ints(raw["shape"], f"{p}.shape")
     if not starts_with_batch(shape, batch_size):

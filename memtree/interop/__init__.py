@@ -6,8 +6,10 @@
 * :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
 * tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
   :mod:`memtree.store.tensordict`);
-* :func:`convert` (the ``memtree convert`` command) streams any of these into a memtree
-  directory or a ``.safetensors`` file, one tensor at a time.
+* :func:`save_tensordict` writes a tree as a directory tensordict's ``load_memmap`` reads;
+* :func:`convert` (the ``memtree convert`` command) streams any of these (and Hugging Face
+  shard indexes and model directories) into a memtree directory, a ``.safetensors`` file, a
+  sharded Hugging Face model directory or a tensordict directory, one tensor at a time.
 
 Example:
     >>> import os, tempfile, torch
@@ -25,6 +27,7 @@ from .conversion import ConvertResult, convert
 from .pickle_guard import PickleLimits, pickle_limits
 from .safetensors_file import SafetensorsReader, save_safetensors
 from ..store.tensordict import read_tensordict_dir
+from ..store.tensordict_write import save_tensordict
 from .torchsave import TorchSaveReader
 
 __all__ = [
@@ -38,4 +41,5 @@ __all__ = [
     "PickleLimits",
     "pickle_limits",
     "read_tensordict_dir",
+    "save_tensordict",
 ]

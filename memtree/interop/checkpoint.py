@@ -126,6 +126,12 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
         """
         return self._reader.read(key, mmap=mmap)
 
+    def fill_range(self, key: str) -> Any:
+        """Where ``key``'s bytes lie in the open file and the check to run on them, for the
+        in-place loader (:func:`memtree.store.fill.fill`); ``None`` when they do not lie as
+        they are (a strided view): then :meth:`read` it."""
+        return self._reader.fill_range(key)
+
     def key_path(self, key: str) -> tuple[str, ...]:
         """How ``key`` was nested in the file (``("model", "encoder.weight")``)."""
         return self._reader.path_of(key)

@@ -1,8 +1,10 @@
 """``convert``: stream a checkpoint or tree from one format to another, one tensor at a time.
 
-Sources: a ``torch.save`` file, a ``.safetensors`` file, a tensordict ``memmap`` directory, or a
-memtree directory. Destinations: a memtree directory, or a ``.safetensors`` file (chosen by the
-destination's name).
+Sources: a ``torch.save`` file, a ``.safetensors`` file, a Hugging Face shard index or model
+directory (through :mod:`memtree.interop.sharded`, which validates the index), a tensordict
+``memmap`` directory, or a memtree directory. Destinations (``format=``): a memtree directory,
+a ``.safetensors`` file, a Hugging Face model directory (``model.safetensors`` or shards and
+their index), or a tensordict directory.
 
 How memory stays bounded by the largest tensor (not the file): the source is opened lazily and
 turned into a :class:`~memtree.format.level.Level` whose tensor leaves are
@@ -18,7 +20,14 @@ pages would stay resident), is cast if asked, and is dropped once its file is wr
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`
   writes the header from shapes and dtypes, then each tensor at its offset, into a temporary
-  file renamed into place at the end.
+  file renamed into place at the end;
+* to a model directory, :func:`~memtree.interop.sharded.write_model_directory` splits the
+  tensors as ``huggingface_hub`` does and writes each file with the same ``write_safetensors``,
+  in a staging directory published by the commit of ``write_tree``
+  (:func:`~memtree.store.staged.staged_directory`); tied ``torch.save`` tensors (the same view
+  of one storage) are written once, under the first name, as ``save_pretrained`` does;
+* to a tensordict directory, :func:`~memtree.store.tensordict_write.write_tensordict_dir`
+  writes tensordict's layout, published the same way.
 
 Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"`` ->
 ``encoder/0/weight``, as ``TensorTree.from_module`` nests them) unless ``flat_keys=True``;
@@ -44,6 +53,7 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +63,13 @@ import orjson
 import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
-from ..errors import DestinationExistsError, DtypeError, KeyCollisionError, NotAMemtreeError
+from ..errors import (
+    DestinationExistsError,
+    DtypeError,
+    InvalidArgumentError,
+    KeyCollisionError,
+    NotAMemtreeError,
+)
 from ..store.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
@@ -64,14 +80,26 @@ from ..store.progress import Progress
 from ..store.read import read_tree
 from ..store.options import ReadOptions, WriteOptions
 from ..store.write import write_tree
+from ..store.tensordict_write import write_tensordict_dir
 from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
 from .pickle_guard import PickleLimits, short
 from .safetensors_file import SafetensorsReader, write_safetensors
+from .sharded import (
+    DIRECTORY_FILES,
+    ShardedReader,
+    find_checkpoint,
+    is_index,
+    parse_shard_size,
+    write_model_directory,
+)
 from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
 from .torchsave import TorchSaveReader
 
-__all__ = ["ConvertResult", "convert", "source_kind", "parse_dtype"]
+__all__ = ["ConvertResult", "FORMATS", "convert", "source_kind", "parse_dtype"]
+
+#: Destination formats of :func:`convert`.
+FORMATS = ("memtree", "safetensors", "tensordict")
 
 
 @dataclass
@@ -79,19 +107,43 @@ class ConvertResult:
     """What :func:`convert` did."""
 
     source: str
-    """Kind of the source: ``"torch"``, ``"safetensors"``, ``"memtree"`` or ``"tensordict"``."""
+    """Kind of the source: ``"torch"``, ``"safetensors"`` (a file, or the shards of an index
+    or model directory), ``"memtree"`` or ``"tensordict"``."""
     destination: str
-    """Kind of the destination: ``"memtree"`` or ``"safetensors"``."""
+    """Kind of the destination: ``"memtree"``, ``"safetensors"`` or ``"tensordict"``."""
     tensors: int = 0
     """Number of tensors written."""
     nbytes: int = 0
     """Bytes of tensor data written."""
+    seconds: float = 0.0
+    """Wall time of the conversion."""
+    files: list[str] = field(default_factory=list)
+    """The safetensors files written into a model directory (``model.safetensors``, or the
+    shards; the index is ``model.safetensors.index.json``); empty for other destinations."""
     dropped: list[str] = field(default_factory=list)
     """Keys of non-tensor values the destination cannot hold (not written)."""
     altered: dict[str, str] = field(default_factory=dict)
     """Keys of values written in another form than the source's, with what changed:
     ``{"optimizer.param_groups": "tuple -> list at [0]['betas']", "history": "list -> keys by
     index ('0', '1', ...)", "optimizer.state": "int keys -> str keys"}``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as plain JSON data (``memtree convert --json``).
+
+        Example:
+            >>> ConvertResult("torch", "memtree", tensors=2, nbytes=16).to_dict()["bytes"]
+            16
+        """
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "files": list(self.files),
+            "dropped": list(self.dropped),
+            "altered": dict(self.altered),
+        }
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -116,22 +168,72 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
+def _locate(path: str) -> tuple[str, str]:
+    """``(kind, path)``: ``"memtree"``, ``"tensordict"`` or ``"checkpoint"``, and what to open
+    (for a Hugging Face model directory: its index or weights file).
+
+    Raises:
+        NotAMemtreeError: a directory that is none of these.
+    """
+    if not os.path.isdir(path):
+        return "checkpoint", path
+    if is_tensordict_dir(path):
+        return "tensordict", path
+    if os.path.lexists(os.path.join(path, META_NAME)):
+        return "memtree", path
+    found = find_checkpoint(path)
+    if found is None:
+        raise NotAMemtreeError(
+            f"{path} is a directory without {META_NAME} and without a checkpoint (none of "
+            f"{', '.join(DIRECTORY_FILES)}): not a memtree, tensordict or Hugging Face model "
+            "directory. Pass the checkpoint file itself (.pt, .bin, .safetensors, or a "
+            "*.index.json shard index), or the directory that holds it"
+        )
+    return "checkpoint", found
+
+
+def _open_reader(
+    path: str, allow_pickle: bool, limits: PickleLimits | None
+) -> TorchSaveReader | SafetensorsReader | ShardedReader:
+    """The reader of a checkpoint file or shard index (by content, not by name)."""
+
+    def open_file(name: str) -> TorchSaveReader | SafetensorsReader:
+        if checkpoint_kind(name) == "torch":
+            return TorchSaveReader(name, allow_pickle=allow_pickle, limits=limits)
+        return SafetensorsReader(name)
+
+    return ShardedReader(path, open_file) if is_index(path) else open_file(path)
+
+
+def _reader_kind(reader: TorchSaveReader | SafetensorsReader | ShardedReader) -> str:
+    if isinstance(reader, ShardedReader):
+        return reader.format
+    return "torch" if isinstance(reader, TorchSaveReader) else "safetensors"
+
+
 def source_kind(src: str | os.PathLike[str]) -> str:
     """``"memtree"``, ``"tensordict"``, ``"torch"`` or ``"safetensors"`` for a source path.
 
+    A shard index (``*.index.json``) or a Hugging Face model directory is the kind of its
+    shards (their headers are read to tell).
+
     Raises:
-        NotAMemtreeError: a directory that is neither a memtree nor a tensordict directory.
+        NotAMemtreeError: a directory that is not a memtree, tensordict or model directory.
         CheckpointFormatError: a file that is neither a torch.save zip nor a safetensors file.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"w": torch.ones(1)}, p)
+        >>> source_kind(p)
+        'torch'
     """
-    path = os.fspath(src)
-    if os.path.isdir(path):
-        if is_tensordict_dir(path):
-            return "tensordict"
-        if not os.path.isfile(os.path.join(path, META_NAME)):
-            raise NotAMemtreeError(
-                f"{path} is a directory without {META_NAME}: not a memtree or tensordict directory"
-            )
-        return "memtree"
+    kind, path = _locate(os.fspath(src))
+    if kind != "checkpoint":
+        return kind
+    if is_index(path):
+        with _open_reader(path, allow_pickle=False, limits=None) as reader:
+            return _reader_kind(reader)
     return checkpoint_kind(path)
 
 
@@ -277,8 +379,9 @@ def _split(path: tuple[str, ...]) -> tuple[str, ...]:
 class _Stream:
     """The source as a Level of LazyLeaf objects, with byte counting for the progress bar."""
 
-    def __init__(self, cast: torch.dtype | None) -> None:
+    def __init__(self, cast: torch.dtype | None, destination: str) -> None:
         self.cast = cast
+        self.destination = destination
         self.on_read: Callable[[int], None] = lambda nbytes: None
         self.level = Level((), {})
         self.dropped: list[str] = []
@@ -319,28 +422,33 @@ class _Stream:
 
     def from_checkpoint(
         self,
-        src: str,
-        kind: str,
-        allow_pickle: bool,
+        reader: TorchSaveReader | SafetensorsReader | ShardedReader,
         flat_keys: bool,
-        limits: PickleLimits | None,
-        keep_values: bool,
+        to_safetensors: bool,
     ) -> None:
-        """Stream a checkpoint file's tensors; its non-tensor values as JSON if ``keep_values``
-        (else they are dropped)."""
-        reader: TorchSaveReader | SafetensorsReader
-        if kind == "torch":
-            reader = torch_reader = TorchSaveReader(src, allow_pickle=allow_pickle, limits=limits)
+        """Stream a checkpoint's tensors; its non-tensor values as JSON (dropped when going to
+        safetensors, which holds none). Going to safetensors, a tensor that is the very same
+        view of a storage as an earlier one (a tied weight) is written once, under the first
+        name, as Hugging Face saves tied weights."""
+        if isinstance(reader, TorchSaveReader):
             self.altered.update(
-                (k or "(top level)", _CONTAINER_CHANGES[v])
-                for k, v in torch_reader.containers.items()
+                (k or "(top level)", _CONTAINER_CHANGES[v]) for k, v in reader.containers.items()
             )
-        else:
-            reader = SafetensorsReader(src)
-        ckpt = Checkpoint(reader, kind)
+        ckpt = Checkpoint(reader, _reader_kind(reader))
         self.close = ckpt.close
         self.metadata = ckpt.metadata
+        views: dict[tuple[Any, ...], str] = {}
         for key in ckpt:
+            if to_safetensors and isinstance(reader, TorchSaveReader):
+                ref = reader.ref(key)
+                view = (ref.storage.key, ref.dtype, ref.offset, ref.size, ref.stride)
+                if view in views:
+                    self.altered[key] = (
+                        f"tied to {views[view]}: written once, under that name (as Hugging Face "
+                        "saves tied weights)"
+                    )
+                    continue
+                views[view] = key
             shape, dtype = ckpt.tensor_spec(key)
             path = (key,) if flat_keys else _split(ckpt.key_path(key))
             read = (lambda k: lambda: ckpt.read(k, mmap=False))(key)
@@ -349,7 +457,7 @@ class _Stream:
                 file_range = (lambda r, k: lambda: r.file_range(k))(reader, key)
             _insert(self.level, path, self.leaf(shape, dtype, read, file_range), key)
         for key, value in ckpt.non_tensors.items():
-            value, changes, problem = _json_value(value) if keep_values else (None, [], "")
+            value, changes, problem = (None, [], "") if to_safetensors else _json_value(value)
             if problem is not None:
                 self.dropped.append(key)
                 continue
@@ -365,11 +473,16 @@ class _Stream:
             mapped = read_tree(src, ReadOptions(mode="r", allow_pickle=allow_pickle))
         self.level = self._rebuild(mapped)
 
-    def _rebuild(self, level: Level) -> Level:
-        out = Level(level.batch_size, {}, level.type)
+    def _rebuild(self, level: Level, path: tuple[str, ...] = ()) -> Level:
+        out = Level(level.batch_size, {}, level.type, level.foreign_type)
+        if level.foreign_type is not None and self.destination == "memtree":
+            self.altered[".".join(path) or "(top level)"] = (
+                f"tensordict @tensorclass {level.foreign_type} -> plain tree (load the tensordict "
+                "directory with memtree.load_memmap to get a registered memtree @tensorclass)"
+            )
         for key, value in level.entries.items():
             if isinstance(value, Level):
-                out.entries[key] = self._rebuild(value)
+                out.entries[key] = self._rebuild(value, path + (key,))
             elif isinstance(value, torch.Tensor):
                 out.entries[key] = self.leaf(value.shape, value.dtype, _file_reader(value))
             else:
@@ -421,6 +534,8 @@ def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    format: str | None = None,
+    max_shard_size: int | str | None = None,
     dtype: str | torch.dtype | None = None,
     existsok: bool = False,
     allow_pickle: bool = False,
@@ -432,10 +547,23 @@ def convert(
     """Convert ``src`` into ``dst``, streaming one tensor at a time (see the module docstring).
 
     Args:
-        src: a ``torch.save`` file, a ``.safetensors`` file, a tensordict or a memtree directory.
-        dst: a memtree directory, or a file whose name ends in ``.safetensors``.
+        src: a ``torch.save`` or ``.safetensors`` file; a shard index
+            (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``); a Hugging Face
+            model directory (its index or weights file is found as ``open_checkpoint`` finds
+            it); a tensordict or a memtree directory.
+        dst: the destination (a directory or a file, by ``format``).
+        format: ``"memtree"`` (a directory), ``"safetensors"`` or ``"tensordict"`` (a directory
+            that ``tensordict.TensorDict.load_memmap`` reads). Default: ``"safetensors"`` when
+            ``dst`` ends in ``.safetensors`` (one file), else ``"memtree"``. ``"safetensors"``
+            with a ``dst`` that does not end in ``.safetensors`` writes a Hugging Face model
+            directory: ``model.safetensors``, or shards and ``model.safetensors.index.json``.
+        max_shard_size: the shard size limit of a model directory (Hugging Face's semantics:
+            ``"5GB"`` = 5 * 10**9 bytes, ``"500MB"``, ``"4GiB"``, or bytes; a tensor larger than
+            the limit gets a shard of its own). Default ``"5GB"``.
         dtype: cast floating-point tensors to this dtype while streaming (e.g. ``"bfloat16"``).
-        existsok: replace an existing destination (atomically) instead of refusing.
+        existsok: replace an existing destination (atomically) instead of refusing. A
+            directory is replaced only if it holds what this format writes (a memtree or
+            tensordict directory, a model directory of weights only).
         allow_pickle: trusted ``torch.save`` files (and pickled memtree leaves) only: allow
             pickled objects beyond tensors and plain data.
         flat_keys: keep a checkpoint's dotted keys flat instead of nesting them.
@@ -446,12 +574,14 @@ def convert(
             :func:`~memtree.interop.pickle_limits` in force).
 
     Returns:
-        A :class:`ConvertResult`: counts, the keys of dropped non-tensor values, and the keys
-        of values written in another form (:attr:`ConvertResult.altered`).
+        A :class:`ConvertResult`: counts, time, the files of a model directory, the keys of
+        dropped non-tensor values, and the keys of values written in another form
+        (:attr:`ConvertResult.altered`).
 
     Raises:
         MemtreeError: an unreadable source, an existing destination without ``existsok``, a
-            dtype the destination cannot hold, ...; a partial destination never appears.
+            dtype the destination cannot hold, a bad ``format`` or ``max_shard_size``, ...; a
+            partial destination never appears.
 
     Example:
         >>> import os, tempfile, torch
@@ -459,11 +589,26 @@ def convert(
         >>> torch.save({"w": torch.zeros(3)}, os.path.join(d, "m.pt"))
         >>> convert(os.path.join(d, "m.pt"), os.path.join(d, "m.safetensors")).destination
         'safetensors'
+        >>> convert(os.path.join(d, "m.pt"), os.path.join(d, "hf"), format="safetensors").files
+        ['model.safetensors']
     """
+    started = time.perf_counter()
     cast = parse_dtype(dtype)
     src_path, dst_path = os.fspath(src), os.fspath(dst)
-    kind = source_kind(src_path)
-    to_safetensors = dst_path.endswith(".safetensors")
+    single_file = dst_path.endswith(".safetensors")
+    fmt = format if format is not None else ("safetensors" if single_file else "memtree")
+    if fmt not in FORMATS:
+        raise InvalidArgumentError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r:.40}")
+    model_dir = fmt == "safetensors" and not single_file
+    if max_shard_size is not None and not model_dir:
+        raise InvalidArgumentError(
+            "max_shard_size splits a Hugging Face model directory into shards: use "
+            "format='safetensors' (CLI: --format safetensors) with a destination directory "
+            f"(not a name ending in .safetensors), got format={fmt!r} and {dst_path!r}"
+        )
+    if max_shard_size is not None:
+        parse_shard_size(max_shard_size)  # refuse a bad size before reading anything
+    kind, located = _locate(src_path)
     if (
         not existsok
         and os.path.lexists(dst_path)
@@ -472,38 +617,50 @@ def convert(
         raise DestinationExistsError(
             f"{dst_path} already exists; pass existsok=True (CLI: --existsok) to replace it"
         )
-    result = ConvertResult(kind, "safetensors" if to_safetensors else "memtree")
-    stream = _Stream(cast)
+    result = ConvertResult(kind, fmt)
+    stream = _Stream(cast, fmt)
     try:
-        if kind in ("torch", "safetensors"):
-            stream.from_checkpoint(
-                src_path, kind, allow_pickle, flat_keys, limits, keep_values=not to_safetensors
-            )
+        if kind == "checkpoint":
+            reader = _open_reader(located, allow_pickle, limits)
+            result.source = _reader_kind(reader)
+            stream.close = reader.close
+            stream.from_checkpoint(reader, flat_keys, to_safetensors=fmt == "safetensors")
         else:
-            stream.from_directory(src_path, kind, allow_pickle)
-        result.dropped = list(stream.dropped)
-        result.altered = dict(stream.altered)
+            stream.from_directory(located, kind, allow_pickle)
         name = os.path.basename(src_path.rstrip("/"))
         with Progress(
             total=stream.nbytes, desc=f"converting {name}", unit="B", progress=progress
         ) as bar:
             stream.on_read = bar.update
-            if to_safetensors:
+            if fmt == "safetensors":
                 leaves: dict[str, LazyLeaf] = {}
-                _flatten(stream.level, (), leaves, result.dropped)
-                write_safetensors(
-                    dst_path,
-                    [(k, leaf.shape, leaf.dtype) for k, leaf in leaves.items()],
-                    lambda k: leaves[k].materialize(),
-                    metadata=stream.metadata,
-                    existsok=existsok,
-                    fsync=fsync,
-                )
+                _flatten(stream.level, (), leaves, stream.dropped)
+                specs = [(k, leaf.shape, leaf.dtype) for k, leaf in leaves.items()]
+                produce = lambda k: leaves[k].materialize()  # noqa: E731
+                if model_dir:
+                    files = write_model_directory(
+                        dst_path, specs, produce, max_shard_size=max_shard_size or "5GB",
+                        metadata=stream.metadata, existsok=existsok, fsync=fsync,
+                    )
+                    result.files = list(files)
+                else:
+                    write_safetensors(
+                        dst_path, specs, produce, metadata=stream.metadata,
+                        existsok=existsok, fsync=fsync,
+                    )
+            elif fmt == "tensordict":
+                written = write_tensordict_dir(dst_path, stream.level, existsok=existsok, fsync=fsync)
+                stream.dropped.extend(written.dropped)
+                stream.altered.update(written.altered)
             else:
                 write_tree(
-                    dst_path, stream.level, WriteOptions.of(existsok=existsok, fsync=fsync, allow_pickle=allow_pickle)
+                    dst_path, stream.level,
+                    WriteOptions.of(existsok=existsok, fsync=fsync, allow_pickle=allow_pickle),
                 )
     finally:
         stream.close()
+    result.dropped = list(stream.dropped)
+    result.altered = dict(stream.altered)
     result.tensors, result.nbytes = stream.tensors, stream.nbytes
+    result.seconds = time.perf_counter() - started
     return result

@@ -59,7 +59,7 @@ from ..errors import (
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..store.files import replacing_file, write_fd
+from ..store.files import FileRange, replacing_file, write_fd
 from ..store.mapped import to_storable
 from ..format.level import as_level
 from .checkpoint_file import CheckpointFile, Closing
@@ -317,6 +317,12 @@ class SafetensorsReader(Closing):
         out = torch.empty(e.shape, dtype=e.dtype)
         self._file.read_into(out, e.begin, f"tensor {key!r}")
         return out
+
+    def fill_range(self, key: str) -> tuple[FileRange, None]:
+        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.fill.fill`
+        (valid while the reader is open; no checksum to check)."""
+        e = self.entry(key)
+        return FileRange(self._file.fd, e.begin, e.end - e.begin, f"tensor {key!r} of {self.path}"), None
 
     def close(self) -> None:
         """Close the file (tensors already read or mapped stay valid)."""

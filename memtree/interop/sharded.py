@@ -25,6 +25,14 @@ directory rule keeps Hugging Face's cache usable: in a cache snapshot
 data) when the index is opened. Tensors that a shard holds but the index does not list are
 ignored: the index is the table of contents.
 
+Writing: :func:`write_model_directory` writes tensors as Hugging Face's ``save_pretrained``
+does: ``model.safetensors`` when everything fits in ``max_shard_size``, else shards
+``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` (``metadata.total_size``
+and ``weight_map``, sorted, indented by 2), split by :func:`plan_shards` with the rule of
+``huggingface_hub.split_state_dict_into_shards_factory`` (tensors in order; a new shard when the
+next tensor would overflow; a tensor larger than the limit alone in its own shard). The directory
+is published atomically (:func:`~memtree.store.staged.staged_directory`).
+
 Example:
     >>> import json, os, tempfile, torch
     >>> from memtree.interop import open_checkpoint, save_safetensors
@@ -41,19 +49,42 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sequence
+from math import prod
 from typing import Any, Union
 
 import torch
 
-from ..errors import CheckpointFormatError, MemtreeKeyError, UnsafePathError
+from ..errors import (
+    CheckpointFormatError,
+    InvalidArgumentError,
+    MemtreeKeyError,
+    StorageError,
+    UnsafePathError,
+)
+from ..format.dtypes import itemsize
+from ..store.commit import write_small_file
+from ..store.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
-from .safetensors_file import SafetensorsReader, _no_duplicates
+from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
 from .torchsave import TorchSaveReader
 
-__all__ = ["DIRECTORY_FILES", "MAX_INDEX_BYTES", "ShardedReader", "find_checkpoint", "is_index"]
+__all__ = [
+    "DIRECTORY_FILES",
+    "MAX_INDEX_BYTES",
+    "SAFE_WEIGHTS_NAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "ShardedReader",
+    "find_checkpoint",
+    "is_index",
+    "parse_shard_size",
+    "plan_shards",
+    "write_model_directory",
+]
 
 FileReader = Union[TorchSaveReader, SafetensorsReader]
 
@@ -193,6 +224,13 @@ class ShardedReader(Closing):
         self._readers: dict[str, FileReader] = {}
         try:
             for name, keys in by_shard.items():
+                if not os.path.lexists(paths[name]):
+                    raise StorageError(
+                        errno.ENOENT,
+                        f"{self.path}: the shard {name:.120} does not exist in {directory} (the "
+                        f"index lists {len(keys)} tensors in it); the download is incomplete (fetch "
+                        "the missing shard) or the index does not belong to this directory",
+                    )
                 reader = self._readers[name] = open_file(paths[name])
                 held = set(reader.keys())
                 lacking = [k for k in keys if k not in held]
@@ -243,7 +281,165 @@ class ShardedReader(Closing):
         """Read one tensor from its shard (see the shard readers' ``read``)."""
         return self._reader(key).read(key, mmap=mmap)
 
+    def fill_range(self, key: str) -> Any:
+        """Where ``key``'s bytes lie in its shard (see the shard readers' ``fill_range``)."""
+        return self._reader(key).fill_range(key)
+
     def close(self) -> None:
         """Close every shard (tensors already read stay valid)."""
         for reader in getattr(self, "_readers", {}).values():
             reader.close()
+
+
+# -- writing -------------------------------------------------------------------------------------
+#: The single file of a model directory that fits in one shard (Hugging Face's name).
+SAFE_WEIGHTS_NAME = "model.safetensors"
+#: The index of a sharded model directory (Hugging Face's name).
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_SIZE = re.compile(r"(-?(?:\d+(?:\.\d*)?|\.\d+))\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1}
+_UNITS.update({f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGT")})
+_UNITS.update({f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")})
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes from a shard size as Hugging Face's ``max_shard_size`` takes it.
+
+    ``"5GB"`` is 5 * 10**9 bytes (decimal units KB, MB, GB, TB, as ``huggingface_hub``), ``"4GiB"``
+    4 * 2**30 (binary units KiB..TiB), ``"1.5GB"`` 1.5 * 10**9, and an int (or a string of
+    digits) is bytes. Units are case-insensitive.
+
+    Raises:
+        InvalidArgumentError: not a size, or not a positive one.
+
+    Example:
+        >>> parse_shard_size("5GB"), parse_shard_size("500MB"), parse_shard_size("4GiB"), parse_shard_size(10)
+        (5000000000, 500000000, 4294967296, 10)
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise InvalidArgumentError(f"max_shard_size must be an int or a str such as '5GB', got {size!r:.40}")
+    if isinstance(size, str):
+        match = _SIZE.fullmatch(size.strip())
+        if match is None:
+            raise InvalidArgumentError(
+                f"max_shard_size {size!r:.40} is not a size: use bytes or a number with a unit "
+                "(KB, MB, GB, TB = powers of 1000, as Hugging Face; KiB, MiB, GiB, TiB = powers of 1024)"
+            )
+        number, unit = match.groups()
+        size = int(float(number) * _UNITS[(unit or "").upper()])
+    if size <= 0:
+        raise InvalidArgumentError(f"max_shard_size must be positive, got {size} bytes")
+    return size
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Split ``(key, nbytes)`` pairs into shards, as ``huggingface_hub`` splits a state dict.
+
+    Keys stay in order; a shard is closed when the next tensor would take it past
+    ``max_shard_size``; a tensor larger than the limit gets a shard of its own, placed where it
+    comes (the shard being filled stays open after it).
+
+    Example:
+        >>> plan_shards([("a", 6), ("b", 6), ("c", 2), ("d", 6), ("e", 2), ("f", 2)], 10)
+        [['a'], ['b', 'c'], ['d', 'e', 'f']]
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for key, nbytes in sizes:
+        if nbytes > max_shard_size:
+            shards.append([key])
+            continue
+        if current_size + nbytes > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(key)
+        current_size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def is_model_directory_output(path: str) -> bool:
+    """Whether a directory holds only what :func:`write_model_directory` writes (it may replace it)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(
+        name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME) or _SHARD_NAME.fullmatch(name)
+        for name in names
+    )
+
+
+def write_model_directory(
+    directory: str | os.PathLike[str],
+    specs: Sequence[tuple[str, torch.Size | tuple[int, ...], torch.dtype]],
+    produce: Callable[[str], torch.Tensor],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    existsok: bool = False,
+    fsync: bool = False,
+) -> dict[str, list[str]]:
+    """Write tensors as a Hugging Face model directory, one tensor in memory at a time.
+
+    Args:
+        directory: the directory to create (published atomically: complete, or not at all).
+        specs: ``(key, shape, dtype)`` of every tensor, in order.
+        produce: returns the tensor of a key (called once per key).
+        max_shard_size: the shard size limit (see :func:`parse_shard_size`).
+        metadata: each file's ``__metadata__``; ``"format": "pt"`` is added as Hugging Face does.
+        existsok: replace an existing destination that holds only a model's weights (other
+            directories are never replaced).
+        fsync: make every file and the directory durable before it appears.
+
+    Returns:
+        ``{file name: keys}``, in the order the files were written.
+
+    Raises:
+        InvalidArgumentError: a bad ``max_shard_size``.
+        DestinationExistsError: ``directory`` exists and may not be replaced.
+        DtypeError: a dtype safetensors cannot hold.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> d = os.path.join(tempfile.mkdtemp(), "model")
+        >>> t = {"a": torch.zeros(4), "b": torch.ones(4)}
+        >>> write_model_directory(d, [(k, v.shape, v.dtype) for k, v in t.items()], t.__getitem__,
+        ...                       max_shard_size=20)
+        {'model-00001-of-00002.safetensors': ['a'], 'model-00002-of-00002.safetensors': ['b']}
+    """
+    limit = parse_shard_size(max_shard_size)
+    by_key = {key: (tuple(shape), dtype) for key, shape, dtype in specs}
+    if len(by_key) != len(specs):
+        raise CheckpointFormatError(f"{os.fspath(directory)}: tensor keys must be unique")
+    sizes = [(key, prod(shape) * itemsize(dtype)) for key, (shape, dtype) in by_key.items()]
+    shards = plan_shards(sizes, limit)
+    if len(shards) == 1:
+        files = {SAFE_WEIGHTS_NAME: shards[0]}
+    else:
+        n = len(shards)
+        files = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": keys for i, keys in enumerate(shards)}
+    file_metadata = {"format": "pt", **(metadata or {})}
+    total = sum(nbytes for _, nbytes in sizes)
+    with staged_directory(
+        directory, existsok=existsok, fsync=fsync, nbytes=total, replaceable=is_model_directory_output
+    ) as staging:
+        for name, keys in files.items():
+            write_safetensors(
+                os.path.join(staging, name),
+                [(key, *by_key[key]) for key in keys],
+                produce,
+                metadata=file_metadata,
+                fsync=fsync,
+            )
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {key: name for name, keys in files.items() for key in keys},
+            }
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            write_small_file(os.path.join(staging, SAFE_WEIGHTS_INDEX_NAME), text.encode(), fsync=fsync)
+    return files

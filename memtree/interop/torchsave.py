@@ -703,6 +703,25 @@ class TorchSaveReader(Closing):
             self._check_crc(key, ref, int(digest.partition(":")[2], 16))
         return FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
 
+    def fill_range(self, key: str) -> tuple[FileRange, tuple[str, Callable[[str], None]] | None] | None:
+        """Where ``key``'s bytes lie, for :func:`memtree.store.fill.fill`, and the check of the
+        record's CRC-32 on the bytes read (when the tensor spans its record whole).
+
+        ``None`` for a strided view (see :meth:`file_range`). Unlike :meth:`file_range`, the file
+        is not read here: the CRC-32 is checked on the bytes as they are filled.
+        """
+        ref, start, nbytes = self._byte_range(key)
+        if not ref.is_contiguous():
+            return None
+        span = FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
+        if not self._whole_record(ref, nbytes):
+            return span, None
+
+        def check(found: str) -> None:
+            self._check_crc(key, ref, int(found.partition(":")[2], 16))
+
+        return span, ("crc32", check)
+
     def close(self) -> None:
         """Close the file (tensors already read or mapped stay valid)."""
         for f in (getattr(self, "_zip", None), getattr(self, "_zip_file", None)):

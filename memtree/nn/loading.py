@@ -18,9 +18,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -30,8 +31,10 @@ from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, Source
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
+from ..store.fill import FillJob, fill, mapped_range
 from ..tree.bind import (
     TIED_KEY,
+    Group,
     KeyPrefix,
     Plan,
     Source,
@@ -219,6 +222,55 @@ def _strict_error(module: nn.Module, src: Source, module_names: set[str], found:
     )
 
 
+def _locator(source: Any, src: Source) -> Callable[[str], Any] | None:
+    """How to find the file bytes of a source name: ``(FileRange, checksum check) | None``.
+
+    For checkpoint files (their readers know each tensor's range), and for a memtree directory
+    given by path (its leaves were just mapped, so the files hold exactly their bytes); ``None``
+    for in-memory sources.
+    """
+    lazy = src.lazy
+    fill_range = getattr(lazy, "fill_range", None)
+    if callable(fill_range):
+        return lambda name: fill_range(src.entries[name])
+    if isinstance(source, (str, os.PathLike)) and lazy is None:
+
+        def leaf(name: str) -> Any:
+            value = src.entries[name]
+            span = mapped_range(value) if isinstance(value, torch.Tensor) else None
+            return None if span is None else (span, None)
+
+        return leaf
+    return None
+
+
+def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
+    """Read the file bytes of every live tensor that has them straight into it (threaded
+    ``preadv``, see :mod:`memtree.store.fill`); the plan of what is left to :func:`bind`."""
+    jobs: list[FillJob] = []
+    rest: list[tuple[Group, str]] = []
+    owned: list[int] = []  # descriptors opened for mapped leaves
+    try:
+        for group, name in found.pairs:
+            where = locate(name) if is_live(group) else None
+            if where is None:
+                rest.append((group, name))
+                continue
+            span, checksum = where
+            if src.lazy is None:
+                owned.append(span.fd)
+            dest = group.tensor.detach()
+            if type(dest) is not torch.Tensor:
+                dest = dest.as_subclass(torch.Tensor)
+            stored = src.spec(name)[1]
+            jobs.append(FillJob(dest, span, stored if stored != dest.dtype else None, checksum))
+        fill(jobs)
+    finally:
+        for fd in owned:
+            os.close(fd)
+    return dataclasses.replace(found, pairs=rest)
+
+
 def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
@@ -239,10 +291,13 @@ def load_into_module(
 
     How each tensor is loaded depends on the module's tensor:
 
-    * **live** (it holds data: a module built the usual way): it is *filled in place*,
-      ``with torch.no_grad(): p.copy_(source)``. The module keeps its ``nn.Parameter`` objects,
-      their storage, device and ``requires_grad``, so an optimizer built before the load (the
-      usual resume order: model, optimizer, then load), hooks and ties keep working;
+    * **live** (it holds data: a module built the usual way): it is *filled in place*. The
+      module keeps its ``nn.Parameter`` objects, their storage, device and ``requires_grad``,
+      so an optimizer built before the load (the usual resume order: model, optimizer, then
+      load), hooks and ties keep working. From a file (memtree directory, safetensors,
+      ``torch.save``, shards) the bytes are read with threaded ``preadv`` straight into the
+      tensors' memory (no mapping, no second copy; :mod:`memtree.store.fill`), CUDA tensors
+      through a bounded ring of pinned buffers; from tensors in memory, ``p.copy_(source)``;
     * **meta** (a module built under :func:`empty_init`): there is nothing to fill, so the
       source tensor is *bound*, zero-copy: with a memtree directory the weights become
       read-only copy-on-write mappings of the files (no data is read until used, and the files
@@ -366,5 +421,8 @@ def load_into_module(
             return value.to(device=target, dtype=cast)
         return value
 
+    locate = None if assign else _locator(source, src)
+    if locate is not None:
+        found = _fill_live(found, src, locate)
     bind(found, src, convert, assign=assign, keep_old=False)
     return LoadResult(found.missing_names, found.unexpected, found.mismatched)

@@ -40,9 +40,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.dtypes import itemsize
 from ..format.names import staging_path
@@ -56,6 +54,9 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
+
+if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and checksumming
+    import torch  # files need none (``memtree info`` starts without torch)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -74,6 +75,7 @@ __all__ = [
     "check_free_space",
     "open_checked",
     "open_leaf",
+    "leaf_size_error",
     "map_fd",
     "read_fd",
     "storage_error",
@@ -155,6 +157,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -280,9 +284,12 @@ def is_plain_memory(tensor: torch.Tensor) -> bool:
     subclass, no lazy conjugate or negation bit): it can be written from ``data_ptr()``.
 
     Example:
+        >>> import torch
         >>> is_plain_memory(torch.ones(2, 3)), is_plain_memory(torch.ones(2, 3).t())
         (True, False)
     """
+    import torch
+
     return (
         type(tensor) is torch.Tensor
         and tensor.is_cpu
@@ -547,6 +554,24 @@ def check_free_space(directory: str, nbytes: int, what: str) -> None:
         )
 
 
+def leaf_size_error(where: str, size: int, nbytes: int) -> LeafSizeError:
+    """The error of a leaf file of ``size`` bytes where its metadata promises ``nbytes``, with
+    the likely cause and the fix (the loader raises it; ``memtree verify`` reports it).
+
+    Example:
+        >>> str(leaf_size_error("t/x.memmap", 5, 32)).split(":")[0]
+        'leaf file t/x.memmap has 5 bytes, expected 32'
+    """
+    why = (
+        "a growth (append_, extend_, resize_) was killed before it committed, and "
+        "memtree.recover() on the tree's parent directory cuts the file back; or the file "
+        "was changed: then re-save the tree"
+        if size > nbytes
+        else "the write was interrupted or the file was changed; re-save the tree"
+    )
+    return LeafSizeError(f"leaf file {where} has {size:,} bytes, expected {nbytes:,}: {why}")
+
+
 def open_checked(
     name: str, nbytes: int, where: str, *, dir_fd: int | None = None, strict_size: bool = True
 ) -> int:
@@ -604,14 +629,7 @@ def open_leaf(
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{where} is not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_size != nbytes and (strict_size or st.st_size < nbytes):
-            why = (
-                "a growth (append_, extend_, resize_) was killed before it committed, and "
-                "memtree.recover() on the tree's parent directory cuts the file back; or the file "
-                "was changed: then re-save the tree"
-                if st.st_size > nbytes
-                else "the write was interrupted or the file was changed; re-save the tree"
-            )
-            raise LeafSizeError(f"leaf file {where} has {st.st_size:,} bytes, expected {nbytes:,}: {why}")
+            raise leaf_size_error(where, st.st_size, nbytes)
     except BaseException:
         os.close(fd)
         raise
@@ -619,14 +637,17 @@ def open_leaf(
 
 
 def map_fd(
-    fd: int, path: str, nbytes: int, *, writable: bool, dtype: torch.dtype = torch.uint8
+    fd: int, path: str, nbytes: int, *, writable: bool, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Map the first ``nbytes`` of an open, checked file as a flat tensor of ``dtype``.
 
     ``nbytes`` is a multiple of the dtype's item size. ``writable=True`` maps shared (writes
     reach the file); ``False`` maps private copy-on-write (the file can never change through
-    it).
+    it). ``dtype`` defaults to ``torch.uint8``.
     """
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     source = f"/proc/self/fd/{fd}" if _PROC_FD else path

@@ -240,7 +240,8 @@ class _Growth:
         if prefix is None:
             raise NotGrowableError(
                 "the tree has no leaf mapped from a file: append_/extend_/resize_ grow trees "
-                "written with memmap(prefix)/memmap_like(prefix) or loaded with load_memmap"
+                "written with memmap(prefix)/memmap_like(prefix) or loaded with load_memmap "
+                "(not encrypted trees, nor mmap=False loads: those are in memory)"
             )
         self.dest = os.path.realpath(prefix)
         self.fsync = fsync

@@ -29,14 +29,10 @@ from ..format.level import Level
 from ..errors import InvalidArgumentError
 from .options import ReadOptions
 from .read import PendingLevel, open_tree
+from .storage import is_url
 from .tensordict import is_tensordict_dir, read_tensordict_level
 
 __all__ = ["is_url", "open_prefix"]
-
-
-def is_url(prefix: str | os.PathLike[str]) -> bool:
-    """True for an fsspec URL that the remote reader handles (any scheme but ``file://``)."""
-    return isinstance(prefix, str) and "://" in prefix and not prefix.startswith("file://")
 
 
 def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: Any) -> Level | PendingLevel:

@@ -21,13 +21,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
 from ..format.schema import ChildMeta, LevelMeta
+from .crypto import EncryptionKey, require_backend
 from .files import check_checksum_option
+
+if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
+    import torch
 
 __all__ = [
     "MODES",
@@ -121,6 +123,18 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
+def _key(key: object) -> EncryptionKey | None:
+    if key is None:
+        return None
+    if not isinstance(key, EncryptionKey):
+        raise InvalidArgumentError(
+            f"encryption= takes a memtree.EncryptionKey (EncryptionKey.generate(), or "
+            f"EncryptionKey(32 bytes)), got {type(key).__name__}"
+        )
+    require_backend()
+    return key
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """What to read and how: the selection, the mapping mode, where leaves go, which checks.
@@ -135,6 +149,7 @@ class ReadOptions:
             file opened) or another device (leaves copied there).
         allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True``.
         verify: hash each leaf that records a checksum, refusing a mismatch.
+        encryption: the key of an encrypted tree (its leaves are then decrypted into memory).
     """
 
     selection: Selection | None = None
@@ -143,6 +158,7 @@ class ReadOptions:
     device: torch.device | None = None
     allow_pickle: bool = False
     verify: bool = False
+    encryption: EncryptionKey | None = None
 
     @classmethod
     def of(
@@ -154,13 +170,16 @@ class ReadOptions:
         device: torch.device | str | None = None,
         allow_pickle: bool = False,
         verify: bool = False,
+        encryption: EncryptionKey | None = None,
     ) -> ReadOptions:
         """Check and normalise the public keyword arguments of a load.
 
         Raises:
-            InvalidArgumentError: a bad ``mode``, flag or device.
+            InvalidArgumentError: a bad ``mode``, flag, device or ``encryption``.
             KeyTypeError, MemtreeKeyError: a bad ``keys=`` entry.
         """
+        import torch
+
         try:
             dev = torch.device(device) if device is not None else None
         except (RuntimeError, TypeError) as err:
@@ -172,6 +191,7 @@ class ReadOptions:
             dev,
             _flag("allow_pickle", allow_pickle),
             _flag("verify", verify),
+            _key(encryption),
         )
 
     @property
@@ -182,6 +202,8 @@ class ReadOptions:
     @property
     def target(self) -> torch.device:
         """Where leaves end up: ``device``, or the CPU."""
+        import torch
+
         return self.device if self.device is not None else torch.device("cpu")
 
 
@@ -199,6 +221,9 @@ class WriteOptions:
         copy_existing: copy leaves already memory-mapped from another prefix.
         checksum: ``"crc32"`` or ``"sha256"``: record each leaf's checksum (not with ``like``).
         progress: a progress bar of the bytes written: ``None`` on a terminal only.
+        encryption: encrypt the leaves with this key (``docs/guide/encryption.md``).
+        encrypt_names: with ``encryption``, also seal every level's entries (keys, shapes,
+            values) and give files random names.
     """
 
     like: bool = False
@@ -210,6 +235,8 @@ class WriteOptions:
     copy_existing: bool = False
     checksum: str | None = None
     progress: bool | None = None
+    encryption: EncryptionKey | None = None
+    encrypt_names: bool = False
 
     @classmethod
     def of(cls, **kwargs: Any) -> WriteOptions:
@@ -222,7 +249,7 @@ class WriteOptions:
         if unknown:
             raise InvalidArgumentError(f"unknown write options {unknown}")
         options = cls(**kwargs)
-        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing"):
+        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing", "encrypt_names"):
             _flag(name, getattr(options, name))
         if type(options.num_threads) is not int or options.num_threads < 0:
             raise InvalidArgumentError(f"num_threads must be an int >= 0, got {options.num_threads!r:.40}")
@@ -231,4 +258,17 @@ class WriteOptions:
             raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
         if options.progress is not None:
             _flag("progress", options.progress)
+        if options.encrypt_names and options.encryption is None:
+            raise InvalidArgumentError("encrypt_names=True needs encryption=key")
+        if _key(options.encryption) is not None:
+            if options.like:
+                raise InvalidArgumentError(
+                    "memmap_like cannot encrypt: it leaves files to be written in place, and an "
+                    "encrypted leaf is only ever written whole; build the tree, then memmap(prefix, encryption=key)"
+                )
+            if options.allow_pickle:
+                raise InvalidArgumentError(
+                    "allow_pickle=True cannot be combined with encryption: pickled values would be "
+                    "stored unencrypted and unauthenticated; keep non-tensor values JSON"
+                )
         return options

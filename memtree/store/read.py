@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import pickle
 import resource
@@ -45,38 +44,38 @@ import stat
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
 from ..errors import (
+    DecryptionError,
     IntegrityError,
     LeafSizeError,
-    LimitError,
     MemtreeError,
     MemtreeKeyError,
     MetaFormatError,
     MissingLeafError,
-    NotAMemtreeError,
     NotCommittedError,
     PickleNotAllowedError,
     UnsafePathError,
 )
-from .files import file_checksum, open_checked, open_leaf, read_fd, storage_error, tensor_checksum
+from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
+from .fill import FillJob, fill
+from .storage import META_FLAGS, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
-    MAX_META_BYTES,
     ChildMeta,
     JsonMeta,
     LeafMeta,
     LevelMeta,
     PickleMeta,
-    parse_level,
     starts_with_batch,
 )
 from ..format.names import META_NAME
 from ..format.level import Level, Value
+from .crypto import TreeCipher, open_cipher
 from .mapped import map_leaf
 from ..format.values import NonTensor, UnloadedPickle
 from ..format.names import is_uncommitted_name
@@ -95,85 +94,6 @@ __all__ = [
     "open_dir",
     "META_FLAGS",
 ]
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-
-def open_dir(name: str, where: str, dir_fd: int | None) -> int:
-    """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
-
-    Raises:
-        NotAMemtreeError, MissingLeafError, UnsafePathError, StorageError.
-    """
-    try:
-        return os.open(name, _DIR_FLAGS | (_NOFOLLOW if dir_fd is not None else 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        if dir_fd is None:
-            raise NotAMemtreeError(f"{where} does not exist; check the path") from None
-        raise MissingLeafError(f"sub-tree directory {where} is missing; the tree is damaged") from None
-    except NotADirectoryError:
-        if dir_fd is None:
-            raise NotAMemtreeError(f"{where} is not a directory; a memtree is a directory") from None
-        raise UnsafePathError(f"{where} is not a directory (or is a symbolic link)") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(
-                f"{where} is a symbolic link; memtree does not follow links inside a tree"
-            ) from None
-        raise storage_error(err, f"opening {where}") from err
-
-
-def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
-    """The bytes of the ``meta.json`` in an open directory, and its path.
-
-    Opened without following links, refused unless it is a regular file of at most
-    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
-    """
-    path = os.path.join(where, META_NAME)
-    try:
-        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        if root:
-            raise NotAMemtreeError(
-                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
-                "finished)"
-            ) from None
-        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
-        raise storage_error(err, f"opening {path}") from err
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
-                "a meta.json; it was not written by memtree (or tensordict)"
-            )
-        want = st.st_size + 1  # one byte more: a short read is the end of the file
-        data = os.read(fd, want)
-        if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
-            parts = [data]
-            left = MAX_META_BYTES + 1 - len(data)
-            while left > 0:
-                part = os.read(fd, min(left, 1 << 20))
-                if not part:
-                    break
-                parts.append(part)
-                left -= len(part)
-            data = b"".join(parts)
-    finally:
-        os.close(fd)
-    return data, path
-
-
-def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
-    """Read and validate the ``meta.json`` in an open directory."""
-    data, path = read_meta_bytes(dir_fd, where, root=root)
-    return parse_level(data, path, depth=depth)
 
 
 def walk_levels(
@@ -286,11 +206,15 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
+    source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
 
 
 _LOCK = threading.RLock()  # loading a pending level (threads share trees)
 _SOURCES: weakref.WeakSet[_Source] = weakref.WeakSet()  # opened trees with pending levels
+
+#: Most leaves queued for one threaded read (each holds its file open until then).
+MAX_PENDING_READS = 64
 
 #: How many pending levels, in all, may keep their directory open from their parent's load, so
 #: that loading them later opens no directory: at most this many, and at most an eighth of the
@@ -418,10 +342,10 @@ class _Source:
 
     def meta(self, dirs: tuple[str, ...], where: str, dir_fd: int) -> LevelMeta:
         """The validated ``meta.json`` of the level ``dirs`` (open as ``dir_fd``)."""
-        known = self.written.get(dirs)
-        if known is not None:
-            return known
-        return read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+        meta = self.written.get(dirs) or read_meta(dir_fd, where, depth=len(dirs), root=not dirs)
+        if dirs and self.reader.cipher is not None:  # an encrypted tree: every level authenticated
+            return self.reader.cipher.reveal(meta, "/".join(dirs), where)
+        return meta
 
     def open_level(self, dirs: tuple[str, ...]) -> int:
         """A new descriptor of the level ``dirs`` below the root (never following links)."""
@@ -503,7 +427,8 @@ class PendingLevel:
         """
         with _LOCK:
             if self._loaded is None:
-                self._loaded = self._open_and_load()
+                with self.source.reader.batch(self):
+                    self._loaded = self._open_and_load()
             return self._loaded
 
     def _open_and_load(self) -> dict[str, Value | PendingLevel]:
@@ -535,7 +460,7 @@ class PendingLevel:
                         f"key {self.keys + (entry.key,)!r} is a tensor leaf at {self.where}; it "
                         f"has no sub-key {next(iter(sub))!r}"
                     )
-                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys)
+                out[entry.key] = reader.leaf(fd, self.where, entry, self.keys, self.dirs)
             elif isinstance(entry, ChildMeta):
                 path = self.keys + (entry.key,)
                 where = os.path.join(self.where, entry.dir)
@@ -564,8 +489,12 @@ class PendingLevel:
 
     def load_all(self) -> Level:
         """This level and every level below it, loaded now."""
+        with _LOCK, self.source.reader.batch(None):  # every leaf below read by one threaded fill
+            return self._level_of_all()
+
+    def _level_of_all(self) -> Level:
         entries = {
-            k: v.load_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
+            k: v._level_of_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
         }
         return Level(self.meta.batch_size, entries, self.meta.type)
 
@@ -581,37 +510,105 @@ class _Reader:
         self.on_meta = self.device.type == "meta"
         self.allow_pickle = options.allow_pickle
         self.verify = options.verify
+        self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
+        self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
+        self.depth = 0  # nested batch() calls
+        self.levels: list[PendingLevel] = []  # the levels of the open batch
 
-    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
+    def leaf(
+        self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
+    ) -> torch.Tensor:
         if self.on_meta:
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if entry.chunk_bytes is not None:
+            return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
         try:
             fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
         except LeafSizeError:
             fd, st = self.open_grown(dir_fd, where, entry, path), None
         check = self.verify and entry.checksum is not None
+        if not (self.mmap and self.on_cpu):  # read, never mapped: into ordinary or device memory
+            try:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            except BaseException:
+                os.close(fd)
+                raise
+            checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents)) if check else None
+            self.pending.append((FillJob(tensor, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), checksum=checksum), fd))
+            if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
+                self.flush()
+            return tensor
         try:
-            if self.mmap:
-                if check:
-                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
-                tensor: torch.Tensor = map_leaf(
-                    fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st
-                )
-            else:
-                tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                read_fd(fd, tensor)
-                if check:  # hash the bytes just read: one pass over the file
-                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents)
+            if check:
+                self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
+            return map_leaf(fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st)
         except OSError as err:
             if isinstance(err, MemtreeError):
                 raise
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
             os.close(fd)
-        if not self.on_cpu:
-            tensor = tensor.to(self.device)
-        return tensor
+
+    @contextmanager
+    def batch(self, level: PendingLevel | None) -> Iterator[None]:
+        """Loading ``level`` (and, when it is the outermost, the levels it loads meanwhile):
+        leaves to read are queued and read together, by threads, when the outermost load ends
+        (:func:`memtree.store.fill.fill`). If that fails, no level of the batch stays loaded."""
+        outer = self.depth == 0
+        self.depth += 1
+        if level is not None:
+            self.levels.append(level)
+        try:
+            yield
+            if outer:
+                self.flush()
+        except BaseException:
+            if outer:
+                self.discard()
+                for loaded in self.levels:
+                    loaded._loaded = None
+            raise
+        finally:
+            self.depth -= 1
+            if outer:
+                self.levels.clear()
+
+    def flush(self) -> None:
+        """Read every queued leaf now (threaded ``preadv``) and close their files."""
+        jobs, self.pending = self.pending, []
+        if not jobs:
+            return
+        try:
+            fill([job for job, _ in jobs])
+        finally:
+            for _, fd in jobs:
+                os.close(fd)
+
+    def discard(self) -> None:
+        jobs, self.pending = self.pending, []
+        for _, fd in jobs:
+            os.close(fd)
+
+    def sealed_leaf(
+        self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
+    ) -> torch.Tensor:
+        """An encrypted leaf, decrypted into memory (:mod:`memtree.store.crypto`)."""
+        path = os.path.join(where, entry.file)
+        if self.cipher is None:  # only a damaged tree has an encrypted level below a plain root
+            raise DecryptionError(f"leaf {entry.key!r} at {path} is encrypted, but the tree's root is not")
+        fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+        try:
+            if self.verify and entry.checksum is not None:  # the ciphertext's: checkable without the key
+                self.check(file_checksum(fd, entry.checksum_nbytes, _algorithm(entry)), entry, path, parents)
+            tensor = self.cipher.read_leaf(fd, "/".join(dirs + (entry.file,)), entry, path, parents + (entry.key,))
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {path}") from err
+        finally:
+            os.close(fd)
+        return tensor if self.on_cpu else tensor.to(self.device)
 
     @staticmethod
     def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str) -> int:

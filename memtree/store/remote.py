@@ -83,6 +83,7 @@ from .files import (
 )
 from .mapped import to_storable
 from .options import ReadOptions, WriteOptions
+from .progress import Progress
 from .read import read_tree
 from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 from .storage import FileInfo, Storage, http_status, with_retries
@@ -126,6 +127,7 @@ def load(
     timeout: float | None = DEFAULT_TIMEOUT,
     allow_redirects: str = "same-origin",
     fsync: bool = False,
+    progress: bool | None = None,
 ) -> Level:
     """Load a tree from an fsspec URL (what ``memtree.load_memmap(url, ...)`` calls).
 
@@ -154,6 +156,8 @@ def load(
         allow_redirects: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
             scheme, host and port), ``"any"`` or ``"none"``.
         fsync: fsync the cache entry before its commit.
+        progress: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
+            ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
 
     Raises:
         NotAMemtreeError: no tree at ``url``.
@@ -179,7 +183,7 @@ def load(
     options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
     return load_url(url, options, storage_options=storage_options, cache_dir=cache_dir, num_threads=num_threads,
                     chunk_bytes=chunk_bytes, retries=retries, timeout=timeout, allow_redirects=allow_redirects,
-                    fsync=fsync)
+                    fsync=fsync, progress=progress)
 
 
 def load_url(
@@ -194,12 +198,13 @@ def load_url(
     timeout: float | None = DEFAULT_TIMEOUT,
     allow_redirects: str = "same-origin",
     fsync: bool = False,
+    progress: bool | None = None,
 ) -> Level:
     """:func:`load` with its reading options already checked (:func:`memtree.store.open.open_prefix`)."""
     storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=timeout,
                             allow_redirects=allow_redirects)
     return fetch_tree(storage, options, cache_key=url, cache_dir=cache_dir, num_threads=num_threads,
-                      chunk_bytes=chunk_bytes, fsync=fsync)
+                      chunk_bytes=chunk_bytes, fsync=fsync, progress=progress)
 
 
 def fetch_tree(
@@ -211,10 +216,12 @@ def fetch_tree(
     num_threads: int = DEFAULT_NUM_THREADS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fsync: bool = False,
+    progress: bool | None = None,
 ) -> Level:
     """Copy a tree out of any :class:`~memtree.store.storage.Storage` into memory, or into a
     cache entry that is then mapped (steps 1-5 of the module docstring); :func:`load` is this
-    over an fsspec URL. ``cache_key`` names the source in cache entry names (the URL).
+    over an fsspec URL. ``cache_key`` names the source in cache entry names (the URL);
+    ``progress`` shows a bar of the bytes downloaded (see :func:`load`).
 
     Example:
         >>> import tempfile, torch
@@ -235,6 +242,11 @@ def fetch_tree(
     root_info = storage.stat(META_NAME)  # before the read: a later change shows in the re-stat
     root_bytes = storage.read_meta("")
     root_meta = parse_level(root_bytes, storage.describe(META_NAME), depth=0)
+    if root_meta.encryption is not None or options.encryption is not None:
+        raise InvalidArgumentError(
+            f"{storage.describe('')}: encrypted trees load from a local directory only (copy it "
+            "there, then load_memmap(path, encryption=key)); remote trees are never decrypted"
+        )
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:
@@ -254,11 +266,11 @@ def fetch_tree(
             )
         pickled = {rel: _read_whole(storage, rel) for rel, _ in pickles}
         if cache_dir is None:
-            tensors = _load_memory(storage, pool, leaves, chunk_bytes, root_info)
+            tensors = _load_memory(storage, pool, leaves, chunk_bytes, root_info, progress)
             return _build(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
         name = entry_name(cache_key, root_bytes, selection)
         with Download(cache_dir, name, fsync=fsync) as download:
-            committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info)
+            committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
     return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
 
 
@@ -277,30 +289,35 @@ def _fetch(
     allocate: Callable[[list[_Leaf]], None],
     read: Callable[[_Leaf, int, int], None],
     finished: Callable[[_Leaf], None] = lambda leaf: None,
+    progress: bool | None = None,
 ) -> None:
     """Stat every leaf and check its size (a damaged tree fails before any leaf byte is read or
     any destination allocated), ``allocate`` the destinations, then ``read`` each leaf's ranges
     of ``chunk_bytes`` in the pool, calling ``finished`` after a leaf's last range. The first
-    failure cancels what has not started, waits for what has, and is raised."""
+    failure cancels what has not started, waits for what has, and is raised. A bar of the bytes
+    read is shown as :mod:`memtree.store.progress` decides for ``progress``."""
     for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
         leaf.info = info
         _check_size(storage, leaf)
     allocate(leaves)
     left = {leaf.rel: len(range(0, leaf.meta.nbytes, chunk_bytes)) for leaf in leaves}
-    futures: dict[Future[None], _Leaf] = {}
+    futures: dict[Future[None], tuple[_Leaf, int]] = {}
     try:
         for leaf in leaves:
             n = leaf.meta.nbytes
             for a in range(0, n, chunk_bytes):
-                futures[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = leaf
+                futures[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = (leaf, min(chunk_bytes, n - a))
             if not n:
                 finished(leaf)
-        for f in as_completed(futures):
-            f.result()
-            leaf = futures[f]
-            left[leaf.rel] -= 1
-            if not left[leaf.rel]:
-                finished(leaf)
+        total = sum(leaf.meta.nbytes for leaf in leaves)
+        with Progress(total=total, desc="download", unit="B", progress=progress) as bar:
+            for f in as_completed(futures):
+                f.result()
+                leaf, nbytes = futures[f]
+                bar.update(nbytes)
+                left[leaf.rel] -= 1
+                if not left[leaf.rel]:
+                    finished(leaf)
     except BaseException:
         for f in futures:
             f.cancel()
@@ -348,7 +365,7 @@ def _check_digest(storage: Storage, leaf: _Leaf, compute: Callable[[str], str]) 
 
 
 def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], chunk_bytes: int,
-                 root_info: FileInfo) -> dict[str, torch.Tensor]:
+                 root_info: FileInfo, progress: bool | None) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     views: dict[str, memoryview] = {}
 
@@ -360,7 +377,7 @@ def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf]
     def read(leaf: _Leaf, a: int, b: int) -> None:
         storage.read_into(leaf.rel, a, views[leaf.rel][a:b], leaf.info)
 
-    _fetch(storage, pool, leaves, chunk_bytes, allocate, read)
+    _fetch(storage, pool, leaves, chunk_bytes, allocate, read, progress=progress)
     _final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
     map_all(pool, lambda leaf: _check_digest(
         storage, leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
@@ -368,7 +385,8 @@ def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf]
 
 
 def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
-              leaves: list[_Leaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo) -> str:
+              leaves: list[_Leaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo,
+              progress: bool | None) -> str:
     """Fetch the selection into the download's scratch directory, verify it, write its
     ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry."""
     buffers = threading.local()
@@ -400,7 +418,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
     try:
         for lvl in levels[1:]:  # breadth first: parents before children
             download.make_dir(lvl.rel)
-        _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"))
+        _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"), progress)
         _final_checks(storage, pool, leaves, root_info)
         sums = dict(zip((leaf.rel for leaf in leaves), map_all(pool, digest, leaves)))
         for rel, data in pickled.items():

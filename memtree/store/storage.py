@@ -12,7 +12,7 @@ Two implementations:
 
 * :class:`LocalStorage`: a directory, held open by descriptor; every name is opened relative
   to its parent's descriptor without following links (``O_NOFOLLOW``), files must be regular
-  (the openers of :mod:`memtree.store.files` and :mod:`memtree.store.read`);
+  (:func:`open_dir`, :func:`read_meta_bytes` here, and :func:`memtree.store.files.open_leaf`);
 * :class:`~memtree.store.fsspec_storage.FsspecStorage` (its own module: it needs the optional
   fsspec extra): any fsspec URL. HTTP(S) goes through :class:`memtree.store.http.HttpTransport`
   (quoted names, same-origin redirects, streamed bodies with caps, per-request timeouts); other
@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -57,9 +58,8 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.names import META_NAME, is_safe_name, is_uncommitted_name
-from ..format.schema import MAX_META_BYTES
+from ..format.schema import MAX_META_BYTES, LevelMeta, parse_level
 from .files import open_leaf, storage_error
-from .read import open_dir, read_meta_bytes
 
 __all__ = [
     "FileInfo",
@@ -72,10 +72,109 @@ __all__ = [
     "with_retries",
     "http_status",
     "identity_of",
+    "is_url",
+    "open_dir",
+    "read_meta_bytes",
+    "read_meta",
+    "META_FLAGS",
 ]
 
 _BACKOFF_S = 0.05
 _T = TypeVar("_T")
+
+
+def is_url(prefix: str | os.PathLike[str]) -> bool:
+    """True for an fsspec URL that the remote reader handles (any scheme but ``file://``).
+
+    Example:
+        >>> is_url("s3://bucket/tree"), is_url("/data/tree"), is_url("file:///data/tree")
+        (True, False, False)
+    """
+    return isinstance(prefix, str) and "://" in prefix and not prefix.startswith("file://")
+
+
+# The openers of a local tree's directories and meta.json files (LocalStorage and the fd-based
+# readers of store/read.py, recovery, grow use them): no link followed, regular files only.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+
+
+def open_dir(name: str, where: str, dir_fd: int | None) -> int:
+    """Open a tree's root (``dir_fd=None``) or a sub-tree directory without following links.
+
+    Raises:
+        NotAMemtreeError, MissingLeafError, UnsafePathError, StorageError.
+    """
+    try:
+        return os.open(name, _DIR_FLAGS | (_NOFOLLOW if dir_fd is not None else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        if dir_fd is None:
+            raise NotAMemtreeError(f"{where} does not exist; check the path") from None
+        raise MissingLeafError(f"sub-tree directory {where} is missing; the tree is damaged") from None
+    except NotADirectoryError:
+        if dir_fd is None:
+            raise NotAMemtreeError(f"{where} is not a directory; a memtree is a directory") from None
+        raise UnsafePathError(f"{where} is not a directory (or is a symbolic link)") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{where} is a symbolic link; memtree does not follow links inside a tree"
+            ) from None
+        raise storage_error(err, f"opening {where}") from err
+
+
+def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
+    """The bytes of the ``meta.json`` in an open directory, and its path.
+
+    Opened without following links, refused unless it is a regular file of at most
+    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
+    """
+    path = os.path.join(where, META_NAME)
+    try:
+        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if root:
+            raise NotAMemtreeError(
+                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
+                "finished)"
+            ) from None
+        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
+        raise storage_error(err, f"opening {path}") from err
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file")
+        if st.st_size > MAX_META_BYTES:
+            raise LimitError(
+                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
+                "a meta.json; it was not written by memtree (or tensordict)"
+            )
+        want = st.st_size + 1  # one byte more: a short read is the end of the file
+        data = os.read(fd, want)
+        if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
+            parts = [data]
+            left = MAX_META_BYTES + 1 - len(data)
+            while left > 0:
+                part = os.read(fd, min(left, 1 << 20))
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            data = b"".join(parts)
+    finally:
+        os.close(fd)
+    return data, path
+
+
+def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
+    """Read and validate the ``meta.json`` in an open directory."""
+    data, path = read_meta_bytes(dir_fd, where, root=root)
+    return parse_level(data, path, depth=depth)
+
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ imported)::
         list), a tensorclass (its content in ``<sub>/_tensordict/``), or a kind memtree does not
         read (LazyStackedTensorDict, sub-tensordicts).
 
+A tensorclass level keeps its ``_type`` (as text, in ``Level.foreign_type``): loaded as a tree,
+it becomes the memtree ``@tensorclass`` registered under the longest dotted suffix of the class
+path (``<class 'pkg.mod.Step'>`` -> ``pkg.mod.Step``, ``mod.Step`` or ``Step``:
+:func:`memtree.tree.registry.class_for_foreign`), or a plain tree when none is registered.
+
 What memtree does with it:
 
 * every ``meta.json`` is validated like memtree's own (size limit before reading, JSON,
@@ -33,8 +38,8 @@ What memtree does with it:
 * non-tensor data comes from the JSON ``"data"`` field; pickle sidecars are **never** executed,
   even with ``allow_pickle=True``: such a key raises
   :class:`~memtree.errors.PickleNotAllowedError` (load the other keys with ``keys=``);
-* memtree never writes this layout: save a loaded tree with ``memmap(new_prefix,
-  copy_existing=True)`` or ``memtree convert`` to get a memtree directory;
+* :mod:`memtree.store.tensordict_write` writes this layout (``memtree convert --format
+  tensordict``, :func:`memtree.interop.save_tensordict`);
 * :func:`check_tensordict_dir` walks a directory the same way without mapping anything and
   reports every problem instead of raising the first (``memtree verify``).
 
@@ -339,6 +344,7 @@ class _TensordictReader:
         for key, value in extra.items():
             if key and (selection is None or key in selection):
                 level.entries[key] = _value(value, meta, f"_non_tensordict[{key!r:.80}]")
+        level.foreign_type = doc["_type"]  # matched to a registered @tensorclass by the tree layer
         return level
 
     def child(

@@ -1,11 +1,13 @@
-"""Check a whole tree on disk and report every problem (``memtree verify DIR``).
+"""Check a whole tree and report every problem (``memtree verify DIR_OR_URL``).
 
-:func:`verify_tree` walks a tree like the loader does (same validation of every ``meta.json``,
-same checks of every leaf file: regular file, not a link, exact size), but instead of stopping at
-the first problem it records each one and goes on, and it compares every leaf's recorded checksum
-(``checksum="crc32"``/``"sha256"`` at write time) with the file's bytes. It never maps a file,
-never unpickles, and never writes. A directory written by tensordict's ``memmap``, which
-``load_memmap`` reads too, is checked with the same reader
+:func:`verify_tree` walks a tree through the read seam (:class:`~memtree.store.storage.Storage`:
+a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.walk.walk`:
+same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
+file, not a link, exact size), but instead of stopping at the first problem it records each one
+and goes on, and it compares every leaf's recorded checksum with the file's bytes (the digests of
+:func:`memtree.store.files.new_digest`). The same code verifies a local tree and a remote one. It
+never maps a file, never unpickles, and never writes. A directory written by tensordict's
+``memmap``, which ``load_memmap`` reads too, is checked with the same reader
 (:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
 
 Example:
@@ -25,10 +27,11 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..format.dtypes import dtype_name
 from ..errors import (
     DtypeError,
     LeafSizeError,
@@ -37,23 +40,31 @@ from ..errors import (
     MetaFormatError,
     MissingLeafError,
     NotAMemtreeError,
+    NotCommittedError,
     PickleNotAllowedError,
+    RemoteError,
     StorageError,
     UnsafePathError,
     UnsupportedVersionError,
 )
-from .files import file_checksum, open_checked
-from ..format.schema import ChildMeta, LeafMeta, PickleMeta, starts_with_batch
 from ..format.names import META_NAME
+from ..format.schema import LeafMeta, LevelMeta, PickleMeta
+from .files import leaf_size_error, new_digest
 from .progress import Progress
-from .read import META_FLAGS, open_dir, read_meta
-from .tensordict import check_tensordict_dir, is_tensordict_dir
-from ..format.names import is_uncommitted_name
+from .storage import FileInfo, LocalStorage, Storage, is_url
+from .walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
 
+#: Bytes read at a time to hash a leaf (one buffer per thread).
+_CHUNK = 8 * 1024 * 1024
+#: Leaves checked at a time (each a stat, then its bytes if it records a checksum).
+DEFAULT_THREADS = 4
+
 _KINDS: tuple[tuple[type[MemtreeError], str], ...] = (
+    (NotCommittedError, "not-committed"),
     (NotAMemtreeError, "not-a-tree"),
+    (NestingError, "structure"),
     (UnsupportedVersionError, "version"),
     (LimitError, "limit"),
     (MetaFormatError, "meta"),
@@ -61,6 +72,7 @@ _KINDS: tuple[tuple[type[MemtreeError], str], ...] = (
     (LeafSizeError, "size"),
     (UnsafePathError, "unsafe"),
     (StorageError, "io"),
+    (RemoteError, "io"),
     (PickleNotAllowedError, "pickle"),
     (DtypeError, "dtype"),
 )
@@ -97,12 +109,13 @@ class VerifyReport:
     """The result of :func:`verify_tree`.
 
     Attributes:
-        path: the tree's directory (resolved).
+        path: the tree's directory (resolved) or URL.
         layout: ``"memtree"``, or ``"tensordict"`` for a directory written by tensordict's
             ``memmap`` (leaves checked for size, at least ``numel × itemsize`` bytes; no checksums).
         leaves: tensor leaves listed by the ``meta.json`` files that could be read.
         checksummed: leaves whose recorded checksum was compared with the file.
-        problems: every problem found, in walk order.
+        problems: every problem found: those of the ``meta.json`` files, then those of the
+            leaf files, each in walk order (breadth first).
     """
 
     path: str
@@ -136,10 +149,11 @@ def _kind(err: MemtreeError) -> str:
 
 
 class _Walker:
-    def __init__(self, report: VerifyReport, checksums: bool, bar: Progress) -> None:
+    def __init__(self, report: VerifyReport, checksums: bool) -> None:
         self.report = report
         self.checksums = checksums
-        self.bar = bar
+        self.lock = threading.Lock()
+        self.bar: Progress | None = None  # set once the walk has counted the work
 
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
@@ -150,96 +164,109 @@ class _Walker:
 
     def tensordict_leaf(self) -> None:
         self.report.leaves += 1
-        self.bar.update()
 
-    def level(self, dir_fd: int, where: str, key: tuple[str, ...], depth: int,
-              parent_batch: tuple[int, ...]) -> None:
-        try:
-            meta = read_meta(dir_fd, where, depth=depth, root=depth == 0)
-        except MemtreeError as err:
-            self.add(os.path.join(where, META_NAME), key, _kind(err), str(err))
-            return
-        if not starts_with_batch(meta.batch_size, parent_batch):
-            self.add(
-                os.path.join(where, META_NAME), key, "structure",
-                f"batch_size {list(meta.batch_size)} does not start with the parent's "
-                f"{list(parent_batch)}",
-                f"batch_size starting with {list(parent_batch)}", str(list(meta.batch_size)),
-            )
-        for entry in meta.entries:
-            if isinstance(entry, LeafMeta):
-                self.report.leaves += 1
-                self.leaf(dir_fd, where, entry, key + (entry.key,))
-                self.bar.update()
-            elif isinstance(entry, ChildMeta):
-                child_where = os.path.join(where, entry.dir)
-                try:
-                    child_fd = open_dir(entry.dir, child_where, dir_fd)
-                except MemtreeError as err:
-                    self.add(child_where, key + (entry.key,), _kind(err), str(err))
-                    continue
-                try:
-                    self.level(child_fd, child_where, key + (entry.key,), depth + 1, meta.batch_size)
-                finally:
-                    os.close(child_fd)
-            elif isinstance(entry, PickleMeta):
-                self.pickle_file(dir_fd, where, entry, key + (entry.key,))
+    def level_problem(self, where: str, key: tuple[str, ...], err: MemtreeError) -> None:
+        if not isinstance(err, NestingError):  # those are reported with their sizes by jobs()
+            self.add(where, key, _kind(err), str(err))
 
-    def leaf(self, dir_fd: int, where: str, entry: LeafMeta, key: tuple[str, ...]) -> None:
-        path = os.path.join(where, entry.file)
-        nbytes = entry.nbytes
-        expected = f"{entry.file_nbytes:,} bytes ({dtype_name(entry.dtype)} {list(entry.shape)}"
+    def jobs(self, storage: Storage, levels: list[WalkedLevel]) -> list[tuple[WalkedLevel, LeafMeta | PickleMeta]]:
+        """The files to check, in walk order; nesting problems recorded on the way."""
+        metas: dict[tuple[str, ...], LevelMeta] = {lvl.dirs: lvl.meta for lvl in levels}
+        out: list[tuple[WalkedLevel, LeafMeta | PickleMeta]] = []
+        for lvl in levels:
+            parent = metas.get(lvl.dirs[:-1]) if lvl.dirs else None
+            if parent is not None and lvl.meta.batch_size[: len(parent.batch_size)] != parent.batch_size:
+                self.add(
+                    storage.describe(lvl.file(META_NAME)), lvl.keys, "structure",
+                    f"batch_size {list(lvl.meta.batch_size)} does not start with the parent's "
+                    f"{list(parent.batch_size)}",
+                    f"batch_size starting with {list(parent.batch_size)}", str(list(lvl.meta.batch_size)),
+                )
+            for entry in lvl.meta.entries:
+                if isinstance(entry, (LeafMeta, PickleMeta)):
+                    out.append((lvl, entry))
+        return out
+
+    def check(self, storage: Storage, job: tuple[WalkedLevel, LeafMeta | PickleMeta]) -> list[Problem]:
+        """The problems of one file (run in a worker thread: returns them, records nothing)."""
+        lvl, entry = job
+        rel = lvl.file(entry.file)
+        path = storage.describe(rel)
+        key = lvl.keys + (entry.key,)
+        found: list[Problem] = []
+
+        def problem(kind: str, message: str, expected: str | None = None, got: str | None = None) -> list[Problem]:
+            found.append(Problem(path, key, kind, expected, got, message))
+            return found
+
+        if isinstance(entry, PickleMeta):
+            try:
+                storage.stat(rel)
+            except MissingLeafError:
+                return problem("missing", f"pickled leaf file {path} is missing", "a file", "no file")
+            except UnsafePathError as err:
+                return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
+            except MemtreeError as err:
+                return problem(_kind(err), str(err))
+            return found
+        expected = f"{entry.file_nbytes:,} bytes ({entry.dtype_name} {list(entry.shape)}"
         expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
         try:
-            fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
-        except LeafSizeError as err:
-            size = os.stat(entry.file, dir_fd=dir_fd, follow_symlinks=False).st_size
-            self.add(path, key, "size", str(err), expected, f"{size:,} bytes")
-            return
+            info = storage.stat(rel)
         except MissingLeafError as err:
-            self.add(path, key, "missing", str(err), expected, "no file")
-            return
+            return problem("missing", str(err), expected, "no file")
+        except UnsafePathError as err:
+            return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
         except MemtreeError as err:
-            self.add(path, key, _kind(err), str(err), "a regular file", _file_kind(entry.file, dir_fd))
-            return
+            return problem(_kind(err), str(err))
+        if info.size != entry.file_nbytes:
+            size_error = leaf_size_error(path, info.size, entry.file_nbytes)
+            return problem("size", str(size_error), expected, f"{info.size:,} bytes")
+        if not (self.checksums and entry.checksum is not None):  # a checksum covers the tensor's bytes
+            return found
         try:
-            if self.checksums and entry.checksum is not None:  # covers the tensor's bytes
-                found = file_checksum(fd, nbytes, entry.checksum.partition(":")[0])
-                self.report.checksummed += 1
-                if found != entry.checksum:
-                    self.add(
-                        path, key, "checksum",
-                        f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file "
-                        f"has {found}; the file changed after it was written",
-                        entry.checksum, found,
-                    )
+            digest = self.digest(  # an encrypted leaf's checksum covers its ciphertext
+                storage, rel, info, entry.checksum_nbytes, entry.checksum.partition(":")[0]
+            )
+        except MemtreeError as err:
+            return problem(_kind(err), str(err))
         except OSError as err:
-            self.add(path, key, "io", f"reading {path}: {err}")
-        finally:
-            os.close(fd)
+            return problem("io", f"reading {path}: {err}")
+        with self.lock:
+            self.report.checksummed += 1
+        if digest != entry.checksum:
+            problem(
+                "checksum",
+                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}; "
+                "the file changed after it was written",
+                entry.checksum, digest,
+            )
+        return found
 
-    def pickle_file(self, dir_fd: int, where: str, entry: PickleMeta, key: tuple[str, ...]) -> None:
-        path = os.path.join(where, entry.file)
-        try:
-            fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            self.add(path, key, "missing", f"pickled leaf file {path} is missing", "a file", "no file")
-            return
-        except OSError as err:
-            self.add(path, key, "unsafe", f"cannot open {path} safely: {err}", "a regular file",
-                     _file_kind(entry.file, dir_fd))
-            return
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                self.add(path, key, "unsafe", f"{path} is not a regular file", "a regular file",
-                         _file_kind(entry.file, dir_fd))
-        finally:
-            os.close(fd)
+    def digest(self, storage: Storage, rel: str, info: FileInfo, nbytes: int, algorithm: str) -> str:
+        hasher = new_digest(algorithm)
+        buf = memoryview(bytearray(min(nbytes, _CHUNK)))
+        done = 0
+        while done < nbytes:
+            n = min(len(buf), nbytes - done)
+            storage.read_into(rel, done, buf[:n], info)
+            hasher.update(buf[:n])
+            done += n
+            self.advance(n)
+        return f"{algorithm}:{hasher.hexdigest()}"
+
+    def advance(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
 
 
-def _file_kind(name: str, dir_fd: int) -> str:
+def _file_kind(storage: Storage, rel: str) -> str | None:
+    """What a local file that is not a regular one is (``None`` for a remote storage)."""
+    if not isinstance(storage, LocalStorage):
+        return None
     try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        mode = os.stat(storage.describe(rel), follow_symlinks=False).st_mode
     except OSError as err:
         return f"unreadable ({err.strerror})"
     for test, label in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
@@ -251,16 +278,28 @@ def _file_kind(name: str, dir_fd: int) -> str:
 
 
 def verify_tree(
-    prefix: str | os.PathLike[str], *, checksums: bool = True, progress: bool | None = None
+    prefix: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    progress: bool | None = None,
+    num_threads: int = DEFAULT_THREADS,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> VerifyReport:
     """Check every ``meta.json`` and leaf of the tree at ``prefix``; report every problem.
 
     Args:
-        prefix: the tree's directory.
+        prefix: the tree's directory, or its URL (``https://``, ``s3://``, any fsspec URL: the
+            optional ``memtree[remote]`` extra), read as ``load_memmap`` reads it.
         checksums: compare each leaf's recorded checksum with its file (reads every such
-            file once); ``False`` checks structure and sizes only (no leaf data is read).
-        progress: a progress bar of the leaves checked (:mod:`memtree.store.progress`): ``None``
-            on a terminal outside CI only, ``True``/``False`` forced.
+            file once: for a URL, downloads it); ``False`` checks structure and sizes only (no
+            leaf data is read).
+        progress: a progress bar (:mod:`memtree.store.progress`) of the bytes hashed, or of the
+            leaves checked with ``checksums=False``: ``None`` on a terminal outside CI only,
+            ``True``/``False`` forced.
+        num_threads: files checked at a time.
+        storage_options: URLs only: passed to fsspec (credentials, endpoint...).
+        timeout: URLs only: seconds one request may take (default: the remote reader's).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when the tree loads and every checksum
@@ -275,28 +314,66 @@ def verify_tree(
         >>> r.ok, r.leaves, r.checksummed
         (True, 1, 1)
     """
-    root = os.path.realpath(os.fspath(prefix))
+    if num_threads < 1:
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"num_threads must be >= 1, got {num_threads}")
+    remote = is_url(prefix)
+    if not remote and (storage_options is not None or timeout is not None):
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"storage_options and timeout are for URLs only, got the path {prefix!r}")
+    root = str(prefix).rstrip("/") if remote else os.path.realpath(os.fspath(prefix))
     report = VerifyReport(root)
-    with Progress(desc="verify", unit="leaf", progress=progress) as bar:
-        _verify(root, _Walker(report, checksums, bar))
+    walker = _Walker(report, checksums)
+    if not remote:
+        from .tensordict import check_tensordict_dir, is_tensordict_dir
+
+        if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
+            report.layout = "tensordict"
+            with Progress(desc="verify", unit="leaf", progress=progress) as bar:
+
+                def leaf() -> None:
+                    walker.tensordict_leaf()
+                    bar.update()
+
+                check_tensordict_dir(root, walker.tensordict_problem, leaf)
+            return report
+    try:
+        storage = _open_storage(root, remote, storage_options, timeout)
+    except MemtreeError as err:
+        walker.add(root, (), _kind(err), str(err))
+        return report
+    try:
+        _verify(storage, walker, progress, num_threads)
+    finally:
+        storage.close()
     return report
 
 
-def _verify(root: str, walker: _Walker) -> None:
-    if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
-        walker.report.layout = "tensordict"
-        check_tensordict_dir(root, walker.tensordict_problem, walker.tensordict_leaf)
-        return
-    if is_uncommitted_name(os.path.basename(root)):
-        walker.add(root, (), "not-committed",
-                   f"{root} is the staging directory (or old copy) of an unfinished write")
-        return
-    try:
-        fd = open_dir(root, root, None)
-    except MemtreeError as err:
-        walker.add(root, (), _kind(err), str(err))
-        return
-    try:
-        walker.level(fd, root, (), 0, ())
-    finally:
-        os.close(fd)
+def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | None,
+                  timeout: float | None) -> Storage:
+    if not remote:
+        return LocalStorage(root)
+    from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+
+    return FsspecStorage(root, storage_options=storage_options,
+                         timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+
+
+def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_threads: int) -> None:
+    with ThreadPoolExecutor(num_threads) as pool:
+        levels = list(walk(storage, pool=pool, on_error=walker.level_problem))
+        jobs = walker.jobs(storage, levels)
+        leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
+        walker.report.leaves = len(leaves)
+        hashed = [e for e in leaves if walker.checksums and e.checksum is not None]
+        by_bytes = bool(hashed)
+        total = sum(e.nbytes for e in hashed) if by_bytes else len(jobs)
+        with Progress(total=total, desc="verify", unit="B" if by_bytes else "leaf", progress=progress) as bar:
+            walker.bar = bar if by_bytes else None
+            for found in pool.map(lambda job: walker.check(storage, job), jobs):
+                walker.report.problems.extend(found)
+                if not by_bytes:
+                    bar.update()
+        walker.bar = None

@@ -40,11 +40,16 @@ from ..format.schema import ChildMeta, LevelMeta, parse_level, starts_with_batch
 from .options import Selection, select_entries
 from .storage import Storage, join_rel
 
-__all__ = ["WalkedLevel", "walk", "read_level", "map_all"]
+__all__ = ["WalkedLevel", "NestingError", "walk", "read_level", "map_all"]
 
 _T = TypeVar("_T")
 #: ``on_error(where, keys, error)``: ``where`` is the file concerned, ``keys`` the level's key path.
 OnError = Callable[[str, tuple[str, ...], MemtreeError], None]
+
+
+class NestingError(MetaFormatError):
+    """A sub-level's ``batch_size`` does not start with its parent's (``memtree verify`` reports
+    it as a ``"structure"`` problem)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +129,10 @@ def _parse(storage: Storage, dirs: tuple[str, ...]) -> LevelMeta:
 
 def _nesting_problem(
     storage: Storage, dirs: tuple[str, ...], meta: LevelMeta, parent: LevelMeta | None
-) -> MetaFormatError | None:
+) -> NestingError | None:
     if parent is None or starts_with_batch(meta.batch_size, parent.batch_size):
         return None
-    return MetaFormatError(
+    return NestingError(
         f"{storage.describe(join_rel(*dirs, META_NAME))}: batch_size {list(meta.batch_size)} does "
         f"not start with the parent's {list(parent.batch_size)}; the tree is damaged"
     )

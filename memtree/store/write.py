@@ -60,6 +60,7 @@ from ..errors import (
     LimitError,
     MemtreeError,
 )
+from .crypto import TreeCipher, hide_names
 from .faults import point
 from .files import FileRange, check_free_space, create_leaf, is_plain_memory, storage_error
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
@@ -263,7 +264,7 @@ def _plan_leaf(
             "dims counted as 1); give its empty dims smaller sizes"
         )
     plan.leaves.append(LeafJob(rel, kpath, tensor, tensor.nbytes))
-    return LeafMeta(key, name, dtype, shape)
+    return LeafMeta(key, name, dtype_name(dtype), shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,6 +377,8 @@ def write_tree(
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
         plan = plan_write(level, options, dest=dest)
+        if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
+            hide_names(plan)
     parent, name = os.path.split(dest)
     try:
         if not os.path.isdir(parent):
@@ -411,7 +414,9 @@ def write_tree(
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
         written = {tuple(rel.split("/")) if rel else (): meta for rel, meta in metas.items()}
-        return open_tree(dest, ReadOptions(mode=check_mode(mode), allow_pickle=True), written=written)
+        return open_tree(
+            dest, ReadOptions(mode=check_mode(mode), allow_pickle=True, encryption=options.encryption), written=written
+        )
 
 
 def _thread_count(num_threads: int, files: int, nbytes: int) -> int:
@@ -482,13 +487,21 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     point("before_leaves")
     sums: dict[str, str] = {}
     written: dict[str, LevelMeta] = {}
+    key = options.encryption  # encryption at rest: store/crypto.py
+    cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
         try:
-            digest = create_leaf(
-                f"{staging}/{j.rel}", data, j.nbytes, reserve=options.reserve, fsync=fsync, checksum=checksum
-            )
+            if cipher is not None and data is not None:
+                shape = tuple(j.tensor.shape)
+                digest = cipher.write_leaf(
+                    f"{staging}/{j.rel}", j.rel, data, j.tensor.dtype, shape, fsync=fsync, checksum=checksum
+                )
+            else:
+                digest = create_leaf(
+                    f"{staging}/{j.rel}", data, j.nbytes, reserve=options.reserve, fsync=fsync, checksum=checksum
+                )
         except MemtreeError:
             raise
         except OSError as err:
@@ -509,6 +522,8 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
             os.chmod(staging, 0o755)
+        if cipher is not None:
+            meta = cipher.seal_level(meta, lp.rel)
         write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
         if fsync:
             fsync_dir(directory)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import BatchSizeError, KeyTypeError
+from ..format.schema import MAX_DIM, MAX_NDIM
 
 __all__ = ["Key", "is_str_key", "key_tuple", "fmt_key", "as_size", "check_batch_index", "expand_ellipsis"]
 
@@ -54,6 +55,11 @@ def as_size(batch_size: Any) -> torch.Size:
         raise BatchSizeError(f"batch_size must be a sequence of ints, got {batch_size!r}") from None
     if any(b < 0 for b in size):
         raise BatchSizeError(f"batch_size must not have negative sizes, got {list(size)}")
+    if len(size) > MAX_NDIM or any(b > MAX_DIM for b in size):
+        raise BatchSizeError(
+            f"batch_size must have at most {MAX_NDIM} dims, each below 2**63 (what torch and the"
+            f" on-disk format can hold), got {list(size)!s:.200}"
+        )
     return size
 
 

@@ -39,7 +39,7 @@ from ..store.read import PendingLevel, loading_lock
 from . import bind
 from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
 from .numpy_view import numpy_value
-from .registry import class_for
+from .registry import class_for, class_for_foreign
 
 __all__ = ["TreeCore", "Key"]
 
@@ -650,6 +650,8 @@ class TreeCore:
         if isinstance(level, PendingLevel):
             return cls._lazy(level, device, unknown_classes)
         target = class_for(level.type, unknown_classes, path) or cls  # a registered @tensorclass
+        if level.foreign_type is not None:  # a tensordict @tensorclass: a memtree one of its name
+            target = class_for_foreign(level.foreign_type) or target
         out = target._empty(torch.Size(level.batch_size), device)
         for k, v in level.entries.items():
             if isinstance(v, Level):

@@ -24,6 +24,8 @@ from typing_extensions import Self
 import torch
 
 from ..format.level import Level
+from ..errors import InvalidArgumentError
+from ..store.crypto import EncryptionKey
 from ..store.mapped import MemoryMappedTensor
 from ..store.open import open_prefix
 from ..store.options import KeySelection, ReadOptions, WriteOptions
@@ -102,8 +104,17 @@ class Persistence(ShapeOps):
         allow_pickle: bool = False,
         checksum: str | None = None,
         progress: bool | None = None,
+        encryption: EncryptionKey | None = None,
+        encrypt_names: bool = False,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
+
+        ``encryption=key`` (a :class:`memtree.EncryptionKey`, extra ``memtree[crypto]``) encrypts
+        every leaf with AES-256-GCM and authenticates every ``meta.json``; the tree returned is
+        then in memory, not mapped: each level is decrypted from the files when first used
+        (``docs/guide/encryption.md``). Keys, shapes, dtypes and non-tensor values stay
+        readable without the key, unless ``encrypt_names=True``: then each level's entries are
+        sealed too and files get random names.
 
         Example:
             >>> import tempfile, torch, memtree
@@ -111,10 +122,17 @@ class Persistence(ShapeOps):
             >>> m = t.memmap(tempfile.mkdtemp() + "/m", num_threads=2)
             >>> m.is_memmap(), t.is_memmap()
             (True, False)
+            >>> key = memtree.EncryptionKey.generate()
+            >>> e = t.memmap(tempfile.mkdtemp() + "/e", encryption=key)
+            >>> e.is_memmap(), e["w"].tolist()
+            (False, [1.0, 1.0, 1.0])
         """
+        if encryption is not None and prefix is None:
+            raise InvalidArgumentError("encryption= needs a prefix: shared memory (prefix=None) is never encrypted")
         level = self._write(prefix, WriteOptions.of(
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
-            allow_pickle=allow_pickle, checksum=checksum, progress=progress,
+            allow_pickle=allow_pickle, checksum=checksum, progress=progress, encryption=encryption,
+            encrypt_names=encrypt_names,
         ))
         return type(self)._from_level(level, self._device)
 
@@ -164,6 +182,7 @@ class Persistence(ShapeOps):
         verify: bool = False,
         unknown_classes: str = "error",
         lazy: bool = True,
+        encryption: EncryptionKey | None = None,
         **remote: Any,
     ) -> Self:
         """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
@@ -196,8 +215,15 @@ class Persistence(ShapeOps):
             lazy: ``False`` loads every level before returning, so that a damaged or missing
                 file raises here rather than on first use. ``verify=True``, ``mmap=False``,
                 ``device`` other than CPU/meta, and remote URLs always load everything at once.
+            encryption: the :class:`memtree.EncryptionKey` of a tree written with
+                ``memmap(..., encryption=key)``. Its leaves are then decrypted into memory (never
+                mapped; ``mode`` and ``mmap`` do not apply), every level at once, by several
+                threads; every ``meta.json`` and chunk is authenticated, and a wrong key, a
+                missing key (except for ``device="meta"``), or a changed, swapped or truncated
+                file raises :class:`~memtree.DecryptionError`. A key for a tree that is not
+                encrypted raises too.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
-                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync`` (see
+                ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync``, ``progress`` (see
                 :func:`memtree.remote.load`).
 
         Example:
@@ -207,12 +233,15 @@ class Persistence(ShapeOps):
             >>> memtree.TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
-        options = ReadOptions.of(keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify)
+        options = ReadOptions.of(
+            keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify,
+            encryption=encryption,
+        )
         dev = options.device
         root = open_prefix(prefix, options, **remote)
         if isinstance(root, Level):  # a remote tree or tensordict's layout: loaded whole
             return cls._from_level(root, dev, unknown_classes)
-        lazy = lazy and not verify and mmap and (dev is None or dev.type in ("cpu", "meta"))
+        lazy = lazy and not verify and mmap and encryption is None and (dev is None or dev.type in ("cpu", "meta"))
         if not lazy:
             return cls._from_level(root.load_all(), dev, unknown_classes)
         tree = cls._lazy(root, dev, unknown_classes)

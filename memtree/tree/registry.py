@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import InvalidArgumentError, TensorclassError, UnknownClassError
 from ..format.schema import TREE_TYPE, TYPE_NAME_MAX, is_type_name
 
-__all__ = ["RESERVED_PREFIX", "UNKNOWN_CLASSES", "register", "class_for"]
+__all__ = ["RESERVED_PREFIX", "UNKNOWN_CLASSES", "register", "class_for", "class_for_foreign"]
 
 #: Names starting with this prefix are reserved for memtree's own container types.
 RESERVED_PREFIX = "memtree."
@@ -105,3 +105,27 @@ def class_for(type_name: str, unknown_classes: str, path: tuple[str, ...]) -> ty
         "the module that defines it before loading (memtree never imports modules named in a "
         "file), or pass unknown_classes='tree' to load it as a plain TensorTree"
     )
+
+
+def class_for_foreign(foreign_type: str) -> type[Any] | None:
+    """The registered class for a class another library recorded (tensordict's ``_type``).
+
+    ``"<class 'pkg.mod.Step'>"`` is matched, as text (nothing is imported), against the names
+    ``pkg.mod.Step``, ``mod.Step`` and ``Step`` in that order: the longest one registered wins,
+    so a memtree class named like the tensordict class (its default name is the class's
+    qualified name) or registered under its full path (``@tensorclass(name="pkg.mod.Step")``)
+    is found. ``None`` when none is registered: the level loads as a plain tree.
+
+    Example:
+        >>> class Pair: ...
+        >>> register("docs.Pair", Pair)
+        >>> class_for_foreign("<class 'docs.Pair'>") is Pair, class_for_foreign("<class 'x.Nope'>")
+        (True, None)
+    """
+    dotted = foreign_type.removeprefix("<class '").removesuffix("'>")
+    parts = dotted.split(".")
+    for start in range(len(parts)):
+        name = ".".join(parts[start:])
+        if is_type_name(name) and name != TREE_TYPE and name in _CLASSES:
+            return _CLASSES[name]
+    return None

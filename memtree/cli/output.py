@@ -1,0 +1,130 @@
+"""What every sub-command prints: one JSON document with ``--json``, text otherwise; exit codes.
+
+Every sub-command takes ``--json`` (:func:`add_json_flag`) and, with it, writes exactly one JSON
+object to standard output (:func:`emit_json`) and nothing else there: notes go to standard
+error, progress bars are off. An error the command expected (a :class:`~memtree.MemtreeError`)
+is, with ``--json``, the object ``{"error": {"type": "<class name>", "message": "..."}}`` on
+standard output (:func:`error_document`), and exit code 1. The schemas are documented in
+``docs/guide/cli.md``.
+
+Exit codes (the same for every command):
+
+* :data:`EXIT_OK` (0): done; for ``verify`` the tree is clean, for ``diff`` the trees are equal;
+* :data:`EXIT_FAILED` (1): an error (no traceback: one line naming the path and the fix), or
+  the check found something (``verify``: a problem; ``diff``: a difference);
+* :data:`EXIT_USAGE` (2): the command line itself is wrong (argparse's message);
+* :data:`EXIT_INTERRUPTED` (130): Ctrl-C.
+
+Example:
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> add_json_flag(parser)
+    >>> parser.parse_args(["--json"]).json
+    True
+    >>> emit_json({"ok": True, "path": "/data/ckpt"})
+    {
+      "ok": true,
+      "path": "/data/ckpt"
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "add_json_flag",
+    "emit_json",
+    "emit_text",
+    "error_document",
+    "to_json",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--json`` flag (``args.json``) that every sub-command takes.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_json_flag(p); p.parse_args([]).json
+        False
+    """
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on standard output (schema: docs/guide/cli.md); no progress bar",
+    )
+
+
+def to_json(value: Any, *, indent: bool = False) -> str:
+    """``value`` as JSON text. What JSON cannot hold is written as text: a key that is not a
+    string as its ``str``, a value orjson does not know (``bytes``, ``complex``, a
+    ``torch.Size``...) as its ``repr``; NaN and infinities as ``null``.
+
+    Example:
+        >>> print(to_json({"a": (1, 2), 3: b"x", "c": 1j}))
+        {"a":[1,2],"3":"b'x'","c":"1j"}
+    """
+    option = orjson.OPT_NON_STR_KEYS | (orjson.OPT_INDENT_2 if indent else 0)
+    return orjson.dumps(value, default=repr, option=option).decode()
+
+
+def emit_json(document: dict[str, Any]) -> None:
+    """Print ``document`` as one indented JSON object (see :func:`to_json`).
+
+    Example:
+        >>> emit_json({"n": 1})
+        {
+          "n": 1
+        }
+    """
+    _write(to_json(document, indent=True))
+
+
+def emit_text(text: str) -> None:
+    """Print ``text`` (a line break is added), degraded to what the terminal's encoding can show.
+
+    Example:
+        >>> emit_text("OK ckpt: 3 leaves")
+        OK ckpt: 3 leaves
+    """
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):  # e.g. an ASCII-only terminal
+        text = text.replace("…", "...").encode(encoding, "backslashreplace").decode(encoding)
+    _write(text)
+
+
+def error_document(err: BaseException) -> dict[str, Any]:
+    """The ``--json`` form of an error: ``{"error": {"type": ..., "message": ...}}``.
+
+    Example:
+        >>> from memtree.errors import NotAMemtreeError
+        >>> error_document(NotAMemtreeError("x has no meta.json"))
+        {'error': {'type': 'NotAMemtreeError', 'message': 'x has no meta.json'}}
+    """
+    return {"error": {"type": type(err).__name__, "message": str(err)}}
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `memtree info big | head`: the reader has gone; that is fine
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
