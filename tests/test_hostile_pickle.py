@@ -850,3 +850,30 @@ def test_depth_counts_a_shared_container_at_its_deepest_place(tmp_path: Any) -> 
     with pickle_limits(max_depth=4):
         with memtree.open_checkpoint(path) as ckpt:
             assert ckpt.non_tensors["top2"] == [[[]]]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("version", 64), ("compression", 99), ("flags", 1)],  # a zip 6.4 entry, an unknown method, encrypted
+)
+def test_zip_entries_that_zipfile_cannot_read_are_checkpoint_errors(tmp_path: Path, field: str, value: int) -> None:
+    """zipfile raises NotImplementedError/RuntimeError for these: found escaping by the zip fuzzer."""
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    data = bytearray(path.read_bytes())
+    offset = {"version": 6, "flags": 8, "compression": 10}[field]  # in a central directory record
+    for sig in (b"PK\x01\x02",):
+        at = data.find(sig)
+        while at != -1:
+            name_len = struct.unpack_from("<H", data, at + 28)[0]
+            if data[at + 46 : at + 46 + name_len].endswith(b"data.pkl"):
+                struct.pack_into("<H", data, at + offset, value)
+                if field != "version":  # the local header too, which zipfile.open compares
+                    local = struct.unpack_from("<I", data, at + 42)[0]
+                    struct.pack_into("<H", data, local + offset - 2, value)
+            at = data.find(sig, at + 4)
+    path.write_bytes(bytes(data))
+    with pytest.raises(memtree.MemtreeError, match="m.pt"):
+        memtree.open_checkpoint(path)
+    with pytest.raises(memtree.MemtreeError):
+        memtree.load_into_module(torch.nn.Linear(2, 2), path)

@@ -450,8 +450,8 @@ class TorchSaveReader(Closing):
             self._zip_file = open(self._file.fd, "rb", closefd=False)  # noqa: SIM115
             self._zip = zipfile.ZipFile(self._zip_file)
             infos = {i.filename: i for i in self._zip.infolist()}
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
-            raise CheckpointFormatError(
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError) as err:
+            raise CheckpointFormatError(  # NotImplementedError: an entry of a newer zip version
                 f"{self.path} is not a readable zip archive ({err}); the file is truncated or "
                 "damaged: download or save it again"
             ) from None
@@ -547,7 +547,9 @@ class TorchSaveReader(Closing):
                         scan.feed(buf)
         except MemtreeError:
             raise
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
+        # zipfile raises NotImplementedError for an entry of a newer zip version or an unknown
+        # compression, RuntimeError for an encrypted one: all damage (or not torch.save's)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error, NotImplementedError, RuntimeError) as err:
             raise CheckpointFormatError(
                 f"{what} cannot be read ({err}); the file is damaged"
             ) from None
