@@ -474,7 +474,7 @@ def test_missing_format_or_version(tree_dir, field):
 
 def test_unknown_version_in_child(tree_dir):
     m = child_meta()
-    m["version"] = 2
+    m["version"] = 3
     set_child(tree_dir, m)
     expect_error(tree_dir, memtree.UnsupportedVersionError)
 

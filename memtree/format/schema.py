@@ -477,7 +477,7 @@ def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> 
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
-    """The common entries (a tensor without checksum or capacity, a sub-tree), checked inline;
+    """The common entries (a tensor without capacity, a sub-tree), checked inline;
     ``None`` otherwise.
 
     Accepts exactly what :func:`_parse_entry` accepts for such an entry, faster (a level of a
