@@ -249,3 +249,20 @@ def test_memmap_into_an_existing_tree_records_new_checksums(tmp_path):
     tree.memmap_(d)  # written again from its own (mapped) leaves
     assert verify_tree(d).ok and verify_tree(d).tree_hash == "ok"
     assert raw_bytes(memtree.load_memmap(d, verify=True)["x"]) == raw_bytes(torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_cli_verify_reports_the_tree_hash_and_stale_leaves(tmp_path, capsys):
+    from memtree.cli.main import main
+
+    d = tmp_path / "t"
+    TensorTree({"x": torch.zeros(4), "s": {"y": torch.zeros(2)}}).memmap(d)
+    assert main(["verify", str(d)]) == 0
+    assert "2 checksums compared, tree hash matches" in capsys.readouterr().out
+    assert main(["verify", "--json", str(d)]) == 0
+    assert orjson.loads(capsys.readouterr().out)["tree_hash"] == "ok"
+    tree = memtree.load_memmap(d)
+    _after_a_tick()
+    tree["x"][0] = 1.0
+    assert main(["verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "[key x] stale:" in out and "tree hash matches" in out
