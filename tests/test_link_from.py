@@ -250,3 +250,14 @@ def test_old_tree_removed_while_linking_writes_the_rest(tmp_path, monkeypatch):
     assert stats.files_linked + stats.files_written == 4 and stats.files_written >= 3
     loaded = memtree.load_memmap(new, verify=True)
     assert raw_bytes(loaded["opt", "m"]) == raw_bytes(_state(0).entries["opt"].entries["m"])
+
+
+def test_fsync_flushes_linked_files_too(tmp_path, monkeypatch):
+    old = tmp_path / "1"
+    _save(old, _state(0))
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(linking.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real(fd))
+    stats = _save(tmp_path / "2", _state(0), link_from=old, fsync=True)
+    assert stats.files_linked == 4
+    assert {os.stat(p).st_ino for p in old.rglob("*.memmap")} <= set(synced)  # (os.fsync is global)

@@ -130,8 +130,11 @@ class LinkSource:
             return None
         return old.meta
 
-    def link(self, key: tuple[str, ...], checksum: str, target: str) -> bool | None:
+    def link(self, key: tuple[str, ...], checksum: str, target: str, *, fsync: bool = False) -> bool | None:
         """Hard-link the old leaf at ``key`` to the new path ``target`` if its data has ``checksum``.
+
+        ``fsync``: also flush the old file's data (the old tree may have been written without
+        ``fsync``; the new one promises durability).
 
         Returns:
             True when linked; None when the recorded checksum differs (the leaf changed);
@@ -164,6 +167,8 @@ class LinkSource:
             except OSError:
                 made = None
             if made is not None and (made.st_dev, made.st_ino) == (st.st_dev, st.st_ino):
+                if fsync:
+                    os.fsync(fd)  # an error here fails the write, as a failed fsync of a written leaf does
                 return True
             _unlink_quiet(target)  # another file was swapped in under the old name meanwhile
             return False

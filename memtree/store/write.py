@@ -581,7 +581,7 @@ def _write_staging(
             if links is not None and checksum is not None and links.candidate(j.key, j.tensor) is not None:
                 assert data is not None
                 digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
-                linked = links.link(j.key, digest, target)
+                linked = links.link(j.key, digest, target, fsync=fsync)
                 if linked:
                     sums[j.rel] = digest
                     if stats is not None:
