@@ -1,22 +1,22 @@
 """The whole-tree hash of format version 2, and how a checksum mismatch is classified.
 
-``tree_hash`` (root ``meta.json`` only, ``docs/format.md`` "Version 2") is one checksum over a
-canonical listing of the tree: a header line, then one line per level and per entry, sorted by key
-path. Each line is the compact JSON array (orjson) of:
+``tree_hash`` (root ``meta.json`` only, ``docs/format.md`` "Version 2") is one checksum over every
+``meta.json`` of the tree, framed and sorted by key path:
 
-* the header, first: ``["memtree-tree-hash", 1, <root save_id or null>]``;
-* a level (the root too, with key path ``[]`` and dir ``""``):
-  ``["tree", <key path>, <dir>, <type>, <batch_size>]``;
-* a tensor leaf: ``["tensor", <key path>, <file>, <dtype>, <shape>, <capacity or null>,
-  <checksum or null>]``;
-* a JSON value: ``["json", <key path>, <value>]``;
-* a pickled value: ``["pickle", <key path>, <file>, <checksum of the file's bytes>]``;
+* first the header line ``["memtree-tree-hash",1]``;
+* then, for each level (the root too: key path ``[]``, dir ``""``), sorted by key path (a list
+  of str, compared element by element by code point), the line ``[<key path>,<dir>]``
+  followed by the level's ``meta.json`` bytes as memtree writes them
+  (:func:`~memtree.format.schema.dump_level`; the root's without its ``tree_hash`` field);
+* and for each pickled value, among the levels in key path order, the line
+  ``["pickle",<key path>,<checksum of the pickle file's bytes>]``;
 
-followed by ``"\\n"``; the lines after the header are sorted by key path (a list of str,
-compared element by element by code point; a level and its entries never share a key path).
-The hash is ``"<algorithm>:<hex>"`` of the concatenated lines, with the algorithm of the leaves'
-checksums. Any change of a key, a dtype, a shape, a value, a file name or a leaf checksum (so of
-any leaf's bytes) changes it.
+each line and each ``meta.json`` followed by ``"\n"`` (compact JSON never holds a raw newline).
+The hash is ``"<algorithm>:<hex>"`` of all of it, with the algorithm of the leaves' checksums. It
+covers every field of every level (the root's ``save_id`` too, and any field later additions
+define), so any change of a key, dtype, shape, value, file name or leaf checksum (so of any
+leaf's bytes) changes it. The writer hashes the bytes it has just written: no extra work per
+leaf.
 
 A leaf whose bytes no longer match its checksum is *damaged*, unless the file was modified after
 its level's ``meta.json`` was written (:func:`changed_after_meta`): then it was written in place
@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 import orjson
 
-from ..format.dtypes import dtype_name
 from ..format.names import META_NAME
-from ..format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
+from ..format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
 from .files import new_digest
 
 __all__ = ["tree_hash", "tree_hash_lines", "changed_after_meta"]
@@ -46,41 +46,45 @@ __all__ = ["tree_hash", "tree_hash_lines", "changed_after_meta"]
 _HEADER = "memtree-tree-hash"
 
 
-def tree_hash_lines(metas: Mapping[str, LevelMeta], pickle_sums: Mapping[str, str]) -> list[bytes]:
+def tree_hash_lines(
+    metas: Mapping[str, LevelMeta], pickle_sums: Mapping[str, str], dumped: Mapping[str, bytes] | None = None
+) -> list[bytes]:
     """The canonical lines of a tree (see the module docstring).
 
     Args:
         metas: every level's metadata by directory relative to the root (``""``: the root).
         pickle_sums: the checksum of each pickle file's bytes, by path relative to the root.
+        dumped: ``dump_level`` of some levels already at hand (a writer's), by directory.
 
     Raises:
         KeyError: a level or pickle file of the tree is not in ``metas``/``pickle_sums``.
     """
-    root = metas[""]
-    rows: list[tuple[list[str], bytes]] = []
-    todo: list[tuple[str, list[str], str, LevelMeta]] = [("", [], "", root)]
+    rows: list[tuple[list[str], int, list[bytes]]] = []
+    todo: list[tuple[str, list[str], str]] = [("", [], "")]
     while todo:
-        rel, path, name, meta = todo.pop()
-        rows.append((path, orjson.dumps(["tree", path, name, meta.type, list(meta.batch_size)])))
+        rel, path, name = todo.pop()
+        meta = metas[rel]
+        if rel == "":
+            data = dump_level(replace(meta, tree_hash=None))
+        else:
+            data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta)
+        rows.append((path, 0, [orjson.dumps([path, name]), data]))
         for e in meta.entries:
-            p = path + [e.key]
-            if isinstance(e, LeafMeta):
-                line = ["tensor", p, e.file, dtype_name(e.dtype), list(e.shape), e.capacity, e.checksum]
-            elif isinstance(e, ChildMeta):
-                child = f"{rel}/{e.dir}" if rel else e.dir
-                todo.append((child, p, e.dir, metas[child]))
-                continue
-            elif isinstance(e, JsonMeta):
-                line = ["json", p, e.value]
-            else:
-                assert isinstance(e, PickleMeta)
-                line = ["pickle", p, e.file, pickle_sums[f"{rel}/{e.file}" if rel else e.file]]
-            rows.append((p, orjson.dumps(line)))
-    rows.sort(key=lambda r: r[0])
-    return [orjson.dumps([_HEADER, 1, root.save_id])] + [line for _, line in rows]
+            if isinstance(e, ChildMeta):
+                todo.append((f"{rel}/{e.dir}" if rel else e.dir, path + [e.key], e.dir))
+            elif isinstance(e, PickleMeta):
+                digest = pickle_sums[f"{rel}/{e.file}" if rel else e.file]
+                rows.append((path + [e.key], 1, [orjson.dumps(["pickle", path + [e.key], digest])]))
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return [orjson.dumps([_HEADER, 1])] + [line for _, _, lines in rows for line in lines]
 
 
-def tree_hash(algorithm: str, metas: Mapping[str, LevelMeta], pickle_sums: Mapping[str, str]) -> str:
+def tree_hash(
+    algorithm: str,
+    metas: Mapping[str, LevelMeta],
+    pickle_sums: Mapping[str, str],
+    dumped: Mapping[str, bytes] | None = None,
+) -> str:
     """``"<algorithm>:<hex>"`` over :func:`tree_hash_lines`, each followed by a newline.
 
     Example:
@@ -91,7 +95,7 @@ def tree_hash(algorithm: str, metas: Mapping[str, LevelMeta], pickle_sums: Mappi
         True
     """
     digest = new_digest(algorithm)
-    for line in tree_hash_lines(metas, pickle_sums):
+    for line in tree_hash_lines(metas, pickle_sums, dumped):
         digest.update(line + b"\n")
     return f"{algorithm}:{digest.hexdigest()}"
 

@@ -16,8 +16,11 @@ Example:
     >>> _ = TensorTree({"a": torch.arange(4), "b": {"c": torch.ones(2)}}).memmap(d, checksum="crc32")
     >>> verify_tree(d).ok
     True
-    >>> with open(os.path.join(d, "a.memmap"), "r+b") as f:
+    >>> path = os.path.join(d, "a.memmap")
+    >>> before = os.stat(path)
+    >>> with open(path, "r+b") as f:  # damage that keeps the modification time (bit rot)
     ...     _ = f.write(b"X")
+    >>> os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     >>> [(p.kind, p.key) for p in verify_tree(d).problems]
     [('checksum', ('a',))]
 """

@@ -571,6 +571,7 @@ def _write_staging(
     point("before_leaves")
     sums: dict[str, str] = {}
     written: dict[str, LevelMeta] = {}
+    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
@@ -616,9 +617,11 @@ def _write_staging(
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
             if checksum is not None:
-                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": meta}, pickle_sums))
+                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": meta}, pickle_sums, dumped))
             os.chmod(staging, 0o755)
-        write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
+        data = dump_level(meta)
+        write_small_file(f"{directory}/{META_NAME}", data, fsync=fsync)
+        dumped[lp.rel] = data
         if fsync:
             fsync_dir(directory)
         written[lp.rel] = meta
