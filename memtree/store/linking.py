@@ -36,9 +36,10 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,11 +49,58 @@ from ..format.schema import ChildMeta, LeafMeta, LevelMeta
 from .files import _unlink_quiet, file_checksum, open_leaf
 from .read import open_dir, walk_levels
 
-__all__ = ["MAX_LINKS", "LinkSource"]
+__all__ = ["MAX_LINKS", "LinkSource", "WriteStats"]
 
 #: A file with this many hard links already is written, not linked again (ext4 allows 65,000;
 #: leaving room keeps other tools working on it).
 MAX_LINKS = 60_000
+
+
+@dataclass
+class WriteStats:
+    """What a :func:`write_tree` did, for callers that measure it (pass ``stats=WriteStats()``).
+
+    Attributes:
+        files_written: leaf files written (data copied).
+        bytes_written: their bytes.
+        files_linked: leaf files hard-linked from ``link_from`` instead.
+        bytes_linked: their bytes (no data written).
+        link_fallbacks: leaves whose checksum matched ``link_from`` but that were written
+            anyway: the old file failed a check (size, content, link count) or the link failed.
+        link_error: why ``link_from`` could not be used at all (unreadable, another
+            filesystem...), else None: every leaf is then written.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.options import WriteOptions
+        >>> from memtree.store.write import write_tree
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_tree(d + "/1", Level((), {"w": torch.ones(4)}))
+        >>> stats = WriteStats()
+        >>> _ = write_tree(d + "/2", Level((), {"w": torch.ones(4)}), WriteOptions.of(link_from=d + "/1"), stats=stats)
+        >>> stats.files_linked, stats.bytes_linked, stats.files_written
+        (1, 16, 0)
+    """
+
+    files_written: int = 0
+    bytes_written: int = 0
+    files_linked: int = 0
+    bytes_linked: int = 0
+    link_fallbacks: int = 0
+    link_error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, nbytes: int, *, linked: bool, fallback: bool = False) -> None:
+        """Count one leaf file (thread-safe)."""
+        with self._lock:
+            if linked:
+                self.files_linked += 1
+                self.bytes_linked += nbytes
+            else:
+                self.files_written += 1
+                self.bytes_written += nbytes
+            self.link_fallbacks += fallback
 
 
 @dataclass(frozen=True)
