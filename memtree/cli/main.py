@@ -26,7 +26,8 @@ __all__ = ["main", "COMMANDS"]
 #: Sub-command name -> its module under :mod:`memtree.cli`, which defines ``NAME``, ``HELP``,
 #: ``add_arguments(parser)`` and ``run(args) -> int``. A module is imported only to run its own
 #: command (or for ``memtree --help``, which lists them all).
-COMMANDS: dict[str, str] = {"demo": "demo", "info": "info", "verify": "verify", "convert": "convert"}
+COMMANDS: dict[str, str] = {"demo": "demo", "info": "info", "verify": "verify", "convert": "convert",
+                          "diff": "diff", "du": "du"}
 
 
 def _module(name: str) -> Any:

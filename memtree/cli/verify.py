@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     summary = f"{report.path}{layout}: {report.leaves} leaves, {report.checksummed} checksums compared"
     if unchecked and not args.no_checksums:
         summary += f" ({unchecked} leaves have no checksum: size checked only)"
+    if report.tree_hash in ("ok", "mismatch"):
+        summary += ", tree hash " + ("matches" if report.tree_hash == "ok" else "differs")
     if report.ok:
         lines.append(f"OK {summary}")
     else:

@@ -1,4 +1,4 @@
-"""The ``meta.json`` schema of format version 1: data classes, serialisation, validation.
+"""The ``meta.json`` schema (format versions 1 and 2): data classes, serialisation, validation.
 
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "VERSION",
+    "READ_VERSIONS",
+    "CHECKSUM_ALGORITHMS",
+    "is_checksum",
     "TREE_TYPE",
     "MAX_META_BYTES",
     "MAX_DEPTH",
@@ -63,7 +66,11 @@ __all__ = [
 ]
 
 FORMAT = "memtree"
-VERSION = 1
+#: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
+#: ``tree_hash``; ``docs/format.md``, "Version 2").
+VERSION = 2
+#: The versions memtree reads.
+READ_VERSIONS = (1, 2)
 TREE_TYPE = "TensorTree"
 
 MAX_META_BYTES = 16 * 1024 * 1024
@@ -76,7 +83,8 @@ MAX_DIM = 2**63 - 1
 #: Levels of JSON arrays and objects a ``meta.json`` may nest: a non-tensor value
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
 MAX_META_NESTING = MAX_JSON_DEPTH + 3
-CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
+#: Checksum algorithms and the hex digits of their digests (``"<algorithm>:<hex>"``).
+CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
@@ -253,6 +261,8 @@ class LevelMeta:
     entries: tuple[Entry, ...]
     type: str = TREE_TYPE
     save_id: str | None = None
+    #: The root's whole-tree hash (``"<algorithm>:<hex>"``, ``docs/format.md``), else None.
+    tree_hash: str | None = None
     encryption: EncryptionMeta | None = None
     mac: str | None = None
     sealed: str | None = None
@@ -293,6 +303,8 @@ def dump_level(meta: LevelMeta) -> bytes:
     }
     if meta.save_id is not None:
         d["save_id"] = meta.save_id
+    if meta.tree_hash is not None:
+        d["tree_hash"] = meta.tree_hash
     if meta.encryption is not None:
         enc = meta.encryption
         d["encryption"] = {
@@ -374,13 +386,26 @@ def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
     return prefix == batch_size or tuple(prefix) == tuple(batch_size)  # no copies in the common case
 
 
+def is_checksum(value: object) -> bool:
+    """True for ``"<algorithm>:<hex>"`` with a known algorithm and its digest length.
+
+    Example:
+        >>> is_checksum("crc32:0a1b2c3d"), is_checksum("xxh3:0a1b"), is_checksum("md5:00")
+        (True, False, False)
+    """
+    if type(value) is not str:
+        return False
+    algo, _, digest = value.partition(":")
+    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and all(ch in "0123456789abcdef" for ch in digest)
+
+
 def _leaves_directory(name: str) -> bool:
     """True for names that would resolve outside their directory (or are not one component)."""
     return name in ("", ".", "..") or any(ch in name for ch in "/\\\0") or name.startswith(".")
 
 
 _LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
-_LEVEL_OPTIONAL = frozenset({"save_id", "encryption", "mac", "sealed"})
+_LEVEL_OPTIONAL = frozenset({"save_id", "tree_hash", "encryption", "mac", "sealed"})
 _ENCRYPTION_FIELDS = frozenset({"algorithm", "chunk_bytes", "salt", "key_check", "names"})
 
 
@@ -420,10 +445,10 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             f"version={doc.get('version')!r:.20}); load tensordict directories and other formats "
             "through their own readers"
         )
-    if doc["version"] != VERSION or type(doc["version"]) is not int:
+    if doc["version"] not in READ_VERSIONS or type(doc["version"]) is not int:
         raise UnsupportedVersionError(
             f"{where}: format version {doc['version']!r:.20} is not supported by this memtree "
-            f"(it reads version {VERSION}); upgrade memtree to read this tree"
+            f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade memtree to read this tree"
         )
     doc = c.obj(doc, "top level", _LEVEL_FIELDS, _LEVEL_OPTIONAL)
     if doc["byteorder"] != "little":
@@ -437,6 +462,12 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             f"{kind_of_tree!r:.60}",
         )
     save_id = c.string(doc["save_id"], "save_id") if "save_id" in doc else None
+    tree_hash = doc.get("tree_hash")
+    if tree_hash is not None or "tree_hash" in doc:
+        if depth != 0 or doc["version"] < 2:
+            raise c.fail("tree_hash", "is only allowed in the root meta.json of a version 2 tree")
+        if not is_checksum(tree_hash):
+            raise c.fail("tree_hash", f"must be '<algorithm>:<hex digest>', got {tree_hash!r:.80}")
     batch_size = c.ints(doc["batch_size"], "batch_size")
     raw_entries = doc["entries"]
     if type(raw_entries) is not list:
@@ -462,7 +493,9 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             names.add(folded)
         entries.append(entry)
     encryption, mac = _parse_encryption(c, doc)
-    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+    if encryption is not None and doc["version"] < 2:
+        raise c.fail("encryption", "is only allowed in a version 2 tree")
+    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
     sealed = doc.get("sealed")
     if encryption is None:
         if sealed is not None:
@@ -473,7 +506,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             raise c.fail(
                 "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
             )
-        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id):
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash):
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
         return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
     if sealed is not None:
@@ -594,6 +627,7 @@ def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
 _LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
 
@@ -618,7 +652,7 @@ def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> 
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
-    """The common entries (a tensor without checksum or capacity, a sub-tree), checked inline;
+    """The common entries (a tensor without capacity, a sub-tree), checked inline;
     ``None`` otherwise.
 
     Accepts exactly what :func:`_parse_entry` accepts for such an entry, faster (a level of a
@@ -634,7 +668,10 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         if raw["kind"] != "tree" or type(key) is not str or not key or not is_safe_name(name, ""):
             return None
         return ChildMeta(key, name)
-    if fields != _PLAIN_LEAF_FIELDS or raw["kind"] != "tensor":
+    if (fields != _PLAIN_LEAF_FIELDS and fields != _CHECKSUM_LEAF_FIELDS) or raw["kind"] != "tensor":
+        return None
+    checksum = raw.get("checksum")
+    if checksum is not None and not is_checksum(checksum):
         return None
     key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
     if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
@@ -650,7 +687,7 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         (prod(dims) or prod(d or 1 for d in dims)) * size > MAX_NBYTES  # extent_bytes
     ):
         return None
-    return LeafMeta(key, file, dtype_str, dims)
+    return LeafMeta(key, file, dtype_str, dims, checksum)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
@@ -679,10 +716,10 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
         if extent_bytes((capacity, *shape[1:]), dtype) > MAX_NBYTES:
             raise c.fail(f"{p}.capacity", f"{capacity} rows of {list(shape[1:])} exceed any file")
     checksum = raw.get("checksum")
-    if checksum is not None:
-        algo, _, digest = checksum.partition(":") if type(checksum) is str else ("", "", "")
-        if CHECKSUM_ALGORITHMS.get(algo) != len(digest) or not all(
-            ch in "0123456789abcdef" for ch in digest
-        ):
-            raise c.fail(f"{p}.checksum", f"must be 'crc32:<8 hex>' or 'sha256:<64 hex>', got {checksum!r:.80}")
+    if checksum is not None and not is_checksum(checksum):
+        raise c.fail(
+            f"{p}.checksum",
+            "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
+            f"got {checksum!r:.80}",
+        )
     return LeafMeta(key, file, dtype, shape, checksum, capacity)

@@ -5,8 +5,9 @@ a local directory or any fsspec URL) with the loader's walker (:func:`memtree.st
 same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
 file, not a link, exact size), but instead of stopping at the first problem it records each one
 and goes on, and it compares every leaf's recorded checksum with the file's bytes (the digests of
-:func:`memtree.store.files.new_digest`). The same code verifies a local tree and a remote one. It
-never maps a file, never unpickles, and never writes. A directory written by tensordict's
+:func:`memtree.store.files.new_digest`), and the root's ``tree_hash`` (format version 2) with the
+hash of every ``meta.json`` (:mod:`memtree.store.integrity`). The same code verifies a local tree
+and a remote one. It never maps a file, never unpickles, and never writes. A directory written by tensordict's
 ``memmap``, which ``load_memmap`` reads too, is checked with the same reader
 (:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
 
@@ -17,8 +18,11 @@ Example:
     >>> _ = TensorTree({"a": torch.arange(4), "b": {"c": torch.ones(2)}}).memmap(d, checksum="crc32")
     >>> verify_tree(d).ok
     True
-    >>> with open(os.path.join(d, "a.memmap"), "r+b") as f:
+    >>> path = os.path.join(d, "a.memmap")
+    >>> mtime = os.stat(path).st_mtime_ns
+    >>> with open(path, "r+b") as f:  # bit rot: the bytes change, the modification time does not
     ...     _ = f.write(b"X")
+    >>> os.utime(path, ns=(mtime, mtime))
     >>> [(p.kind, p.key) for p in verify_tree(d).problems]
     [('checksum', ('a',))]
 """
@@ -50,6 +54,7 @@ from ..errors import (
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
 from .files import leaf_size_error, new_digest
+from .integrity import changed_after_meta, tree_hash
 from .progress import Progress
 from .storage import FileInfo, LocalStorage, Storage, is_url
 from .walk import NestingError, WalkedLevel, walk
@@ -85,7 +90,11 @@ class Problem:
     Attributes:
         path: the file or directory concerned.
         key: the key path of the leaf or sub-tree (``()`` for the root).
-        kind: ``"checksum"``, ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
+        kind: ``"checksum"`` (the bytes differ from the recorded checksum), ``"stale"`` (they
+            differ, and the file was modified after its ``meta.json``: written in place, e.g.
+            through a ``mode="r+"`` mapping, so the checksum no longer describes it),
+            ``"tree-hash"`` (the root's ``tree_hash`` does not match the ``meta.json`` files),
+            ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
             ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
             (batch sizes that do not nest), ``"not-a-tree"``, ``"not-committed"``, ``"io"``, and
             in tensordict directories ``"pickle"`` (a value only in a pickle sidecar, which
@@ -114,6 +123,11 @@ class VerifyReport:
             ``memmap`` (leaves checked for size, at least ``numel × itemsize`` bytes; no checksums).
         leaves: tensor leaves listed by the ``meta.json`` files that could be read.
         checksummed: leaves whose recorded checksum was compared with the file.
+        tree_hash: ``"ok"`` (the root's ``tree_hash`` matches every ``meta.json``),
+            ``"mismatch"`` (a ``"tree-hash"`` problem), ``"absent"`` (none recorded: a version 1
+            tree, written without checksums, or grown since), or ``"unchecked"`` (not compared:
+            ``checksums=False``, a level or pickle file could not be read, already a problem, or
+            an encrypted tree's sealed names).
         problems: every problem found: those of the ``meta.json`` files, then those of the
             leaf files, each in walk order (breadth first).
     """
@@ -122,6 +136,7 @@ class VerifyReport:
     layout: str = "memtree"
     leaves: int = 0
     checksummed: int = 0
+    tree_hash: str = "absent"
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -137,6 +152,7 @@ class VerifyReport:
             "ok": self.ok,
             "leaves": self.leaves,
             "checksummed": self.checksummed,
+            "tree_hash": self.tree_hash,
             "problems": [{**asdict(p), "key": list(p.key)} for p in self.problems],
         }
 
@@ -154,6 +170,9 @@ class _Walker:
         self.checksums = checksums
         self.lock = threading.Lock()
         self.bar: Progress | None = None  # set once the walk has counted the work
+        self.tree_algorithm: str | None = None  # of the root's tree_hash
+        self.pickle_sums: dict[str, str] = {}  # for the tree hash, by path from the root
+        self.complete = True  # every level and pickle file was read
 
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
@@ -166,8 +185,38 @@ class _Walker:
         self.report.leaves += 1
 
     def level_problem(self, where: str, key: tuple[str, ...], err: MemtreeError) -> None:
+        self.complete = False
         if not isinstance(err, NestingError):  # those are reported with their sizes by jobs()
             self.add(where, key, _kind(err), str(err))
+
+    def check_tree_hash(self, storage: Storage, levels: list[WalkedLevel]) -> None:
+        """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` read."""
+        root = next((lvl.meta for lvl in levels if not lvl.dirs), None)
+        if root is None or root.tree_hash is None:
+            self.report.tree_hash = "absent" if root is not None else "unchecked"
+            return
+        if not self.checksums or not self.complete or root.sealed is not None:
+            self.report.tree_hash = "unchecked"  # (sealed names: the hash covers what only the key reveals)
+            return
+        algorithm = root.tree_hash.partition(":")[0]
+        meta_path = storage.describe(META_NAME)
+        try:
+            found = tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, self.pickle_sums)
+        except MemtreeError as err:  # an algorithm this installation lacks
+            self.report.tree_hash = "unchecked"
+            self.add(meta_path, (), "tree-hash", f"tree_hash not checked: {err}")
+            return
+        if found == root.tree_hash:
+            self.report.tree_hash = "ok"
+            return
+        self.report.tree_hash = "mismatch"
+        self.add(
+            meta_path, (), "tree-hash",
+            f"{storage.describe('')}: the root meta.json records tree_hash {root.tree_hash}, the "
+            f"tree's meta.json files hash to {found}: a key, dtype, shape, value or checksum changed "
+            "after the tree was written (or a meta.json was damaged); restore it or re-save the tree",
+            root.tree_hash, found,
+        )
 
     def jobs(self, storage: Storage, levels: list[WalkedLevel]) -> list[tuple[WalkedLevel, LeafMeta | PickleMeta]]:
         """The files to check, in walk order; nesting problems recorded on the way."""
@@ -208,6 +257,14 @@ class _Walker:
                 return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
             except MemtreeError as err:
                 return problem(_kind(err), str(err))
+            if self.checksums and self.tree_algorithm is not None:  # the tree hash covers its bytes
+                try:
+                    info = storage.stat(rel)
+                    digest = self.digest(storage, rel, info, info.size, self.tree_algorithm)
+                except (OSError, MemtreeError) as err:
+                    return problem("io", f"reading {path}: {err}")
+                with self.lock:
+                    self.pickle_sums[rel] = digest
             return found
         expected = f"{entry.file_nbytes:,} bytes ({entry.dtype_name} {list(entry.shape)}"
         expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
@@ -234,7 +291,16 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum:
+        if digest != entry.checksum and _written_in_place(storage, lvl, rel):
+            problem(
+                "stale",
+                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}, "
+                "and the file was modified after its meta.json: it was written in place (e.g. "
+                "through a mode='r+' mapping), so its checksum no longer describes it and memtree "
+                "cannot tell that write from damage; re-save the tree to record new checksums",
+                entry.checksum, digest,
+            )
+        elif digest != entry.checksum:
             problem(
                 "checksum",
                 f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}; "
@@ -259,6 +325,28 @@ class _Walker:
         if self.bar is not None:
             with self.lock:
                 self.bar.update(n)
+
+
+def _written_in_place(storage: Storage, lvl: WalkedLevel, rel: str) -> bool:
+    """A local leaf file newer than its level's ``meta.json`` (:func:`changed_after_meta`); a
+    remote storage keeps no such times, so there a mismatch is always reported as damage."""
+    if not isinstance(storage, LocalStorage):
+        return False
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dir_fd = os.open(storage.describe(lvl.rel), flags | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fd = os.open(os.path.basename(storage.describe(rel)), flags, dir_fd=dir_fd)
+        try:
+            return changed_after_meta(fd, dir_fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(dir_fd)
 
 
 def _file_kind(storage: Storage, rel: str) -> str | None:
@@ -364,6 +452,9 @@ def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | Non
 def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_threads: int) -> None:
     with ThreadPoolExecutor(num_threads) as pool:
         levels = list(walk(storage, pool=pool, on_error=walker.level_problem))
+        root = next((lvl.meta for lvl in levels if not lvl.dirs), None)
+        if root is not None and root.tree_hash is not None:
+            walker.tree_algorithm = root.tree_hash.partition(":")[0]
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
         walker.report.leaves = len(leaves)
@@ -377,3 +468,4 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
                 if not by_bytes:
                     bar.update()
         walker.bar = None
+    walker.check_tree_hash(storage, levels)

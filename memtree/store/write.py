@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import torch
@@ -56,13 +56,25 @@ from ..errors import (
     DestinationExistsError,
     DtypeError,
     ExistingMemmapError,
+    InvalidArgumentError,
     InvalidKeyError,
     LimitError,
     MemtreeError,
 )
 from .crypto import TreeCipher, hide_names
 from .faults import point
-from .files import FileRange, check_free_space, create_leaf, is_plain_memory, storage_error
+from .files import (
+    FileRange,
+    check_free_space,
+    create_leaf,
+    file_checksum,
+    is_plain_memory,
+    new_digest,
+    storage_error,
+    tensor_checksum,
+)
+from .integrity import tree_hash
+from .linking import LinkSource, WriteStats
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
 from ..format.schema import (
     FORMAT,
@@ -77,7 +89,7 @@ from ..format.schema import (
     extent_bytes,
 )
 from ..format.names import META_NAME, encode_level
-from ..format.level import Level
+from ..format.level import Level, as_level
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem
 from .progress import Progress
@@ -88,6 +100,7 @@ from .recovery import recover_locked
 
 __all__ = [
     "LeafJob",
+    "WriteStats",
     "LevelPlan",
     "WritePlan",
     "plan_write",
@@ -349,10 +362,11 @@ def _gc_paused() -> Iterator[None]:
 
 def write_tree(
     prefix: str | os.PathLike[str],
-    level: Level,
+    level: Level | Any,
     options: WriteOptions | None = None,
     *,
     mode: str = "r+",
+    stats: WriteStats | None = None,
 ) -> PendingLevel:
     """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
 
@@ -361,19 +375,37 @@ def write_tree(
 
     Args:
         prefix: destination directory (created with its parents if needed).
-        level: the tree to write.
+        level: the tree to write (a :class:`~memtree.format.level.Level`, or a
+            :class:`~memtree.TensorTree`: anything :func:`~memtree.format.level.as_level` takes).
         options: how (:class:`~memtree.store.options.WriteOptions`: sparse files or data,
             threads, replace, fsync, pickles, checksums, progress); defaults: a copy of the data,
             in this thread, replacing an existing tree, no fsync. ``num_threads`` is an upper
             bound: fewer when the tree is too small to keep them busy (:data:`THREAD_MIN_WORK`
             each).
         mode: how the returned tree maps its files (``"r+"`` or ``"r"``).
+        stats: filled with what was written and linked (:class:`WriteStats`).
+
+    With ``options.link_from`` (an incremental save), each tensor leaf whose key path exists in
+    that committed tree with the same dtype and shape, no capacity, and a recorded checksum of
+    the same algorithm equal to the checksum of the new bytes (computed in the writer thread
+    before deciding) becomes a hard link to the old file instead of a copy; the written tree
+    stays standalone (deleting the old one loses nothing). The old file is opened relative to
+    held directory descriptors without following links, must be a regular file of the exact
+    size, and (``link_verify``, the default) is hashed itself: a file damaged or changed since
+    its checksum was recorded is never linked. Any failure (another filesystem, permissions,
+    the link count limit, the old tree replaced meanwhile) writes the leaf instead. Trees with
+    hard-linked leaves share those files: write into them only through memtree's growth
+    (which gives a shared file a new generation), never through a ``mode="r+"`` mapping.
 
     Raises:
         LockError: another writer is writing the same destination.
         MemtreeError: any input or storage problem; the destination is then unchanged.
     """
     options = options if options is not None else WriteOptions()
+    tree = as_level(level)
+    if tree is None:
+        raise InvalidArgumentError(f"write_tree writes a Level or a TensorTree, got {type(level).__name__}")
+    level = tree
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
         plan = plan_write(level, options, dest=dest)
@@ -401,7 +433,10 @@ def write_tree(
             raise storage_error(err, f"preparing to write {dest}") from err
         point("staging_created")
         try:
-            metas = _write_staging(staging, plan, options)
+            with LinkSource.open(options.link_from, options.checksum, staging, options.link_verify) as links:
+                if stats is not None:
+                    stats.link_error = links.error if links is not None else None
+                metas = _write_staging(staging, plan, options, links, stats)
             publish(
                 staging, dest, state, options.fsync, lock,
                 background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
@@ -477,10 +512,18 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
         raise failures[0]
 
 
-def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict[str, LevelMeta]:
-    """Write the plan's files into ``staging``; returns each level's metadata as written (with
-    checksums and the root's ``save_id``), by directory relative to the root."""
-    like, num_threads, fsync, checksum = options.like, options.num_threads, options.fsync, options.checksum
+def _write_staging(
+    staging: str,
+    plan: WritePlan,
+    options: WriteOptions,
+    links: LinkSource | None = None,
+    stats: WriteStats | None = None,
+) -> dict[str, LevelMeta]:
+    """Write the plan's files into ``staging`` (or link them from ``links``); returns each
+    level's metadata as written (with checksums, the root's ``save_id`` and ``tree_hash``), by
+    directory relative to the root."""
+    like, num_threads, fsync = options.like, options.num_threads, options.fsync
+    checksum = None if like else options.checksum
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
             os.mkdir(f"{staging}/{lp.rel}")
@@ -489,25 +532,43 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     written: dict[str, LevelMeta] = {}
     key = options.encryption  # encryption at rest: store/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
+    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
+        target = f"{staging}/{j.rel}"
         try:
-            if cipher is not None and data is not None:
-                shape = tuple(j.tensor.shape)
-                digest = cipher.write_leaf(
-                    f"{staging}/{j.rel}", j.rel, data, j.tensor.dtype, shape, fsync=fsync, checksum=checksum
+            digest = None
+            fallback = False
+            if cipher is not None and data is not None:  # never with link_from (WriteOptions refuses it)
+                written = cipher.write_leaf(
+                    target, j.rel, data, j.tensor.dtype, tuple(j.tensor.shape), fsync=fsync, checksum=checksum
                 )
             else:
-                digest = create_leaf(
-                    f"{staging}/{j.rel}", data, j.nbytes, reserve=options.reserve, fsync=fsync, checksum=checksum
+                if links is not None and checksum is not None and links.candidate(j.key, j.tensor) is not None:
+                    assert data is not None
+                    digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
+                    linked = links.link(j.key, digest, target, fsync=fsync)
+                    if linked:
+                        sums[j.rel] = digest
+                        if stats is not None:
+                            stats.add(j.nbytes, linked=True)
+                        point("after_leaf")
+                        return j.nbytes
+                    fallback = linked is False  # the checksum matched, the link did not happen
+                written = create_leaf(
+                    target, data, j.nbytes, reserve=options.reserve, fsync=fsync,
+                    checksum=checksum if digest is None else None,
                 )
         except MemtreeError:
             raise
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
+        digest = digest or written
         if digest is not None:
             sums[j.rel] = digest
+        if stats is not None:
+            stats.add(j.nbytes, linked=False, fallback=fallback)
         point("after_leaf")
         return j.nbytes
 
@@ -521,10 +582,14 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
         else:
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
+            if checksum is not None:
+                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": meta}, pickle_sums, dumped))
             os.chmod(staging, 0o755)
         if cipher is not None:
             meta = cipher.seal_level(meta, lp.rel)
-        write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
+        data = dump_level(meta)
+        write_small_file(f"{directory}/{META_NAME}", data, fsync=fsync)
+        dumped[lp.rel] = data
         if fsync:
             fsync_dir(directory)
         written[lp.rel] = meta
@@ -534,8 +599,13 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     total = plan.total_bytes
     with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
         _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+    pickle_sums: dict[str, str] = {}
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
+        if checksum is not None:
+            digest = new_digest(checksum)
+            digest.update(data)
+            pickle_sums[rel] = f"{checksum}:{digest.hexdigest()}"
     *children, root = plan.levels  # deepest first, the root's meta.json last
     _run(children, write_meta, _thread_count(num_threads, len(children), 0))
     write_meta(root)
@@ -561,6 +631,13 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
         if found is not None:
             return found
     return to_storable(tensor, job.where)
+
+
+def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) -> str:
+    """The checksum of a leaf's data before it is written (to decide whether to link it)."""
+    if isinstance(data, FileRange):
+        return file_checksum(data.fd, nbytes, algorithm, data.offset)
+    return tensor_checksum(data, algorithm)
 
 
 def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
