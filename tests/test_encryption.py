@@ -9,6 +9,8 @@ Writers use 4 KiB chunks here (``CHUNK_BYTES`` patched) so that small leaves spa
 
 from __future__ import annotations
 
+import json
+
 import base64
 import dataclasses
 import os
@@ -186,6 +188,24 @@ def test_memmap_returns_the_tree_in_memory_and_overwrites_both_ways(tmp_path, ke
     assert fingerprint(memtree.load_memmap(tmp_path / "t")) == fingerprint(tree)
     write(tree, str(tmp_path / "t"), key)  # and back
     assert fingerprint(memtree.load_memmap(tmp_path / "t", encryption=key)) == fingerprint(tree)
+
+
+def test_the_tree_hash_of_an_encrypted_tree(tmp_path, key) -> None:
+    """Plain names: the root's tree_hash covers every meta.json (the root's mac covers the hash),
+    checked by verify without the key and by verify=True loads; sealed names record none."""
+    write(sample_tree(), str(tmp_path / "t"), key)
+    report = memtree.verify_tree(tmp_path / "t")
+    assert report.ok and report.tree_hash == "ok"
+    assert memtree.load_memmap(tmp_path / "t", encryption=key, verify=True)["big"].shape == sample_tree()["big"].shape
+    meta = tmp_path / "t" / "sub" / "meta.json"
+    doc = json.loads(meta.read_bytes())
+    doc["mac"] = "0" * 64  # a child level damaged: the key would catch it, the hash does without
+    meta.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    assert [p.kind for p in memtree.verify_tree(tmp_path / "t").problems] == ["tree-hash"]
+    write(sample_tree(), str(tmp_path / "n"), key, encrypt_names=True)
+    report = memtree.verify_tree(tmp_path / "n")
+    assert report.ok and report.tree_hash == "absent"
+    assert memtree.load_memmap(tmp_path / "n", encryption=key, verify=True)["big"].shape == sample_tree()["big"].shape
 
 
 def test_checksums_cover_the_ciphertext(tmp_path, key) -> None:

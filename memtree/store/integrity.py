@@ -7,7 +7,8 @@
 * then, for each level (the root too: key path ``[]``, dir ``""``), sorted by key path (a list
   of str, compared element by element by code point), the line ``[<key path>,<dir>]``
   followed by the level's ``meta.json`` bytes as memtree writes them
-  (:func:`~memtree.format.schema.dump_level`; the root's without its ``tree_hash`` field);
+  (:func:`~memtree.format.schema.dump_level`; the root's without its ``tree_hash`` field, and
+  without its ``mac`` when the tree is encrypted);
 * and for each pickled value, among the levels in key path order, the line
   ``["pickle",<key path>,<checksum of the pickle file's bytes>]``;
 
@@ -65,7 +66,7 @@ def tree_hash_lines(
         rel, path, name = todo.pop()
         meta = metas[rel]
         if rel == "":
-            data = dump_level(replace(meta, tree_hash=None))
+            data = dump_level(replace(meta, tree_hash=None, mac=None))  # an encrypted root's mac covers the hash
         else:
             data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta)
         rows.append((path, 0, [orjson.dumps([path, name]), data]))

@@ -291,7 +291,7 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum and _written_in_place(storage, lvl, rel):
+        if digest != entry.checksum and entry.chunk_bytes is None and _written_in_place(storage, lvl, rel):
             problem(
                 "stale",
                 f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}, "

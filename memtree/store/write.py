@@ -582,8 +582,9 @@ def _write_staging(
         else:
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
-            if checksum is not None:
-                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": meta}, pickle_sums, dumped))
+            if checksum is not None and not (cipher is not None and cipher.meta.names):  # sealed names: the macs
+                hashed = meta if cipher is None else replace(cipher.seal_level(meta, ""), mac=None)
+                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": hashed}, pickle_sums, dumped))
             os.chmod(staging, 0o755)
         if cipher is not None:
             meta = cipher.seal_level(meta, lp.rel)
