@@ -26,6 +26,7 @@ from .store.recovery import recover
 from .tree.records import tensorclass
 from .tree.tensortree import TensorTree, load_memmap
 from .store.verify import Problem, VerifyReport, verify_tree
+from .training import Checkpointer
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ __all__ = [
     "init_missing",
     "offload",
     "OffloadedTensor",
+    "Checkpointer",
     *_errors_all,
 ]
 

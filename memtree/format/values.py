@@ -31,6 +31,8 @@ __all__ = [
     "check_nesting",
     "json_depth",
     "json_problem",
+    "tuples_to_lists",
+    "lists_to_tuples",
 ]
 
 _INT_MIN = -(2**63)
@@ -177,3 +179,55 @@ def check_json(value: Any, where: str) -> None:
             "to a list), or pass allow_pickle=True to pickle it (loading then needs "
             "allow_pickle=True too)"
         )
+
+
+def tuples_to_lists(value: Any) -> tuple[Any, list[tuple[int | str, ...]]]:
+    """``value`` with every tuple made a list, and the paths of those tuples (format version 2:
+    a ``json`` entry's ``tuples``), outermost first; :func:`lists_to_tuples` undoes it.
+
+    Only exact ``tuple``, ``list`` and ``dict`` are looked into; the result still has to pass
+    :func:`check_json` (a named tuple, for instance, is not a tuple here and is refused there).
+
+    Example:
+        >>> tuples_to_lists({"betas": (0.9, 0.999), "params": [0, 1]})
+        ({'betas': [0.9, 0.999], 'params': [0, 1]}, [('betas',)])
+    """
+    paths: list[tuple[int | str, ...]] = []
+
+    def convert(v: Any, path: tuple[int | str, ...], depth: int) -> Any:
+        t = type(v)
+        if (t is not tuple and t is not list and t is not dict) or depth > MAX_JSON_DEPTH:
+            return v  # scalars; too deep a value is refused by check_json
+        if t is dict:
+            return {k: convert(x, path + (k,), depth + 1) for k, x in v.items()}
+        if t is tuple:
+            paths.append(path)
+        return [convert(x, path + (i,), depth + 1) for i, x in enumerate(v)]
+
+    return convert(value, (), 1), paths
+
+
+def lists_to_tuples(value: Any, paths: Any) -> Any:
+    """A copy of ``value`` (as read from JSON) with the arrays at ``paths`` made tuples again.
+
+    ``paths`` come from a parsed ``meta.json`` (:func:`memtree.format.schema.parse_level` checked
+    that each leads to an array). ``value`` itself is left as it is.
+
+    Example:
+        >>> lists_to_tuples({"betas": [0.9, 0.999], "x": [[1], 2]}, [("betas",), ("x",), ("x", 0)])
+        {'betas': (0.9, 0.999), 'x': ((1,), 2)}
+    """
+    if not paths:
+        return value
+    wanted = set(map(tuple, paths))
+    below = {p[:n] for p in wanted for n in range(len(p))}  # where a tuple lies further down
+
+    def rebuild(v: Any, path: tuple[int | str, ...]) -> Any:
+        if path not in below:
+            return tuple(v) if path in wanted else v
+        if type(v) is dict:
+            return {k: rebuild(x, path + (k,)) for k, x in v.items()}
+        items = [rebuild(x, path + (i,)) for i, x in enumerate(v)]
+        return tuple(items) if path in wanted else items
+
+    return rebuild(value, ())

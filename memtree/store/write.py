@@ -210,7 +210,9 @@ def _plan_level(
             plan.pickles.append((child_rel, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)))
             entries.append(PickleMeta(key, name))
         else:
-            entries.append(JsonMeta(key, value.data if isinstance(value, NonTensor) else value))
+            entries.append(JsonMeta(key, value.data if isinstance(value, NonTensor) else value, tuples=level.tuples.get(key)))
+    if level.int_keys:  # a dict of training state with int keys (format version 2)
+        entries = [replace(e, int_key=True) if e.key in level.int_keys else e for e in entries]
     plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth))
 
 
