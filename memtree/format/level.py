@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import torch
 
-from .schema import TREE_TYPE, TuplePath
+from .schema import TREE_TYPE
 from .values import NonTensor
 
 __all__ = ["Level", "Value", "as_level"]
@@ -29,15 +29,13 @@ class Level:
     """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values).
 
     Training state (format version 2, :mod:`memtree.training.state`) also records which keys are
-    int dict keys (``int_keys``) and, per JSON value, where its tuples are (``tuples``, the value
-    itself holding lists).
+    int dict keys (``int_keys``).
     """
 
     batch_size: tuple[int, ...]
     entries: dict[str, "Value"] = field(default_factory=dict)
     type: str = TREE_TYPE
     int_keys: frozenset[str] = frozenset()
-    tuples: dict[str, tuple[TuplePath, ...]] = field(default_factory=dict)
 
 
 Value = Union[torch.Tensor, Level, NonTensor]

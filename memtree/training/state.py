@@ -9,7 +9,7 @@ turns it into levels of format version 2 (``docs/format.md``, "Version 2: Python
   becomes a level of type ``"dict"``, ``"list"`` or ``"tuple"`` (items under ``"0"``, ``"1"``...;
   int keys stored in decimal and marked ``int_key``);
 * any other value (scalars, str, None, and lists, tuples and str-keyed dicts of them) is one JSON
-  value; the tuples in it are recorded by path (``tuples``);
+  value (the writer records where its tuples are: ``tuples``);
 * tensors (and numpy arrays, stored as tensors) are leaves; a ``TensorTree`` keeps its own levels.
 
 :func:`level_to_state` turns a checkpoint back, each container with its Python type (``tuple``
@@ -20,8 +20,8 @@ Example:
     >>> import torch
     >>> level = state_to_level({"w": torch.ones(2), "opt": {"state": {0: {"step": 3}}, "betas": (0.9, 0.99)}})
     >>> opt = level.entries["opt"]
-    >>> opt.type, opt.tuples, opt.entries["state"].int_keys, opt.entries["betas"].data
-    ('dict', {'betas': ((),)}, frozenset({'0'}), [0.9, 0.99])
+    >>> opt.type, opt.entries["state"].int_keys, opt.entries["betas"].data
+    ('dict', frozenset({'0'}), (0.9, 0.99))
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch
 
 from ..errors import InvalidArgumentError, KeyCollisionError, KeyTypeError, NonTensorValueError
 from ..format.level import Level, as_level
-from ..format.schema import CONTAINER_TYPES, JsonMeta, MAX_DEPTH
-from ..format.values import NonTensor, check_json, lists_to_tuples, tuples_to_lists
+from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
+from ..format.values import NonTensor, check_json
 from ..store.read import PendingLevel
 from ..tree.tensortree import TensorTree
 
@@ -121,12 +121,12 @@ def _container(obj: Any, path: tuple[Any, ...], depth: int) -> Level:
                 f"{_label(path)} has both the int key {key} and the str key {key!r}; they would be "
                 "stored under the same name: rename one"
             )
-        level.entries[key] = _value(v, path + (k,), depth + 1, level, key)
+        level.entries[key] = _value(v, path + (k,), depth + 1)
     level.int_keys = frozenset(int_keys)
     return level
 
 
-def _value(v: Any, path: tuple[Any, ...], depth: int, parent: Level, key: str) -> Any:
+def _value(v: Any, path: tuple[Any, ...], depth: int) -> Any:
     if isinstance(v, torch.Tensor):
         return v
     if isinstance(v, np.ndarray):
@@ -140,11 +140,8 @@ def _value(v: Any, path: tuple[Any, ...], depth: int, parent: Level, key: str) -
                 "type; convert it to a tuple, list or dict"
             )
         return _container(v, path, depth)
-    data, tuples = tuples_to_lists(v)
-    check_json(data, _label(path))
-    if tuples:
-        parent.tuples[key] = tuple(tuples)
-    return NonTensor(data)
+    check_json(v, _label(path))
+    return NonTensor(v)
 
 
 def tensor_slots(level: Level) -> list[tuple[Level, str]]:
@@ -183,7 +180,7 @@ def level_to_state(level: PendingLevel) -> Any:
         if isinstance(v, PendingLevel):
             v = level_to_state(v)
         elif isinstance(v, NonTensor):
-            v = lists_to_tuples(v.data, entry.tuples) if isinstance(entry, JsonMeta) else v.data
+            v = v.data  # tuples in it already made tuples again by the reader
         items.append((int(key) if entry.int_key else key, v))
     if level.type == "dict":
         return dict(items)
