@@ -21,6 +21,7 @@ import torch
 
 import memtree
 from memtree import MemoryMappedTensor, NonTensor, TensorTree
+from memtree.store.files import default_checksum, tensor_checksum
 from treeutil import flat, plain, random_tensor, raw_bytes, snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -32,7 +33,7 @@ FORMAT_DTYPE_NAMES = [
 ]
 DTYPE_NAMES = [n for n in FORMAT_DTYPE_NAMES if getattr(torch, n, None) is not None]
 
-TOP_FIELDS = {"format", "version", "type", "byteorder", "batch_size", "entries", "save_id"}
+TOP_FIELDS = {"format", "version", "type", "byteorder", "batch_size", "entries", "save_id", "tree_hash"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_\-%~][A-Za-z0-9_.\-%~]*$")
 STAGING = re.compile(r"memtree-(tmp|old)")
 
@@ -413,7 +414,7 @@ def test_files_on_disk_follow_the_format(tmp_path):
     tree.memmap(prefix)
     root = read_meta(prefix)
     assert root["format"] == "memtree"
-    assert root["version"] == 1 and type(root["version"]) is int
+    assert root["version"] == 2 and type(root["version"]) is int
     assert root["type"] == "TensorTree"
     assert root["byteorder"] == "little"
     assert root["batch_size"] == [4]
@@ -434,7 +435,7 @@ def test_files_on_disk_follow_the_format(tmp_path):
     with open(prefix / "obs.memmap", "rb") as f:
         assert f.read() == raw_bytes(tree["obs"])
     sub = read_meta(prefix / "nested")
-    assert sub["format"] == "memtree" and sub["version"] == 1
+    assert sub["format"] == "memtree" and sub["version"] == 2
     assert sub["batch_size"] == [4]
     assert "save_id" not in sub
     assert set(sub) <= TOP_FIELDS
@@ -468,6 +469,8 @@ def _check_and_drop_checksums(meta, directory):
                 data = f.read()
             if algo == "crc32":
                 assert int(digest, 16) == zlib.crc32(data)
+            elif algo in ("xxh3", "crc32c"):
+                assert f"{algo}:{digest}" == tensor_checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8), algo)
             else:
                 assert algo == "sha256"
                 assert digest == hashlib.sha256(data).hexdigest()
@@ -491,10 +494,11 @@ def test_golden_meta_json(tmp_path):
     root = json.loads(raw)
     save_id = root.pop("save_id", None)
     assert save_id is None or isinstance(save_id, str)
+    assert root.pop("tree_hash").startswith(default_checksum() + ":")
     _check_and_drop_checksums(root, prefix)
     assert root == {
         "format": "memtree",
-        "version": 1,
+        "version": 2,
         "type": "TensorTree",
         "byteorder": "little",
         "batch_size": [4],
@@ -507,7 +511,7 @@ def test_golden_meta_json(tmp_path):
     nested = _check_and_drop_checksums(read_meta(prefix / "nested"), prefix / "nested")
     assert nested == {
         "format": "memtree",
-        "version": 1,
+        "version": 2,
         "type": "TensorTree",
         "byteorder": "little",
         "batch_size": [4],

@@ -1,4 +1,4 @@
-"""The ``meta.json`` schema of format version 1: data classes, serialisation, validation.
+"""The ``meta.json`` schema (format versions 1 and 2): data classes, serialisation, validation.
 
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
@@ -38,6 +38,9 @@ from .values import MAX_JSON_DEPTH, json_depth
 __all__ = [
     "FORMAT",
     "VERSION",
+    "READ_VERSIONS",
+    "CHECKSUM_ALGORITHMS",
+    "is_checksum",
     "TREE_TYPE",
     "MAX_META_BYTES",
     "MAX_DEPTH",
@@ -60,7 +63,11 @@ __all__ = [
 ]
 
 FORMAT = "memtree"
-VERSION = 1
+#: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
+#: ``tree_hash``; ``docs/format.md``, "Version 2").
+VERSION = 2
+#: The versions memtree reads.
+READ_VERSIONS = (1, 2)
 TREE_TYPE = "TensorTree"
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -76,7 +83,8 @@ MAX_DIM = 2**63 - 1
 #: Levels of JSON arrays and objects a ``meta.json`` may nest: a non-tensor value
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
 MAX_META_NESTING = MAX_JSON_DEPTH + 3
-CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64}
+#: Checksum algorithms and the hex digits of their digests (``"<algorithm>:<hex>"``).
+CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
@@ -187,6 +195,8 @@ class LevelMeta:
     entries: tuple[Entry, ...]
     type: str = TREE_TYPE
     save_id: str | None = None
+    #: The root's whole-tree hash (``"<algorithm>:<hex>"``, ``docs/format.md``), else None.
+    tree_hash: str | None = None
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
@@ -233,6 +243,8 @@ def dump_level(meta: LevelMeta) -> bytes:
     }
     if meta.save_id is not None:
         d["save_id"] = meta.save_id
+    if meta.tree_hash is not None:
+        d["tree_hash"] = meta.tree_hash
     d["entries"] = [_entry_dict(e) for e in meta.entries]
     return orjson.dumps(d)
 
@@ -301,13 +313,26 @@ def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
     return prefix == batch_size or tuple(prefix) == tuple(batch_size)  # no copies in the common case
 
 
+def is_checksum(value: object) -> bool:
+    """True for ``"<algorithm>:<hex>"`` with a known algorithm and its digest length.
+
+    Example:
+        >>> is_checksum("crc32:0a1b2c3d"), is_checksum("xxh3:0a1b"), is_checksum("md5:00")
+        (True, False, False)
+    """
+    if type(value) is not str:
+        return False
+    algo, _, digest = value.partition(":")
+    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and all(ch in "0123456789abcdef" for ch in digest)
+
+
 def _leaves_directory(name: str) -> bool:
     """True for names that would resolve outside their directory (or are not one component)."""
     return name in ("", ".", "..") or any(ch in name for ch in "/\\\0") or name.startswith(".")
 
 
 _LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
-_LEVEL_OPTIONAL = frozenset({"save_id"})
+_LEVEL_OPTIONAL = frozenset({"save_id", "tree_hash"})
 
 
 def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
@@ -346,10 +371,10 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             f"version={doc.get('version')!r:.20}); load tensordict directories and other formats "
             "through their own readers"
         )
-    if doc["version"] != VERSION or type(doc["version"]) is not int:
+    if doc["version"] not in READ_VERSIONS or type(doc["version"]) is not int:
         raise UnsupportedVersionError(
             f"{where}: format version {doc['version']!r:.20} is not supported by this memtree "
-            f"(it reads version {VERSION}); upgrade memtree to read this tree"
+            f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade memtree to read this tree"
         )
     doc = c.obj(doc, "top level", _LEVEL_FIELDS, _LEVEL_OPTIONAL)
     if doc["byteorder"] != "little":
@@ -363,6 +388,12 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             f"{kind_of_tree!r:.60}",
         )
     save_id = c.string(doc["save_id"], "save_id") if "save_id" in doc else None
+    tree_hash = doc.get("tree_hash")
+    if tree_hash is not None or "tree_hash" in doc:
+        if depth != 0 or doc["version"] < 2:
+            raise c.fail("tree_hash", "is only allowed in the root meta.json of a version 2 tree")
+        if not is_checksum(tree_hash):
+            raise c.fail("tree_hash", f"must be '<algorithm>:<hex digest>', got {tree_hash!r:.80}")
     batch_size = c.ints(doc["batch_size"], "batch_size")
     raw_entries = doc["entries"]
     if type(raw_entries) is not list:
@@ -389,7 +420,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         entries.append(entry)
     if kind_of_tree in CONTAINER_TYPES or any(e.int_key for e in entries):
         _check_container(c, kind_of_tree, batch_size, entries)
-    return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id)
+    return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
 
 
 def _check_container(c: _Checker, kind: str, batch_size: tuple[int, ...], entries: list[Entry]) -> None:
@@ -463,6 +494,7 @@ def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
 _LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
 
@@ -557,7 +589,10 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         if raw["kind"] != "tree" or type(key) is not str or not key or not is_safe_name(name, ""):
             return None
         return ChildMeta(key, name)
-    if fields != _PLAIN_LEAF_FIELDS or raw["kind"] != "tensor":
+    if (fields != _PLAIN_LEAF_FIELDS and fields != _CHECKSUM_LEAF_FIELDS) or raw["kind"] != "tensor":
+        return None
+    checksum = raw.get("checksum")
+    if checksum is not None and not is_checksum(checksum):
         return None
     key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
     if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
@@ -573,7 +608,7 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         (prod(dims) or prod(d or 1 for d in dims)) * itemsize(dtype) > MAX_NBYTES  # extent_bytes
     ):
         return None
-    return LeafMeta(key, file, dtype, dims)
+    return LeafMeta(key, file, dtype, dims, checksum)
 
 
 def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
@@ -604,10 +639,10 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
         if extent_bytes((capacity, *shape[1:]), dtype) > MAX_NBYTES:
             raise c.fail(f"{p}.capacity", f"{capacity} rows of {list(shape[1:])} exceed any file")
     checksum = raw.get("checksum")
-    if checksum is not None:
-        algo, _, digest = checksum.partition(":") if type(checksum) is str else ("", "", "")
-        if CHECKSUM_ALGORITHMS.get(algo) != len(digest) or not all(
-            ch in "0123456789abcdef" for ch in digest
-        ):
-            raise c.fail(f"{p}.checksum", f"must be 'crc32:<8 hex>' or 'sha256:<64 hex>', got {checksum!r:.80}")
+    if checksum is not None and not is_checksum(checksum):
+        raise c.fail(
+            f"{p}.checksum",
+            "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
+            f"got {checksum!r:.80}",
+        )
     return LeafMeta(key, file, dtype, shape, checksum, capacity)

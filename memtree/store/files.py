@@ -80,6 +80,8 @@ __all__ = [
     "libc_function",
     "RW_FLAGS",
     "CHECKSUMS",
+    "available_checksums",
+    "default_checksum",
     "Digest",
     "new_digest",
     "check_checksum_option",
@@ -159,8 +161,13 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 # -- checksums ---------------------------------------------------------------------------------
-#: Checksum algorithms a leaf may record in ``meta.json`` (``"<algorithm>:<hex digest>"``).
-CHECKSUMS = ("crc32", "sha256")
+#: Checksum algorithms a leaf may record in ``meta.json`` (``"<algorithm>:<hex digest>"``):
+#: ``xxh3`` (xxh3_64 of the ``xxhash`` package) and ``crc32c`` (the ``crc32c`` package) are
+#: optional extras (``pip install memtree[fast-checksums]``); ``crc32`` and ``sha256`` come with
+#: Python. ``sha256`` also detects deliberate changes, given a trusted ``meta.json``.
+CHECKSUMS = ("xxh3", "crc32c", "crc32", "sha256")
+#: The algorithms ``checksum="auto"`` (the default of a write) picks from, fastest first.
+_AUTO_ORDER = ("xxh3", "crc32c", "crc32")
 
 
 class Digest(Protocol):
@@ -186,16 +193,66 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
+def _digest_factories() -> dict[str, Any]:
+    out: dict[str, Any] = {"crc32": _Crc32, "sha256": hashlib.sha256}
+    try:
+        import xxhash
+
+        out["xxh3"] = xxhash.xxh3_64  # releases the GIL for large buffers
+    except ImportError:
+        pass
+    try:
+        import crc32c
+
+        out["crc32c"] = crc32c.CRC32CHash  # 8 hex digits, releases the GIL
+    except ImportError:
+        pass
+    return out
+
+
+_FACTORIES = _digest_factories()
+
+
+def available_checksums() -> tuple[str, ...]:
+    """The checksum algorithms this installation can compute, fastest first.
+
+    Example:
+        >>> "crc32" in available_checksums() and "sha256" in available_checksums()
+        True
+    """
+    return tuple(a for a in CHECKSUMS if a in _FACTORIES)
+
+
+def default_checksum() -> str:
+    """The algorithm a write records when ``checksum=`` is not given: the fastest installed
+    (``xxh3``, else ``crc32c``, else ``crc32``).
+
+    Example:
+        >>> default_checksum() in ("xxh3", "crc32c", "crc32")
+        True
+    """
+    return next(a for a in _AUTO_ORDER if a in _FACTORIES)
+
+
 def check_checksum_option(checksum: str | None) -> None:
-    """Refuse a ``checksum=`` value other than ``None``, ``"crc32"`` or ``"sha256"``."""
+    """Refuse a ``checksum=`` value other than ``None`` or an installed one of :data:`CHECKSUMS`."""
     if checksum is not None and checksum not in CHECKSUMS:
-        raise InvalidArgumentError(f"checksum must be None, 'crc32' or 'sha256', got {checksum!r}")
+        raise InvalidArgumentError(
+            f"checksum must be None or one of {list(CHECKSUMS)}, got {checksum!r:.40}"
+        )
+    if checksum is not None and checksum not in _FACTORIES:
+        raise InvalidArgumentError(
+            f"checksum={checksum!r} needs the {'xxhash' if checksum == 'xxh3' else checksum} "
+            "package: pip install 'memtree[fast-checksums]', or pick one of "
+            f"{list(available_checksums())}"
+        )
 
 
 def new_digest(algorithm: str) -> Digest:
-    """A running checksum for ``algorithm`` (one of :data:`CHECKSUMS`)."""
+    """A running checksum for ``algorithm`` (one of :func:`available_checksums`)."""
     check_checksum_option(algorithm)
-    return _Crc32() if algorithm == "crc32" else hashlib.sha256()
+    digest: Digest = _FACTORIES[algorithm]()
+    return digest
 
 
 def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
@@ -433,7 +490,7 @@ def create_leaf(
             bytes to copy file to file (:func:`copy_range`); or ``None`` for a file of zeros
             (sparse unless ``reserve``).
         nbytes: the file's size.
-        checksum: ``"crc32"`` or ``"sha256"`` to hash the bytes while writing them (needs
+        checksum: one of :data:`CHECKSUMS` to hash the bytes while writing them (needs
             ``tensor``).
 
     Returns:

@@ -590,7 +590,7 @@ class _Growth:
         if staging is None:
             self.save_id = os.urandom(16).hex()
         assert self.save_id is not None, "_new_staging() journaled it"
-        metas[""] = replace(metas[""], save_id=self.save_id)
+        metas[""] = replace(metas[""], save_id=self.save_id, tree_hash=None)  # leaves change: no hash
         if staging is None and len(metas) == 1:
             tmp = meta_tmp_name()
             lock.write_journal({"meta_tmp": tmp, GROWTH_JOURNAL: self.save_id}, fsync=False)

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union
@@ -27,7 +28,7 @@ import torch
 
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
 from ..format.schema import ChildMeta, LevelMeta
-from .files import check_checksum_option
+from .files import check_checksum_option, default_checksum
 
 __all__ = [
     "MODES",
@@ -197,8 +198,19 @@ class WriteOptions:
         reserve: with ``like``, allocate disk blocks instead of leaving files sparse.
         allow_pickle: pickle non-tensor values JSON cannot hold.
         copy_existing: copy leaves already memory-mapped from another prefix.
-        checksum: ``"crc32"`` or ``"sha256"``: record each leaf's checksum (not with ``like``).
+        checksum: the algorithm of the checksum recorded for each leaf (and of the root's
+            ``tree_hash``): one of :data:`~memtree.store.files.CHECKSUMS`, ``"auto"`` (the default:
+            the fastest installed, :func:`~memtree.store.files.default_checksum`) or ``None``
+            (none). ``like`` records none.
         progress: a progress bar of the bytes written: ``None`` on a terminal only.
+        link_from: a committed tree (e.g. the previous checkpoint): each tensor leaf whose key
+            path there has the same dtype and shape, no capacity, and a recorded checksum equal
+            to the new bytes' checksum (same algorithm) becomes a hard link to that file instead
+            of a copy (see :func:`memtree.store.write.write_tree`).
+        link_verify: with ``link_from``, hash the old file too before linking it (default): a
+            leaf damaged since its checksum was recorded is written, never linked. ``False``
+            trusts the recorded checksum of an old file that has the expected size and was not
+            modified after its ``meta.json`` was written.
     """
 
     like: bool = False
@@ -208,8 +220,10 @@ class WriteOptions:
     reserve: bool = False
     allow_pickle: bool = False
     copy_existing: bool = False
-    checksum: str | None = None
+    checksum: str | None = dataclasses.field(default_factory=default_checksum)
     progress: bool | None = None
+    link_from: str | None = None
+    link_verify: bool = True
 
     @classmethod
     def of(cls, **kwargs: Any) -> WriteOptions:
@@ -221,14 +235,27 @@ class WriteOptions:
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise InvalidArgumentError(f"unknown write options {unknown}")
+        checksum = kwargs.get("checksum", "auto")
+        if checksum == "auto":
+            kwargs["checksum"] = None if kwargs.get("like") else default_checksum()
+        link_from = kwargs.get("link_from")
+        if link_from is not None:
+            if not isinstance(link_from, (str, os.PathLike)):
+                raise InvalidArgumentError(f"link_from must be a path or None, got {type(link_from).__name__}")
+            kwargs["link_from"] = os.path.realpath(os.fspath(link_from))
         options = cls(**kwargs)
-        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing"):
+        for name in ("like", "existsok", "fsync", "reserve", "allow_pickle", "copy_existing", "link_verify"):
             _flag(name, getattr(options, name))
         if type(options.num_threads) is not int or options.num_threads < 0:
             raise InvalidArgumentError(f"num_threads must be an int >= 0, got {options.num_threads!r:.40}")
         check_checksum_option(options.checksum)
         if options.like and options.checksum is not None:
             raise InvalidArgumentError("memmap_like writes no data, so it records no checksum; pass checksum=None")
+        if options.link_from is not None and (options.like or options.checksum is None):
+            raise InvalidArgumentError(
+                "link_from decides by checksum which leaves are unchanged: it needs data and a "
+                "checksum (not memmap_like, not checksum=None)"
+            )
         if options.progress is not None:
             _flag("progress", options.progress)
         return options

@@ -78,6 +78,7 @@ from ..format.schema import (
 from ..format.names import META_NAME
 from ..format.level import Level, Value
 from .mapped import map_leaf
+from .integrity import changed_after_meta, tree_hash
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
@@ -237,6 +238,43 @@ def walk_levels(
             os.close(fd)
 
 
+def check_tree_hash(root_fd: int, root: str, meta: LevelMeta) -> None:
+    """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
+    of the tree (:mod:`memtree.store.integrity`); no leaf data is read.
+
+    Raises:
+        IntegrityError: the hash differs.
+        MemtreeError: a level is missing, damaged or hostile.
+    """
+    assert meta.tree_hash is not None
+    algorithm = meta.tree_hash.partition(":")[0]
+    metas: dict[str, LevelMeta] = {}
+    sums: dict[str, str] = {}
+
+    def visit(dirs: tuple[str, ...], where: str, dir_fd: int, level: LevelMeta) -> None:
+        rel = "/".join(dirs)
+        metas[rel] = meta if not dirs else level  # the root as already read
+        for e in level.entries:
+            if isinstance(e, PickleMeta):
+                fd = _open_pickle(dir_fd, os.path.join(where, e.file), e.file)
+                try:
+                    sums[f"{rel}/{e.file}" if rel else e.file] = file_checksum(fd, os.fstat(fd).st_size, algorithm)
+                except OSError as err:
+                    raise storage_error(err, f"reading {os.path.join(where, e.file)}") from err
+                finally:
+                    os.close(fd)
+
+    walk_levels(root_fd, root, visit)
+    found = tree_hash(algorithm, metas, sums)
+    if found != meta.tree_hash:
+        raise IntegrityError(
+            f"{root}: the root meta.json records tree_hash {meta.tree_hash}, the tree's meta.json "
+            f"files hash to {found}: a key, dtype, shape, value or checksum changed after the "
+            "tree was written, or a meta.json is damaged; restore it or re-save the tree "
+            "(`memtree verify DIR` lists every problem)"
+        )
+
+
 def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None) -> Level:
     """Load a tree's structure and every selected leaf now (see the module docstring).
 
@@ -286,6 +324,8 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
+    if options.verify and meta.tree_hash is not None:
+        check_tree_hash(source.fd, root, meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
 
 
@@ -594,7 +634,7 @@ class _Reader:
         try:
             if self.mmap:
                 if check:
-                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents)
+                    self.check(file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents, fd, dir_fd)
                 tensor: torch.Tensor = map_leaf(
                     fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st
                 )
@@ -602,7 +642,7 @@ class _Reader:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype)
                 read_fd(fd, tensor)
                 if check:  # hash the bytes just read: one pass over the file
-                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents)
+                    self.check(tensor_checksum(tensor, _algorithm(entry)), entry, path, parents, fd, dir_fd)
         except OSError as err:
             if isinstance(err, MemtreeError):
                 raise
@@ -636,9 +676,18 @@ class _Reader:
         return open_checked(entry.file, now.file_nbytes, path, dir_fd=dir_fd)
 
     @staticmethod
-    def check(found: str, entry: LeafMeta, path: str, parents: tuple[str, ...]) -> None:
+    def check(found: str, entry: LeafMeta, path: str, parents: tuple[str, ...], fd: int, dir_fd: int) -> None:
         if found != entry.checksum:
             key = parents + (entry.key,)
+            if changed_after_meta(fd, dir_fd):
+                raise IntegrityError(
+                    f"leaf {key if len(key) > 1 else key[0]!r} at {path} cannot be verified: its "
+                    f"meta.json records checksum {entry.checksum}, the file has {found}, and the "
+                    "file was modified after its meta.json (written in place, e.g. through a "
+                    "mode='r+' mapping), so the checksum is stale and memtree cannot tell that "
+                    "write from damage. Load without verify=True, or re-save the tree to record "
+                    "new checksums"
+                )
             raise IntegrityError(
                 f"leaf {key if len(key) > 1 else key[0]!r} at {path} is damaged: its meta.json "
                 f"records checksum {entry.checksum}, the file has {found}. The file changed "
@@ -655,19 +704,29 @@ class _Reader:
                 f"non-tensor leaf {entry.key!r} is pickled in {path}; unpickling can run arbitrary "
                 "code, so it is loaded only with allow_pickle=True (trusted files only)"
             )
+        fd = _open_pickle(dir_fd, path, entry.file)
         try:
-            fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise MissingLeafError(f"pickled leaf file {path} is missing; the tree is damaged") from None
-        except OSError as err:
-            raise UnsafePathError(f"cannot open {path} safely: {err}") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise UnsafePathError(f"{path} is not a regular file")
             with os.fdopen(os.dup(fd), "rb") as f:
                 return pickle.load(f)
         finally:
             os.close(fd)
+
+
+def _open_pickle(dir_fd: int, path: str, name: str) -> int:
+    """Open a pickle file without following links; refuse anything but a regular file."""
+    try:
+        fd = os.open(name, META_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise MissingLeafError(f"pickled leaf file {path} is missing; the tree is damaged") from None
+    except OSError as err:
+        raise UnsafePathError(f"cannot open {path} safely: {err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePathError(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _algorithm(entry: LeafMeta) -> str:

@@ -3,7 +3,8 @@
 :func:`verify_tree` walks a tree like the loader does (same validation of every ``meta.json``,
 same checks of every leaf file: regular file, not a link, exact size), but instead of stopping at
 the first problem it records each one and goes on, and it compares every leaf's recorded checksum
-(``checksum="crc32"``/``"sha256"`` at write time) with the file's bytes. It never maps a file,
+with the file's bytes, and the root's ``tree_hash`` (format version 2) with the hash of every
+``meta.json`` (:mod:`memtree.store.integrity`). It never maps a file,
 never unpickles, and never writes. A directory written by tensordict's ``memmap``, which
 ``load_memmap`` reads too, is checked with the same reader
 (:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
@@ -43,7 +44,8 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .files import file_checksum, open_checked
-from ..format.schema import ChildMeta, LeafMeta, PickleMeta, starts_with_batch
+from .integrity import changed_after_meta, tree_hash
+from ..format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, starts_with_batch
 from ..format.names import META_NAME
 from .progress import Progress
 from .read import META_FLAGS, open_dir, read_meta
@@ -73,7 +75,11 @@ class Problem:
     Attributes:
         path: the file or directory concerned.
         key: the key path of the leaf or sub-tree (``()`` for the root).
-        kind: ``"checksum"``, ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
+        kind: ``"checksum"`` (the bytes differ from the recorded checksum), ``"stale"`` (they
+            differ, and the file was modified after its ``meta.json``: written in place, e.g.
+            through a ``mode="r+"`` mapping, so the checksum no longer describes it),
+            ``"tree-hash"`` (the root's ``tree_hash`` does not match the ``meta.json`` files),
+            ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
             ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
             (batch sizes that do not nest), ``"not-a-tree"``, ``"not-committed"``, ``"io"``, and
             in tensordict directories ``"pickle"`` (a value only in a pickle sidecar, which
@@ -102,6 +108,10 @@ class VerifyReport:
             ``memmap`` (leaves checked for size, at least ``numel × itemsize`` bytes; no checksums).
         leaves: tensor leaves listed by the ``meta.json`` files that could be read.
         checksummed: leaves whose recorded checksum was compared with the file.
+        tree_hash: ``"ok"`` (the root's ``tree_hash`` matches every ``meta.json``),
+            ``"mismatch"`` (a ``"tree-hash"`` problem), ``"absent"`` (none recorded: a version 1
+            tree, written without checksums, or grown since), or ``"unchecked"`` (not compared:
+            ``checksums=False``, or a level or pickle file could not be read, already a problem).
         problems: every problem found, in walk order.
     """
 
@@ -109,6 +119,7 @@ class VerifyReport:
     layout: str = "memtree"
     leaves: int = 0
     checksummed: int = 0
+    tree_hash: str = "absent"
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -124,6 +135,7 @@ class VerifyReport:
             "ok": self.ok,
             "leaves": self.leaves,
             "checksummed": self.checksummed,
+            "tree_hash": self.tree_hash,
             "problems": [{**asdict(p), "key": list(p.key)} for p in self.problems],
         }
 
@@ -140,6 +152,10 @@ class _Walker:
         self.report = report
         self.checksums = checksums
         self.bar = bar
+        self.metas: dict[str, LevelMeta] = {}  # every level read, by directory from the root
+        self.pickle_sums: dict[str, str] = {}
+        self.tree_algorithm: str | None = None  # of the root's tree_hash
+        self.complete = True  # every level and pickle file was read
 
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
@@ -153,12 +169,16 @@ class _Walker:
         self.bar.update()
 
     def level(self, dir_fd: int, where: str, key: tuple[str, ...], depth: int,
-              parent_batch: tuple[int, ...]) -> None:
+              parent_batch: tuple[int, ...], rel: str = "") -> None:
         try:
             meta = read_meta(dir_fd, where, depth=depth, root=depth == 0)
         except MemtreeError as err:
             self.add(os.path.join(where, META_NAME), key, _kind(err), str(err))
+            self.complete = False
             return
+        self.metas[rel] = meta
+        if depth == 0 and meta.tree_hash is not None:
+            self.tree_algorithm = meta.tree_hash.partition(":")[0]
         if not starts_with_batch(meta.batch_size, parent_batch):
             self.add(
                 os.path.join(where, META_NAME), key, "structure",
@@ -177,13 +197,43 @@ class _Walker:
                     child_fd = open_dir(entry.dir, child_where, dir_fd)
                 except MemtreeError as err:
                     self.add(child_where, key + (entry.key,), _kind(err), str(err))
+                    self.complete = False
                     continue
                 try:
-                    self.level(child_fd, child_where, key + (entry.key,), depth + 1, meta.batch_size)
+                    self.level(child_fd, child_where, key + (entry.key,), depth + 1, meta.batch_size,
+                               f"{rel}/{entry.dir}" if rel else entry.dir)
                 finally:
                     os.close(child_fd)
             elif isinstance(entry, PickleMeta):
-                self.pickle_file(dir_fd, where, entry, key + (entry.key,))
+                self.pickle_file(dir_fd, where, entry, key + (entry.key,), rel)
+
+    def check_tree_hash(self, root: str) -> None:
+        """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` read."""
+        root_meta = self.metas.get("")
+        if root_meta is None or root_meta.tree_hash is None:
+            self.report.tree_hash = "absent" if root_meta is not None else "unchecked"
+            return
+        if not self.checksums or not self.complete:
+            self.report.tree_hash = "unchecked"
+            return
+        assert self.tree_algorithm is not None
+        try:
+            found = tree_hash(self.tree_algorithm, self.metas, self.pickle_sums)
+        except MemtreeError as err:  # an algorithm this installation lacks
+            self.report.tree_hash = "unchecked"
+            self.add(os.path.join(root, META_NAME), (), "tree-hash", f"tree_hash not checked: {err}")
+            return
+        if found == root_meta.tree_hash:
+            self.report.tree_hash = "ok"
+            return
+        self.report.tree_hash = "mismatch"
+        self.add(
+            os.path.join(root, META_NAME), (), "tree-hash",
+            f"{root}: the root meta.json records tree_hash {root_meta.tree_hash}, the tree's "
+            f"meta.json files hash to {found}: a key, dtype, shape, value or checksum changed "
+            "after the tree was written (or a meta.json was damaged); restore it or re-save the tree",
+            root_meta.tree_hash, found,
+        )
 
     def leaf(self, dir_fd: int, where: str, entry: LeafMeta, key: tuple[str, ...]) -> None:
         path = os.path.join(where, entry.file)
@@ -206,35 +256,56 @@ class _Walker:
             if self.checksums and entry.checksum is not None:  # covers the tensor's bytes
                 found = file_checksum(fd, nbytes, entry.checksum.partition(":")[0])
                 self.report.checksummed += 1
-                if found != entry.checksum:
+                if found != entry.checksum and changed_after_meta(fd, dir_fd):
+                    self.add(
+                        path, key, "stale",
+                        f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file "
+                        f"has {found}, and the file was modified after its meta.json: it was "
+                        "written in place (e.g. through a mode='r+' mapping), so its checksum no "
+                        "longer describes it and memtree cannot tell that write from damage; "
+                        "re-save the tree to record new checksums",
+                        entry.checksum, found,
+                    )
+                elif found != entry.checksum:
                     self.add(
                         path, key, "checksum",
                         f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file "
                         f"has {found}; the file changed after it was written",
                         entry.checksum, found,
                     )
+        except MemtreeError as err:  # an algorithm this installation lacks
+            self.add(path, key, "checksum", f"leaf {key!r} at {path}: not checked: {err}", entry.checksum)
         except OSError as err:
             self.add(path, key, "io", f"reading {path}: {err}")
         finally:
             os.close(fd)
 
-    def pickle_file(self, dir_fd: int, where: str, entry: PickleMeta, key: tuple[str, ...]) -> None:
+    def pickle_file(self, dir_fd: int, where: str, entry: PickleMeta, key: tuple[str, ...], rel: str) -> None:
         path = os.path.join(where, entry.file)
+        name = f"{rel}/{entry.file}" if rel else entry.file
         try:
             fd = os.open(entry.file, META_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             self.add(path, key, "missing", f"pickled leaf file {path} is missing", "a file", "no file")
+            self.complete = False
             return
         except OSError as err:
             self.add(path, key, "unsafe", f"cannot open {path} safely: {err}", "a regular file",
                      _file_kind(entry.file, dir_fd))
+            self.complete = False
             return
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 self.add(path, key, "unsafe", f"{path} is not a regular file", "a regular file",
                          _file_kind(entry.file, dir_fd))
+            elif self.tree_algorithm is not None and self.checksums:
+                self.pickle_sums[name] = file_checksum(fd, st.st_size, self.tree_algorithm)
+        except (OSError, MemtreeError) as err:
+            self.add(path, key, "io", f"reading {path}: {err}")
         finally:
             os.close(fd)
+            self.complete &= name in self.pickle_sums or self.tree_algorithm is None
 
 
 def _file_kind(name: str, dir_fd: int) -> str:
@@ -300,3 +371,4 @@ def _verify(root: str, walker: _Walker) -> None:
         walker.level(fd, root, (), 0, ())
     finally:
         os.close(fd)
+    walker.check_tree_hash(root)

@@ -61,7 +61,18 @@ from ..errors import (
     MemtreeError,
 )
 from .faults import point
-from .files import FileRange, check_free_space, create_leaf, is_plain_memory, storage_error
+from .files import (
+    FileRange,
+    check_free_space,
+    create_leaf,
+    file_checksum,
+    is_plain_memory,
+    new_digest,
+    storage_error,
+    tensor_checksum,
+)
+from .integrity import tree_hash
+from .linking import LinkSource
 from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
 from ..format.schema import (
     FORMAT,
@@ -87,6 +98,7 @@ from .recovery import recover_locked
 
 __all__ = [
     "LeafJob",
+    "WriteStats",
     "LevelPlan",
     "WritePlan",
     "plan_write",
@@ -98,6 +110,52 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+@dataclass
+class WriteStats:
+    """What a :func:`write_tree` did, for callers that measure it (pass ``stats=WriteStats()``).
+
+    Attributes:
+        files_written: leaf files written (data copied).
+        bytes_written: their bytes.
+        files_linked: leaf files hard-linked from ``link_from`` instead.
+        bytes_linked: their bytes (no data written).
+        link_fallbacks: leaves whose checksum matched ``link_from`` but that were written
+            anyway: the old file failed a check (size, content, link count) or the link failed.
+        link_error: why ``link_from`` could not be used at all (unreadable, another
+            filesystem...), else None: every leaf is then written.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.options import WriteOptions
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_tree(d + "/1", Level((), {"w": torch.ones(4)}))
+        >>> stats = WriteStats()
+        >>> _ = write_tree(d + "/2", Level((), {"w": torch.ones(4)}), WriteOptions.of(link_from=d + "/1"), stats=stats)
+        >>> stats.files_linked, stats.bytes_linked, stats.files_written
+        (1, 16, 0)
+    """
+
+    files_written: int = 0
+    bytes_written: int = 0
+    files_linked: int = 0
+    bytes_linked: int = 0
+    link_fallbacks: int = 0
+    link_error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, nbytes: int, *, linked: bool, fallback: bool = False) -> None:
+        """Count one leaf file (thread-safe)."""
+        with self._lock:
+            if linked:
+                self.files_linked += 1
+                self.bytes_linked += nbytes
+            else:
+                self.files_written += 1
+                self.bytes_written += nbytes
+            self.link_fallbacks += fallback
 
 
 @dataclass(slots=True)
@@ -355,6 +413,7 @@ def write_tree(
     options: WriteOptions | None = None,
     *,
     mode: str = "r+",
+    stats: WriteStats | None = None,
 ) -> PendingLevel:
     """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
 
@@ -370,6 +429,19 @@ def write_tree(
             bound: fewer when the tree is too small to keep them busy (:data:`THREAD_MIN_WORK`
             each).
         mode: how the returned tree maps its files (``"r+"`` or ``"r"``).
+        stats: filled with what was written and linked (:class:`WriteStats`).
+
+    With ``options.link_from`` (an incremental save), each tensor leaf whose key path exists in
+    that committed tree with the same dtype and shape, no capacity, and a recorded checksum of
+    the same algorithm equal to the checksum of the new bytes (computed in the writer thread
+    before deciding) becomes a hard link to the old file instead of a copy; the written tree
+    stays standalone (deleting the old one loses nothing). The old file is opened relative to
+    held directory descriptors without following links, must be a regular file of the exact
+    size, and (``link_verify``, the default) is hashed itself: a file damaged or changed since
+    its checksum was recorded is never linked. Any failure (another filesystem, permissions,
+    the link count limit, the old tree replaced meanwhile) writes the leaf instead. Trees with
+    hard-linked leaves share those files: write into them only through memtree's growth
+    (which gives a shared file a new generation), never through a ``mode="r+"`` mapping.
 
     Raises:
         LockError: another writer is writing the same destination.
@@ -401,7 +473,10 @@ def write_tree(
             raise storage_error(err, f"preparing to write {dest}") from err
         point("staging_created")
         try:
-            metas = _write_staging(staging, plan, options)
+            with LinkSource.open(options.link_from, options.checksum, staging, options.link_verify) as links:
+                if stats is not None:
+                    stats.link_error = links.error if links is not None else None
+                metas = _write_staging(staging, plan, options, links, stats)
             publish(
                 staging, dest, state, options.fsync, lock,
                 background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
@@ -475,10 +550,18 @@ def _run(items: list[T], work: Callable[[T], int], threads: int, bar: Progress |
         raise failures[0]
 
 
-def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict[str, LevelMeta]:
-    """Write the plan's files into ``staging``; returns each level's metadata as written (with
-    checksums and the root's ``save_id``), by directory relative to the root."""
-    like, num_threads, fsync, checksum = options.like, options.num_threads, options.fsync, options.checksum
+def _write_staging(
+    staging: str,
+    plan: WritePlan,
+    options: WriteOptions,
+    links: LinkSource | None = None,
+    stats: WriteStats | None = None,
+) -> dict[str, LevelMeta]:
+    """Write the plan's files into ``staging`` (or link them from ``links``); returns each
+    level's metadata as written (with checksums, the root's ``save_id`` and ``tree_hash``), by
+    directory relative to the root."""
+    like, num_threads, fsync = options.like, options.num_threads, options.fsync
+    checksum = None if like else options.checksum
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
             os.mkdir(f"{staging}/{lp.rel}")
@@ -488,16 +571,34 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
+        target = f"{staging}/{j.rel}"
         try:
-            digest = create_leaf(
-                f"{staging}/{j.rel}", data, j.nbytes, reserve=options.reserve, fsync=fsync, checksum=checksum
+            digest = None
+            fallback = False
+            if links is not None and checksum is not None and links.candidate(j.key, j.tensor) is not None:
+                assert data is not None
+                digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
+                linked = links.link(j.key, digest, target)
+                if linked:
+                    sums[j.rel] = digest
+                    if stats is not None:
+                        stats.add(j.nbytes, linked=True)
+                    point("after_leaf")
+                    return j.nbytes
+                fallback = linked is False  # the checksum matched, the link did not happen
+            written = create_leaf(
+                target, data, j.nbytes, reserve=options.reserve, fsync=fsync,
+                checksum=checksum if digest is None else None,
             )
         except MemtreeError:
             raise
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
+        digest = digest or written
         if digest is not None:
             sums[j.rel] = digest
+        if stats is not None:
+            stats.add(j.nbytes, linked=False, fallback=fallback)
         point("after_leaf")
         return j.nbytes
 
@@ -511,6 +612,8 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
         else:
             point("before_root_meta")
             meta = replace(meta, save_id=uuid.uuid4().hex)
+            if checksum is not None:
+                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": meta}, pickle_sums))
             os.chmod(staging, 0o755)
         write_small_file(f"{directory}/{META_NAME}", dump_level(meta), fsync=fsync)
         if fsync:
@@ -522,8 +625,13 @@ def _write_staging(staging: str, plan: WritePlan, options: WriteOptions) -> dict
     total = plan.total_bytes
     with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
         _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+    pickle_sums: dict[str, str] = {}
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
+        if checksum is not None:
+            digest = new_digest(checksum)
+            digest.update(data)
+            pickle_sums[rel] = f"{checksum}:{digest.hexdigest()}"
     *children, root = plan.levels  # deepest first, the root's meta.json last
     _run(children, write_meta, _thread_count(num_threads, len(children), 0))
     write_meta(root)
@@ -549,6 +657,13 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
         if found is not None:
             return found
     return to_storable(tensor, job.where)
+
+
+def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) -> str:
+    """The checksum of a leaf's data before it is written (to decide whether to link it)."""
+    if isinstance(data, FileRange):
+        return file_checksum(data.fd, nbytes, algorithm, data.offset)
+    return tensor_checksum(data, algorithm)
 
 
 def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:

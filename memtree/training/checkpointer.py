@@ -54,7 +54,7 @@ from ..store.commit import WriterLock
 from ..store.options import ReadOptions, WriteOptions
 from ..store.read import open_tree
 from ..store.recovery import recover
-from ..store.write import write_tree
+from ..store.write import WriteStats, write_tree
 from ..nn.loading import load_into_module
 from .state import level_to_state, state_to_level, tensor_slots
 
@@ -130,6 +130,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._failed: tuple[int, BaseException] | None = None
         self._buffer: torch.Tensor | None = None
+        #: What the most recent save wrote and hard-linked (:class:`~memtree.store.write.WriteStats`).
+        self.last_stats: WriteStats | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, fsync={self.fsync})"
@@ -268,10 +270,12 @@ class Checkpointer:
         link_from = self.path(previous[-1]) if previous else None
         options = WriteOptions.of(
             existsok=overwrite, fsync=self.fsync, copy_existing=True, progress=False,
-            num_threads=min(8, os.cpu_count() or 1), **({"link_from": link_from} if "link_from" in WriteOptions.__dataclass_fields__ else {}),
+            num_threads=min(8, os.cpu_count() or 1), link_from=link_from, link_verify=False,
         )
-        written = write_tree(dest, level, options)
+        stats = WriteStats()
+        written = write_tree(dest, level, options, stats=stats)
         del written  # the lazily opened tree: nothing of it is used here
+        self.last_stats = stats
         self._prune()
         return dest
 

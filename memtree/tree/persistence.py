@@ -56,7 +56,7 @@ class Persistence(ShapeOps):
         existsok: bool = True,
         fsync: bool = False,
         allow_pickle: bool = False,
-        checksum: str | None = None,
+        checksum: str | None = "auto",
         progress: bool | None = None,
     ) -> Self:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
@@ -70,10 +70,12 @@ class Persistence(ShapeOps):
             existsok: allow replacing an existing memtree directory at ``prefix``.
             fsync: also make the commit durable across power loss.
             allow_pickle: pickle non-tensor values that JSON cannot hold exactly.
-            checksum: ``"crc32"`` (fast, catches accidental damage) or ``"sha256"`` (also
-                detects deliberate changes, given a trusted ``meta.json``) records each leaf's
-                checksum in ``meta.json``, computed in the same pass as the write; checked by
-                ``load_memmap(..., verify=True)`` and ``memtree verify``. ``None``: no checksum.
+            checksum: each leaf's checksum, recorded in ``meta.json`` with the root's
+                ``tree_hash`` and computed in the same pass as the write; checked by
+                ``load_memmap(..., verify=True)`` and ``memtree verify``. ``"auto"`` (default): the
+                fastest installed of ``"xxh3"``, ``"crc32c"`` (``memtree[fast-checksums]``) and
+                ``"crc32"``; ``"sha256"`` also detects deliberate changes, given a trusted
+                ``meta.json``; ``None``: no checksum.
             progress: a progress bar of the bytes written: ``None`` (default) only on a
                 terminal outside CI, ``True``/``False`` forced (tqdm optional).
 
@@ -100,7 +102,7 @@ class Persistence(ShapeOps):
         existsok: bool = True,
         fsync: bool = False,
         allow_pickle: bool = False,
-        checksum: str | None = None,
+        checksum: str | None = "auto",
         progress: bool | None = None,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.

@@ -1,0 +1,184 @@
+"""Incremental saves: hard-link the unchanged leaves of a write from a previous committed tree.
+
+:func:`memtree.store.write.write_tree` with ``WriteOptions(link_from=old)`` asks a
+:class:`LinkSource` for each tensor leaf. The trust model (``docs/format.md``, "Incremental
+saves"):
+
+* the old tree is read like any tree: every ``meta.json`` validated, sub-directories opened
+  relative to the root's descriptor (held for the whole write) without following links, so a
+  symlink or a renamed directory can never lead a link outside the old tree;
+* a leaf is a candidate only if its key path exists there with the same dtype and shape, no
+  capacity, and a recorded checksum of the write's algorithm; the new bytes' checksum must equal
+  the recorded one;
+* the old file is opened without following links and must be a regular file of the exact size,
+  with fewer than :data:`MAX_LINKS` links; with ``verify`` (the default) its bytes are hashed and
+  must match too, so a file damaged or written in place since its checksum was recorded is never
+  linked (without ``verify``, a file modified after its ``meta.json`` is refused, and damage that
+  leaves the modification time alone, such as bit rot, is caught by the next ``memtree verify`` of
+  either tree);
+* the link is made by name relative to the held directory, then the new name is checked to be the
+  very file that was checked (device and inode): a file swapped in between is unlinked again;
+* anything that fails (another filesystem, permissions, ``EMLINK``, the old tree removed
+  meanwhile) makes the writer write the leaf instead.
+
+Example:
+    >>> import tempfile, torch
+    >>> from memtree.format.level import Level
+    >>> from memtree.store.write import write_tree
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_tree(d + "/old", Level((), {"w": torch.ones(2)}))
+    >>> with LinkSource.open(d + "/old", "crc32", d, True) as links:
+    ...     links.candidate(("w",), torch.ones(2)) is not None
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MemtreeError
+from ..format.names import META_NAME
+from ..format.schema import ChildMeta, LeafMeta, LevelMeta
+from .files import _unlink_quiet, file_checksum, open_leaf
+from .read import open_dir, walk_levels
+
+__all__ = ["MAX_LINKS", "LinkSource"]
+
+#: A file with this many hard links already is written, not linked again (ext4 allows 65,000;
+#: leaving room keeps other tools working on it).
+MAX_LINKS = 60_000
+
+
+@dataclass(frozen=True)
+class _Old:
+    dirs: tuple[str, ...]
+    meta: LeafMeta
+    meta_mtime_ns: int
+
+
+class LinkSource:
+    """The leaves of a committed tree that a write may hard-link (see the module docstring)."""
+
+    def __init__(self, root: str, root_fd: int, algorithm: str, verify: bool) -> None:
+        self.root = root
+        self.root_fd = root_fd
+        self.algorithm = algorithm
+        self.verify = verify
+        self.leaves: dict[tuple[str, ...], _Old] = {}
+        self.error: str | None = None
+
+    @classmethod
+    @contextmanager
+    def open(
+        cls, link_from: str | None, algorithm: str | None, staging: str, verify: bool
+    ) -> Iterator[LinkSource | None]:
+        """The link source of a write into ``staging`` (``None`` without ``link_from``).
+
+        A ``link_from`` that cannot be read as a tree, or lies on another filesystem than
+        ``staging``, gives a source with no leaves and its reason in :attr:`error`: nothing is
+        linked, everything is written.
+        """
+        if link_from is None or algorithm is None:
+            yield None
+            return
+        try:
+            fd = open_dir(link_from, link_from, None)
+        except MemtreeError as err:
+            source = cls(link_from, -1, algorithm, verify)
+            source.error = str(err)
+            yield source
+            return
+        source = cls(link_from, fd, algorithm, verify)
+        try:
+            if os.fstat(fd).st_dev != os.stat(staging).st_dev:
+                source.error = f"{link_from} is on another filesystem than the destination"
+            else:
+                source._index()
+            yield source
+        finally:
+            os.close(fd)
+
+    def _index(self) -> None:
+        keys: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}  # dirs -> key path
+
+        def visit(dirs: tuple[str, ...], where: str, dir_fd: int, meta: LevelMeta) -> None:
+            path = keys[dirs]
+            mtime = os.stat(META_NAME, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+            for e in meta.entries:
+                if isinstance(e, ChildMeta):
+                    keys[dirs + (e.dir,)] = path + (e.key,)
+                elif isinstance(e, LeafMeta) and e.capacity is None and e.checksum is not None:
+                    if e.checksum.partition(":")[0] == self.algorithm:
+                        self.leaves[path + (e.key,)] = _Old(dirs, e, mtime)
+
+        try:
+            walk_levels(self.root_fd, self.root, visit)
+        except (MemtreeError, OSError) as err:
+            self.leaves.clear()
+            self.error = f"{self.root} cannot be read as a tree: {err}"
+
+    def candidate(self, key: tuple[str, ...], tensor: torch.Tensor) -> LeafMeta | None:
+        """The old leaf at ``key`` if it could be linked for ``tensor`` (same dtype and shape)."""
+        old = self.leaves.get(key)
+        if old is None or old.meta.dtype != tensor.dtype or old.meta.shape != tuple(tensor.shape):
+            return None
+        return old.meta
+
+    def link(self, key: tuple[str, ...], checksum: str, target: str) -> bool | None:
+        """Hard-link the old leaf at ``key`` to the new path ``target`` if its data has ``checksum``.
+
+        Returns:
+            True when linked; None when the recorded checksum differs (the leaf changed);
+            False when it matched but the old file failed a check or the link failed.
+        """
+        old = self.leaves[key]
+        if old.meta.checksum != checksum:
+            return None
+        where = os.path.join(self.root, *old.dirs, old.meta.file)
+        dir_fd = self.root_fd
+        opened: list[int] = []
+        try:
+            for name in old.dirs:
+                dir_fd = open_dir(name, where, dir_fd)
+                opened.append(dir_fd)
+            fd, st = open_leaf(old.meta.file, old.meta.file_nbytes, where, dir_fd=dir_fd)
+        except (MemtreeError, OSError):
+            for d in opened:
+                os.close(d)
+            return False
+        try:
+            if not self._still_same(fd, st, old, checksum):
+                return False
+            try:
+                os.link(old.meta.file, target, src_dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:
+                return False
+            try:
+                made = os.lstat(target)
+            except OSError:
+                made = None
+            if made is not None and (made.st_dev, made.st_ino) == (st.st_dev, st.st_ino):
+                return True
+            _unlink_quiet(target)  # another file was swapped in under the old name meanwhile
+            return False
+        finally:
+            os.close(fd)
+            for d in opened:
+                os.close(d)
+
+    def _still_same(self, fd: int, st: os.stat_result, old: _Old, checksum: str) -> bool:
+        """The old file may be linked: not too many links, and its bytes still have ``checksum``
+        (``verify``) or it was not modified after its ``meta.json``."""
+        if st.st_nlink >= MAX_LINKS:
+            return False
+        if self.verify:
+            try:
+                return file_checksum(fd, old.meta.nbytes, self.algorithm) == checksum
+            except OSError:
+                return False
+        return st.st_mtime_ns <= old.meta_mtime_ns
