@@ -312,12 +312,17 @@ def test_bad_options(tmp_path, kwargs):
 
 def test_async_save_snapshots_the_state_at_the_call(ckpt):
     w = torch.zeros(1000)
-    sd = {"w": w, "view": w[::10]}
+    groups = [{"lr": 0.1, "betas": (0.9, [1])}]
+    sd = {"w": w, "view": w[::10], "groups": groups, "tree": memtree.TensorTree({"cfg": memtree.NonTensor({"a": [1]})})}
     fut = ckpt.save(1, sd, blocking=False)
     w.fill_(7)  # the training loop goes on right away
+    groups[0]["lr"] = 0.05
+    groups[0]["betas"][1].append(2)
+    sd["tree"]["cfg"]["a"].append(2)
     assert fut.result(timeout=60) == ckpt.path(1)
     back = ckpt.restore(1)
     assert torch.equal(back["w"], torch.zeros(1000)) and torch.equal(back["view"], torch.zeros(100))
+    assert back["groups"] == [{"lr": 0.1, "betas": (0.9, [1])}] and back["tree"]["cfg"] == {"a": [1]}
 
 
 def test_the_staging_buffer_is_reused_and_saves_never_overlap(ckpt, monkeypatch):

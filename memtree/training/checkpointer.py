@@ -56,7 +56,7 @@ from ..store.read import open_tree
 from ..store.recovery import recover
 from ..store.write import WriteStats, write_tree
 from ..nn.loading import load_into_module
-from .state import level_to_state, state_to_level, tensor_slots
+from .state import copy_values, level_to_state, state_to_level, tensor_slots
 
 __all__ = ["Checkpointer"]
 
@@ -219,6 +219,7 @@ class Checkpointer:
             if blocking:
                 return self._write(step, level, overwrite)
             event = self._snapshot(level)
+            copy_values(level)  # lists and dicts too: the loop may change them while this is written
             future: Future[str] = Future()
             future.set_running_or_notify_cancel()
             thread = threading.Thread(

@@ -39,7 +39,7 @@ from ..format.values import NonTensor, check_json
 from ..store.read import PendingLevel
 from ..tree.tensortree import TensorTree
 
-__all__ = ["state_to_level", "level_to_state", "tensor_slots"]
+__all__ = ["state_to_level", "level_to_state", "tensor_slots", "copy_values"]
 
 
 def _label(path: tuple[Any, ...]) -> str:
@@ -163,6 +163,39 @@ def tensor_slots(level: Level) -> list[tuple[Level, str]]:
                 subs.append(v)
         stack.extend(reversed(subs))
     return out
+
+
+def _copy_json(v: Any) -> Any:
+    t = type(v)
+    if t is list:
+        return [_copy_json(x) for x in v]
+    if t is tuple:
+        return tuple(_copy_json(x) for x in v)
+    if t is dict:
+        return {k: _copy_json(x) for k, x in v.items()}
+    return v  # scalars and str: immutable
+
+
+def copy_values(level: Level) -> None:
+    """Replace every non-tensor value of ``level`` (and below) by a copy, so that the caller may
+    change its lists and dicts (a scheduler setting ``param_groups[0]["lr"]``) while a background
+    save writes the values as they were.
+
+    Example:
+        >>> groups = [{"lr": 0.1}]
+        >>> level = state_to_level({"g": groups})
+        >>> copy_values(level); groups[0]["lr"] = 0.2
+        >>> level.entries["g"].data
+        [{'lr': 0.1}]
+    """
+    stack = [level]
+    while stack:
+        lvl = stack.pop()
+        for key, v in lvl.entries.items():
+            if isinstance(v, Level):
+                stack.append(v)
+            elif isinstance(v, NonTensor):
+                lvl.entries[key] = NonTensor(_copy_json(v.data))
 
 
 def level_to_state(level: PendingLevel) -> Any:
