@@ -300,7 +300,7 @@ def test_shrinking_keep_last_later_prunes_at_the_next_save(tmp_path):
     assert second.steps() == [4, 5]
 
 
-@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": -1}, {"keep_last": True}, {"fsync": 1}])
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": -1}, {"keep_last": True}, {"fsync": 1}, {"incremental": None}])
 def test_bad_options(tmp_path, kwargs):
     with pytest.raises(memtree.InvalidArgumentError):
         memtree.Checkpointer(tmp_path, **kwargs)
@@ -410,6 +410,15 @@ def test_unchanged_leaves_are_hard_links_and_every_step_stands_alone(ckpt):
     memtree.Checkpointer(ckpt.root, keep_last=1).save(3, {"frozen": big, "adapter": small})
     assert ckpt.steps() == [3] and memtree.verify_tree(ckpt.path(3)).ok
     assert torch.equal(ckpt.restore(3)["frozen"], big) and torch.equal(ckpt.restore(3)["adapter"], small)
+
+
+def test_incremental_false_writes_every_byte(tmp_path):
+    ckpt = memtree.Checkpointer(tmp_path, incremental=False)
+    w = torch.ones(1000)
+    ckpt.save(1, {"w": w})
+    ckpt.save(2, {"w": w})
+    assert (ckpt.last_stats.files_linked, ckpt.last_stats.bytes_written) == (0, w.nbytes)
+    assert os.stat(os.path.join(ckpt.path(2), "w.memmap")).st_nlink == 1
 
 
 def test_resume_then_save_again_links_against_the_restored_step(tmp_path):

@@ -96,6 +96,8 @@ class Checkpointer:
         keep_every: also keep every step divisible by ``keep_every`` (``None``: none extra).
             Retention runs after each save and never deletes the newest complete step.
         fsync: fsync files and directories before a save counts as done (survives power loss).
+        incremental: hard-link each leaf whose bytes equal the newest step's instead of writing
+            it (decided by checksum, in the writer threads); ``False`` writes every byte.
 
     Opening a root cleans up what crashed writers left in it (:func:`memtree.recover`: staging
     directories and stale lock files of steps no live writer holds). Several checkpointers, in
@@ -117,12 +119,15 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         fsync: bool = False,
+        incremental: bool = True,
     ) -> None:
         self.keep_last = _check_keep("keep_last", keep_last)
         self.keep_every = _check_keep("keep_every", keep_every)
-        if type(fsync) is not bool:
-            raise InvalidArgumentError(f"fsync must be True or False, got {fsync!r:.40}")
+        for name, flag in (("fsync", fsync), ("incremental", incremental)):
+            if type(flag) is not bool:
+                raise InvalidArgumentError(f"{name} must be True or False, got {flag!r:.40}")
         self.fsync = fsync
+        self.incremental = incremental
         self.root = os.path.realpath(os.fspath(root))
         os.makedirs(self.root, exist_ok=True)
         recover(self.root)
@@ -134,7 +139,10 @@ class Checkpointer:
         self.last_stats: WriteStats | None = None
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, fsync={self.fsync})"
+        return (
+            f"Checkpointer({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "
+            f"fsync={self.fsync}, incremental={self.incremental})"
+        )
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -267,7 +275,7 @@ class Checkpointer:
 
     def _write(self, step: int, level: Level, overwrite: bool) -> str:
         dest = self.path(step)
-        previous = [s for s in self.steps() if s != step]
+        previous = [s for s in self.steps() if s != step] if self.incremental else []
         link_from = self.path(previous[-1]) if previous else None
         options = WriteOptions.of(
             existsok=overwrite, fsync=self.fsync, copy_existing=True, progress=False,
