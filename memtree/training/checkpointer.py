@@ -33,7 +33,8 @@ import shutil
 import stat
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -132,7 +133,10 @@ class Checkpointer:
         os.makedirs(self.root, exist_ok=True)
         recover(self.root)
         self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
+        #: One writer thread, started on the first async save and reused (the interpreter waits
+        #: for its work at exit: concurrent.futures joins its threads then).
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[str] | None = None
         self._failed: tuple[int, BaseException] | None = None
         self._buffer: torch.Tensor | None = None
         #: What the most recent save wrote and hard-linked (:class:`~memtree.store.write.WriteStats`).
@@ -228,15 +232,10 @@ class Checkpointer:
                 return self._write(step, level, overwrite)
             event = self._snapshot(level)
             copy_values(level)  # lists and dicts too: the loop may change them while this is written
-            future: Future[str] = Future()
-            future.set_running_or_notify_cancel()
-            thread = threading.Thread(
-                target=self._background, args=(step, level, overwrite, event, future),
-                name=f"memtree-checkpoint-{step}",
-            )  # not a daemon: the interpreter waits for a save in flight before it exits
-            thread.start()
-            self._thread = thread
-            return future
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtree-checkpoint")
+            self._pending = self._executor.submit(self._background, step, level, overwrite, event)
+            return self._pending
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise the error of a failed background save.
@@ -251,9 +250,7 @@ class Checkpointer:
             >>> Checkpointer(tempfile.mkdtemp()).wait()
         """
         with self._lock:
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
+            self._join()
             if self._failed is not None:
                 step, err = self._failed
                 self._failed = None
@@ -262,16 +259,19 @@ class Checkpointer:
                     "it was committed"
                 ) from err
 
-    def _background(self, step: int, level: Level, overwrite: bool, event: Any, future: Future[str]) -> None:
+    def _join(self) -> None:
+        if self._pending is not None:
+            futures_wait([self._pending])
+            self._pending = None
+
+    def _background(self, step: int, level: Level, overwrite: bool, event: Any) -> str:
         try:
             if event is not None:
                 event.synchronize()  # the copies from the GPU into the pinned buffer are done
-            path = self._write(step, level, overwrite)
-        except BaseException as err:  # noqa: BLE001 - handed to the future and the next save
+            return self._write(step, level, overwrite)
+        except BaseException as err:  # noqa: BLE001 - raised by the future, and by the next save
             self._failed = (step, err)
-            future.set_exception(err)
-        else:
-            future.set_result(path)
+            raise
 
     def _write(self, step: int, level: Level, overwrite: bool) -> str:
         dest = self.path(step)
@@ -396,9 +396,7 @@ class Checkpointer:
             3
         """
         with self._lock:
-            if self._thread is not None:  # the save in flight is part of what can be restored
-                self._thread.join()
-                self._thread = None
+            self._join()  # the save in flight is part of what can be restored
             if step is None:
                 step = self.latest()
                 if step is None:
