@@ -295,8 +295,7 @@ class Checkpointer:
         layout: dict[tuple[Any, ...], int] = {}  # a tensor seen twice (tied weights) is copied once
         total = 0
         cuda = False
-        for lvl, key in slots:
-            t = lvl.entries[key]
+        for _, key, t in slots:
             where = f"leaf {key!r}"
             try:
                 dtype_name(t.dtype)
@@ -315,8 +314,7 @@ class Checkpointer:
             self._buffer = None
             buf = self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         views: dict[tuple[Any, ...], torch.Tensor] = {}
-        for lvl, key in slots:
-            t = lvl.entries[key]
+        for lvl, key, t in slots:
             ident = _identity(t)
             view = views.get(ident)
             if view is None:

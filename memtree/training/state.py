@@ -144,21 +144,21 @@ def _value(v: Any, path: tuple[Any, ...], depth: int) -> Any:
     return NonTensor(v)
 
 
-def tensor_slots(level: Level) -> list[tuple[Level, str]]:
-    """Every tensor leaf of ``level`` (and the levels below), as (level, key) pairs in order.
+def tensor_slots(level: Level) -> list[tuple[Level, str, torch.Tensor]]:
+    """Every tensor leaf of ``level`` (and the levels below), as (level, key, tensor), in order.
 
     Example:
-        >>> [k for _, k in tensor_slots(state_to_level({"a": torch.ones(1), "b": [torch.ones(1)]}))]
+        >>> [k for _, k, _ in tensor_slots(state_to_level({"a": torch.ones(1), "b": [torch.ones(1)]}))]
         ['a', '0']
     """
-    out: list[tuple[Level, str]] = []
+    out: list[tuple[Level, str, torch.Tensor]] = []
     stack = [level]
     while stack:
         lvl = stack.pop()
         subs = []
         for key, v in lvl.entries.items():
             if isinstance(v, torch.Tensor):
-                out.append((lvl, key))
+                out.append((lvl, key, v))
             elif isinstance(v, Level):
                 subs.append(v)
         stack.extend(reversed(subs))
