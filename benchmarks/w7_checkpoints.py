@@ -26,7 +26,7 @@ Usage::
 
     python benchmarks/w7_checkpoints.py                 # ~1 GiB of state (0.34 GiB of weights)
     python benchmarks/w7_checkpoints.py --gib 0.25 --workdir /tmp/w7
-    python benchmarks/w7_checkpoints.py --quick         # a smoke test: tiny state, 2 checkpoints
+    python benchmarks/w7_checkpoints.py --quick         # a smoke test: tiny state, 4 layers, 2 checkpoints
 """
 
 from __future__ import annotations
@@ -257,10 +257,10 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--systems", default=None, help="comma-separated substrings of row names")
-    ap.add_argument("--quick", action="store_true", help="tiny state, 2 checkpoints (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny state, 4 layers, 2 checkpoints (smoke test)")
     args = ap.parse_args()
     if args.quick:
-        args.gib, args.checkpoints = 0.01, 2
+        args.gib, args.checkpoints, args.layers = 0.01, 2, 4
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     workdir = args.workdir or tempfile.mkdtemp(prefix="w7-")

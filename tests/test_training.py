@@ -651,3 +651,21 @@ def test_container_fields_parse():
     assert entry.int_key and entry.tuples == ((), (1, "x"))
     with pytest.raises(memtree.TensorclassError, match="reserved"):
         memtree.tensorclass(name="dict")(type("D", (), {"__annotations__": {"x": torch.Tensor}}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the W7 benchmark keeps running
+
+
+@pytest.mark.slow
+def test_w7_benchmark_quick_run(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "w7_checkpoints.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, script, "--quick", "--workdir", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 8, out.stdout
+    incremental = next(r for r in rows if r.startswith("| memtree blocking, incremental")).split("|")
+    full = next(r for r in rows if r.startswith("| memtree blocking, full")).split("|")
+    assert float(incremental[9].replace(",", "")) < float(full[9].replace(",", "")) / 2  # MiB written next: 1 layer of 4 changed
