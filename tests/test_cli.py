@@ -22,6 +22,7 @@ import memtree
 from memtree import NonTensor, TensorTree
 from memtree.cli import main as cli_main
 from memtree.cli.main import COMMANDS
+from memtree.store.files import default_checksum, tensor_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def test_info_prints_keys_dtypes_shapes_sizes_totals_and_version(sample: Path) -
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     out = proc.stdout
-    assert "memtree format v1" in out.splitlines()[0]
+    assert "memtree format v2" in out.splitlines()[0]
     assert "batch_size [4]" in out.splitlines()[0]
     for fragment in ("obs", "float32", "[4, 3]", "48 B", "nested/", "x", "int64", "32 B",
                      "deep/", "bfloat16", "[4, 2]", "16 B", "name", '"hello"'):
@@ -80,14 +81,15 @@ def test_info_json_is_parseable_and_matches_the_tree(sample: Path) -> None:
     proc = run_cli("info", str(sample), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["format"] == "memtree" and info["version"] == 1
+    assert info["format"] == "memtree" and info["version"] == 2
     assert info["path"] == str(sample.resolve())
     assert info["batch_size"] == [4]
     by_key = {tuple(e["key"]): e for e in info["entries"]}
     assert list(by_key) == [("obs",), ("nested",), ("nested", "x"), ("nested", "deep"),
                             ("nested", "deep", "b"), ("name",)]
     assert by_key[("obs",)] == {"key": ["obs"], "kind": "tensor", "dtype": "float32", "shape": [4, 3],
-                                "nbytes": 48, "file": "obs.memmap", "checksum": None}
+                                "nbytes": 48, "file": "obs.memmap",
+                                "checksum": tensor_checksum(torch.zeros(4, 3), default_checksum())}
     assert by_key[("nested", "deep")]["kind"] == "tree"
     assert by_key[("nested", "deep")]["batch_size"] == [4]
     assert by_key[("name",)] == {"key": ["name"], "kind": "json", "value": "hello"}

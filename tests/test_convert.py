@@ -405,6 +405,20 @@ class Spies:
         monkeypatch.setattr(CheckpointFile, "read_into", spy_read_into)
 
 
+def no_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes record no checksum (as with ``checksum=None``): their data is then copied file to
+    file in the kernel. (With a checksum, the default, the bytes are hashed on the way through
+    the small buffer: ``test_a_checksum_hashes_the_copied_bytes``.)"""
+    monkeypatch.setattr("memtree.store.options.default_checksum", lambda: None)
+
+
+def test_convert_records_checksums_by_default(views, tmp_path: Path) -> None:
+    pt, sd = views
+    memtree.convert(pt, tmp_path / "tree")
+    report = memtree.verify_tree(tmp_path / "tree")
+    assert report.ok and report.checksummed == report.leaves == len(sd) and report.tree_hash == "ok"
+
+
 def loaded_bytes(path: Path) -> dict[str, bytes]:
     return {k: as_bytes(v) for k, v in flat_tensors(memtree.load_memmap(path)).items()}
 
@@ -412,6 +426,7 @@ def loaded_bytes(path: Path) -> dict[str, bytes]:
 def test_contiguous_tensors_are_copied_file_to_file_not_read(
     views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    no_checksums(monkeypatch)
     pt, sd = views
     spies = Spies(monkeypatch)
     memtree.convert(pt, tmp_path / "tree")
@@ -430,6 +445,7 @@ def test_contiguous_tensors_are_copied_file_to_file_not_read(
 def test_a_cast_reads_floating_point_tensors_and_copies_the_others(
     views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    no_checksums(monkeypatch)
     pt, sd = views
     spies = Spies(monkeypatch)
     memtree.convert(pt, tmp_path / "tree", dtype="float16")
@@ -446,6 +462,7 @@ def test_a_cast_reads_floating_point_tensors_and_copies_the_others(
 def test_copies_fall_back_to_a_small_buffer(
     views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
+    no_checksums(monkeypatch)
     _, views_sd = views
     sd = {k: v for k, v in views_sd.items() if v.is_contiguous()}  # storages still shared
     pt = tmp_path / "contiguous.pt"

@@ -271,8 +271,8 @@ def check(worker: Worker, work: Path, kw: dict) -> None:
             assert w_checksum == f"crc32:{crc:08x}", key
     if kw.get("verify"):
         assert kinds == [], f"load(verify=True) succeeded but verify_tree reports {kinds}"
-    else:
-        assert set(kinds) <= {"checksum"}, kinds
+    else:  # what only verify=True checks: leaf checksums, the tree hash over the meta.json files
+        assert set(kinds) <= {"checksum", "tree-hash"}, kinds
 
 
 def _image(root: Path) -> list[tuple[str, bytes | int | None]]:
@@ -317,6 +317,8 @@ def fresh_copy(pristine: Path) -> Path:
             os.makedirs(p, exist_ok=True)
         elif not p.exists() or p.read_bytes() != data:  # only what changed: a truncating open is slow too
             p.write_bytes(data)
+            times = (pristine / rel).stat()  # and its times: a leaf newer than its meta.json is stale
+            os.utime(p, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert _image(work) == image, "the work directory was not reset to the pristine state"
     return work
 
@@ -463,11 +465,13 @@ def apply(work: Path, mutation) -> None:
         elif op == "resize":  # exactly n bytes, grown with non-zero bytes
             b = p.read_bytes()[:n]
             p.write_bytes(b + bytes((i * 31 + 7) % 256 for i in range(n - len(b))))
-        elif op == "flip":
+        elif op == "flip":  # damage (bit rot): the file's modification time stays as it was
             b = bytearray(p.read_bytes())
             if b:
+                times = p.stat()
                 b[n % len(b)] ^= 1 << (n % 8)
                 p.write_bytes(bytes(b))
+                os.utime(p, ns=(times.st_atime_ns, times.st_mtime_ns))
         else:
             _replace(p)
             if op == "link_decoy":
@@ -592,10 +596,31 @@ def test_fuzz_leaf_sizes(worker, pristine, resize, kw):
     _run(worker, pristine, [resize], kw)
 
 
+def rehash(tree: Path) -> None:
+    """Record the root's tree_hash again after a deliberate edit: the tree as a writer would have
+    committed it (the tests below are about other checks than integrity)."""
+    import dataclasses
+
+    from memtree.format.schema import dump_level
+    from memtree.store.integrity import tree_hash
+    from memtree.store.read import open_dir, walk_levels
+
+    metas = {}
+    fd = open_dir(str(tree), str(tree), None)
+    try:
+        walk_levels(fd, str(tree), lambda dirs, where, dir_fd, meta: metas.__setitem__("/".join(dirs), meta))
+    finally:
+        os.close(fd)
+    root = metas[""]
+    algorithm = root.tree_hash.partition(":")[0]
+    (tree / "meta.json").write_bytes(dump_level(dataclasses.replace(root, tree_hash=tree_hash(algorithm, metas, {}))))
+
+
 @pytest.mark.parametrize("value", ["Unregistered", "pkg.Record"])
 def test_unregistered_class_is_a_policy_refusal_not_damage(worker, pristine, value):
     work = fresh_copy(pristine)
     apply(work, ("meta_field", "nested/meta.json", ("top", "type", 0), "set", value))
+    rehash(work / "tree")
     r = worker.load(work / "tree", {"verify": True})
     assert r[0] == "refused" and r[1] == "UnknownClassError" and r[-1] == [], r
     check(worker, work, {})
@@ -606,6 +631,8 @@ def test_nesting_deeper_than_the_limit(worker, pristine, depth):
     """The root is depth 0 and nested/deeper depth 2: 254 more levels reach the limit (256)."""
     work = fresh_copy(pristine)
     apply(work, ("deep", depth, "", 0))
+    if depth <= 254:
+        rehash(work / "tree")
     r = worker.load(work / "tree", {})
     if depth <= 254:
         assert r[0] == "loaded" and r[-1] == [], r

@@ -229,3 +229,24 @@ def test_options_are_checked(tmp_path):
         WriteOptions.of(link_from=3)
     with pytest.raises(InvalidArgumentError, match="link_verify"):
         WriteOptions.of(link_from=tmp_path, link_verify="yes")
+
+
+def test_old_tree_removed_while_linking_writes_the_rest(tmp_path, monkeypatch):
+    import shutil
+
+    old, new = tmp_path / "1", tmp_path / "2"
+    _save(old, _state(0))
+    real = linking.LinkSource._still_same
+    calls = []
+
+    def remove_then_check(self, fd, st, o, checksum):
+        calls.append(o.meta.key)
+        if len(calls) == 1:
+            shutil.rmtree(old)  # the previous checkpoint is deleted (retention) mid-save
+        return real(self, fd, st, o, checksum)
+
+    monkeypatch.setattr(linking.LinkSource, "_still_same", remove_then_check)
+    stats = _save(new, _state(0), link_from=old)
+    assert stats.files_linked + stats.files_written == 4 and stats.files_written >= 3
+    loaded = memtree.load_memmap(new, verify=True)
+    assert raw_bytes(loaded["opt", "m"]) == raw_bytes(_state(0).entries["opt"].entries["m"])

@@ -658,10 +658,16 @@ def test_memmap_in_place_with_checksum(parent):
     assert memtree.verify_tree(parent / "t").checksummed == 5
 
 
-def test_no_checksum_by_default(parent):
+def test_checksums_by_default_and_none_on_request(parent):
+    from memtree.store.files import default_checksum
+
     sample().memmap(parent / "t")
     meta = json.loads((parent / "t" / "meta.json").read_bytes())
-    assert all("checksum" not in e for e in meta["entries"])
+    tensors = [e for e in meta["entries"] if e["kind"] == "tensor"]
+    assert tensors and all(e["checksum"].startswith(default_checksum() + ":") for e in tensors)
+    sample().memmap(parent / "n", checksum=None)
+    meta = json.loads((parent / "n" / "meta.json").read_bytes())
+    assert all("checksum" not in e for e in meta["entries"]) and "tree_hash" not in meta
 
 
 @pytest.mark.parametrize("bad", ["md5", "CRC32", "", "crc32:"])
@@ -678,11 +684,15 @@ def test_memmap_like_takes_no_checksum(parent):
 
 
 def _flip(path: Path, offset: int = 0) -> None:
+    """Damage (bit rot): one bit flipped, the file's modification time kept (a later one would
+    mean a write in place, which verification reports as a stale checksum instead)."""
+    times = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
 @pytest.mark.parametrize("kw", [{}, {"mode": "r"}, {"mmap": False}], ids=["default", "mode_r", "no_mmap"])
@@ -718,7 +728,7 @@ def test_verify_of_a_partial_load_checks_only_the_selected_leaves(parent):
 
 def test_verify_reads_only_leaves_with_a_checksum(parent, monkeypatch):
     prefix = parent / "t"
-    sample(5).memmap(prefix)  # no checksums
+    sample(5).memmap(prefix, checksum=None)
     _flip(prefix / "obs.memmap")
     assert memtree.load_memmap(prefix, verify=True) is not None
     assert memtree.verify_tree(prefix).ok

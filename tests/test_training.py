@@ -645,6 +645,14 @@ def test_damaged_container_fields_are_refused(kind, batch, entries, match):
         parse_level(_GOOD % (kind.encode(), batch.encode(), entries), "meta.json")
 
 
+def test_container_fields_are_version_2_only():
+    v1 = b'{"format":"memtree","version":1,"type":"list","byteorder":"little","batch_size":[2],"entries":%s}'
+    assert parse_level(v1 % b'[{"key":"x","kind":"json","value":1}]', "meta.json").type == "list"  # a class name in v1
+    for entry in (b'{"key":"1","kind":"json","value":1,"int_key":true}', b'{"key":"a","kind":"json","value":[],"tuples":[[]]}'):
+        with pytest.raises(memtree.MetaFormatError, match="version 2"):
+            parse_level(v1 % b"[" + entry + b"]", "meta.json")
+
+
 def test_container_fields_parse():
     doc = _GOOD % (b"dict", b"[]", b'[{"key":"-4","kind":"json","value":[[1],{"x":[2]}],"int_key":true,"tuples":[[],[1,"x"]]}]')
     (entry,) = parse_level(doc, "meta.json").entries

@@ -13,12 +13,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from . import convert, demo, info, verify
+from . import convert, demo, diff, du, info, verify
 from ..errors import MemtreeError
 
 __all__ = ["main"]
 
-COMMANDS: list[ModuleType] = [demo, info, verify, convert]
+COMMANDS: list[ModuleType] = [demo, info, verify, convert, diff, du]
 
 
 def _build_parser() -> argparse.ArgumentParser:

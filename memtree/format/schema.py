@@ -418,7 +418,10 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    if kind_of_tree in CONTAINER_TYPES or any(e.int_key for e in entries):
+    if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
+        if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
+            raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
+    elif kind_of_tree in CONTAINER_TYPES or any(e.int_key for e in entries):
         _check_container(c, kind_of_tree, batch_size, entries)
     return LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
 
@@ -573,7 +576,7 @@ def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
-    """The common entries (a tensor without checksum or capacity, a sub-tree), checked inline;
+    """The common entries (a tensor without capacity, a sub-tree), checked inline;
     ``None`` otherwise.
 
     Accepts exactly what :func:`_parse_entry` accepts for such an entry, faster (a level of a

@@ -25,8 +25,8 @@ intended write from damage, and says so instead of calling it corruption.
 
 Example:
     >>> from memtree.format.schema import LevelMeta, JsonMeta
-    >>> tree_hash("crc32", {"": LevelMeta((), (JsonMeta("a", 1),))}, {})
-    'crc32:...'
+    >>> tree_hash("crc32", {"": LevelMeta((), (JsonMeta("a", 1),))}, {})[:6]
+    'crc32:'
 """
 
 from __future__ import annotations

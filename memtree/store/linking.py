@@ -26,7 +26,8 @@ Example:
     >>> from memtree.format.level import Level
     >>> from memtree.store.write import write_tree
     >>> d = tempfile.mkdtemp()
-    >>> _ = write_tree(d + "/old", Level((), {"w": torch.ones(2)}))
+    >>> from memtree.store.options import WriteOptions
+    >>> _ = write_tree(d + "/old", Level((), {"w": torch.ones(2)}), WriteOptions.of(checksum="crc32"))
     >>> with LinkSource.open(d + "/old", "crc32", d, True) as links:
     ...     links.candidate(("w",), torch.ones(2)) is not None
     True

@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import torch
@@ -56,6 +56,7 @@ from ..errors import (
     DestinationExistsError,
     DtypeError,
     ExistingMemmapError,
+    InvalidArgumentError,
     InvalidKeyError,
     LimitError,
     MemtreeError,
@@ -87,7 +88,7 @@ from ..format.schema import (
     extent_bytes,
 )
 from ..format.names import META_NAME, encode_level
-from ..format.level import Level
+from ..format.level import Level, as_level
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
 from .progress import Progress
@@ -409,7 +410,7 @@ def _gc_paused() -> Iterator[None]:
 
 def write_tree(
     prefix: str | os.PathLike[str],
-    level: Level,
+    level: Level | Any,
     options: WriteOptions | None = None,
     *,
     mode: str = "r+",
@@ -422,7 +423,8 @@ def write_tree(
 
     Args:
         prefix: destination directory (created with its parents if needed).
-        level: the tree to write.
+        level: the tree to write (a :class:`~memtree.format.level.Level`, or a
+            :class:`~memtree.TensorTree`: anything :func:`~memtree.format.level.as_level` takes).
         options: how (:class:`~memtree.store.options.WriteOptions`: sparse files or data,
             threads, replace, fsync, pickles, checksums, progress); defaults: a copy of the data,
             in this thread, replacing an existing tree, no fsync. ``num_threads`` is an upper
@@ -448,6 +450,10 @@ def write_tree(
         MemtreeError: any input or storage problem; the destination is then unchanged.
     """
     options = options if options is not None else WriteOptions()
+    tree = as_level(level)
+    if tree is None:
+        raise InvalidArgumentError(f"write_tree writes a Level or a TensorTree, got {type(level).__name__}")
+    level = tree
     dest = os.path.realpath(os.fspath(prefix))
     with _gc_paused():
         plan = plan_write(level, options, dest=dest)

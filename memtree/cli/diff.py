@@ -1,0 +1,260 @@
+"""``memtree diff A B``: which leaves of two trees differ, and how.
+
+Every level of both trees is read (validated as a load validates it); leaves are matched by key
+path. Two tensor leaves with the same dtype and shape are compared by their recorded checksums
+when both record one of the same algorithm: no leaf data is read. Otherwise (no checksum, another
+algorithm, a growable leaf) their bytes are hashed: one side with the other's recorded algorithm
+when it has one, both with the fastest installed one otherwise; two names of the same file (hard
+links, e.g. made by ``link_from``) are equal without reading. JSON values are compared as values,
+pickled ones by their bytes (never unpickled). Exit code 0 when the trees hold the same keys and
+values, 1 when they differ.
+
+Example:
+    $ memtree diff ckpt/100 ckpt/200
+    changed  model/w   data (xxh3:1a2b3c4d5e6f7a8b -> xxh3:0f1e2d3c4b5a6978)
+    only in B  optim/step
+    3 leaves compared: 2 same, 1 changed, 0 only in A, 1 only in B (0 bytes read)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..format.dtypes import dtype_name
+from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
+from ..store.files import DIGEST_SLICE, default_checksum, new_digest
+from ..store.storage import LocalStorage, join_rel
+from ..store.walk import walk
+
+__all__ = ["NAME", "HELP", "add_arguments", "run", "DiffReport", "diff_trees"]
+
+NAME = "diff"
+HELP = "list the leaves that differ between two trees (from checksums where both have them)"
+
+
+@dataclass
+class DiffReport:
+    """The result of :func:`diff_trees`.
+
+    Attributes:
+        a, b: the two trees' directories.
+        same: leaves (and levels) equal in both.
+        changed: one dict per differing key: ``key`` (list of str), ``what`` (some of
+            ``"kind"``, ``"dtype"``, ``"shape"``, ``"data"``, ``"value"``, ``"batch_size"``,
+            ``"type"``), and ``a``/``b``: a short description of each side.
+        only_in_a, only_in_b: key paths present in one tree only (a sub-tree counts once).
+        bytes_read: leaf bytes hashed to compare (0 when checksums decided everything).
+    """
+
+    a: str
+    b: str
+    same: int = 0
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    only_in_a: list[list[str]] = field(default_factory=list)
+    only_in_b: list[list[str]] = field(default_factory=list)
+    bytes_read: int = 0
+
+    @property
+    def identical(self) -> bool:
+        """True when nothing differs."""
+        return not (self.changed or self.only_in_a or self.only_in_b)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``memtree diff --json`` prints)."""
+        return {
+            "a": self.a, "b": self.b, "identical": self.identical, "same": self.same,
+            "changed": self.changed, "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
+            "bytes_read": self.bytes_read,
+        }
+
+
+class _Side:
+    def __init__(self, storage: LocalStorage) -> None:
+        self.storage = storage
+        self.entries: dict[tuple[str, ...], tuple[str, Entry]] = {}  # key path -> (level rel, entry)
+        self.levels: dict[tuple[str, ...], Any] = {}
+        for level in walk(storage):
+            self.levels[level.keys] = level.meta
+            for e in level.meta.entries:
+                if not isinstance(e, ChildMeta):
+                    self.entries[level.keys + (e.key,)] = (level.rel, e)
+
+    def identity(self, rel: str) -> tuple[tuple[str, str], ...]:
+        return self.storage.stat(rel).identity
+
+    def hash(self, rel: str, nbytes: int, algorithm: str) -> str:
+        digest = new_digest(algorithm)
+        buf = bytearray(min(nbytes, DIGEST_SLICE))
+        view = memoryview(buf)
+        done = 0
+        while done < nbytes:
+            n = min(len(buf), nbytes - done)
+            self.storage.read_into(rel, done, view[:n])
+            digest.update(view[:n])
+            done += n
+        return f"{algorithm}:{digest.hexdigest()}"
+
+
+def _same_inode(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> bool:
+    da, db = dict(a), dict(b)
+    return da.get("dev") == db.get("dev") and da.get("ino") == db.get("ino") and "ino" in da
+
+
+def _describe(e: Entry) -> str:
+    if isinstance(e, LeafMeta):
+        return f"{dtype_name(e.dtype)}{list(e.shape)}"
+    if isinstance(e, JsonMeta):
+        return json.dumps(e.value)[:80]
+    return "pickle"
+
+
+def diff_trees(a: str, b: str) -> DiffReport:
+    """Compare the trees at ``a`` and ``b`` (see the module docstring).
+
+    Raises:
+        MemtreeError: a tree is missing, damaged or hostile.
+
+    Example:
+        >>> import tempfile, torch, memtree
+        >>> d = tempfile.mkdtemp()
+        >>> _ = memtree.TensorTree({"w": torch.ones(2), "s": 1}).memmap(d + "/a")
+        >>> _ = memtree.TensorTree({"w": torch.zeros(2), "t": 1}).memmap(d + "/b")
+        >>> r = diff_trees(d + "/a", d + "/b")
+        >>> [c["key"] for c in r.changed], r.only_in_a, r.only_in_b, r.bytes_read
+        ([['w']], [['s']], [['t']], 0)
+    """
+    with LocalStorage(a) as sa, LocalStorage(b) as sb:
+        left, right = _Side(sa), _Side(sb)
+        report = DiffReport(sa.root, sb.root)
+        kinds = _compare_levels(left, right, report)
+        for key in sorted(left.entries.keys() | right.entries.keys()):
+            if _under(key, kinds):
+                continue
+            if key not in right.entries:
+                if not _under(key, report.only_in_a):
+                    report.only_in_a.append(list(key))
+            elif key not in left.entries:
+                if not _under(key, report.only_in_b):
+                    report.only_in_b.append(list(key))
+            else:
+                _compare(key, left, right, report)
+    return report
+
+
+def _under(key: tuple[str, ...], listed: list[list[str]]) -> bool:
+    return any(tuple(p) == key[: len(p)] for p in listed)
+
+
+def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> list[list[str]]:
+    """Compare the levels; returns the keys that are a sub-tree on one side and a leaf on the
+    other (reported as a ``kind`` change; nothing below them is compared)."""
+    kinds: list[list[str]] = []
+    for key in sorted((left.levels.keys() & right.entries.keys()) | (right.levels.keys() & left.entries.keys())):
+        side_a = "tree" if key in left.levels else _describe(left.entries[key][1])
+        side_b = "tree" if key in right.levels else _describe(right.entries[key][1])
+        report.changed.append({"key": list(key), "what": ["kind"], "a": side_a, "b": side_b})
+        kinds.append(list(key))
+    for key in sorted(left.levels.keys() | right.levels.keys()):
+        if _under(key, kinds):
+            continue
+        la, lb = left.levels.get(key), right.levels.get(key)
+        if la is None or lb is None:
+            target = report.only_in_a if lb is None else report.only_in_b
+            if not _under(key, target):
+                target.append(list(key))
+            continue
+        what = [w for w, x, y in (("batch_size", la.batch_size, lb.batch_size), ("type", la.type, lb.type)) if x != y]
+        if what:
+            report.changed.append({"key": list(key), "what": what, "a": f"{la.type}{list(la.batch_size)}",
+                                   "b": f"{lb.type}{list(lb.batch_size)}"})
+        elif key:
+            report.same += 1
+    return kinds
+
+
+def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport) -> None:
+    (ra, ea), (rb, eb) = left.entries[key], right.entries[key]
+    what: list[str] = []
+    desc_a, desc_b = _describe(ea), _describe(eb)
+    if type(ea) is not type(eb):
+        what.append("kind")
+    elif isinstance(ea, JsonMeta) and isinstance(eb, JsonMeta):
+        if json.dumps(ea.value, sort_keys=True) != json.dumps(eb.value, sort_keys=True):
+            what.append("value")
+    elif isinstance(ea, LeafMeta) and isinstance(eb, LeafMeta):
+        if ea.dtype != eb.dtype:
+            what.append("dtype")
+        if ea.shape != eb.shape:
+            what.append("shape")
+        if not what:
+            sa, sb = _leaf_sums(left, join_rel(ra, ea.file), ea, right, join_rel(rb, eb.file), eb, report)
+            if sa != sb:
+                what.append("data")
+                desc_a, desc_b = sa, sb
+    else:
+        assert isinstance(ea, PickleMeta) and isinstance(eb, PickleMeta)
+        fa, fb = join_rel(ra, ea.file), join_rel(rb, eb.file)
+        ia, ib = left.identity(fa), right.identity(fb)
+        if not _same_inode(ia, ib):
+            size_a, size_b = left.storage.stat(fa).size, right.storage.stat(fb).size
+            algo = default_checksum()
+            report.bytes_read += size_a + size_b
+            if size_a != size_b or left.hash(fa, size_a, algo) != right.hash(fb, size_b, algo):
+                what.append("value")
+    if what:
+        report.changed.append({"key": list(key), "what": what, "a": desc_a, "b": desc_b})
+    else:
+        report.same += 1
+
+
+def _leaf_sums(
+    left: _Side, fa: str, ea: LeafMeta, right: _Side, fb: str, eb: LeafMeta, report: DiffReport
+) -> tuple[str, str]:
+    """Checksums of two same-shaped leaves in one algorithm, reading as little as possible."""
+    ca = ea.checksum if ea.capacity is None else None
+    cb = eb.checksum if eb.capacity is None else None
+    algo_a = ca.partition(":")[0] if ca else None
+    algo_b = cb.partition(":")[0] if cb else None
+    if ca and cb and algo_a == algo_b:
+        return ca, cb
+    if _same_inode(left.identity(fa), right.identity(fb)):
+        return "same file", "same file"
+    nbytes = ea.nbytes
+    if ca:
+        report.bytes_read += nbytes
+        return ca, right.hash(fb, nbytes, algo_a or "")
+    if cb:
+        report.bytes_read += nbytes
+        return left.hash(fa, nbytes, algo_b or ""), cb
+    algo = default_checksum()
+    report.bytes_read += 2 * nbytes
+    return left.hash(fa, nbytes, algo), right.hash(fb, nbytes, algo)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``memtree diff``."""
+    parser.add_argument("a", metavar="A", help="a tree's directory")
+    parser.add_argument("b", metavar="B", help="another tree's directory")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Diff the trees; print the differences (or JSON); 0 if identical, 1 otherwise."""
+    report = diff_trees(args.a, args.b)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0 if report.identical else 1
+    for c in report.changed:
+        print(f"changed    {'/'.join(c['key'])}  {', '.join(c['what'])} ({c['a']} -> {c['b']})")
+    for key in report.only_in_a:
+        print(f"only in A  {'/'.join(key)}")
+    for key in report.only_in_b:
+        print(f"only in B  {'/'.join(key)}")
+    print(
+        f"{report.same} same, {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
+        f"{len(report.only_in_b)} only in B ({report.bytes_read:,} bytes read)"
+    )
+    return 0 if report.identical else 1

@@ -1,0 +1,229 @@
+"""``memtree du PATH``: the disk a tree, or a checkpoint root, uses, and what hard links share.
+
+``PATH`` is a tree (a directory with a ``meta.json``) or a checkpoint root: a directory whose
+steps are sub-directories named by a decimal int (``root/<step>/``, each a tree; other entries,
+such as staging directories and lock files, are left out). Every file below is counted once per
+name for the *apparent* bytes (their sizes), and once per file (inode) for the *allocated* bytes
+(``st_blocks``: what the disk really holds; sparse files hold less). Files with several names in
+the scope (hard links made by ``WriteOptions(link_from=...)`` between checkpoints, say) are
+*shared*: ``linked_bytes`` is what the links save (apparent bytes of every name beyond a file's
+first). For each step, ``exclusive_bytes`` are the allocated bytes of files no other step names:
+about what deleting that step frees (a file with links outside the scope is never counted as
+exclusive). Symbolic links are never followed; the walk stays on the directory's filesystem.
+
+Example:
+    $ memtree du ckpt/
+    ckpt: 5 steps, 10 GiB apparent, 2.3 GiB allocated, 7.7 GiB saved by hard links
+      step 100: 2.0 GiB apparent, 2.0 GiB allocated, 0.1 GiB exclusive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import NotAMemtreeError
+from ..format.names import META_NAME
+
+__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
+
+NAME = "du"
+HELP = "disk use of a tree or a checkpoint root: apparent, allocated, and shared by hard links"
+
+#: Deepest directory nesting walked (a tree is at most 256 levels deep).
+_MAX_DEPTH = 300
+
+
+@dataclass
+class StepUsage:
+    """The usage of one tree (a step of a checkpoint root, or the tree itself).
+
+    Attributes:
+        name: the step's directory name (``""`` for a single tree).
+        files: file names counted.
+        apparent_bytes: sum of their sizes.
+        allocated_bytes: blocks of their distinct files (``st_blocks × 512``).
+        shared_bytes: apparent bytes of its files that have another name in the scope.
+        exclusive_bytes: allocated bytes of its files no other step names (and with no link
+            outside the scope).
+    """
+
+    name: str
+    files: int = 0
+    apparent_bytes: int = 0
+    allocated_bytes: int = 0
+    shared_bytes: int = 0
+    exclusive_bytes: int = 0
+
+
+@dataclass
+class DuReport:
+    """The result of :func:`disk_usage` (sizes in bytes).
+
+    Attributes:
+        path: the directory (resolved).
+        kind: ``"tree"`` or ``"checkpoints"``.
+        files: file names counted; ``inodes``: distinct files among them.
+        apparent_bytes: sum of the sizes of every name.
+        allocated_bytes: blocks of the distinct files.
+        unique_bytes: sizes of the distinct files.
+        linked_bytes: ``apparent_bytes - unique_bytes``: what the hard links save.
+        outside_links_bytes: sizes of files that also have names outside the scope.
+        steps: per-step usage (one entry for a single tree).
+    """
+
+    path: str
+    kind: str
+    files: int = 0
+    inodes: int = 0
+    apparent_bytes: int = 0
+    allocated_bytes: int = 0
+    unique_bytes: int = 0
+    linked_bytes: int = 0
+    outside_links_bytes: int = 0
+    steps: list[StepUsage] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``memtree du --json`` prints)."""
+        return asdict(self)
+
+
+def _is_step(name: str) -> bool:
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+
+
+def _files(top: str, dev: int) -> list[os.stat_result]:
+    """``lstat`` of every regular file below ``top`` (no link followed, same filesystem)."""
+    out: list[os.stat_result] = []
+    todo = [(top, 0)]
+    while todo:
+        directory, depth = todo.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev and depth < _MAX_DEPTH:
+                todo.append((e.path, depth + 1))
+            elif stat.S_ISREG(st.st_mode):
+                out.append(st)
+    return out
+
+
+def disk_usage(path: str | os.PathLike[str]) -> DuReport:
+    """Measure a tree or a checkpoint root (see the module docstring).
+
+    Raises:
+        NotAMemtreeError: ``path`` is neither a tree nor a directory of step trees.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.options import WriteOptions
+        >>> from memtree.store.write import write_tree
+        >>> root = tempfile.mkdtemp()
+        >>> _ = write_tree(root + "/1", Level((), {"w": torch.ones(1024)}))
+        >>> _ = write_tree(root + "/2", Level((), {"w": torch.ones(1024)}), WriteOptions.of(link_from=root + "/1"))
+        >>> r = disk_usage(root)
+        >>> r.kind, len(r.steps), r.linked_bytes
+        ('checkpoints', 2, 4096)
+    """
+    top = os.path.realpath(os.fspath(path))
+    try:
+        st = os.stat(top)
+    except OSError as err:
+        raise NotAMemtreeError(f"{top}: {err.strerror}; check the path") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotAMemtreeError(f"{top} is not a directory")
+    if os.path.isfile(os.path.join(top, META_NAME)):
+        report, steps = DuReport(top, "tree"), [("", top)]
+    else:
+        with os.scandir(top) as it:
+            names = sorted((e.name for e in it if _is_step(e.name) and e.is_dir(follow_symlinks=False)), key=int)
+        steps = [(n, os.path.join(top, n)) for n in names if os.path.isfile(os.path.join(top, n, META_NAME))]
+        if not steps:
+            raise NotAMemtreeError(
+                f"{top} is neither a memtree tree (no {META_NAME}) nor a checkpoint root (no "
+                "<step>/ sub-directory holding a tree)"
+            )
+        report = DuReport(top, "checkpoints")
+    per_step = [(name, _files(directory, st.st_dev)) for name, directory in steps]
+    names_of: dict[tuple[int, int], int] = {}  # inode -> names in the scope
+    steps_of: dict[tuple[int, int], set[str]] = {}
+    for name, found in per_step:
+        for f in found:
+            ino = (f.st_dev, f.st_ino)
+            names_of[ino] = names_of.get(ino, 0) + 1
+            steps_of.setdefault(ino, set()).add(name)
+    seen: set[tuple[int, int]] = set()
+    for name, found in per_step:
+        usage = StepUsage(name)
+        counted: set[tuple[int, int]] = set()
+        for f in found:
+            ino = (f.st_dev, f.st_ino)
+            usage.files += 1
+            usage.apparent_bytes += f.st_size
+            if ino not in counted:
+                counted.add(ino)
+                usage.allocated_bytes += f.st_blocks * 512
+                if len(steps_of[ino]) == 1 and f.st_nlink <= names_of[ino]:
+                    usage.exclusive_bytes += f.st_blocks * 512
+            if names_of[ino] > 1:
+                usage.shared_bytes += f.st_size
+            report.files += 1
+            report.apparent_bytes += f.st_size
+            if ino not in seen:
+                seen.add(ino)
+                report.inodes += 1
+                report.unique_bytes += f.st_size
+                report.allocated_bytes += f.st_blocks * 512
+                if f.st_nlink > names_of[ino]:
+                    report.outside_links_bytes += f.st_size
+        report.steps.append(usage)
+    report.linked_bytes = report.apparent_bytes - report.unique_bytes
+    return report
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``memtree du``."""
+    parser.add_argument("path", metavar="PATH", help="a tree, or a checkpoint root of <step>/ trees")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the usage (or JSON); 0 on success."""
+    r = disk_usage(args.path)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return 0
+    what = f"{len(r.steps)} steps" if r.kind == "checkpoints" else "tree"
+    line = (
+        f"{r.path}: {what}, {r.files} files, {_size(r.apparent_bytes)} apparent, "
+        f"{_size(r.allocated_bytes)} allocated, {_size(r.linked_bytes)} saved by hard links"
+    )
+    if r.outside_links_bytes:
+        line += f", {_size(r.outside_links_bytes)} also linked from outside"
+    print(line)
+    if r.kind == "checkpoints":
+        for s in r.steps:
+            print(
+                f"  step {s.name}: {_size(s.apparent_bytes)} apparent, {_size(s.allocated_bytes)} "
+                f"allocated, {_size(s.shared_bytes)} shared, {_size(s.exclusive_bytes)} exclusive"
+            )
+    return 0

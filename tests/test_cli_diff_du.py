@@ -1,0 +1,150 @@
+"""``memtree diff`` and ``memtree du``, including trees hard-linked by ``link_from``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import memtree
+from memtree.cli.diff import diff_trees
+from memtree.cli.du import disk_usage
+from memtree.cli.main import main
+from memtree.format.level import Level
+from memtree.store.options import WriteOptions
+from memtree.store.write import write_tree
+
+
+def _level(w: torch.Tensor, **extra) -> Level:
+    return Level((), {"model": Level((), {"w": w, "b": torch.arange(8.0)}), "step": 1, **extra})
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+# -- diff ------------------------------------------------------------------------------------------
+
+
+def test_diff_identical_and_changed_from_checksums_alone(tmp_path, capsys):
+    write_tree(tmp_path / "a", _level(torch.zeros(256)))
+    write_tree(tmp_path / "b", _level(torch.zeros(256)))
+    write_tree(tmp_path / "c", _level(torch.ones(256), lr=0.1))
+    report = diff_trees(tmp_path / "a", tmp_path / "b")
+    assert report.identical and report.same == 4 and report.bytes_read == 0
+    report = diff_trees(tmp_path / "a", tmp_path / "c")
+    assert [(c["key"], c["what"]) for c in report.changed] == [(["model", "w"], ["data"])]
+    assert report.only_in_b == [["lr"]] and report.only_in_a == [] and report.bytes_read == 0
+    code, out = _run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "c"))
+    assert code == 1 and "changed    model/w  data" in out and "only in B  lr" in out
+    code, out = _run(capsys, "diff", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 0 and json.loads(out)["identical"] is True
+
+
+def test_diff_dtype_shape_value_kind_and_subtrees(tmp_path):
+    write_tree(tmp_path / "a", Level((), {
+        "d": torch.zeros(4), "s": torch.zeros(4), "v": {"lr": 1}, "k": torch.zeros(1),
+        "gone": Level((), {"x": torch.ones(1), "y": torch.ones(1)}), "t": Level((), {"z": 1}),
+    }))
+    write_tree(tmp_path / "b", Level((), {
+        "d": torch.zeros(4, dtype=torch.int32), "s": torch.zeros(2, 2), "v": {"lr": 2}, "k": "text",
+        "t": torch.zeros(1),
+    }))
+    report = diff_trees(tmp_path / "a", tmp_path / "b")
+    changed = {tuple(c["key"]): c["what"] for c in report.changed}
+    assert changed == {("d",): ["dtype"], ("s",): ["shape"], ("v",): ["value"], ("k",): ["kind"], ("t",): ["kind"]}
+    assert report.only_in_a == [["gone"]] and report.only_in_b == []
+
+
+def test_diff_reads_data_when_checksums_cannot_decide(tmp_path):
+    write_tree(tmp_path / "none", _level(torch.zeros(256)), WriteOptions.of(checksum=None))
+    write_tree(tmp_path / "crc", _level(torch.zeros(256)), WriteOptions.of(checksum="crc32"))
+    write_tree(tmp_path / "sha", _level(torch.ones(256)), WriteOptions.of(checksum="sha256"))
+    report = diff_trees(tmp_path / "none", tmp_path / "crc")  # one side's algorithm: B's sums, A read
+    assert report.identical and report.bytes_read == 256 * 4 + 8 * 4
+    report = diff_trees(tmp_path / "crc", tmp_path / "sha")
+    assert [c["key"] for c in report.changed] == [["model", "w"]]
+    assert report.bytes_read == 256 * 4 + 8 * 4
+    report = diff_trees(tmp_path / "none", tmp_path / "none")
+    assert report.identical and report.bytes_read == 0  # the same files: no read
+
+
+def test_diff_of_hard_linked_checkpoints(tmp_path):
+    write_tree(tmp_path / "1", _level(torch.zeros(256)), WriteOptions.of(checksum=None))
+    write_tree(tmp_path / "2", _level(torch.zeros(256)), WriteOptions.of(checksum="crc32"))
+    write_tree(tmp_path / "3", _level(torch.zeros(256)), WriteOptions.of(link_from=tmp_path / "2", checksum="crc32"))
+    assert os.stat(tmp_path / "2" / "model" / "w.memmap").st_ino == os.stat(tmp_path / "3" / "model" / "w.memmap").st_ino
+    report = diff_trees(tmp_path / "2", tmp_path / "3")
+    assert report.identical and report.bytes_read == 0
+
+
+def test_diff_after_growth_compares_data(tmp_path):
+    buf = memtree.TensorTree({"x": torch.zeros(2, 3)}, batch_size=[2]).memmap(tmp_path / "a")
+    memtree.TensorTree({"x": torch.zeros(3, 3)}, batch_size=[3]).memmap(tmp_path / "b")
+    buf.append_({"x": torch.zeros(3)})  # capacity, no checksum
+    report = diff_trees(tmp_path / "a", tmp_path / "b")
+    assert report.identical and report.bytes_read == 36
+    buf[2] = {"x": torch.ones(3)}
+    assert [c["key"] for c in diff_trees(tmp_path / "a", tmp_path / "b").changed] == [["x"]]
+
+
+def test_diff_refuses_what_is_not_a_tree(tmp_path, capsys):
+    write_tree(tmp_path / "a", _level(torch.zeros(2)))
+    code = main(["diff", str(tmp_path / "a"), str(tmp_path / "missing")])
+    assert code == 1 and "does not exist" in capsys.readouterr().err
+
+
+# -- du --------------------------------------------------------------------------------------------
+
+
+def test_du_of_a_checkpoint_root_with_links(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    w = torch.zeros(64 * 1024)  # 256 KiB, shared by every step
+    for step in (10, 20, 30):
+        link = root / str(step - 10) if step > 10 else None
+        level = _level(w, step_value=torch.full((1024,), float(step)))
+        write_tree(root / str(step), level, WriteOptions.of(link_from=link) if link else None)
+    (root / ".ckpt.memtree.lock").write_bytes(b"")  # ignored
+    (root / "notes").mkdir()  # not a step: ignored
+    (root / "notes" / "big").write_bytes(b"x" * 100_000)
+    r = disk_usage(root)
+    assert r.kind == "checkpoints" and [s.name for s in r.steps] == ["10", "20", "30"]
+    w_bytes, b_bytes = 256 * 1024, 32
+    assert r.linked_bytes == 2 * (w_bytes + b_bytes)
+    assert r.apparent_bytes - r.unique_bytes == r.linked_bytes
+    assert r.steps[0].shared_bytes == w_bytes + b_bytes
+    assert all(s.exclusive_bytes < w_bytes for s in r.steps)
+    assert r.allocated_bytes < r.apparent_bytes - w_bytes  # the shared leaf is stored once
+    assert r.outside_links_bytes == 0
+    code, out = _run(capsys, "du", "--json", str(root))
+    assert code == 0 and json.loads(out)["linked_bytes"] == r.linked_bytes
+    code, out = _run(capsys, "du", str(root))
+    assert code == 0 and "3 steps" in out and "step 20:" in out
+    # one step alone: its linked files have names outside it
+    one = disk_usage(root / "20")
+    assert one.kind == "tree" and one.linked_bytes == 0 and one.outside_links_bytes == w_bytes + b_bytes
+    assert one.steps[0].exclusive_bytes < w_bytes
+
+
+def test_du_of_a_sparse_tree_and_of_junk(tmp_path, capsys):
+    memtree.TensorTree({"x": torch.zeros(1 << 20, dtype=torch.uint8)}).memmap_like(tmp_path / "t")
+    r = disk_usage(tmp_path / "t")
+    assert r.apparent_bytes > 1 << 20 and r.allocated_bytes < 1 << 20
+    os.symlink("/", tmp_path / "t" / "escape")  # never followed
+    assert disk_usage(tmp_path / "t").apparent_bytes == r.apparent_bytes
+    (tmp_path / "empty").mkdir()
+    assert main(["du", str(tmp_path / "empty")]) == 1
+    assert "neither a memtree tree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, is_step", [("0", True), ("12", True), ("012", False), ("1a", False), ("٣", False)])
+def test_du_step_names(tmp_path, name, is_step):
+    write_tree(tmp_path / name, _level(torch.zeros(2)))
+    if is_step:
+        assert [s.name for s in disk_usage(tmp_path).steps] == [name]
+    else:
+        with pytest.raises(memtree.NotAMemtreeError):
+            disk_usage(tmp_path)
