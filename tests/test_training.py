@@ -650,7 +650,7 @@ def test_container_fields_are_version_2_only():
     assert parse_level(v1 % b'[{"key":"x","kind":"json","value":1}]', "meta.json").type == "list"  # a class name in v1
     for entry in (b'{"key":"1","kind":"json","value":1,"int_key":true}', b'{"key":"a","kind":"json","value":[],"tuples":[[]]}'):
         with pytest.raises(memtree.MetaFormatError, match="version 2"):
-            parse_level(v1 % b"[" + entry + b"]", "meta.json")
+            parse_level(v1 % (b"[" + entry + b"]"), "meta.json")
 
 
 def test_container_fields_parse():
