@@ -39,7 +39,7 @@ NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
 DTYPES = [torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16,
           torch.float32, torch.complex64, torch.float8_e5m2]
 KINDS = {"checksum", "size", "missing", "unsafe", "meta", "version", "limit", "structure", "not-a-tree",
-         "not-committed", "io", "pickle", "dtype"}
+         "not-committed", "io", "pickle", "dtype", "stale", "tree-hash"}
 
 
 def nested(depth: int, inner: Any = 1) -> Any:
