@@ -536,6 +536,14 @@ def test_two_checkpointers_on_one_root(tmp_path):
     assert a.steps() == b.steps() == [1, 2, 3]
 
 
+def test_a_root_that_is_a_file_or_unwritable_is_a_clear_error(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(memtree.DestinationExistsError, match="not a directory"):
+        memtree.Checkpointer(tmp_path / "f")
+    with pytest.raises(memtree.MemtreeError):
+        memtree.Checkpointer(tmp_path / "f" / "sub")
+
+
 def test_opening_a_root_cleans_up_after_crashed_writers(tmp_path):
     ckpt = memtree.Checkpointer(tmp_path)
     ckpt.save(1, {"x": 1})

@@ -52,6 +52,7 @@ from ..format.dtypes import dtype_name
 from ..format.level import Level
 from ..format.names import META_NAME, lock_path, staging_path
 from ..store.commit import WriterLock
+from ..store.files import storage_error
 from ..store.options import ReadOptions, WriteOptions
 from ..store.read import open_tree
 from ..store.recovery import recover
@@ -130,7 +131,15 @@ class Checkpointer:
         self.fsync = fsync
         self.incremental = incremental
         self.root = os.path.realpath(os.fspath(root))
-        os.makedirs(self.root, exist_ok=True)
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise DestinationExistsError(
+                f"{self.root} exists and is not a directory: a Checkpointer root is a directory of "
+                "steps; choose another path"
+            )
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as err:
+            raise storage_error(err, f"creating the checkpoint root {self.root}") from err
         recover(self.root)
         self._lock = threading.RLock()
         #: One writer thread, started on the first async save and reused (the interpreter waits
