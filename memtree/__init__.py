@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from .tree.records import tensorclass
     from .tree.tensortree import TensorTree, load_memmap
     from .store.verify import Problem, VerifyReport, verify_tree
+    from .training import Checkpointer
     from . import dcp, remote
 
 #: Public name -> the module (under memtree) that defines it. ``import memtree`` imports no
@@ -64,6 +65,7 @@ _LAZY: dict[str, str] = {
     "Problem": "store.verify",
     "VerifyReport": "store.verify",
     "verify_tree": "store.verify",
+    "Checkpointer": "training",
 }
 
 __version__ = "0.1.0"
@@ -96,6 +98,7 @@ __all__ = [
     "saving",
     "loading",
     "EncryptionKey",
+    "Checkpointer",
     *_errors_all,
 ]
 

@@ -60,6 +60,8 @@ __all__ = [
     "InvalidIndexError",
     "UnsizedTreeError",
     "AmbiguousTruthError",
+    "CheckpointSaveError",
+    "CheckpointNotFoundError",
 ]
 
 
@@ -245,3 +247,11 @@ class UnsizedTreeError(MemtreeError, TypeError):
 
 class AmbiguousTruthError(MemtreeError, ValueError):
     """``bool(tree)``: a tree of several values has no single truth value; use ``.all()``/``.any()``."""
+
+
+class CheckpointSaveError(MemtreeError, RuntimeError):
+    """A background save of :class:`memtree.Checkpointer` failed (its cause is chained)."""
+
+
+class CheckpointNotFoundError(MemtreeError, FileNotFoundError):
+    """A :class:`memtree.Checkpointer` root has no (such) committed step."""

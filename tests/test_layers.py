@@ -2,7 +2,7 @@
 to a higher one (``docs/architecture.md``).
 
 Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
-``tree/`` < ``nn/`` < the public top-level modules (``memtree``, ``memtree.remote``,
+``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
 ``memtree.routing``) < ``cli/``.
 Every ``import`` of a ``memtree`` module counts, at module level or inside a function; only
 imports under ``if TYPE_CHECKING:`` (annotations, never run) are left out.
@@ -26,6 +26,7 @@ LAYERS = {
     "dcp": 3,
     "tree": 4,
     "nn": 5,
+    "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface
     "": 6,  # memtree/__init__.py, remote.py, routing.py: the public surface
     "cli": 7,
 }

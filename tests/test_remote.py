@@ -308,11 +308,11 @@ def test_bad_meta_json_is_refused_like_a_local_one(mem_url):
 
 
 def test_pickled_leaves_need_allow_pickle(mem_url):
-    tree = TensorTree({"obj": memtree.NonTensor((1, 2))})
+    tree = TensorTree({"obj": memtree.NonTensor({1, 2})})
     upload(tree, mem_url, allow_pickle=True)
     with pytest.raises(memtree.PickleNotAllowedError):
         memtree.load_memmap(mem_url)
-    assert memtree.load_memmap(mem_url, allow_pickle=True)["obj"] == (1, 2)
+    assert memtree.load_memmap(mem_url, allow_pickle=True)["obj"] == {1, 2}
 
 
 def test_missing_key_and_remote_only_options(mem_url, tmp_path):

@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
 from ..errors import MetaFormatError, NonTensorValueError
-from ..format.values import json_problem
+from ..format.schema import TuplePath
+from ..format.values import json_problem, tuples_to_lists
 
-__all__ = ["SavePlanner", "LoadPlanner", "object_bytes", "deliver_bytes"]
+__all__ = ["SavePlanner", "LoadPlanner", "object_bytes", "deliver_value"]
 
 
 def _json_bytes(value: Any, fqn: str) -> bytes:
@@ -27,9 +28,17 @@ def _json_bytes(value: Any, fqn: str) -> bytes:
     if problem is not None:
         raise NonTensorValueError(
             f"non-tensor value {fqn!r}: {problem}. memtree's DCP storage keeps non-tensor values "
-            "as JSON and never pickles: store it as a tensor, or convert it (e.g. a tuple to a list)"
+            "as JSON and never pickles: store it as a tensor, or convert it (e.g. a set to a list)"
         )
     return orjson.dumps(value)
+
+
+def _set_value(planner: Any, read_item: ReadItem, obj: Any) -> None:
+    fqn = read_item.dest_index.fqn
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+    else:
+        planner.state_dict[fqn] = obj
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -59,17 +68,24 @@ class LoadPlanner(DefaultLoadPlanner):
             obj = orjson.loads(value.getvalue())
         except orjson.JSONDecodeError as err:
             raise MetaFormatError(f"non-tensor value {read_item.dest_index.fqn!r} is not JSON ({err})") from None
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+        _set_value(self, read_item, obj)
 
 
-def object_bytes(planner: Any, item: WriteItem) -> bytes:
-    """A non-tensor value's JSON bytes, without ever letting a stock planner ``torch.save`` it."""
-    if isinstance(planner, DefaultSavePlanner) and type(planner).transform_object is DefaultSavePlanner.transform_object:
-        return _json_bytes(planner.lookup_object(item.index), item.index.fqn)
+def _encodes_itself(planner: Any) -> bool:
+    """True for DCP's default save planner and :class:`SavePlanner`: memtree encodes their
+    non-tensor values itself (keeping where the tuples are), never through ``transform_object``."""
+    return isinstance(planner, DefaultSavePlanner) and type(planner).transform_object in (
+        DefaultSavePlanner.transform_object,
+        SavePlanner.transform_object,
+    )
+
+
+def object_bytes(planner: Any, item: WriteItem) -> tuple[bytes, list[TuplePath]]:
+    """A non-tensor value's JSON bytes and the paths of its tuples (format version 2), without ever
+    letting a stock planner ``torch.save`` it. A custom planner's bytes have no tuples."""
+    if _encodes_itself(planner):
+        value, tuples = tuples_to_lists(planner.lookup_object(item.index))
+        return _json_bytes(value, item.index.fqn), tuples
     data = planner.resolve_data(item)
     raw = data.getvalue() if isinstance(data, io.BytesIO) else data
     try:
@@ -79,12 +95,17 @@ def object_bytes(planner: Any, item: WriteItem) -> bytes:
             f"the save planner turned {item.index.fqn!r} into bytes that are not JSON (a pickle?); "
             "memtree's DCP storage stores only JSON: use memtree.dcp.SavePlanner"
         ) from None
-    return bytes(raw)
+    return bytes(raw), []
 
 
-def deliver_bytes(planner: Any, item: ReadItem, data: bytes) -> None:
-    """Hand a JSON value to the load planner without ever letting a stock planner unpickle it."""
-    if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
-        LoadPlanner.load_bytes(planner, item, io.BytesIO(data))  # type: ignore[arg-type]
+def deliver_value(planner: Any, item: ReadItem, value: Any) -> None:
+    """Hand a non-tensor value to the load planner without ever letting a stock planner unpickle
+    it: DCP's default load planner and :class:`LoadPlanner` get the value itself (tuples kept), a
+    custom planner its JSON text."""
+    if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes in (
+        DefaultLoadPlanner.load_bytes,
+        LoadPlanner.load_bytes,
+    ):
+        _set_value(planner, item, value)
     else:
-        planner.load_bytes(item, io.BytesIO(data))  # a custom planner receives JSON text
+        planner.load_bytes(item, io.BytesIO(orjson.dumps(value)))

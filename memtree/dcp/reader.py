@@ -15,7 +15,6 @@ import os
 import stat
 from typing import Any
 
-import orjson
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
@@ -27,7 +26,7 @@ from ..format.level import Level
 from ..format.values import NonTensor
 from ..store.options import ReadOptions
 from ..store.read import read_tree
-from .planners import deliver_bytes
+from .planners import deliver_value
 from ..format.dcp_json import DCP_NAME, MAX_DCP_BYTES, parse_dcp
 
 __all__ = ["Reader"]
@@ -115,7 +114,7 @@ class Reader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if not isinstance(value, NonTensor):
                     raise MetaFormatError(f"{self.path}: {fqn!r} is a non-tensor value in {DCP_NAME} but not in meta.json")
-                deliver_bytes(planner, item, orjson.dumps(value.data))
+                deliver_value(planner, item, value.data)
                 continue
             if not isinstance(value, torch.Tensor) or not isinstance(md, TensorStorageMetadata) or (
                 value.dtype != md.properties.dtype or value.shape != md.size

@@ -258,8 +258,8 @@ class Writer(StorageWriter):
         def one(item: WriteItem) -> WriteResult:
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
-                data = object_bytes(planner, item)
-                return WriteResult(index=item.index, size_in_bytes=len(data), storage_data=data)
+                data, tuples = object_bytes(planner, item)
+                return WriteResult(index=item.index, size_in_bytes=len(data), storage_data=(data, tuples))
             assert item.tensor_data is not None
             tensor = to_storable(planner.resolve_data(item), f"tensor {fqn!r}")
             if tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
@@ -288,9 +288,9 @@ class Writer(StorageWriter):
         if self._staging is None or self._layout is None or self._lock is None:
             raise DistributedCheckpointError("finish() was called before prepare_global_plan()")
         layout, staging = self._layout, self._staging
-        values = {
-            r.index.fqn: orjson.loads(r.storage_data)
-            for rank in results for r in rank if isinstance(r.storage_data, (bytes, bytearray))
+        values = {  # fqn -> (JSON value, paths of its tuples)
+            r.index.fqn: (orjson.loads(r.storage_data[0]), r.storage_data[1])
+            for rank in results for r in rank if isinstance(r.storage_data, tuple)
         }
         try:
             levels = _level_metas(layout, values)
@@ -344,7 +344,8 @@ def _level_metas(layout: _Layout, values: dict[str, Any]) -> dict[tuple[str, ...
                 dtype, shape = layout.tensors[by_path[sub]]
                 entries.append(LeafMeta(key, layout.files[by_path[sub]].rsplit("/", 1)[-1], dtype_name(dtype), shape))
             else:
-                entries.append(JsonMeta(key, values[by_path[sub]]))
+                value, tuples = values[by_path[sub]]
+                entries.append(JsonMeta(key, value, tuples=tuple(map(tuple, tuples)) or None))
         out[level] = LevelMeta((), tuple(entries))
     out.setdefault((), LevelMeta((), ()))
     return out

@@ -26,7 +26,11 @@ __all__ = ["Level", "Value", "as_level"]
 
 @dataclass
 class Level:
-    """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values)."""
+    """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values).
+
+    Training state (format version 2, :mod:`memtree.training.state`) also records which keys are
+    int dict keys (``int_keys``).
+    """
 
     batch_size: tuple[int, ...]
     entries: dict[str, "Value"] = field(default_factory=dict)
@@ -36,6 +40,7 @@ class Level:
     #: ``@tensorclass`` (:func:`memtree.tree.registry.class_for_foreign`), the tensordict writer
     #: writes it back; memtree's own ``meta.json`` does not record it.
     foreign_type: str | None = None
+    int_keys: frozenset[str] = frozenset()
 
 
 Value = Union[torch.Tensor, Level, NonTensor]

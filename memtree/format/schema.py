@@ -63,6 +63,9 @@ __all__ = [
     "dump_level",
     "parse_level",
     "starts_with_batch",
+    "CONTAINER_TYPES",
+    "is_int_key",
+    "TuplePath",
 ]
 
 FORMAT = "memtree"
@@ -72,6 +75,9 @@ VERSION = 2
 #: The versions memtree reads.
 READ_VERSIONS = (1, 2)
 TREE_TYPE = "TensorTree"
+#: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
+#: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
+CONTAINER_TYPES = frozenset({"dict", "list", "tuple"})
 
 MAX_META_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 256
@@ -142,6 +148,10 @@ def is_type_name(name: object) -> bool:
     return _TYPE_NAME.fullmatch(name) is not None
 
 
+TuplePath = tuple[Union[int, str], ...]
+"""Where a tuple sits in a JSON value: array indices and object keys from the value down."""
+
+
 @dataclass(frozen=True)
 class LeafMeta:
     """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
@@ -160,6 +170,7 @@ class LeafMeta:
     capacity: int | None = None
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
+    int_key: bool = False
 
     def __post_init__(self) -> None:
         given: Any = self.dtype_name
@@ -209,14 +220,18 @@ class ChildMeta:
 
     key: str
     dir: str
+    int_key: bool = False
 
 
 @dataclass(frozen=True)
 class JsonMeta:
-    """A non-tensor leaf stored inline as a JSON value."""
+    """A non-tensor leaf stored inline as a JSON value; ``tuples``: the paths (in ``value``) of the
+    arrays that are Python tuples (:func:`memtree.format.values.tuples_to_lists`)."""
 
     key: str
     value: Any
+    int_key: bool = False
+    tuples: tuple[TuplePath, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,7 @@ class PickleMeta:
 
     key: str
     file: str
+    int_key: bool = False
 
 
 Entry = Union[LeafMeta, ChildMeta, JsonMeta, PickleMeta]
@@ -269,6 +285,13 @@ class LevelMeta:
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
+    d = _entry_fields(e)
+    if e.int_key:
+        d["int_key"] = True
+    return d
+
+
+def _entry_fields(e: Entry) -> dict[str, Any]:
     if isinstance(e, LeafMeta):
         d: dict[str, Any] = {
             "key": e.key,
@@ -285,6 +308,8 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
     if isinstance(e, JsonMeta):
+        if e.tuples is not None:
+            return {"key": e.key, "kind": "json", "value": e.value, "tuples": [list(p) for p in e.tuples]}
         return {"key": e.key, "kind": "json", "value": e.value}
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
@@ -492,6 +517,11 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
+    if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
+        if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
+            raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
+    elif kind_of_tree in CONTAINER_TYPES or any(e.int_key for e in entries):
+        _check_container(c, kind_of_tree, batch_size, entries)
     encryption, mac = _parse_encryption(c, doc)
     if encryption is not None and doc["version"] < 2:
         raise c.fail("encryption", "is only allowed in a version 2 tree")
@@ -571,6 +601,21 @@ def _parse_encryption(c: _Checker, doc: dict[str, Any]) -> tuple[EncryptionMeta 
     return EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, raw["salt"], raw["key_check"], raw["names"]), doc["mac"]
 
 
+def _check_container(c: _Checker, kind: str, batch_size: tuple[int, ...], entries: list[Entry]) -> None:
+    """The rules of a container level (``docs/format.md``, "Version 2"): no batch size; a list or
+    tuple holds its items under the keys ``"0"``...``"n-1"`` in order; only a dict marks int keys."""
+    if kind not in CONTAINER_TYPES:
+        raise c.fail("entries", f"mark int keys (int_key) in a level of type {kind!r}; only a 'dict' level has them")
+    if batch_size:
+        raise c.fail("batch_size", f"must be [] in a level of type {kind!r}, got {list(batch_size)}")
+    for i, e in enumerate(entries):
+        if kind != "dict":
+            if e.int_key:
+                raise c.fail(f"entries[{i}].int_key", f"is only allowed in a 'dict' level, not in a {kind!r}")
+            if e.key != str(i):
+                raise c.fail(f"entries[{i}].key", f"must be {str(i)!r} (item {i} of a {kind!r}), got {e.key!r:.40}")
+
+
 def _too_large(shape: tuple[int, ...], extent: int) -> str:
     if prod(shape):
         return f"{list(shape)} would need {extent} bytes, beyond any file"
@@ -635,6 +680,57 @@ def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> 
     """One entry of ``entries``, with every check and its precise message."""
     if type(raw) is not dict:
         raise c.fail(p, "must be a JSON object")
+    if "int_key" not in raw:
+        return _parse_kind(c, raw, p, batch_size)
+    flag = raw["int_key"]
+    entry = _parse_kind(c, {k: v for k, v in raw.items() if k != "int_key"}, p, batch_size)
+    if flag is not True:
+        raise c.fail(f"{p}.int_key", f"must be true when present, got {flag!r:.40}")
+    if not is_int_key(entry.key):
+        raise c.fail(f"{p}.key", f"must be the decimal form of an int (int_key), got {entry.key!r:.40}")
+    return replace(entry, int_key=True)
+
+
+def is_int_key(key: str) -> bool:
+    """True if ``key`` is how an int dict key is stored: its decimal form (``str(int)``).
+
+    Example:
+        >>> is_int_key("12"), is_int_key("-3"), is_int_key("012"), is_int_key("+1")
+        (True, True, False, False)
+    """
+    if not 0 < len(key) <= 40 or not key.lstrip("-").isdigit() or not key.isascii():
+        return False
+    return str(int(key)) == key
+
+
+#: Most tuple paths one JSON value may list (``tuples``).
+MAX_TUPLE_PATHS = 100_000
+
+
+def _tuple_paths(c: _Checker, raw: Any, value: Any, p: str) -> tuple[TuplePath, ...]:
+    if type(raw) is not list or len(raw) > MAX_TUPLE_PATHS:
+        raise c.fail(p, f"must be a list of at most {MAX_TUPLE_PATHS} paths, got {raw!r:.80}")
+    out: list[TuplePath] = []
+    for i, path in enumerate(raw):
+        if type(path) is not list:
+            raise c.fail(f"{p}[{i}]", f"must be a list of array indices and object keys, got {path!r:.80}")
+        node = value
+        for step in path:
+            if type(step) is int and type(node) is list and 0 <= step < len(node):
+                node = node[step]
+            elif type(step) is str and type(node) is dict and step in node:
+                node = node[step]
+            else:
+                raise c.fail(f"{p}[{i}]", f"{path!r:.80} is not a path into the value")
+        if type(node) is not list:
+            raise c.fail(f"{p}[{i}]", f"{path!r:.80} leads to a {type(node).__name__}, not an array")
+        out.append(tuple(path))
+    if len(set(out)) != len(out):
+        raise c.fail(p, "lists a path twice")
+    return tuple(out)
+
+
+def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> Entry:
     kind = raw.get("kind")
     if kind == "tensor":
         raw = c.obj(raw, p, _PLAIN_LEAF_FIELDS, _LEAF_OPTIONAL)
@@ -643,8 +739,11 @@ def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> 
         raw = c.obj(raw, p, _CHILD_FIELDS, frozenset())
         return ChildMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["dir"], f"{p}.dir", ""))
     if kind == "json":
-        raw = c.obj(raw, p, {"key", "kind", "value"}, set())
-        return JsonMeta(c.string(raw["key"], f"{p}.key"), raw["value"])
+        raw = c.obj(raw, p, {"key", "kind", "value"}, {"tuples"})
+        key = c.string(raw["key"], f"{p}.key")
+        if "tuples" not in raw:
+            return JsonMeta(key, raw["value"])
+        return JsonMeta(key, raw["value"], tuples=_tuple_paths(c, raw["tuples"], raw["value"], f"{p}.tuples"))
     if kind == "pickle":
         raw = c.obj(raw, p, {"key", "kind", "file"}, set())
         return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))

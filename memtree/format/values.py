@@ -5,8 +5,9 @@ leaves. A ``Mapping`` assigned to a tree becomes a sub-tree; to keep a dict (or 
 leaf, wrap it in :class:`NonTensor`.
 
 On disk, values are JSON. :func:`check_json` refuses any value JSON would change (NaN, ±inf,
-ints beyond 64 bits, lone surrogates, tuples, non-str dict keys, arbitrary objects) or nest
-deeper than :data:`MAX_JSON_DEPTH` instead of silently altering it.
+ints beyond 64 bits, lone surrogates, non-str dict keys, arbitrary objects) or nest deeper than
+:data:`MAX_JSON_DEPTH` instead of silently altering it. Tuples are kept (format version 2): they
+are written as arrays and their paths recorded (:func:`tuples_to_lists`), so they load as tuples.
 
 Example:
     >>> import memtree
@@ -31,8 +32,12 @@ __all__ = [
     "check_nesting",
     "json_depth",
     "json_problem",
+    "tuples_to_lists",
+    "lists_to_tuples",
 ]
 
+#: The Python types stored as JSON arrays (a tuple's path is recorded, so it comes back a tuple).
+_ARRAYS = (list, tuple)
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
 
@@ -85,21 +90,22 @@ def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
     """How many levels of lists and dicts ``value`` nests (0 for a scalar), counted up to
     ``limit + 1`` (iteratively: any depth is safe to measure, and the count stops early).
 
-    Only exact ``list`` and ``dict`` count, the containers JSON has.
+    Only exact ``list``, ``tuple`` and ``dict`` count, the containers JSON has (a tuple is stored
+    as an array, its path recorded: :func:`tuples_to_lists`).
 
     Example:
         >>> json_depth("x"), json_depth([1, {"a": [2]}]), json_depth([[[[[]]]]], limit=2)
         (0, 3, 3)
     """
-    level: list[Any] = [value] if type(value) is list or type(value) is dict else []
+    level: list[Any] = [value] if type(value) in _ARRAYS or type(value) is dict else []
     depth = 0
     while level and depth <= limit:
         depth += 1
         level = [
             child
             for v in level
-            for child in (v if type(v) is list else list(v.values()))
-            if type(child) is list or type(child) is dict
+            for child in (v if type(v) is not dict else list(v.values()))
+            if type(child) in _ARRAYS or type(child) is dict
         ]
     return depth
 
@@ -148,10 +154,10 @@ def json_problem(value: Any, path: str = "value") -> str | None:
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 return f"{where} is a str with a lone surrogate"
-        elif t is list or t is dict:
+        elif t is list or t is tuple or t is dict:
             if depth > MAX_JSON_DEPTH:
                 return f"{path} nests lists and dicts more than {MAX_JSON_DEPTH} levels deep"
-            if t is list:
+            if t is not dict:
                 stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
                 continue
             for k, x in v.items():
@@ -173,7 +179,59 @@ def check_json(value: Any, where: str) -> None:
     problem = json_problem(value)
     if problem is not None:
         raise NonTensorValueError(
-            f"non-tensor leaf {where}: {problem}. Store it as a tensor, convert it (e.g. a tuple "
+            f"non-tensor leaf {where}: {problem}. Store it as a tensor, convert it (e.g. a set "
             "to a list), or pass allow_pickle=True to pickle it (loading then needs "
             "allow_pickle=True too)"
         )
+
+
+def tuples_to_lists(value: Any) -> tuple[Any, list[tuple[int | str, ...]]]:
+    """``value`` with every tuple made a list, and the paths of those tuples (format version 2:
+    a ``json`` entry's ``tuples``), outermost first; :func:`lists_to_tuples` undoes it.
+
+    Only exact ``tuple``, ``list`` and ``dict`` are looked into; the result still has to pass
+    :func:`check_json` (a named tuple, for instance, is not a tuple here and is refused there).
+
+    Example:
+        >>> tuples_to_lists({"betas": (0.9, 0.999), "params": [0, 1]})
+        ({'betas': [0.9, 0.999], 'params': [0, 1]}, [('betas',)])
+    """
+    paths: list[tuple[int | str, ...]] = []
+
+    def convert(v: Any, path: tuple[int | str, ...], depth: int) -> Any:
+        t = type(v)
+        if (t is not tuple and t is not list and t is not dict) or depth > MAX_JSON_DEPTH:
+            return v  # scalars; too deep a value is refused by check_json
+        if t is dict:
+            return {k: convert(x, path + (k,), depth + 1) for k, x in v.items()}
+        if t is tuple:
+            paths.append(path)
+        return [convert(x, path + (i,), depth + 1) for i, x in enumerate(v)]
+
+    return convert(value, (), 1), paths
+
+
+def lists_to_tuples(value: Any, paths: Any) -> Any:
+    """A copy of ``value`` (as read from JSON) with the arrays at ``paths`` made tuples again.
+
+    ``paths`` come from a parsed ``meta.json`` (:func:`memtree.format.schema.parse_level` checked
+    that each leads to an array). ``value`` itself is left as it is.
+
+    Example:
+        >>> lists_to_tuples({"betas": [0.9, 0.999], "x": [[1], 2]}, [("betas",), ("x",), ("x", 0)])
+        {'betas': (0.9, 0.999), 'x': ((1,), 2)}
+    """
+    if not paths:
+        return value
+    wanted = set(map(tuple, paths))
+    below = {p[:n] for p in wanted for n in range(len(p))}  # where a tuple lies further down
+
+    def rebuild(v: Any, path: tuple[int | str, ...]) -> Any:
+        if path not in below:
+            return tuple(v) if path in wanted else v
+        if type(v) is dict:
+            return {k: rebuild(x, path + (k,)) for k, x in v.items()}
+        items = [rebuild(x, path + (i,)) for i, x in enumerate(v)]
+        return tuple(items) if path in wanted else items
+
+    return rebuild(value, ())

@@ -78,7 +78,7 @@ from ..format.level import Level, Value
 from .crypto import TreeCipher, open_cipher
 from .mapped import map_leaf
 from .integrity import changed_after_meta, tree_hash
-from ..format.values import NonTensor, UnloadedPickle
+from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
 
@@ -522,7 +522,7 @@ class PendingLevel:
                 _hold_dir(child, child_fd)
                 out[entry.key] = child
             elif isinstance(entry, JsonMeta):
-                out[entry.key] = NonTensor(entry.value)
+                out[entry.key] = NonTensor(lists_to_tuples(entry.value, entry.tuples))
             else:
                 out[entry.key] = NonTensor(reader.pickled(fd, self.where, entry))
         return out

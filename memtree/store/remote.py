@@ -70,7 +70,7 @@ from ..errors import (
 from ..format.level import Level, as_level
 from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta, dump_level, parse_level
-from ..format.values import NonTensor, UnloadedPickle
+from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from . import faults
 from .cache import Download, entry_name, find_entry
 from .files import (
@@ -452,7 +452,7 @@ def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, to
             elif isinstance(e, ChildMeta):
                 out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])
             elif isinstance(e, JsonMeta):
-                out.entries[e.key] = NonTensor(e.value)
+                out.entries[e.key] = NonTensor(lists_to_tuples(e.value, e.tuples))
             elif device.type == "meta":
                 out.entries[e.key] = NonTensor(UnloadedPickle(storage.describe(lvl.file(e.file))))
             else:

@@ -91,7 +91,7 @@ from ..format.schema import (
 from ..format.names import META_NAME, encode_level
 from ..format.level import Level, as_level
 from .mapped import MemoryMappedTensor, to_storable
-from ..format.values import NonTensor, check_json, json_problem
+from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
 from .progress import Progress
 from .options import ReadOptions, WriteOptions, check_mode
 from .read import PendingLevel, load_pending_at, open_tree
@@ -224,7 +224,10 @@ def _plan_level(
             plan.pickles.append((child_rel, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)))
             entries.append(PickleMeta(key, name))
         else:
-            entries.append(JsonMeta(key, value.data if isinstance(value, NonTensor) else value))
+            data, tuples = tuples_to_lists(value.data if isinstance(value, NonTensor) else value)
+            entries.append(JsonMeta(key, data, tuples=tuple(tuples) or None))
+    if level.int_keys:  # a dict of training state with int keys (format version 2)
+        entries = [replace(e, int_key=True) if e.key in level.int_keys else e for e in entries]
     plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidArgumentError, TensorclassError, UnknownClassError
-from ..format.schema import TREE_TYPE, TYPE_NAME_MAX, is_type_name
+from ..format.schema import CONTAINER_TYPES, TREE_TYPE, TYPE_NAME_MAX, is_type_name
 
 __all__ = ["RESERVED_PREFIX", "UNKNOWN_CLASSES", "register", "class_for", "class_for_foreign"]
 
@@ -44,7 +44,7 @@ def register(name: str, cls: type[Any]) -> None:
 
     Raises:
         TensorclassError: ``name`` is not a valid type name (see
-            :func:`memtree.format.is_type_name`), is reserved (``"TensorTree"``, ``"memtree.*"``),
+            :func:`memtree.format.is_type_name`), is reserved (``"TensorTree"``, ``"dict"``, ``"list"``, ``"tuple"``, ``"memtree.*"``),
             or names another class.
     """
     if not is_type_name(name):
@@ -53,7 +53,7 @@ def register(name: str, cls: type[Any]) -> None:
             "store: dotted words of ASCII letters, digits and '_', each starting with a letter, "
             f"at most {TYPE_NAME_MAX} characters; pass name='...' to @tensorclass"
         )
-    if name == TREE_TYPE or name.startswith(RESERVED_PREFIX):
+    if name == TREE_TYPE or name in CONTAINER_TYPES or name.startswith(RESERVED_PREFIX):
         raise TensorclassError(
             f"@tensorclass name {name!r} is reserved for memtree's own types; choose another "
             "name with @tensorclass(name='...')"
@@ -91,7 +91,7 @@ def class_for(type_name: str, unknown_classes: str, path: tuple[str, ...]) -> ty
     """
     if unknown_classes not in UNKNOWN_CLASSES:
         raise InvalidArgumentError(f"unknown_classes must be 'error' or 'tree', got {unknown_classes!r}")
-    if type_name == TREE_TYPE:
+    if type_name == TREE_TYPE or type_name in CONTAINER_TYPES:  # a dict/list/tuple: a plain tree
         return None
     cls = _CLASSES.get(type_name)
     if cls is not None or unknown_classes == "tree":

@@ -1,0 +1,147 @@
+"""kill -9 during Checkpointer saves (async and blocking, incremental, with retention).
+
+A fork-started "trainer" saves a training state every step (most of its bytes unchanged, so every
+save after the first hard-links them from the previous step; ``keep_last=2`` retires old steps)
+and reports each step once its save is committed. It dies either at a fault point of the commit
+protocol (``MEMTREE_FAULT``, deterministic) or by SIGKILL at a random moment. Whatever the
+moment, a new ``Checkpointer`` on the root must: clean up every staging directory and lock file,
+list only committed steps, never lose a step reported committed (or one newer than it), and
+every step it lists must pass ``verify_tree`` and restore exactly the state saved at that step.
+No assertion depends on timing: the random delays only choose where the kill lands.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+import memtree
+from memtree.store import faults as _faults
+from test_training import assert_same
+
+FORK = mp.get_context("fork")
+FROZEN = {f"layer{i}": torch.randn(1 << 16, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+
+
+def expected_state(step: int) -> dict:
+    """The state a trainer saves at ``step``: 2 MiB that never change, a little that does."""
+    return {
+        "model": dict(FROZEN),
+        "adapter": torch.full((4096,), float(step)),
+        "optim": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"betas": (0.9, 0.999), "lr": step / 1000}]},
+        "step": step,
+    }
+
+
+def _trainer(root: str, fault: str | None, blocking: bool, report) -> None:
+    if fault:
+        os.environ[_faults.ENV] = fault
+    _faults.reload()
+    ckpt = memtree.Checkpointer(root, keep_last=2)
+    latest = ckpt.latest()
+    start = 0 if latest is None else latest + 1
+    state = expected_state(start)
+    for step in range(start, start + 300):
+        state["adapter"].fill_(float(step))  # updated in place, as an optimizer does
+        state["optim"]["state"][0]["step"].fill_(float(step))
+        state["optim"]["param_groups"][0]["lr"] = step / 1000
+        state["step"] = step
+        ckpt.save(step, state, blocking=blocking)  # an async save first waits for the previous one
+        if blocking:
+            report.send(step)
+        elif step > start:
+            report.send(step - 1)
+    ckpt.wait()
+    report.send(step)
+    report.close()
+
+
+def run_trainer(root: str, *, fault: str | None = None, blocking: bool = False):
+    recv, send = FORK.Pipe(duplex=False)
+    p = FORK.Process(target=_trainer, args=(root, fault, blocking, send))
+    p.start()
+    send.close()
+    return p, recv
+
+
+def drain(recv, committed: list[int]) -> None:
+    try:
+        while recv.poll(0):
+            committed.append(recv.recv())
+    except (EOFError, OSError):
+        pass
+
+
+def check_root(root: str, committed: list[int]) -> None:
+    """The aftermath of a crash: see the module docstring."""
+    ckpt = memtree.Checkpointer(root)  # opening the root recovers it
+    names = sorted(os.listdir(root))
+    assert all(n.isdigit() for n in names), names  # no staging directory, no lock file
+    steps = ckpt.steps()
+    assert [str(s) for s in steps] == sorted(names, key=int)
+    if committed:
+        assert steps and steps[-1] >= max(committed), (steps, committed)
+    assert len(steps) <= 3  # keep_last=2, plus a save committed right before its retention ran
+    for step in steps:
+        report = memtree.verify_tree(ckpt.path(step))
+        assert report.ok and report.checksummed == report.leaves, report
+        assert_same(ckpt.restore(step), expected_state(step))
+
+
+FAULTS = [
+    ("after_lock:3", False),
+    ("staging_created:3", True),
+    ("before_leaves:4", False),
+    ("after_leaf:12", False),
+    ("after_leaf:5", True),  # in the first save: nothing committed yet
+    ("before_meta:7", False),
+    ("before_root_meta:3", True),
+    ("after_root_meta:3", False),
+    ("before_publish:4", False),
+    ("after_publish:3", False),
+    ("after_publish:3", True),
+]
+
+
+@pytest.mark.parametrize("fault, blocking", FAULTS, ids=[f"{f}-{'blocking' if b else 'async'}" for f, b in FAULTS])
+def test_killed_at_a_fault_point(tmp_path, fault, blocking):
+    root = str(tmp_path / "ckpts")
+    p, recv = run_trainer(root, fault=fault, blocking=blocking)
+    p.join(300)
+    committed: list[int] = []
+    drain(recv, committed)
+    assert p.exitcode == _faults.EXIT_CODE, f"the trainer did not reach {fault} (exit code {p.exitcode})"
+    check_root(root, committed)
+    # the next run resumes from the latest step, saves incrementally again, and finishes
+    p, recv = run_trainer(root, fault="after_lock:2", blocking=not blocking)
+    p.join(300)
+    assert p.exitcode == _faults.EXIT_CODE
+    drain(recv, committed)
+    check_root(root, committed)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_killed_at_random_moments(tmp_path, seed):
+    """Two runs per seed, each SIGKILLed at a random moment after a random number of saves."""
+    rng = random.Random(seed)
+    root = str(tmp_path / "ckpts")
+    committed: list[int] = []
+    for run in range(2):
+        p, recv = run_trainer(root, blocking=(seed + run) % 3 == 0)
+        try:
+            for _ in range(rng.randint(1, 3)):
+                assert recv.poll(300), "the trainer reported no committed step"
+                committed.append(recv.recv())
+            time.sleep(rng.uniform(0, 0.15))
+        finally:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(60)
+        assert p.exitcode == -signal.SIGKILL  # killed while saving, not after its 300 saves
+        drain(recv, committed)
+        check_root(root, committed)
