@@ -169,5 +169,10 @@ def test_memmap_and_verify_draw_a_bar_only_when_asked(tmp_path, monkeypatch: pyt
     assert err.getvalue() == ""
     tree.memmap(tmp_path / "t", num_threads=2, progress=True)
     assert "memmap:" in err.getvalue() and "B/s" in err.getvalue()
-    report = memtree.verify_tree(tmp_path / "t", progress=True)
-    assert report.ok and "verify:" in err.getvalue() and "leaf" in err.getvalue()
+    before = len(err.getvalue())
+    report = memtree.verify_tree(tmp_path / "t", progress=True)  # checksums by default: bytes hashed
+    assert report.ok and "verify:" in err.getvalue()[before:] and "B/s" in err.getvalue()[before:]
+    tree.memmap(tmp_path / "plain", checksum=None, progress=False)
+    before = len(err.getvalue())
+    report = memtree.verify_tree(tmp_path / "plain", progress=True)  # nothing to hash: leaves checked
+    assert report.ok and "verify:" in err.getvalue()[before:] and "leaf" in err.getvalue()[before:]
