@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import NotAMemtreeError
 from ..format.names import META_NAME
+from .info import format_bytes, is_step_name
 from .output import add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
@@ -92,10 +93,6 @@ class DuReport:
         return asdict(self)
 
 
-def _is_step(name: str) -> bool:
-    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
-
-
 def _files(top: str, dev: int) -> list[os.stat_result]:
     """``lstat`` of every regular file below ``top`` (no link followed, same filesystem)."""
     out: list[os.stat_result] = []
@@ -148,7 +145,7 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
         report, steps = DuReport(top, "tree"), [("", top)]
     else:
         with os.scandir(top) as it:
-            names = sorted((e.name for e in it if _is_step(e.name) and e.is_dir(follow_symlinks=False)), key=int)
+            names = sorted((e.name for e in it if is_step_name(e.name) and e.is_dir(follow_symlinks=False)), key=int)
         steps = [(n, os.path.join(top, n)) for n in names if os.path.isfile(os.path.join(top, n, META_NAME))]
         if not steps:
             raise NotAMemtreeError(
@@ -193,13 +190,6 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     return report
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memtree du``."""
     parser.add_argument("path", metavar="PATH", help="a tree, or a checkpoint root of <step>/ trees")
@@ -214,16 +204,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     what = f"{len(r.steps)} steps" if r.kind == "checkpoints" else "tree"
     line = (
-        f"{r.path}: {what}, {r.files} files, {_size(r.apparent_bytes)} apparent, "
-        f"{_size(r.allocated_bytes)} allocated, {_size(r.linked_bytes)} saved by hard links"
+        f"{r.path}: {what}, {r.files} files, {format_bytes(r.apparent_bytes)} apparent, "
+        f"{format_bytes(r.allocated_bytes)} allocated, {format_bytes(r.linked_bytes)} saved by hard links"
     )
     if r.outside_links_bytes:
-        line += f", {_size(r.outside_links_bytes)} also linked from outside"
+        line += f", {format_bytes(r.outside_links_bytes)} also linked from outside"
     emit_text(line)
     if r.kind == "checkpoints":
         for s in r.steps:
             emit_text(
-                f"  step {s.name}: {_size(s.apparent_bytes)} apparent, {_size(s.allocated_bytes)} "
-                f"allocated, {_size(s.shared_bytes)} shared, {_size(s.exclusive_bytes)} exclusive"
+                f"  step {s.name}: {format_bytes(s.apparent_bytes)} apparent, {format_bytes(s.allocated_bytes)} "
+                f"allocated, {format_bytes(s.shared_bytes)} shared, {format_bytes(s.exclusive_bytes)} exclusive"
             )
     return 0
