@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import NotAMemtreeError
 from ..format.names import META_NAME
 from .info import format_bytes, is_step_name
-from .output import add_json_flag, emit_json, emit_text
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
 
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     r = disk_usage(args.path)
     if args.json:
         emit_json(r.to_dict())
-        return 0
+        return EXIT_OK
     what = f"{len(r.steps)} steps" if r.kind == "checkpoints" else "tree"
     line = (
         f"{r.path}: {what}, {r.files} files, {format_bytes(r.apparent_bytes)} apparent, "
@@ -216,4 +216,4 @@ def run(args: argparse.Namespace) -> int:
                 f"  step {s.name}: {format_bytes(s.apparent_bytes)} apparent, {format_bytes(s.allocated_bytes)} "
                 f"allocated, {format_bytes(s.shared_bytes)} shared, {format_bytes(s.exclusive_bytes)} exclusive"
             )
-    return 0
+    return EXIT_OK

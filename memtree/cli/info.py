@@ -47,7 +47,7 @@ from ..format.names import META_NAME
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
 from ..store.storage import LocalStorage, Storage, is_url
 from ..store.walk import WalkedLevel, walk
-from .output import add_json_flag, emit_json, emit_text, to_json
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text, to_json
 
 if TYPE_CHECKING:
     from ..format.level import Level
@@ -605,4 +605,4 @@ def run(args: argparse.Namespace) -> int:
         emit_text(render_root(info, label=args.source))
     else:
         emit_text(render_text(info, max_depth=args.depth, label=args.source))
-    return 0
+    return EXIT_OK
