@@ -21,22 +21,33 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import NotAMemtreeError
 from ..format.names import META_NAME
-from .info import format_bytes, is_step_name
-from .output import EXIT_OK, add_json_flag, emit_json, emit_text
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
+__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage", "is_step_name"]
 
 NAME = "du"
 HELP = "disk use of a tree or a checkpoint root: apparent, allocated, and shared by hard links"
 
 #: Deepest directory nesting walked (a tree is at most 256 levels deep).
 _MAX_DEPTH = 300
+_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def is_step_name(name: str) -> bool:
+    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
+
+    Example:
+        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
+        (True, True, False, False)
+    """
+    return _STEP.fullmatch(name) is not None
 
 
 @dataclass

@@ -21,7 +21,7 @@ one JSON object (schema in ``docs/guide/cli.md``).
 
 Example:
     $ memtree info ckpt
-    ckpt: memtree format v1, batch_size []
+    ckpt: memtree format v2, batch_size []
     ├── weight   float32  [1024, 1024]  4.0 MiB
     └── opt/
         └── step   int64  []              8 B
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -47,13 +46,14 @@ from ..format.names import META_NAME
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
 from ..store.storage import LocalStorage, Storage, is_url
 from ..store.walk import WalkedLevel, walk
-from .output import EXIT_OK, add_json_flag, emit_json, emit_text, to_json
+from .du import disk_usage, is_step_name
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
 if TYPE_CHECKING:
     from ..format.level import Level
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "describe", "describe_root", "render_text",
-           "render_root", "format_bytes", "is_step_name"]
+           "render_root"]
 
 NAME = "info"
 HELP = (
@@ -64,36 +64,8 @@ HELP = (
 
 _VALUE_WIDTH = 48
 _KEY_WIDTH = 60
-_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
 #: Concurrent meta.json reads for a URL (one round trip per generation of levels).
 _REMOTE_THREADS = 8
-
-
-def is_step_name(name: str) -> bool:
-    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
-
-    Example:
-        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
-        (True, True, False, False)
-    """
-    return _STEP.fullmatch(name) is not None
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable size in binary units.
-
-    Example:
-        >>> format_bytes(48), format_bytes(4 * 2**20), format_bytes(1536)
-        ('48 B', '4.0 MiB', '1.5 KiB')
-    """
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            break
-    return f"{value:,.1f} {unit}"
 
 
 @dataclass
@@ -176,8 +148,6 @@ def _encryption(root: LevelMeta, storage: Storage) -> dict[str, Any] | None:
         return None
     hidden = None
     if enc.names and isinstance(storage, LocalStorage):
-        from .du import disk_usage
-
         usage = disk_usage(storage.root)
         hidden = {"files": usage.files, "bytes": usage.apparent_bytes}
     return {"algorithm": enc.algorithm, "chunk_bytes": enc.chunk_bytes, "names_sealed": enc.names,
@@ -393,8 +363,6 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
 def _root_disk(path: str, steps: list[dict[str, Any]]) -> dict[str, int] | None:
     """The root's disk use (:func:`memtree.cli.du.disk_usage`): its totals, and each step's
     ``disk`` entry; ``None`` when no step holds a tree."""
-    from .du import disk_usage
-
     try:
         usage = disk_usage(path)
     except NotAMemtreeError:
