@@ -281,6 +281,11 @@ def test_info_on_an_encrypted_tree_says_so_and_what_is_hidden(tmp_path: Path, se
         assert enc["hidden"] is None and doc["totals"]["tensors"] == 2 and "2 tensors" in text
     TensorTree({"x": torch.ones(1)}).memmap(tmp_path / "plain")
     assert cli_json("info", str(tmp_path / "plain"))["encryption"] is None
+    (tmp_path / "root").mkdir()
+    os.rename(d, tmp_path / "root" / "7")  # the tree as a step of a checkpoint root
+    (step,) = cli_json("info", str(tmp_path / "root"))["steps"]
+    assert step["ok"] and step.get("sealed", False) is sealed
+    assert (step["tensors"], step["bytes"]) == ((None, None) if sealed else (2, 40))
 
 
 def test_info_of_something_else_is_a_clear_error(tmp_path: Path, capsys) -> None:

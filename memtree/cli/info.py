@@ -16,6 +16,8 @@ SOURCE may be:
   with its limits, a ``torch.save`` pickle only by memtree's guarded reader (nothing outside
   tensors and plain data is ever built: a pickle asking for more is refused, never run).
 
+An encrypted tree is marked as such (its structure is plain JSON unless its names are sealed;
+then what is hidden is said, and the files on disk are counted, instead of an empty tree).
 Prints a tree of keys with dtypes, shapes and sizes, then totals; ``--json`` prints the same as
 one JSON object (schema in ``docs/guide/cli.md``).
 
@@ -316,7 +318,8 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         increasing order, each ``{"step", "path", "ok", "tensors", "bytes", "save_id",
         "error", "disk"}`` (``ok`` is False and ``error`` says why when the step's ``meta.json``
         files cannot be read or are damaged; the sizes are then ``None``); ``latest`` is the
-        highest step that is ``ok`` (``None`` if none is). ``disk`` is what ``memtree du``
+        highest step that is ``ok`` (``None`` if none is); a step whose names are encrypted
+        has ``"sealed": True`` and sizes ``None`` (hidden, not empty). ``disk`` is what ``memtree du``
         counts (:mod:`memtree.cli.du`): for the root ``apparent_bytes``, ``allocated_bytes`` and
         ``linked_bytes`` (what hard links between steps save), for a step ``apparent_bytes``,
         ``allocated_bytes``, ``shared_bytes`` (of files another step names too) and
@@ -354,6 +357,8 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             item.update(ok=True, tensors=tree["totals"]["tensors"], bytes=tree["totals"]["bytes"],
                         save_id=tree["save_id"])
+            if tree["encryption"] is not None and tree["encryption"]["names_sealed"]:
+                item.update(tensors=None, bytes=None, error=None, sealed=True)  # hidden, not empty
         steps.append(item)
     latest = max((s["step"] for s in steps if s["ok"]), default=None)
     disk = _root_disk(path, steps)
@@ -530,6 +535,10 @@ def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
     out.append(f"  {'step'.rjust(width)}  tensors       size" + ("     shared  exclusive" if disk else ""))
     for s in steps:
         if s["ok"]:
+            if s.get("sealed"):
+                out.append(f"  {str(s['step']).rjust(width)}  names sealed (encrypted)"
+                           + ("  (latest)" if s["step"] == latest else ""))
+                continue
             line = f"  {str(s['step']).rjust(width)}  {s['tensors']:>7,}  {format_bytes(s['bytes']):>9}"
             if disk and s.get("disk"):
                 line += f"  {format_bytes(s['disk']['shared_bytes']):>9}  {format_bytes(s['disk']['exclusive_bytes']):>9}"
