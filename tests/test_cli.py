@@ -285,7 +285,7 @@ def test_info_shows_odd_keys_on_one_line(tmp_path: Path) -> None:
 
 
 def test_format_bytes_uses_binary_units() -> None:
-    from memtree.cli.info import format_bytes
+    from memtree.cli.output import format_bytes
 
     assert [format_bytes(n) for n in (0, 1023, 1024, 5 * 2**30 + 2**29)] == ["0 B", "1023 B", "1.0 KiB", "5.5 GiB"]
 

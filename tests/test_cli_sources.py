@@ -237,6 +237,57 @@ def test_info_checkpoint_root(tmp_path: Path) -> None:
     assert "checkpoint root, 4 steps, latest 100" in text and "(latest)" in text and "damaged:" in text
 
 
+def test_info_checkpoint_root_counts_what_hard_links_share(tmp_path: Path) -> None:
+    from memtree.cli.du import disk_usage
+    from memtree.store.options import WriteOptions
+    from memtree.store.write import write_tree
+
+    root = tmp_path / "ckpts"
+    big = torch.arange(4096.0)
+    write_tree(root / "1", memtree.format.level.Level((), {"w": big, "b": torch.zeros(4)}))
+    write_tree(root / "2", memtree.format.level.Level((), {"w": big, "b": torch.ones(4)}),
+               WriteOptions.of(link_from=root / "1"))
+    doc = cli_json("info", str(root))
+    du = disk_usage(root)
+    assert doc["disk"] == {"apparent_bytes": du.apparent_bytes, "allocated_bytes": du.allocated_bytes,
+                           "linked_bytes": du.linked_bytes}
+    assert doc["disk"]["linked_bytes"] == big.numel() * 4  # w is one file with two names
+    assert [s["disk"]["shared_bytes"] for s in doc["steps"]] == [big.numel() * 4] * 2
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["info", str(root)]) == 0
+    assert "16.0 KiB shared by hard links between steps" in out.getvalue()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_info_on_an_encrypted_tree_says_so_and_what_is_hidden(tmp_path: Path, sealed: bool) -> None:
+    pytest.importorskip("cryptography")
+    d = tmp_path / "enc"
+    TensorTree({"w": torch.ones(8), "sub": {"b": torch.zeros(2)}}).memmap(
+        d, encryption=memtree.EncryptionKey.generate(), encrypt_names=sealed)
+    doc = cli_json("info", str(d))
+    files = [f for _, _, names in os.walk(d) for f in names]
+    enc = doc["encryption"]
+    assert enc["algorithm"] == "aes-256-gcm" and enc["names_sealed"] is sealed
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["info", str(d)]) == 0
+    text = out.getvalue()
+    assert "encrypted (aes-256-gcm" in text
+    if sealed:
+        assert enc["hidden"]["files"] == len(files) == 4  # 2 meta.json, 2 leaves
+        assert "names sealed" in text and "0 tensors" not in text and "4 files" in text
+    else:
+        assert enc["hidden"] is None and doc["totals"]["tensors"] == 2 and "2 tensors" in text
+    TensorTree({"x": torch.ones(1)}).memmap(tmp_path / "plain")
+    assert cli_json("info", str(tmp_path / "plain"))["encryption"] is None
+    (tmp_path / "root").mkdir()
+    os.rename(d, tmp_path / "root" / "7")  # the tree as a step of a checkpoint root
+    (step,) = cli_json("info", str(tmp_path / "root"))["steps"]
+    assert step["ok"] and step.get("sealed", False) is sealed
+    assert (step["tensors"], step["bytes"]) == ((None, None) if sealed else (2, 40))
+
+
 def test_info_of_something_else_is_a_clear_error(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("hello")

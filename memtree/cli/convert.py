@@ -33,8 +33,8 @@ import sys
 
 from ..interop.conversion import FORMATS, ConvertResult, convert
 from ..interop.pickle_guard import PickleLimits
-from .info import _positive_int, format_bytes
-from .output import add_json_flag, emit_json, emit_text
+from .info import _positive_int
+from .output import add_json_flag, emit_json, emit_text, format_bytes
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "report", "summary"]
 

@@ -6,8 +6,10 @@ when both record one of the same algorithm: no leaf data is read. Otherwise (no 
 algorithm, a growable leaf) their bytes are hashed: one side with the other's recorded algorithm
 when it has one, both with the fastest installed one otherwise; two names of the same file (hard
 links, e.g. made by ``link_from``) are equal without reading. JSON values are compared as values,
-pickled ones by their bytes (never unpickled). Exit code 0 when the trees hold the same keys and
-values, 1 when they differ.
+pickled ones by their bytes (never unpickled). Exit code :data:`~memtree.cli.output.EXIT_OK`
+(0) when the trees hold the same keys and values, :data:`~memtree.cli.output.EXIT_FAILED` (1) when they differ;
+an error (a side missing or damaged) exits 1 too, as in every command (with ``--json`` its
+document is ``{"error": ...}``, :mod:`memtree.cli.output`).
 
 Example:
     $ memtree diff ckpt/100 ckpt/200
@@ -28,7 +30,7 @@ from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
 from ..store.files import DIGEST_SLICE, default_checksum, new_digest
 from ..store.storage import LocalStorage, join_rel
 from ..store.walk import walk
-from .output import add_json_flag, emit_json, emit_text
+from .output import EXIT_FAILED, EXIT_OK, add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DiffReport", "diff_trees"]
 
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     report = diff_trees(args.a, args.b)
     if args.json:
         emit_json(report.to_dict())
-        return 0 if report.identical else 1
+        return EXIT_OK if report.identical else EXIT_FAILED
     for c in report.changed:
         emit_text(f"changed    {'/'.join(c['key'])}  {', '.join(c['what'])} ({c['a']} -> {c['b']})")
     for key in report.only_in_a:
@@ -258,4 +260,4 @@ def run(args: argparse.Namespace) -> int:
         f"{report.same} same, {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
         f"{len(report.only_in_b)} only in B ({report.bytes_read:,} bytes read)"
     )
-    return 0 if report.identical else 1
+    return EXIT_OK if report.identical else EXIT_FAILED

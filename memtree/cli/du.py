@@ -21,21 +21,33 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import NotAMemtreeError
 from ..format.names import META_NAME
-from .output import add_json_flag, emit_json, emit_text
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
+__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage", "is_step_name"]
 
 NAME = "du"
 HELP = "disk use of a tree or a checkpoint root: apparent, allocated, and shared by hard links"
 
 #: Deepest directory nesting walked (a tree is at most 256 levels deep).
 _MAX_DEPTH = 300
+_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def is_step_name(name: str) -> bool:
+    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
+
+    Example:
+        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
+        (True, True, False, False)
+    """
+    return _STEP.fullmatch(name) is not None
 
 
 @dataclass
@@ -92,10 +104,6 @@ class DuReport:
         return asdict(self)
 
 
-def _is_step(name: str) -> bool:
-    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
-
-
 def _files(top: str, dev: int) -> list[os.stat_result]:
     """``lstat`` of every regular file below ``top`` (no link followed, same filesystem)."""
     out: list[os.stat_result] = []
@@ -148,7 +156,7 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
         report, steps = DuReport(top, "tree"), [("", top)]
     else:
         with os.scandir(top) as it:
-            names = sorted((e.name for e in it if _is_step(e.name) and e.is_dir(follow_symlinks=False)), key=int)
+            names = sorted((e.name for e in it if is_step_name(e.name) and e.is_dir(follow_symlinks=False)), key=int)
         steps = [(n, os.path.join(top, n)) for n in names if os.path.isfile(os.path.join(top, n, META_NAME))]
         if not steps:
             raise NotAMemtreeError(
@@ -193,13 +201,6 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     return report
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memtree du``."""
     parser.add_argument("path", metavar="PATH", help="a tree, or a checkpoint root of <step>/ trees")
@@ -211,19 +212,19 @@ def run(args: argparse.Namespace) -> int:
     r = disk_usage(args.path)
     if args.json:
         emit_json(r.to_dict())
-        return 0
+        return EXIT_OK
     what = f"{len(r.steps)} steps" if r.kind == "checkpoints" else "tree"
     line = (
-        f"{r.path}: {what}, {r.files} files, {_size(r.apparent_bytes)} apparent, "
-        f"{_size(r.allocated_bytes)} allocated, {_size(r.linked_bytes)} saved by hard links"
+        f"{r.path}: {what}, {r.files} files, {format_bytes(r.apparent_bytes)} apparent, "
+        f"{format_bytes(r.allocated_bytes)} allocated, {format_bytes(r.linked_bytes)} saved by hard links"
     )
     if r.outside_links_bytes:
-        line += f", {_size(r.outside_links_bytes)} also linked from outside"
+        line += f", {format_bytes(r.outside_links_bytes)} also linked from outside"
     emit_text(line)
     if r.kind == "checkpoints":
         for s in r.steps:
             emit_text(
-                f"  step {s.name}: {_size(s.apparent_bytes)} apparent, {_size(s.allocated_bytes)} "
-                f"allocated, {_size(s.shared_bytes)} shared, {_size(s.exclusive_bytes)} exclusive"
+                f"  step {s.name}: {format_bytes(s.apparent_bytes)} apparent, {format_bytes(s.allocated_bytes)} "
+                f"allocated, {format_bytes(s.shared_bytes)} shared, {format_bytes(s.exclusive_bytes)} exclusive"
             )
-    return 0
+    return EXIT_OK

@@ -16,12 +16,14 @@ SOURCE may be:
   with its limits, a ``torch.save`` pickle only by memtree's guarded reader (nothing outside
   tensors and plain data is ever built: a pickle asking for more is refused, never run).
 
+An encrypted tree is marked as such (its structure is plain JSON unless its names are sealed;
+then what is hidden is said, and the files on disk are counted, instead of an empty tree).
 Prints a tree of keys with dtypes, shapes and sizes, then totals; ``--json`` prints the same as
 one JSON object (schema in ``docs/guide/cli.md``).
 
 Example:
     $ memtree info ckpt
-    ckpt: memtree format v1, batch_size []
+    ckpt: memtree format v2, batch_size []
     ├── weight   float32  [1024, 1024]  4.0 MiB
     └── opt/
         └── step   int64  []              8 B
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -47,13 +48,14 @@ from ..format.names import META_NAME
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
 from ..store.storage import LocalStorage, Storage, is_url
 from ..store.walk import WalkedLevel, walk
-from .output import add_json_flag, emit_json, emit_text, to_json
+from .du import disk_usage, is_step_name
+from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
 if TYPE_CHECKING:
     from ..format.level import Level
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "describe", "describe_root", "render_text",
-           "render_root", "format_bytes", "is_step_name"]
+           "render_root"]
 
 NAME = "info"
 HELP = (
@@ -64,36 +66,8 @@ HELP = (
 
 _VALUE_WIDTH = 48
 _KEY_WIDTH = 60
-_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
 #: Concurrent meta.json reads for a URL (one round trip per generation of levels).
 _REMOTE_THREADS = 8
-
-
-def is_step_name(name: str) -> bool:
-    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
-
-    Example:
-        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
-        (True, True, False, False)
-    """
-    return _STEP.fullmatch(name) is not None
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable size in binary units.
-
-    Example:
-        >>> format_bytes(48), format_bytes(4 * 2**20), format_bytes(1536)
-        ('48 B', '4.0 MiB', '1.5 KiB')
-    """
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            break
-    return f"{value:,.1f} {unit}"
 
 
 @dataclass
@@ -164,7 +138,22 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     _entries(levels, (), [], "", entries, totals)
     return {"kind": "memtree", "path": path, "format": FORMAT, "version": version, "type": root.type,
             "batch_size": list(root.batch_size), "save_id": root.save_id,
-            "totals": totals.as_dict(), "entries": entries}
+            "encryption": _encryption(root, storage), "totals": totals.as_dict(), "entries": entries}
+
+
+def _encryption(root: LevelMeta, storage: Storage) -> dict[str, Any] | None:
+    """What ``info`` can say of an encrypted tree without its key (``None``: not encrypted).
+    With sealed names no level shows an entry: the files on disk are counted instead (local
+    trees; ``None`` for a URL)."""
+    enc = root.encryption
+    if enc is None:
+        return None
+    hidden = None
+    if enc.names and isinstance(storage, LocalStorage):
+        usage = disk_usage(storage.root)
+        hidden = {"files": usage.files, "bytes": usage.apparent_bytes}
+    return {"algorithm": enc.algorithm, "chunk_bytes": enc.chunk_bytes, "names_sealed": enc.names,
+            "hidden": hidden}
 
 
 def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], totals: _Totals) -> None:
@@ -202,7 +191,7 @@ def _describe_tensordict(root: str) -> dict[str, Any]:
     _walk_level(level, [], entries, totals)
     return {"kind": "tensordict", "path": root, "format": "tensordict", "version": None,
             "type": level.type, "batch_size": list(level.batch_size), "save_id": None,
-            "totals": totals.as_dict(), "entries": entries}
+            "encryption": None, "totals": totals.as_dict(), "entries": entries}
 
 
 def _describe_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
@@ -226,7 +215,7 @@ def _describe_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
             totals.json_values += 1
         files = [os.path.relpath(f, os.path.dirname(ckpt.path)) for f in ckpt.files]
         return {"kind": "checkpoint", "path": ckpt.path, "format": ckpt.format, "version": None,
-                "type": TREE_TYPE, "batch_size": [], "save_id": None, "files": files,
+                "type": TREE_TYPE, "batch_size": [], "save_id": None, "encryption": None, "files": files,
                 "metadata": ckpt.metadata, "totals": totals.as_dict(), "entries": entries}
 
 
@@ -325,11 +314,16 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     directories, lock files) is not a step and is left out.
 
     Returns:
-        ``{"kind": "checkpoint-root", "path", "latest", "steps": [...]}``: ``steps`` in
+        ``{"kind": "checkpoint-root", "path", "latest", "disk", "steps": [...]}``: ``steps`` in
         increasing order, each ``{"step", "path", "ok", "tensors", "bytes", "save_id",
-        "error"}`` (``ok`` is False and ``error`` says why when the step's ``meta.json`` files
-        cannot be read or are damaged; the sizes are then ``None``); ``latest`` is the highest
-        step that is ``ok`` (``None`` if none is).
+        "error", "disk"}`` (``ok`` is False and ``error`` says why when the step's ``meta.json``
+        files cannot be read or are damaged; the sizes are then ``None``); ``latest`` is the
+        highest step that is ``ok`` (``None`` if none is); a step whose names are encrypted
+        has ``"sealed": True`` and sizes ``None`` (hidden, not empty). ``disk`` is what ``memtree du``
+        counts (:mod:`memtree.cli.du`): for the root ``apparent_bytes``, ``allocated_bytes`` and
+        ``linked_bytes`` (what hard links between steps save), for a step ``apparent_bytes``,
+        ``allocated_bytes``, ``shared_bytes`` (of files another step names too) and
+        ``exclusive_bytes`` (about what deleting the step frees); ``None`` where no tree is.
 
     Raises:
         NotAMemtreeError: ``root`` does not exist or is not a directory.
@@ -363,9 +357,29 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             item.update(ok=True, tensors=tree["totals"]["tensors"], bytes=tree["totals"]["bytes"],
                         save_id=tree["save_id"])
+            if tree["encryption"] is not None and tree["encryption"]["names_sealed"]:
+                item.update(tensors=None, bytes=None, error=None, sealed=True)  # hidden, not empty
         steps.append(item)
     latest = max((s["step"] for s in steps if s["ok"]), default=None)
-    return {"kind": "checkpoint-root", "path": path, "latest": latest, "steps": steps}
+    disk = _root_disk(path, steps)
+    return {"kind": "checkpoint-root", "path": path, "latest": latest, "disk": disk, "steps": steps}
+
+
+def _root_disk(path: str, steps: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The root's disk use (:func:`memtree.cli.du.disk_usage`): its totals, and each step's
+    ``disk`` entry; ``None`` when no step holds a tree."""
+    try:
+        usage = disk_usage(path)
+    except NotAMemtreeError:
+        return None
+    by_name = {u.name: u for u in usage.steps}
+    for item in steps:
+        u = by_name.get(str(item["step"]))
+        item["disk"] = None if u is None else {
+            "apparent_bytes": u.apparent_bytes, "allocated_bytes": u.allocated_bytes,
+            "shared_bytes": u.shared_bytes, "exclusive_bytes": u.exclusive_bytes}
+    return {"apparent_bytes": usage.apparent_bytes, "allocated_bytes": usage.allocated_bytes,
+            "linked_bytes": usage.linked_bytes}
 
 
 def _shown_key(key: str) -> str:
@@ -450,6 +464,7 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     ]
     t = info["totals"]
     head = label if label is not None else info["path"]
+    enc = info.get("encryption")
     if info["kind"] == "checkpoint":
         shards = len(info["files"])
         what = (f"{'torch.save' if info['format'] == 'torch' else info['format']} checkpoint"
@@ -460,7 +475,9 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
                 else f"{info['format']} directory (read-only, no file names)")
         out = [f"{head}: {what}, batch_size {info['batch_size']}"
                + (f", type {info['type']}" if info["type"] != TREE_TYPE else "")
-               + (f", save_id {info['save_id']}" if info["save_id"] else "")]
+               + (f", save_id {info['save_id']}" if info["save_id"] else "")
+               + (f", encrypted ({enc['algorithm']}{', names sealed' if enc['names_sealed'] else ''})"
+                  if enc else "")]
     for name, kind, detail, size in rows:
         if kind and size:  # a tensor: aligned columns
             size, _, note = size.partition("  ")
@@ -469,6 +486,12 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
         else:
             line = f"{name.ljust(widths[0])}  {kind.ljust(widths[1])}  {detail}  {size}"
         out.append(line.rstrip())
+    if enc and enc["names_sealed"]:  # no entry is visible: say what is hidden, not "0 tensors"
+        hidden = enc["hidden"]
+        out.append("names sealed: keys, dtypes, shapes and values are encrypted and shown only with the key"
+                   + (f"; {_plural(hidden['files'], 'file')} ({format_bytes(hidden['bytes'])}) on disk"
+                      if hidden else ""))
+        return "\n".join(out)
     summary = f"{_plural(t['tensors'], 'tensor')} ({format_bytes(t['bytes'])}) in {_plural(t['levels'], 'level')}"
     extras = []
     if t["json_values"]:
@@ -494,22 +517,31 @@ def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
         ...     {"step": 100, "ok": True, "tensors": 3, "bytes": 4096, "error": None},
         ...     {"step": 200, "ok": True, "tensors": 3, "bytes": 4096, "error": None}]}))
         ckpts: checkpoint root, 2 steps, latest 200
-          step  tensors     size
-           100        3  4.0 KiB
-           200        3  4.0 KiB  (latest)
+          step  tensors       size
+           100        3    4.0 KiB
+           200        3    4.0 KiB  (latest)
     """
     steps = info["steps"]
     head = label if label is not None else info["path"]
     latest = info["latest"]
+    disk = info.get("disk")
     out = [f"{head}: checkpoint root, {_plural(len(steps), 'step')}, "
-           + (f"latest {latest}" if latest is not None else "no complete step")]
+           + (f"latest {latest}" if latest is not None else "no complete step")
+           + (f"; {format_bytes(disk['allocated_bytes'])} on disk, {format_bytes(disk['linked_bytes'])} "
+              "shared by hard links between steps" if disk else "")]
     if not steps:
         return out[0]
     width = max(4, *(len(str(s["step"])) for s in steps))
-    out.append(f"  {'step'.rjust(width)}  tensors     size")
+    out.append(f"  {'step'.rjust(width)}  tensors       size" + ("     shared  exclusive" if disk else ""))
     for s in steps:
         if s["ok"]:
-            line = f"  {str(s['step']).rjust(width)}  {s['tensors']:>7,}  {format_bytes(s['bytes']):>7}"
+            if s.get("sealed"):
+                out.append(f"  {str(s['step']).rjust(width)}  names sealed (encrypted)"
+                           + ("  (latest)" if s["step"] == latest else ""))
+                continue
+            line = f"  {str(s['step']).rjust(width)}  {s['tensors']:>7,}  {format_bytes(s['bytes']):>9}"
+            if disk and s.get("disk"):
+                line += f"  {format_bytes(s['disk']['shared_bytes']):>9}  {format_bytes(s['disk']['exclusive_bytes']):>9}"
             out.append(line + ("  (latest)" if s["step"] == latest else ""))
         else:
             out.append(f"  {str(s['step']).rjust(width)}  damaged: {s['error']}")
@@ -550,4 +582,4 @@ def run(args: argparse.Namespace) -> int:
         emit_text(render_root(info, label=args.source))
     else:
         emit_text(render_text(info, max_depth=args.depth, label=args.source))
-    return 0
+    return EXIT_OK

@@ -46,6 +46,7 @@ __all__ = [
     "emit_json",
     "emit_text",
     "error_document",
+    "format_bytes",
     "to_json",
 ]
 
@@ -80,6 +81,23 @@ def to_json(value: Any, *, indent: bool = False) -> str:
     """
     option = orjson.OPT_NON_STR_KEYS | (orjson.OPT_INDENT_2 if indent else 0)
     return orjson.dumps(value, default=repr, option=option).decode()
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable size in binary units.
+
+    Example:
+        >>> format_bytes(48), format_bytes(4 * 2**20), format_bytes(1536)
+        ('48 B', '4.0 MiB', '1.5 KiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            break
+    return f"{value:,.1f} {unit}"
 
 
 def emit_json(document: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
 from .files import new_digest
 
-__all__ = ["tree_hash", "tree_hash_lines", "changed_after_meta"]
+__all__ = ["tree_hash", "tree_hash_lines", "bytes_checksum", "changed_after_meta"]
 
 _HEADER = "memtree-tree-hash"
 
@@ -98,6 +98,18 @@ def tree_hash(
     digest = new_digest(algorithm)
     for line in tree_hash_lines(metas, pickle_sums, dumped):
         digest.update(line + b"\n")
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def bytes_checksum(algorithm: str, data: bytes) -> str:
+    """``"<algorithm>:<hex>"`` of ``data`` (a pickle file's bytes, as the tree hash covers them).
+
+    Example:
+        >>> bytes_checksum("crc32", b"abc")
+        'crc32:352441c2'
+    """
+    digest = new_digest(algorithm)
+    digest.update(data)
     return f"{algorithm}:{digest.hexdigest()}"
 
 

@@ -69,7 +69,7 @@ from ..errors import (
 )
 from ..format.level import Level, as_level
 from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
-from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta, dump_level, parse_level
+from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from . import faults
 from .cache import Download, entry_name, find_entry
@@ -86,12 +86,13 @@ from .options import ReadOptions, WriteOptions
 from .progress import Progress
 from .read import read_tree
 from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+from .integrity import bytes_checksum, tree_hash
 from .storage import FileInfo, Storage, http_status, with_retries
 from .options import KeySelection
 from .walk import WalkedLevel, map_all, walk
 from .write import plan_write
 
-__all__ = ["load", "upload", "fetch_tree", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+__all__ = ["load", "upload", "fetch_tree", "check_remote_tree_hash", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -247,6 +248,9 @@ def fetch_tree(
             f"{storage.describe('')}: encrypted trees load from a local directory only (copy it "
             "there, then load_memmap(path, encryption=key)); remote trees are never decrypted"
         )
+    if options.verify and root_meta.tree_hash is not None:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
+            check_remote_tree_hash(storage, root_meta, pool)
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:
@@ -272,6 +276,30 @@ def fetch_tree(
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
     return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
+
+
+def check_remote_tree_hash(storage: Storage, root: LevelMeta, pool: ThreadPoolExecutor) -> None:
+    """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
+    of the tree at ``storage`` (what ``load_memmap(path, verify=True)`` checks locally): every
+    level is read, whatever the selection; no leaf byte is.
+
+    Raises:
+        IntegrityError: the hash differs.
+        MemtreeError: a level is missing, damaged or hostile.
+    """
+    assert root.tree_hash is not None
+    algorithm = root.tree_hash.partition(":")[0]
+    levels = list(walk(storage, pool=pool, root=root))
+    pickles = [lvl.file(e.file) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
+    sums = {rel: bytes_checksum(algorithm, _read_whole(storage, rel)) for rel in pickles}
+    found = tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, sums)
+    if found != root.tree_hash:
+        raise IntegrityError(
+            f"{storage.describe('')}: the root meta.json records tree_hash {root.tree_hash}, the "
+            f"tree's meta.json files hash to {found}: a key, dtype, shape, value or checksum "
+            "changed after the tree was uploaded, or a meta.json is damaged; nothing was loaded "
+            "(`memtree verify URL` lists every problem)"
+        )
 
 
 def _read_whole(storage: Storage, rel: str) -> bytes:
@@ -428,7 +456,8 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
                 dataclasses.replace(e, checksum=sums[lvl.file(e.file)], capacity=None) if isinstance(e, LeafMeta) else e
                 for e in lvl.meta.entries
             )
-            download.write_file(lvl.file(META_NAME), dump_level(dataclasses.replace(lvl.meta, entries=entries)))
+            meta = dataclasses.replace(lvl.meta, entries=entries, tree_hash=None)  # the remote's hash, checked there
+            download.write_file(lvl.file(META_NAME), dump_level(meta))
         return download.commit()
     except OSError as err:
         if isinstance(err, MemtreeError):
@@ -517,6 +546,9 @@ def upload(
     old = _existing_objects(storage, existsok)
     if old and fs.exists(root_meta):
         with_retries(lambda: fs.rm_file(root_meta), f"un-committing the old tree at {url}", retries)
+    if "file" in fs.protocol:  # a local filesystem (file://) has directories: make them
+        for lp in plan.levels:
+            fs.makedirs(storage.path(lp.rel) if lp.rel else storage.root, exist_ok=True)
 
     def put_leaf(job: Any) -> tuple[str, str | None]:
         path = storage.path(job.rel)
@@ -530,14 +562,20 @@ def upload(
         for rel, data in plan.pickles:
             with_retries(lambda: fs.pipe_file(storage.path(rel), data), f"uploading {rel}", retries)
     written = {storage.path(j.rel) for j in plan.leaves} | {storage.path(rel) for rel, _ in plan.pickles}
+    metas: dict[str, LevelMeta] = {}
     for lp in plan.levels:  # deepest first, the root's meta.json last
         meta = dataclasses.replace(lp.meta, entries=tuple(_with_sum(e, lp.rel, sums) for e in lp.meta.entries))
         path = storage.path(f"{lp.rel}/{META_NAME}" if lp.rel else META_NAME)
         written.add(path)
         if lp.rel:
+            metas[lp.rel] = meta
             with_retries(lambda: fs.pipe_file(path, dump_level(meta)), f"uploading {path}", retries)
-        else:
-            commit_root(storage, dump_level(dataclasses.replace(meta, save_id=uuid.uuid4().hex)))
+            continue
+        meta = dataclasses.replace(meta, save_id=uuid.uuid4().hex)
+        if checksum is not None:  # as a local write: the hash of every meta.json uploaded
+            pickle_sums = {rel: bytes_checksum(checksum, data) for rel, data in plan.pickles}
+            meta = dataclasses.replace(meta, tree_hash=tree_hash(checksum, {**metas, "": meta}, pickle_sums))
+        commit_root(storage, dump_level(meta))
     stale = [p for p in old if p not in written and p.rsplit("/", 1)[-1].endswith((LEAF_SUFFIX, PICKLE_SUFFIX, META_NAME))]
     if stale:
         with_retries(lambda: fs.rm(stale), f"deleting {len(stale)} stale objects of the old tree at {url}", retries)
