@@ -352,14 +352,14 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8, help="adapter rank with --adapters")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--systems", default=None, help="comma-separated substrings of row names")
-    ap.add_argument("--quick", action="store_true", help="tiny state, 4 layers, 2 checkpoints (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny state, 4 layers, 2 checkpoints unless given (smoke test)")
     args = ap.parse_args()
-    if args.checkpoints is None:
-        args.checkpoints = 10 if args.adapters else 5
     if args.adapters and args.layers == 21:
         args.layers = 16
     if args.quick:
-        args.gib, args.checkpoints, args.layers = 0.01, 2, 4
+        args.gib, args.layers = 0.01, 4
+        args.checkpoints = args.checkpoints or 2
+    args.checkpoints = args.checkpoints or (10 if args.adapters else 5)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     workdir = args.workdir or tempfile.mkdtemp(prefix="w7-")
