@@ -5,7 +5,9 @@ W1's tree (``benchmarks/workloads.py``: 195 float32 tensors of a 16-block transf
 saved with ``memmap(num_threads=THREADS)`` over itself, with each ``checksum=`` setting in turn
 (``None``, ``"xxh3"``, ``"crc32c"``, ``"crc32"``; rounds interleaved so that page-cache writeback
 and the machine's load hit every setting alike; the process's CPU time too, which other processes
-do not inflate), then once more incrementally
+do not inflate), alternating with each algorithm hashing the same bytes alone (no write, the
+same number of threads: the floor a one-pass checksum adds to the write alone, ``checksum=None``),
+then once more incrementally
 (``WriteOptions(link_from=previous)`` with 5% of the bytes changed). Prints the median of the
 rounds after the first, and each setting's cost relative to ``checksum=None``.
 
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -50,6 +54,21 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _load() -> str:
+    """``uptime``'s load averages, and the other processes using a CPU now (runs that overlap)."""
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    ps = subprocess.run(["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    busy = [line.strip()[:100] for line in ps.splitlines()[1:6] if str(os.getpid()) != line.split()[0]
+            and float(line.split()[1]) >= 20]
+    return f"load average {load}; busy: {busy or 'none'}"
+
+
+def _hash_alone(pool: ThreadPoolExecutor, leaves: list[torch.Tensor], algo: str) -> None:
+    """Every leaf hashed as the writer threads hash it, without writing: the checksum's floor."""
+    list(pool.map(lambda t: tensor_checksum(t, algo), leaves))
+
+
 def main() -> None:
     dest = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -59,7 +78,11 @@ def main() -> None:
     settings = [None] + [a for a in ("xxh3", "crc32c", "crc32") if a in available_checksums()]
     times: dict[str | None, list[float]] = {s: [] for s in settings}
     cpu: dict[str | None, list[float]] = {s: [] for s in settings}
+    alone: dict[str, list[tuple[float, float]]] = {s: [] for s in settings[1:]}
+    leaves = [t for t in tree.values(include_nested=True, leaves_only=True)]
+    pool = ThreadPoolExecutor(threads)
     os.makedirs(dest, exist_ok=True)
+    print(f"start: {_load()}", flush=True)
     for _ in range(rounds):
         for s in settings:
             wait_for_removals()
@@ -67,7 +90,12 @@ def main() -> None:
             tree.memmap(os.path.join(dest, "w1"), num_threads=threads, checksum=s)
             times[s].append(time.perf_counter() - t0)
             cpu[s].append(_cpu() - c0)
+            if s is not None:
+                c0, t0 = _cpu(), time.perf_counter()
+                _hash_alone(pool, leaves, s)
+                alone[s].append((time.perf_counter() - t0, _cpu() - c0))
     wait_for_removals()
+    print(f"after the saves: {_load()}", flush=True)
     base, low = statistics.median(times[None][1:]), min(times[None][1:])
     print(f"W1 save, {nbytes / 2**20:,.1f} MiB, num_threads={threads}, rounds 2-{rounds}: median, min")
     for s in settings:
@@ -78,13 +106,16 @@ def main() -> None:
             f"  checksum={s!s:7} median {1000 * med:7.1f} ms {med / base:5.2f}x   min {1000 * best:7.1f} ms "
             f"{best / low:5.2f}x   CPU {1000 * c:7.1f} ms {c / statistics.median(cpu[None][1:]):5.2f}x   runs {runs}"
         )
-    leaves = [t for t in tree.values(include_nested=True, leaves_only=True)]
-    for s in settings[1:]:  # the hashing alone, one thread: what the writer threads add at most
-        t0 = time.perf_counter()
-        for t in leaves:
-            tensor_checksum(t, s)
-        took = time.perf_counter() - t0
-        print(f"  hashing alone, one thread: {s:7} {1000 * took:7.1f} ms ({nbytes / took / 1e9:.1f} GB/s)")
+    none_cpu = statistics.median(cpu[None][1:])
+    for s in settings[1:]:  # the floor, measured in the same rounds: the write alone + the hash alone
+        wall = statistics.median(t for t, _ in alone[s][1:])
+        c = statistics.median(c for _, c in alone[s][1:])
+        print(
+            f"  hashing alone, {threads} threads: {s:7} median {1000 * wall:7.1f} ms "
+            f"({nbytes / wall / 1e9:.1f} GB/s) = {wall / base:.2f} of the write alone; CPU {1000 * c:7.1f} ms "
+            f"= {c / none_cpu:.2f}; write alone + hash alone: wall {(base + wall) / base:.2f}x, "
+            f"CPU {(none_cpu + c) / none_cpu:.2f}x"
+        )
 
     # incremental: 5% of the bytes change between two checkpoints
     level = tree.clone()  # the next checkpoint: the first leaves changed, 5% of the bytes
@@ -121,6 +152,7 @@ def main() -> None:
             f"  {'full save' if name == 'full' else 'link_from, ' + name:26} median {1000 * wall:7.1f} ms "
             f"{wall / full:5.2f}x   CPU {1000 * c:7.1f} ms {c / full_cpu:5.2f}x"
         )
+    print(f"end: {_load()}")
     shutil.rmtree(dest, ignore_errors=True)
 
 
