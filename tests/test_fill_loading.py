@@ -113,7 +113,8 @@ def save(net: nn.Module, kind: str, where: Any, state: dict[str, torch.Tensor] |
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many tensors each load_into_module reads through fill()."""
+    """How many tensors each load_into_module reads through fill() (memtree directories: by
+    the tree reader, the other sources by the loader)."""
     calls: list[int] = []
     real = loading_mod.fill
 
@@ -122,6 +123,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", counting)
+    monkeypatch.setattr(read_mod, "fill", counting)
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)  # threads even for this small model
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 1024)
     return calls
@@ -194,6 +196,7 @@ def _truncate_during_load(monkeypatch: pytest.MonkeyPatch, path: str, size: int)
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", late)
+    monkeypatch.setattr(read_mod, "fill", late)  # memtree directories: read by the tree reader
 
 
 @pytest.mark.parametrize("kind", ["memtree", "safetensors", "torch"])

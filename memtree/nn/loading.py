@@ -32,6 +32,7 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.fill import FillJob, fill, mapped_range
+from ..store.read import fill_tree
 from ..tree.bind import (
     TIED_KEY,
     Group,
@@ -271,6 +272,36 @@ def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
     return dataclasses.replace(found, pairs=rest)
 
 
+def _tree_dir(source: Any) -> str | None:
+    """``source`` as the path of a memtree directory (one with a root ``meta.json``), or ``None``."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = os.fspath(source)
+    return path if os.path.isfile(os.path.join(path, META_NAME)) else None
+
+
+def _leaf_targets(
+    found: Plan, src: Source, tree: TensorTree
+) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
+    """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
+    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path."""
+    paths = {
+        id(v): (k,) if isinstance(k, str) else k
+        for k, v in tree.items(include_nested=True, leaves_only=True)
+        if isinstance(v, torch.Tensor)
+    }
+    targets: dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] = {}
+    for group, name in found.pairs:
+        path = paths.get(id(src.entries.get(name)))
+        if path is None or not is_live(group) or not all(isinstance(k, str) for k in path):
+            return None
+        dest = group.tensor.detach()
+        if type(dest) is not torch.Tensor:
+            dest = dest.as_subclass(torch.Tensor)
+        targets.setdefault(path, []).append((dest, src.spec(name)[1]))
+    return targets
+
+
 def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
@@ -381,8 +412,15 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
-    src = as_source(source, mode="r")
     groups = module_groups(module)
+    # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
+    # structure alone (no leaf opened), then open each leaf once and read it into its tensor.
+    tree_dir = _tree_dir(source) if not assign and all(is_live(g) for g in groups) else None
+    if tree_dir is not None:
+        structure = load_memmap(tree_dir, mode="r", device="meta")
+        src = _tree_source(structure)
+    else:
+        src = as_source(source, mode="r")
     module_names = {n for g in groups for n in g.names}
     if prefix is not None:
         src = _apply_prefix(src, module_names, prefix)
@@ -421,8 +459,19 @@ def load_into_module(
             return value.to(device=target, dtype=cast)
         return value
 
-    locate = None if assign else _locator(source, src)
-    if locate is not None:
-        found = _fill_live(found, src, locate)
+    targets = _leaf_targets(found, src, structure) if tree_dir is not None else None
+    if targets is not None:
+        assert tree_dir is not None
+        fill_tree(tree_dir, targets)
+        found = dataclasses.replace(found, pairs=[])
+    else:
+        if tree_dir is not None:  # a key path the reader cannot name: map the leaves as usual
+            src = as_source(source, mode="r")
+            if prefix is not None:
+                src = _apply_prefix(src, module_names, prefix)
+            found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+        locate = None if assign else _locator(source, src)
+        if locate is not None:
+            found = _fill_live(found, src, locate)
     bind(found, src, convert, assign=assign, keep_old=False)
     return LoadResult(found.missing_names, found.unexpected, found.mismatched)

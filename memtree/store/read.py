@@ -60,6 +60,7 @@ from ..errors import (
     MissingLeafError,
     NotCommittedError,
     PickleNotAllowedError,
+    SourceError,
     UnsafePathError,
 )
 from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
@@ -84,6 +85,7 @@ from .options import ReadOptions, Selection, select_entries
 
 __all__ = [
     "read_tree",
+    "fill_tree",
     "open_tree",
     "PendingLevel",
     "load_pending_at",
@@ -203,6 +205,50 @@ def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None
         MemtreeError: the directory is missing, damaged, hostile, or lacks a requested key.
     """
     return open_tree(prefix, options).load_all()
+
+
+def fill_tree(
+    prefix: str | os.PathLike[str],
+    targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
+) -> None:
+    """Read the leaves at the key paths of ``targets`` straight into their live tensors.
+
+    Each ``(tensor, stored dtype)`` of ``targets[key path]`` is filled from that leaf's file,
+    cast when its dtype differs: the levels on the way are validated as for any load, each leaf
+    is opened once (checked as :func:`read_tree` checks it) and read with threaded ``preadv``
+    (:func:`memtree.store.fill.fill`), never mapped. Nothing else is opened. Every leaf is
+    opened and checked before the first byte is read, unless there are more than a quarter of
+    the process's descriptor limit (``RLIMIT_NOFILE``): they are then read in batches of that
+    many, and a damaged leaf of a later batch is found after earlier ones were filled.
+
+    Raises:
+        SourceError: a leaf's shape or stored dtype is not the one given (the tree was
+            re-saved since the caller read its structure).
+        MemtreeError: as :func:`read_tree`, e.g. a key path is missing or a leaf damaged.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"a": Level((), {"x": torch.arange(3.0)})}))
+        >>> live = torch.zeros(3)
+        >>> fill_tree(d, {("a", "x"): [(live, torch.float32)]}); live.tolist()
+        [0.0, 1.0, 2.0]
+    """
+    if not targets:
+        return
+    root = open_tree(prefix, ReadOptions.of(keys=list(targets), mode="r", mmap=False))
+    reader = root.source.reader
+    reader.targets = targets
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        soft = 1 << 20
+    reader.max_pending = max(MAX_PENDING_READS, soft // 4)  # usually every leaf: all checked first
+    root.load_all()
+    left = [k for k in targets if k not in reader.filled]
+    if left:
+        raise SourceError(f"{root.where}: the leaves {sorted(left)[:5]} were not found; the tree was re-saved during the load")
 
 
 def open_tree(
@@ -554,12 +600,19 @@ class _Reader:
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.levels: list[PendingLevel] = []  # the levels of the open batch
+        #: :func:`fill_tree`'s destinations: key path -> [(live tensor, stored dtype)], and the
+        #: key paths filled so far.
+        self.targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None = None
+        self.filled: set[tuple[str, ...]] = set()
+        self.max_pending = MAX_PENDING_READS  # leaves queued (their files open) before a read
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
     ) -> torch.Tensor:
         if self.on_meta:
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if self.targets is not None:
+            return self.fill_leaf(dir_fd, where, entry, parents, dirs, self.targets)
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
@@ -574,13 +627,7 @@ class _Reader:
             except BaseException:
                 os.close(fd)
                 raise
-            checksum = None
-            if check:  # whether the file is newer than its meta.json, known now (dir_fd closes before the read)
-                stale = changed_after_meta(fd, dir_fd)
-                checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
-            self.pending.append((FillJob(tensor, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), checksum=checksum), fd))
-            if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
-                self.flush()
+            self.queue(fd, dir_fd, tensor, entry, path, parents)
             return tensor
         try:
             if check:
@@ -595,6 +642,74 @@ class _Reader:
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
             os.close(fd)
+
+    def queue(
+        self, fd: int, dir_fd: int, dest: torch.Tensor, entry: LeafMeta, path: str, parents: tuple[str, ...]
+    ) -> None:
+        """Queue reading the open leaf ``fd`` into ``dest`` (cast from ``entry.dtype`` if it
+        differs); :meth:`flush` reads and closes ``fd``."""
+        checksum = None
+        try:
+            if self.verify and entry.checksum is not None:  # whether the file is newer than its
+                stale = changed_after_meta(fd, dir_fd)  # meta.json, known now (dir_fd closes before the read)
+                checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
+            cast = entry.dtype if entry.dtype != dest.dtype else None
+            job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.pending.append((job, fd))
+        if self.depth == 0 or len(self.pending) >= self.max_pending:
+            self.flush()
+
+    def fill_leaf(
+        self,
+        dir_fd: int,
+        where: str,
+        entry: LeafMeta,
+        parents: tuple[str, ...],
+        dirs: tuple[str, ...],
+        targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
+    ) -> torch.Tensor:
+        """A leaf of :func:`fill_tree`: opened once, checked, and read into its destinations."""
+        key = parents + (entry.key,)
+        wanted = targets.get(key, [])
+        path = os.path.join(where, entry.file)
+        for dest, stored in wanted:
+            if (tuple(dest.shape), stored) != (tuple(entry.shape), entry.dtype):
+                raise SourceError(
+                    f"leaf {'.'.join(key)!r} at {path} is {entry.dtype}{list(entry.shape)}, it was "
+                    f"{stored}{list(dest.shape)} when the load was planned: the tree was re-saved "
+                    "during the load; load it again"
+                )
+        if not wanted:
+            return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if entry.chunk_bytes is not None:  # encrypted: decrypted into memory, then copied
+            plain = self.sealed_leaf(dir_fd, where, entry, parents, dirs)
+            with torch.no_grad():
+                for dest, _ in wanted:
+                    dest.copy_(plain)
+        else:
+            try:
+                fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+            except LeafSizeError:
+                fd = self.open_grown(dir_fd, where, entry, path)
+            fds = [fd]
+            try:
+                fds.extend(os.dup(fd) for _ in wanted[1:])  # one each: flush() closes them
+            except BaseException:
+                for opened in fds:
+                    os.close(opened)
+                raise
+            for i, (dest, _) in enumerate(wanted):
+                try:
+                    self.queue(fds[i], dir_fd, dest, entry, path, parents)
+                except BaseException:
+                    for opened in fds[i + 1 :]:  # queue() closed fds[i] and, by flush(), the queued
+                        os.close(opened)
+                    raise
+        self.filled.add(key)
+        return wanted[0][0]
 
     @contextmanager
     def batch(self, level: PendingLevel | None) -> Iterator[None]:
