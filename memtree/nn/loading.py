@@ -32,7 +32,9 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.fill import FillJob, fill, mapped_range
-from ..store.read import fill_tree
+from ..store.options import ReadOptions
+from ..store.read import PendingLevel, fill_tree, open_tree
+from ..store.tensordict import is_tensordict_dir
 from ..tree.bind import (
     TIED_KEY,
     Group,
@@ -272,12 +274,16 @@ def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
     return dataclasses.replace(found, pairs=rest)
 
 
-def _tree_dir(source: Any) -> str | None:
-    """``source`` as the path of a memtree directory (one with a root ``meta.json``), or ``None``."""
+def _structure(source: Any) -> PendingLevel | None:
+    """``source`` opened as a plain memtree directory on the meta device (its structure: no
+    leaf file is opened); ``None`` for any other source."""
     if not isinstance(source, (str, os.PathLike)):
         return None
     path = os.fspath(source)
-    return path if os.path.isfile(os.path.join(path, META_NAME)) else None
+    if not os.path.isfile(os.path.join(path, META_NAME)) or is_tensordict_dir(path):
+        return None
+    root = open_tree(path, ReadOptions.of(mode="r", device="meta"))
+    return root if root.meta.encryption is None else None
 
 
 def _leaf_targets(
@@ -415,9 +421,9 @@ def load_into_module(
     groups = module_groups(module)
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
     # structure alone (no leaf opened), then open each leaf once and read it into its tensor.
-    tree_dir = _tree_dir(source) if not assign and all(is_live(g) for g in groups) else None
-    if tree_dir is not None:
-        structure = load_memmap(tree_dir, mode="r", device="meta")
+    root = _structure(source) if not assign and all(is_live(g) for g in groups) else None
+    if root is not None:
+        structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
         src = _tree_source(structure)
     else:
         src = as_source(source, mode="r")
@@ -459,13 +465,12 @@ def load_into_module(
             return value.to(device=target, dtype=cast)
         return value
 
-    targets = _leaf_targets(found, src, structure) if tree_dir is not None else None
-    if targets is not None:
-        assert tree_dir is not None
-        fill_tree(tree_dir, targets)
+    targets = _leaf_targets(found, src, structure) if root is not None else None
+    if root is not None and targets is not None:
+        fill_tree(root, targets)
         found = dataclasses.replace(found, pairs=[])
     else:
-        if tree_dir is not None:  # a key path the reader cannot name: map the leaves as usual
+        if root is not None:  # a key path the reader cannot name: map the leaves as usual
             src = as_source(source, mode="r")
             if prefix is not None:
                 src = _apply_prefix(src, module_names, prefix)

@@ -46,7 +46,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -76,12 +76,14 @@ from ..format.schema import (
 )
 from ..format.names import META_NAME
 from ..format.level import Level, Value
-from .crypto import TreeCipher, open_cipher
 from .mapped import map_leaf
 from .integrity import changed_after_meta, tree_hash
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
+
+if TYPE_CHECKING:
+    from .crypto import TreeCipher
 
 __all__ = [
     "read_tree",
@@ -208,23 +210,25 @@ def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None
 
 
 def fill_tree(
-    prefix: str | os.PathLike[str],
+    root: PendingLevel,
     targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
 ) -> None:
     """Read the leaves at the key paths of ``targets`` straight into their live tensors.
 
-    Each ``(tensor, stored dtype)`` of ``targets[key path]`` is filled from that leaf's file,
-    cast when its dtype differs: the levels on the way are validated as for any load, each leaf
-    is opened once (checked as :func:`read_tree` checks it) and read with threaded ``preadv``
-    (:func:`memtree.store.fill.fill`), never mapped. Nothing else is opened. Every leaf is
-    opened and checked before the first byte is read, unless there are more than a quarter of
-    the process's descriptor limit (``RLIMIT_NOFILE``): they are then read in batches of that
-    many, and a damaged leaf of a later batch is found after earlier ones were filled.
+    ``root`` is a plain tree opened by :func:`open_tree` on the ``meta`` device, its levels
+    loaded (the structure the caller planned on). The same tree is read again from its held
+    root directory, with the ``meta.json`` files already validated: each ``(tensor, stored
+    dtype)`` of ``targets[key path]`` is filled from that leaf's file, cast when its dtype
+    differs. Each leaf is opened once, from its held directory (no link followed, a regular
+    file of exactly its size, as :func:`read_tree` checks it), and read with threaded
+    ``preadv`` (:func:`memtree.store.fill.fill`), never mapped. Every leaf is opened and
+    checked before the first byte is read, unless there are more than a quarter of the
+    process's descriptor limit (``RLIMIT_NOFILE``): they are then read in batches of that many,
+    and a damaged leaf of a later batch is found after earlier ones were filled.
 
     Raises:
-        SourceError: a leaf's shape or stored dtype is not the one given (the tree was
-            re-saved since the caller read its structure).
-        MemtreeError: as :func:`read_tree`, e.g. a key path is missing or a leaf damaged.
+        SourceError: a key path is not a tensor leaf of that shape and stored dtype.
+        MemtreeError: a leaf is missing, damaged or hostile.
 
     Example:
         >>> import tempfile, torch
@@ -232,23 +236,32 @@ def fill_tree(
         >>> from memtree.store.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"a": Level((), {"x": torch.arange(3.0)})}))
+        >>> root = open_tree(d, ReadOptions.of(mode="r", device="meta")); _ = root.load_all()
         >>> live = torch.zeros(3)
-        >>> fill_tree(d, {("a", "x"): [(live, torch.float32)]}); live.tolist()
+        >>> fill_tree(root, {("a", "x"): [(live, torch.float32)]}); live.tolist()
         [0.0, 1.0, 2.0]
     """
     if not targets:
         return
-    root = open_tree(prefix, ReadOptions.of(keys=list(targets), mode="r", mmap=False))
-    reader = root.source.reader
+    metas: dict[tuple[str, ...], LevelMeta] = {}
+    todo = [root]
+    while todo:
+        level = todo.pop()
+        metas[level.dirs] = level.meta
+        todo.extend(v for v in (level._loaded or {}).values() if isinstance(v, PendingLevel))
+    options = ReadOptions.of(keys=list(targets), mode="r", mmap=False)
+    reader = _Reader(options)
     reader.targets = targets
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY or soft < 0:
         soft = 1 << 20
     reader.max_pending = max(MAX_PENDING_READS, soft // 4)  # usually every leaf: all checked first
-    root.load_all()
+    source = _Source(root.source.root, os.dup(root.source.fd), reader, metas)
+    where = root.source.root
+    PendingLevel(source, (), where, (), select_entries(metas[()], options.selection, (), where), options.selection).load_all()
     left = [k for k in targets if k not in reader.filled]
     if left:
-        raise SourceError(f"{root.where}: the leaves {sorted(left)[:5]} were not found; the tree was re-saved during the load")
+        raise SourceError(f"{where}: {sorted(left)[:5]} are not tensor leaves of the tree")
 
 
 def open_tree(
@@ -290,7 +303,10 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
-    source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
+    if meta.encryption is not None or options.encryption is not None:  # else no cipher: crypto not imported
+        from .crypto import open_cipher
+
+        source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     if options.verify and meta.tree_hash is not None:
         check_tree_hash(source.fd, root, meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
