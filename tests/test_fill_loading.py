@@ -186,6 +186,31 @@ def test_a_bf16_checkpoint_into_a_float32_model_never_copies_the_checkpoint(tmp_
     assert torch.equal(net.fc.weight, src.fc.weight.float()) and spy == [2]
 
 
+def test_a_memtree_directory_into_live_modules_opens_each_leaf_once_and_maps_none(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = trained()
+    path = save(src, "memtree", tmp_path)
+    opened: list[str] = []
+    real_open = read_mod.open_leaf
+
+    def counting(name: str, *args: Any, **kw: Any) -> Any:
+        opened.append(name)
+        return real_open(name, *args, **kw)
+
+    def never(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a leaf was mapped")
+
+    monkeypatch.setattr(read_mod, "open_leaf", counting)
+    monkeypatch.setattr(read_mod, "map_leaf", never)
+    monkeypatch.setattr(loading_mod, "mapped_range", never)
+    net = Net()
+    assert load_into_module(net, path) == ([], [])
+    for k, v in src.state_dict().items():
+        assert raw(net.state_dict()[k]) == raw(v), k
+    assert sorted(opened) == sorted(k.rpartition(".")[2] + ".memmap" for k in src.state_dict())
+
+
 # -- damaged and changing files ----------------------------------------------------------------------
 def _truncate_during_load(monkeypatch: pytest.MonkeyPatch, path: str, size: int) -> None:
     """Truncate ``path`` after the source is opened and checked, right before the reads."""
