@@ -32,8 +32,7 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.fill import FillJob, fill, mapped_range
-from ..store.options import ReadOptions
-from ..store.read import PendingLevel, fill_tree, open_tree
+from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.tensordict import is_tensordict_dir
 from ..tree.bind import (
     TIED_KEY,
@@ -275,14 +274,15 @@ def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
 
 
 def _structure(source: Any) -> PendingLevel | None:
-    """``source`` opened as a plain memtree directory on the meta device (its structure: no
-    leaf file is opened); ``None`` for any other source."""
+    """``source`` opened as a plain memtree directory by
+    :func:`~memtree.store.read.open_for_fill` (its structure, each leaf opened once as its level
+    loads, none mapped); ``None`` for any other source."""
     if not isinstance(source, (str, os.PathLike)):
         return None
     path = os.fspath(source)
     if not os.path.isfile(os.path.join(path, META_NAME)) or is_tensordict_dir(path):
         return None
-    root = open_tree(path, ReadOptions.of(mode="r", device="meta"))
+    root = open_for_fill(path)
     return root if root.meta.encryption is None else None
 
 
@@ -420,63 +420,67 @@ def load_into_module(
         )
     groups = module_groups(module)
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
-    # structure alone (no leaf opened), then open each leaf once and read it into its tensor.
+    # structure (each leaf opened and checked once as it is walked, none mapped), then read the
+    # leaves into their tensors.
     root = _structure(source) if not assign and all(is_live(g) for g in groups) else None
-    if root is not None:
-        structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
-        src = _tree_source(structure)
-    else:
-        src = as_source(source, mode="r")
-    module_names = {n for g in groups for n in g.names}
-    if prefix is not None:
-        src = _apply_prefix(src, module_names, prefix)
-    selected = prefixes(keys)
-    unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
-    if unmatched:
-        raise MemtreeKeyError(
-            f"load_into_module: keys= entries {unmatched[:10]} name no tensor or sub-module of "
-            f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
-            "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
-        )
-    found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
-    if strict and (found.missing_names or found.unexpected):
-        raise _strict_error(module, src, module_names, found)
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and not assign:
-        elsewhere = [
-            f"{g.names[0]} ({g.tensor.device})"
-            for g, _ in found.pairs
-            if is_live(g) and not _same_device(g.tensor.device, dev)
-        ]
-        if elsewhere:
-            raise InvalidArgumentError(
-                f"load_into_module(device={str(dev)!r}): the module's tensors {names_list(elsewhere)} "
-                "hold data on another device, and live tensors are filled in place where they "
-                f"are. Nothing was changed: move the module first (module.to({str(dev)!r})), build "
-                "it under memtree.empty_init(), or pass assign=True to bind new tensors"
-            )
-
-    def convert(_kind: str, _name: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        target = dev if dev is not None else value.device
-        if cast != value.dtype or target != value.device:
-            return value.to(device=target, dtype=cast)
-        return value
-
-    targets = _leaf_targets(found, src, structure) if root is not None else None
-    if root is not None and targets is not None:
-        fill_tree(root, targets)
-        found = dataclasses.replace(found, pairs=[])
-    else:
-        if root is not None:  # a key path the reader cannot name: map the leaves as usual
+    try:
+        if root is not None:
+            structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
+            src = _tree_source(structure)
+        else:
             src = as_source(source, mode="r")
-            if prefix is not None:
-                src = _apply_prefix(src, module_names, prefix)
-            found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
-        locate = None if assign else _locator(source, src)
-        if locate is not None:
-            found = _fill_live(found, src, locate)
-    bind(found, src, convert, assign=assign, keep_old=False)
-    return LoadResult(found.missing_names, found.unexpected, found.mismatched)
+        module_names = {n for g in groups for n in g.names}
+        if prefix is not None:
+            src = _apply_prefix(src, module_names, prefix)
+        selected = prefixes(keys)
+        unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
+        if unmatched:
+            raise MemtreeKeyError(
+                f"load_into_module: keys= entries {unmatched[:10]} name no tensor or sub-module of "
+                f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
+                "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
+            )
+        found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+        if strict and (found.missing_names or found.unexpected):
+            raise _strict_error(module, src, module_names, found)
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and not assign:
+            elsewhere = [
+                f"{g.names[0]} ({g.tensor.device})"
+                for g, _ in found.pairs
+                if is_live(g) and not _same_device(g.tensor.device, dev)
+            ]
+            if elsewhere:
+                raise InvalidArgumentError(
+                    f"load_into_module(device={str(dev)!r}): the module's tensors {names_list(elsewhere)} "
+                    "hold data on another device, and live tensors are filled in place where they "
+                    f"are. Nothing was changed: move the module first (module.to({str(dev)!r})), build "
+                    "it under memtree.empty_init(), or pass assign=True to bind new tensors"
+                )
+
+        def convert(_kind: str, _name: str, value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            target = dev if dev is not None else value.device
+            if cast != value.dtype or target != value.device:
+                return value.to(device=target, dtype=cast)
+            return value
+
+        targets = _leaf_targets(found, src, structure) if root is not None else None
+        if root is not None and targets is not None and fill_tree(root, targets):
+            found = dataclasses.replace(found, pairs=[])
+        else:
+            if root is not None:  # a key path the reader cannot name, or too many leaves to keep open
+                src = as_source(source, mode="r")
+                if prefix is not None:
+                    src = _apply_prefix(src, module_names, prefix)
+                found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+            locate = None if assign else _locator(source, src)
+            if locate is not None:
+                found = _fill_live(found, src, locate)
+        bind(found, src, convert, assign=assign, keep_old=False)
+        return LoadResult(found.missing_names, found.unexpected, found.mismatched)
+    finally:
+        if root is not None:
+            release_leaves(root)

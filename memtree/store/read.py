@@ -87,7 +87,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "read_tree",
+    "open_for_fill",
     "fill_tree",
+    "release_leaves",
     "open_tree",
     "PendingLevel",
     "load_pending_at",
@@ -209,26 +211,38 @@ def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None
     return open_tree(prefix, options).load_all()
 
 
+def open_for_fill(prefix: str | os.PathLike[str]) -> PendingLevel:
+    """:func:`open_tree` on the ``meta`` device (the structure) that also opens every leaf
+    as its level loads, for :func:`fill_tree`: from its held directory, never following a link,
+    a regular file of exactly its size (checked as :func:`read_tree` checks it), and keeps it
+    open (never mapped). At most a quarter of the process's descriptor limit
+    (``RLIMIT_NOFILE``) are kept: a larger tree keeps none (:func:`fill_tree` then says so).
+    The caller closes them with :func:`release_leaves`.
+
+    Raises:
+        MemtreeError: as :func:`read_tree`: a ``meta.json`` or a leaf is missing, damaged or
+            hostile (when its level loads).
+    """
+    root = open_tree(prefix, ReadOptions.of(mode="r", device="meta"))
+    root.source.reader.kept = {}
+    return root
+
+
 def fill_tree(
     root: PendingLevel,
     targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
-) -> None:
+) -> bool:
     """Read the leaves at the key paths of ``targets`` straight into their live tensors.
 
-    ``root`` is a plain tree opened by :func:`open_tree` on the ``meta`` device, its levels
-    loaded (the structure the caller planned on). The same tree is read again from its held
-    root directory, with the ``meta.json`` files already validated: each ``(tensor, stored
-    dtype)`` of ``targets[key path]`` is filled from that leaf's file, cast when its dtype
-    differs. Each leaf is opened once, from its held directory (no link followed, a regular
-    file of exactly its size, as :func:`read_tree` checks it), and read with threaded
-    ``preadv`` (:func:`memtree.store.fill.fill`), never mapped. Every leaf is opened and
-    checked before the first byte is read, unless there are more than a quarter of the
-    process's descriptor limit (``RLIMIT_NOFILE``): they are then read in batches of that many,
-    and a damaged leaf of a later batch is found after earlier ones were filled.
+    ``root`` comes from :func:`open_for_fill`, its levels loaded: each ``(tensor, stored
+    dtype)`` of ``targets[key path]`` is filled from that leaf's kept descriptor, cast when the
+    dtypes differ, by threaded ``preadv`` (:func:`memtree.store.fill.fill`: every range checked
+    against its file's size before the first byte is read). Returns ``False``, reading nothing,
+    when the tree had too many leaves to keep them open.
 
     Raises:
         SourceError: a key path is not a tensor leaf of that shape and stored dtype.
-        MemtreeError: a leaf is missing, damaged or hostile.
+        StorageError: a leaf file shrank, or a read failed.
 
     Example:
         >>> import tempfile, torch
@@ -236,32 +250,37 @@ def fill_tree(
         >>> from memtree.store.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"a": Level((), {"x": torch.arange(3.0)})}))
-        >>> root = open_tree(d, ReadOptions.of(mode="r", device="meta")); _ = root.load_all()
+        >>> root = open_for_fill(d); _ = root.load_all()
         >>> live = torch.zeros(3)
-        >>> fill_tree(root, {("a", "x"): [(live, torch.float32)]}); live.tolist()
-        [0.0, 1.0, 2.0]
+        >>> fill_tree(root, {("a", "x"): [(live, torch.float32)]}), live.tolist()
+        (True, [0.0, 1.0, 2.0])
+        >>> release_leaves(root)
     """
-    if not targets:
-        return
-    metas: dict[tuple[str, ...], LevelMeta] = {}
-    todo = [root]
-    while todo:
-        level = todo.pop()
-        metas[level.dirs] = level.meta
-        todo.extend(v for v in (level._loaded or {}).values() if isinstance(v, PendingLevel))
-    options = ReadOptions.of(keys=list(targets), mode="r", mmap=False)
-    reader = _Reader(options)
-    reader.targets = targets
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY or soft < 0:
-        soft = 1 << 20
-    reader.max_pending = max(MAX_PENDING_READS, soft // 4)  # usually every leaf: all checked first
-    source = _Source(root.source.root, os.dup(root.source.fd), reader, metas)
-    where = root.source.root
-    PendingLevel(source, (), where, (), select_entries(metas[()], options.selection, (), where), options.selection).load_all()
-    left = [k for k in targets if k not in reader.filled]
-    if left:
-        raise SourceError(f"{where}: {sorted(left)[:5]} are not tensor leaves of the tree")
+    kept = root.source.reader.kept
+    if kept is None:
+        return False
+    jobs: list[FillJob] = []
+    for key, dests in targets.items():
+        found = kept.get(key)
+        for dest, stored in dests:
+            if found is None or (tuple(dest.shape), stored) != (tuple(found[1].shape), found[1].dtype):
+                raise SourceError(
+                    f"{root.where}: {'.'.join(key)!r} is not a tensor leaf of {stored}"
+                    f"{list(dest.shape)} in this tree"
+                )
+            fd, entry, path = found
+            cast = entry.dtype if entry.dtype != dest.dtype else None
+            jobs.append(FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast))
+    fill(jobs)
+    return True
+
+
+def release_leaves(root: PendingLevel) -> None:
+    """Close the leaves :func:`open_for_fill` kept open."""
+    reader = root.source.reader
+    kept, reader.kept = reader.kept, None
+    for fd, _, _ in (kept or {}).values():
+        os.close(fd)
 
 
 def open_tree(
@@ -616,19 +635,17 @@ class _Reader:
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.levels: list[PendingLevel] = []  # the levels of the open batch
-        #: :func:`fill_tree`'s destinations: key path -> [(live tensor, stored dtype)], and the
-        #: key paths filled so far.
-        self.targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None = None
-        self.filled: set[tuple[str, ...]] = set()
-        self.max_pending = MAX_PENDING_READS  # leaves queued (their files open) before a read
+        #: :func:`open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
+        #: none kept (a plain load, or too many leaves)
+        self.kept: dict[tuple[str, ...], tuple[int, LeafMeta, str]] | None = None
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
     ) -> torch.Tensor:
         if self.on_meta:
+            if self.kept is not None and entry.chunk_bytes is None:
+                self.keep(dir_fd, where, entry, parents)
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-        if self.targets is not None:
-            return self.fill_leaf(dir_fd, where, entry, parents, dirs, self.targets)
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
@@ -675,57 +692,24 @@ class _Reader:
             os.close(fd)
             raise
         self.pending.append((job, fd))
-        if self.depth == 0 or len(self.pending) >= self.max_pending:
+        if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
             self.flush()
 
-    def fill_leaf(
-        self,
-        dir_fd: int,
-        where: str,
-        entry: LeafMeta,
-        parents: tuple[str, ...],
-        dirs: tuple[str, ...],
-        targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
-    ) -> torch.Tensor:
-        """A leaf of :func:`fill_tree`: opened once, checked, and read into its destinations."""
-        key = parents + (entry.key,)
-        wanted = targets.get(key, [])
+    def keep(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> None:
+        """Open and check a leaf for :func:`fill_tree`, and keep it open (see :func:`open_for_fill`)."""
+        assert self.kept is not None
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft >= 0 and len(self.kept) >= soft // 4:
+            kept, self.kept = self.kept, None  # too many to keep open: keep none
+            for fd, _, _ in kept.values():
+                os.close(fd)
+            return
         path = os.path.join(where, entry.file)
-        for dest, stored in wanted:
-            if (tuple(dest.shape), stored) != (tuple(entry.shape), entry.dtype):
-                raise SourceError(
-                    f"leaf {'.'.join(key)!r} at {path} is {entry.dtype}{list(entry.shape)}, it was "
-                    f"{stored}{list(dest.shape)} when the load was planned: the tree was re-saved "
-                    "during the load; load it again"
-                )
-        if not wanted:
-            return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-        if entry.chunk_bytes is not None:  # encrypted: decrypted into memory, then copied
-            plain = self.sealed_leaf(dir_fd, where, entry, parents, dirs)
-            with torch.no_grad():
-                for dest, _ in wanted:
-                    dest.copy_(plain)
-        else:
-            try:
-                fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
-            except LeafSizeError:
-                fd = self.open_grown(dir_fd, where, entry, path)
-            fds = [fd]
-            try:
-                fds.extend(os.dup(fd) for _ in wanted[1:])  # one each: flush() closes them
-            except BaseException:
-                for opened in fds:
-                    os.close(opened)
-                raise
-            for i, (dest, _) in enumerate(wanted):
-                try:
-                    self.queue(fds[i], dir_fd, dest, entry, path, parents)
-                except BaseException:
-                    for opened in fds[i + 1 :]:  # queue() closed fds[i] and, by flush(), the queued
-                        os.close(opened)
-                    raise
-        self.filled.add(key)
-        return wanted[0][0]
+        try:
+            fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+        except LeafSizeError:
+            fd = self.open_grown(dir_fd, where, entry, path)
+        self.kept[parents + (entry.key,)] = (fd, entry, path)
 
     @contextmanager
     def batch(self, level: PendingLevel | None) -> Iterator[None]:
