@@ -258,6 +258,7 @@ def floor_load(box: nn.Module, tree: str) -> None:
 
 def worker(system: str, wd: str, layers: int) -> None:
     import memtree
+    import memtree.nn.loading  # noqa: F401  (imported untimed, as safetensors.torch is)
     from safetensors.torch import load_file
 
     with open(os.path.join(wd, "expected.json")) as f:

@@ -113,7 +113,8 @@ def save(net: nn.Module, kind: str, where: Any, state: dict[str, torch.Tensor] |
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many tensors each load_into_module reads through fill()."""
+    """How many tensors each load_into_module reads through fill() (memtree directories: by
+    the tree reader, the other sources by the loader)."""
     calls: list[int] = []
     real = loading_mod.fill
 
@@ -122,6 +123,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", counting)
+    monkeypatch.setattr(read_mod, "fill", counting)
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)  # threads even for this small model
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 1024)
     return calls
@@ -184,6 +186,31 @@ def test_a_bf16_checkpoint_into_a_float32_model_never_copies_the_checkpoint(tmp_
     assert torch.equal(net.fc.weight, src.fc.weight.float()) and spy == [2]
 
 
+def test_a_memtree_directory_into_live_modules_opens_each_leaf_once_and_maps_none(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = trained()
+    path = save(src, "memtree", tmp_path)
+    opened: list[str] = []
+    real_open = read_mod.open_leaf
+
+    def counting(name: str, *args: Any, **kw: Any) -> Any:
+        opened.append(name)
+        return real_open(name, *args, **kw)
+
+    def never(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a leaf was mapped")
+
+    monkeypatch.setattr(read_mod, "open_leaf", counting)
+    monkeypatch.setattr(read_mod, "map_leaf", never)
+    monkeypatch.setattr(loading_mod, "mapped_range", never)
+    net = Net()
+    assert load_into_module(net, path) == ([], [])
+    for k, v in src.state_dict().items():
+        assert raw(net.state_dict()[k]) == raw(v), k
+    assert sorted(opened) == sorted(k.rpartition(".")[2] + ".memmap" for k in src.state_dict())
+
+
 # -- damaged and changing files ----------------------------------------------------------------------
 def _truncate_during_load(monkeypatch: pytest.MonkeyPatch, path: str, size: int) -> None:
     """Truncate ``path`` after the source is opened and checked, right before the reads."""
@@ -194,6 +221,7 @@ def _truncate_during_load(monkeypatch: pytest.MonkeyPatch, path: str, size: int)
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", late)
+    monkeypatch.setattr(read_mod, "fill", late)  # memtree directories: read by the tree reader
 
 
 @pytest.mark.parametrize("kind", ["memtree", "safetensors", "torch"])

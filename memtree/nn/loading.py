@@ -32,6 +32,8 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.fill import FillJob, fill, mapped_range
+from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
+from ..store.tensordict import is_tensordict_dir
 from ..tree.bind import (
     TIED_KEY,
     Group,
@@ -271,6 +273,41 @@ def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
     return dataclasses.replace(found, pairs=rest)
 
 
+def _structure(source: Any) -> PendingLevel | None:
+    """``source`` opened as a plain memtree directory by
+    :func:`~memtree.store.read.open_for_fill` (its structure, each leaf opened once as its level
+    loads, none mapped); ``None`` for any other source."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = os.fspath(source)
+    if not os.path.isfile(os.path.join(path, META_NAME)) or is_tensordict_dir(path):
+        return None
+    root = open_for_fill(path)
+    return root if root.meta.encryption is None else None
+
+
+def _leaf_targets(
+    found: Plan, src: Source, tree: TensorTree
+) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
+    """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
+    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path."""
+    paths = {
+        id(v): (k,) if isinstance(k, str) else k
+        for k, v in tree.items(include_nested=True, leaves_only=True)
+        if isinstance(v, torch.Tensor)
+    }
+    targets: dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] = {}
+    for group, name in found.pairs:
+        path = paths.get(id(src.entries.get(name)))
+        if path is None or not is_live(group) or not all(isinstance(k, str) for k in path):
+            return None
+        dest = group.tensor.detach()
+        if type(dest) is not torch.Tensor:
+            dest = dest.as_subclass(torch.Tensor)
+        targets.setdefault(path, []).append((dest, src.spec(name)[1]))
+    return targets
+
+
 def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
@@ -381,48 +418,69 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
-    src = as_source(source, mode="r")
     groups = module_groups(module)
-    module_names = {n for g in groups for n in g.names}
-    if prefix is not None:
-        src = _apply_prefix(src, module_names, prefix)
-    selected = prefixes(keys)
-    unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
-    if unmatched:
-        raise MemtreeKeyError(
-            f"load_into_module: keys= entries {unmatched[:10]} name no tensor or sub-module of "
-            f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
-            "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
-        )
-    found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
-    if strict and (found.missing_names or found.unexpected):
-        raise _strict_error(module, src, module_names, found)
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and not assign:
-        elsewhere = [
-            f"{g.names[0]} ({g.tensor.device})"
-            for g, _ in found.pairs
-            if is_live(g) and not _same_device(g.tensor.device, dev)
-        ]
-        if elsewhere:
-            raise InvalidArgumentError(
-                f"load_into_module(device={str(dev)!r}): the module's tensors {names_list(elsewhere)} "
-                "hold data on another device, and live tensors are filled in place where they "
-                f"are. Nothing was changed: move the module first (module.to({str(dev)!r})), build "
-                "it under memtree.empty_init(), or pass assign=True to bind new tensors"
+    # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
+    # structure (each leaf opened and checked once as it is walked, none mapped), then read the
+    # leaves into their tensors.
+    root = _structure(source) if not assign and all(is_live(g) for g in groups) else None
+    try:
+        if root is not None:
+            structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
+            src = _tree_source(structure)
+        else:
+            src = as_source(source, mode="r")
+        module_names = {n for g in groups for n in g.names}
+        if prefix is not None:
+            src = _apply_prefix(src, module_names, prefix)
+        selected = prefixes(keys)
+        unmatched = unmatched_prefixes(selected, module, src) if selected is not None else []
+        if unmatched:
+            raise MemtreeKeyError(
+                f"load_into_module: keys= entries {unmatched[:10]} name no tensor or sub-module of "
+                f"{type(module).__name__} and no tensor of the source; nothing was loaded. keys= takes "
+                "dotted prefixes of state_dict() names, such as 'encoder' or 'encoder.0'"
             )
+        found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+        if strict and (found.missing_names or found.unexpected):
+            raise _strict_error(module, src, module_names, found)
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and not assign:
+            elsewhere = [
+                f"{g.names[0]} ({g.tensor.device})"
+                for g, _ in found.pairs
+                if is_live(g) and not _same_device(g.tensor.device, dev)
+            ]
+            if elsewhere:
+                raise InvalidArgumentError(
+                    f"load_into_module(device={str(dev)!r}): the module's tensors {names_list(elsewhere)} "
+                    "hold data on another device, and live tensors are filled in place where they "
+                    f"are. Nothing was changed: move the module first (module.to({str(dev)!r})), build "
+                    "it under memtree.empty_init(), or pass assign=True to bind new tensors"
+                )
 
-    def convert(_kind: str, _name: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
+        def convert(_kind: str, _name: str, value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            target = dev if dev is not None else value.device
+            if cast != value.dtype or target != value.device:
+                return value.to(device=target, dtype=cast)
             return value
-        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        target = dev if dev is not None else value.device
-        if cast != value.dtype or target != value.device:
-            return value.to(device=target, dtype=cast)
-        return value
 
-    locate = None if assign else _locator(source, src)
-    if locate is not None:
-        found = _fill_live(found, src, locate)
-    bind(found, src, convert, assign=assign, keep_old=False)
-    return LoadResult(found.missing_names, found.unexpected, found.mismatched)
+        targets = _leaf_targets(found, src, structure) if root is not None else None
+        if root is not None and targets is not None and fill_tree(root, targets):
+            found = dataclasses.replace(found, pairs=[])
+        else:
+            if root is not None:  # a key path the reader cannot name, or too many leaves to keep open
+                src = as_source(source, mode="r")
+                if prefix is not None:
+                    src = _apply_prefix(src, module_names, prefix)
+                found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+            locate = None if assign else _locator(source, src)
+            if locate is not None:
+                found = _fill_live(found, src, locate)
+        bind(found, src, convert, assign=assign, keep_old=False)
+        return LoadResult(found.missing_names, found.unexpected, found.mismatched)
+    finally:
+        if root is not None:
+            release_leaves(root)

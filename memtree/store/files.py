@@ -214,7 +214,23 @@ def _digest_factories() -> dict[str, Any]:
     return out
 
 
-_FACTORIES = _digest_factories()
+_FACTORIES: dict[str, Any]  # found on first use (importing xxhash and crc32c takes time)
+
+
+def _factories() -> dict[str, Any]:
+    """The digest factories by algorithm (tests replace ``_FACTORIES`` to hide one)."""
+    global _FACTORIES
+    try:
+        return _FACTORIES
+    except NameError:
+        _FACTORIES = _digest_factories()
+        return _FACTORIES
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_FACTORIES":
+        return _factories()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def available_checksums() -> tuple[str, ...]:
@@ -224,7 +240,7 @@ def available_checksums() -> tuple[str, ...]:
         >>> "crc32" in available_checksums() and "sha256" in available_checksums()
         True
     """
-    return tuple(a for a in CHECKSUMS if a in _FACTORIES)
+    return tuple(a for a in CHECKSUMS if a in _factories())
 
 
 def default_checksum() -> str:
@@ -235,7 +251,7 @@ def default_checksum() -> str:
         >>> default_checksum() in ("xxh3", "crc32c", "crc32")
         True
     """
-    return next(a for a in _AUTO_ORDER if a in _FACTORIES)
+    return next(a for a in _AUTO_ORDER if a in _factories())
 
 
 def check_checksum_option(checksum: str | None) -> None:
@@ -244,7 +260,7 @@ def check_checksum_option(checksum: str | None) -> None:
         raise InvalidArgumentError(
             f"checksum must be None or one of {list(CHECKSUMS)}, got {checksum!r:.40}"
         )
-    if checksum is not None and checksum not in _FACTORIES:
+    if checksum is not None and checksum not in _factories():
         raise InvalidArgumentError(
             f"checksum={checksum!r} needs the {'xxhash' if checksum == 'xxh3' else checksum} "
             "package: pip install 'memtree[fast-checksums]', or pick one of "
@@ -255,7 +271,7 @@ def check_checksum_option(checksum: str | None) -> None:
 def new_digest(algorithm: str) -> Digest:
     """A running checksum for ``algorithm`` (one of :func:`available_checksums`)."""
     check_checksum_option(algorithm)
-    digest: Digest = _FACTORIES[algorithm]()
+    digest: Digest = _factories()[algorithm]()
     return digest
 
 

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
 from ..format.schema import ChildMeta, LevelMeta
-from .crypto import EncryptionKey, require_backend
 from .files import check_checksum_option, default_checksum
 
 if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
     import torch
+
+    from .crypto import EncryptionKey  # imported where a key is given: plain loads need no crypto
 
 __all__ = [
     "MODES",
@@ -127,6 +128,8 @@ def _flag(name: str, value: object) -> bool:
 def _key(key: object) -> EncryptionKey | None:
     if key is None:
         return None
+    from .crypto import EncryptionKey, require_backend
+
     if not isinstance(key, EncryptionKey):
         raise InvalidArgumentError(
             f"encryption= takes a memtree.EncryptionKey (EncryptionKey.generate(), or "

@@ -46,7 +46,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,7 @@ from ..errors import (
     MissingLeafError,
     NotCommittedError,
     PickleNotAllowedError,
+    SourceError,
     UnsafePathError,
 )
 from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
@@ -75,15 +76,20 @@ from ..format.schema import (
 )
 from ..format.names import META_NAME
 from ..format.level import Level, Value
-from .crypto import TreeCipher, open_cipher
 from .mapped import map_leaf
 from .integrity import changed_after_meta, tree_hash
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
 
+if TYPE_CHECKING:
+    from .crypto import TreeCipher
+
 __all__ = [
     "read_tree",
+    "open_for_fill",
+    "fill_tree",
+    "release_leaves",
     "open_tree",
     "PendingLevel",
     "load_pending_at",
@@ -205,6 +211,78 @@ def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None
     return open_tree(prefix, options).load_all()
 
 
+def open_for_fill(prefix: str | os.PathLike[str]) -> PendingLevel:
+    """:func:`open_tree` on the ``meta`` device (the structure) that also opens every leaf
+    as its level loads, for :func:`fill_tree`: from its held directory, never following a link,
+    a regular file of exactly its size (checked as :func:`read_tree` checks it), and keeps it
+    open (never mapped). At most a quarter of the process's descriptor limit
+    (``RLIMIT_NOFILE``) are kept: a larger tree keeps none (:func:`fill_tree` then says so).
+    The caller closes them with :func:`release_leaves`.
+
+    Raises:
+        MemtreeError: as :func:`read_tree`: a ``meta.json`` or a leaf is missing, damaged or
+            hostile (when its level loads).
+    """
+    root = open_tree(prefix, ReadOptions.of(mode="r", device="meta"))
+    root.source.reader.kept = {}
+    return root
+
+
+def fill_tree(
+    root: PendingLevel,
+    targets: Mapping[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]],
+) -> bool:
+    """Read the leaves at the key paths of ``targets`` straight into their live tensors.
+
+    ``root`` comes from :func:`open_for_fill`, its levels loaded: each ``(tensor, stored
+    dtype)`` of ``targets[key path]`` is filled from that leaf's kept descriptor, cast when the
+    dtypes differ, by threaded ``preadv`` (:func:`memtree.store.fill.fill`: every range checked
+    against its file's size before the first byte is read). Returns ``False``, reading nothing,
+    when the tree had too many leaves to keep them open.
+
+    Raises:
+        SourceError: a key path is not a tensor leaf of that shape and stored dtype.
+        StorageError: a leaf file shrank, or a read failed.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"a": Level((), {"x": torch.arange(3.0)})}))
+        >>> root = open_for_fill(d); _ = root.load_all()
+        >>> live = torch.zeros(3)
+        >>> fill_tree(root, {("a", "x"): [(live, torch.float32)]}), live.tolist()
+        (True, [0.0, 1.0, 2.0])
+        >>> release_leaves(root)
+    """
+    kept = root.source.reader.kept
+    if kept is None:
+        return False
+    jobs: list[FillJob] = []
+    for key, dests in targets.items():
+        found = kept.get(key)
+        for dest, stored in dests:
+            if found is None or (tuple(dest.shape), stored) != (tuple(found[1].shape), found[1].dtype):
+                raise SourceError(
+                    f"{root.where}: {'.'.join(key)!r} is not a tensor leaf of {stored}"
+                    f"{list(dest.shape)} in this tree"
+                )
+            fd, entry, path = found
+            cast = entry.dtype if entry.dtype != dest.dtype else None
+            jobs.append(FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast))
+    fill(jobs)
+    return True
+
+
+def release_leaves(root: PendingLevel) -> None:
+    """Close the leaves :func:`open_for_fill` kept open."""
+    reader = root.source.reader
+    kept, reader.kept = reader.kept, None
+    for fd, _, _ in (kept or {}).values():
+        os.close(fd)
+
+
 def open_tree(
     prefix: str | os.PathLike[str],
     options: ReadOptions | None = None,
@@ -244,7 +322,10 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), _Reader(options), written)
     meta = source.meta((), root, source.fd)
-    source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
+    if meta.encryption is not None or options.encryption is not None:  # else no cipher: crypto not imported
+        from .crypto import open_cipher
+
+        source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     if options.verify and meta.tree_hash is not None:
         check_tree_hash(source.fd, root, meta)
     return PendingLevel(source, (), root, (), select_entries(meta, options.selection, (), root), options.selection)
@@ -554,11 +635,16 @@ class _Reader:
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.levels: list[PendingLevel] = []  # the levels of the open batch
+        #: :func:`open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
+        #: none kept (a plain load, or too many leaves)
+        self.kept: dict[tuple[str, ...], tuple[int, LeafMeta, str]] | None = None
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
     ) -> torch.Tensor:
         if self.on_meta:
+            if self.kept is not None and entry.chunk_bytes is None:
+                self.keep(dir_fd, where, entry, parents)
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
@@ -574,13 +660,7 @@ class _Reader:
             except BaseException:
                 os.close(fd)
                 raise
-            checksum = None
-            if check:  # whether the file is newer than its meta.json, known now (dir_fd closes before the read)
-                stale = changed_after_meta(fd, dir_fd)
-                checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
-            self.pending.append((FillJob(tensor, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), checksum=checksum), fd))
-            if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
-                self.flush()
+            self.queue(fd, dir_fd, tensor, entry, path, parents)
             return tensor
         try:
             if check:
@@ -595,6 +675,41 @@ class _Reader:
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
             os.close(fd)
+
+    def queue(
+        self, fd: int, dir_fd: int, dest: torch.Tensor, entry: LeafMeta, path: str, parents: tuple[str, ...]
+    ) -> None:
+        """Queue reading the open leaf ``fd`` into ``dest`` (cast from ``entry.dtype`` if it
+        differs); :meth:`flush` reads and closes ``fd``."""
+        checksum = None
+        try:
+            if self.verify and entry.checksum is not None:  # whether the file is newer than its
+                stale = changed_after_meta(fd, dir_fd)  # meta.json, known now (dir_fd closes before the read)
+                checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
+            cast = entry.dtype if entry.dtype != dest.dtype else None
+            job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.pending.append((job, fd))
+        if self.depth == 0 or len(self.pending) >= MAX_PENDING_READS:
+            self.flush()
+
+    def keep(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> None:
+        """Open and check a leaf for :func:`fill_tree`, and keep it open (see :func:`open_for_fill`)."""
+        assert self.kept is not None
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft >= 0 and len(self.kept) >= soft // 4:
+            kept, self.kept = self.kept, None  # too many to keep open: keep none
+            for fd, _, _ in kept.values():
+                os.close(fd)
+            return
+        path = os.path.join(where, entry.file)
+        try:
+            fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+        except LeafSizeError:
+            fd = self.open_grown(dir_fd, where, entry, path)
+        self.kept[parents + (entry.key,)] = (fd, entry, path)
 
     @contextmanager
     def batch(self, level: PendingLevel | None) -> Iterator[None]:

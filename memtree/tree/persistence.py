@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import Self
 
@@ -25,15 +25,19 @@ import torch
 
 from ..format.level import Level
 from ..errors import InvalidArgumentError
-from ..store.crypto import EncryptionKey
 from ..store.mapped import MemoryMappedTensor
 from ..store.open import open_prefix
 from ..store.options import KeySelection, ReadOptions, WriteOptions
 from ..store.read import PendingLevel
-from ..store.write import share_tree, write_tree
-from . import bind, growth
+from . import bind
 from .core import TreeCore
 from .shape_ops import ShapeOps
+
+if TYPE_CHECKING:
+    from ..store.crypto import EncryptionKey
+
+# Imported on first use, so that a process that only loads never imports them:
+# ..store.write (writing), .growth (append_, extend_, resize_).
 
 __all__ = ["Persistence"]
 
@@ -167,6 +171,8 @@ class Persistence(ShapeOps):
 
     def _write(self, prefix: str | os.PathLike[str] | None, options: WriteOptions) -> Level | PendingLevel:
         """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
+        from ..store.write import share_tree, write_tree
+
         if prefix is None:
             return share_tree(self._to_level(), like=options.like)
         return write_tree(prefix, self._to_level(), options)
@@ -353,6 +359,8 @@ class Persistence(ShapeOps):
             >>> buf.append_({"x": torch.ones(2)}).batch_size
             torch.Size([1])
         """
+        from . import growth
+
         self._adopt_grown(growth.extend(self, item, single=True, fsync=fsync, base=self._base()))
         return self
 
@@ -367,6 +375,8 @@ class Persistence(ShapeOps):
             >>> buf.extend_({"x": torch.arange(3.0)})["x"].tolist()
             [0.0, 0.0, 1.0, 2.0]
         """
+        from . import growth
+
         self._adopt_grown(growth.extend(self, rows, single=False, fsync=fsync, base=self._base()))
         return self
 
@@ -384,6 +394,8 @@ class Persistence(ShapeOps):
             >>> data.resize_(4)["x"].tolist()
             [1.0, 1.0, 0.0, 0.0]
         """
+        from . import growth
+
         self._adopt_grown(growth.resize(self, length, fsync=fsync))
         return self
 
