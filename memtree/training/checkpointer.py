@@ -99,7 +99,8 @@ class Checkpointer:
             Retention runs after each save and never deletes the newest complete step.
         fsync: fsync files and directories before a save counts as done (survives power loss).
         incremental: hard-link each leaf whose bytes equal the newest step's instead of writing
-            it (decided by checksum, in the writer threads); ``False`` writes every byte.
+            it (decided by checksum, in the writer threads; the old file is hashed too, so a
+            damaged one is never linked); ``False`` writes every byte.
 
     Opening a root cleans up what crashed writers left in it (:func:`memtree.recover`: staging
     directories and stale lock files of steps no live writer holds). Several checkpointers, in
@@ -288,7 +289,7 @@ class Checkpointer:
         link_from = self.path(previous[-1]) if previous else None
         options = WriteOptions.of(
             existsok=overwrite, fsync=self.fsync, copy_existing=True, progress=False,
-            num_threads=min(8, os.cpu_count() or 1), link_from=link_from, link_verify=False,
+            num_threads=min(8, os.cpu_count() or 1), link_from=link_from,
         )
         stats = WriteStats()
         written = write_tree(dest, level, options, stats=stats)

@@ -35,7 +35,7 @@ import torch
 from ..errors import InvalidArgumentError, KeyCollisionError, KeyTypeError, NonTensorValueError
 from ..format.level import Level, as_level
 from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
-from ..format.values import NonTensor, check_json
+from ..format.values import NonTensor, json_problem
 from ..store.read import PendingLevel
 from ..tree.tensortree import TensorTree
 
@@ -140,7 +140,14 @@ def _value(v: Any, path: tuple[Any, ...], depth: int) -> Any:
                 "type; convert it to a tuple, list or dict"
             )
         return _container(v, path, depth)
-    check_json(v, _label(path))
+    problem = json_problem(v, _label(path))
+    if problem is not None:  # the Checkpointer never pickles: no allow_pickle advice here
+        raise NonTensorValueError(
+            f"{problem}; "
+            "a checkpoint keeps tensors and what JSON holds exactly: store it as a tensor "
+            "(torch.tensor(x) keeps NaN, inf and any dtype) or convert it (a set to a list, an "
+            "object to its state_dict())"
+        )
     return NonTensor(v)
 
 
