@@ -95,7 +95,7 @@ CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 
-#: The one cipher of encrypted trees (``docs/format.md``, "Version 2: encryption").
+#: The one cipher of encrypted trees (``docs/format.md``, "Version 2", "Encryption").
 ENCRYPTION_ALGORITHM = "aes-256-gcm"
 #: Bytes of the authentication tag after each encrypted chunk.
 TAG_BYTES = 16

@@ -1,7 +1,7 @@
 """Encryption at rest: leaves sealed with AES-256-GCM in chunks, every ``meta.json`` authenticated.
 
 Optional extra ``memtree[crypto]`` (the ``cryptography`` package, imported on first use only).
-The format is ``docs/format.md``, "Version 2: encryption"; the guide is
+The format is ``docs/format.md``, "Version 2", "Encryption"; the guide is
 ``docs/guide/encryption.md``. In short, for a tree written with ``encryption=key``:
 
 * the writer draws 32 random bytes, the tree's ``salt``, and derives with HKDF-SHA256 from the
