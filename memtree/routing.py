@@ -65,7 +65,14 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from .errors import CheckpointFormatError, DtypeError, InvalidArgumentError, NotAMemtreeError, RoutingError
+from .errors import (
+    CheckpointFormatError,
+    DtypeError,
+    InvalidArgumentError,
+    MemtreeError,
+    NotAMemtreeError,
+    RoutingError,
+)
 from .format.dtypes import dtype_from_name, dtype_name, itemsize
 from .format.names import (
     META_NAME,
@@ -290,13 +297,36 @@ def _load(
 ) -> Any:
     routes = _LOADING.get()
     where = routes[-1].directory(f) if routes else None
-    token = _LOAD_SESSION.set(None if where is None else _LoadSession(where[0], f, map_location))
+    for attempt in range(_LOAD_ATTEMPTS):
+        before = _identity(f) if where is not None else None
+        token = _LOAD_SESSION.set(None if where is None else _LoadSession(where[0], f, map_location))
+        try:
+            return _ORIGINAL["load"](
+                f, map_location, pickle_module, weights_only=weights_only, mmap=mmap, **pickle_load_args
+            )
+        except (MemtreeError, OSError):
+            # a save of the same file committed meanwhile: the pickle read names the tree that save
+            # removed. The file is another one now: load it again (a file not replaced is damage).
+            if before is None or attempt == _LOAD_ATTEMPTS - 1 or _identity(f) in (before, None):
+                raise
+        finally:
+            _LOAD_SESSION.reset(token)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+#: Loads of a routed file that a concurrent save replaced while it was read, tried again at most.
+_LOAD_ATTEMPTS = 20
+
+
+def _identity(f: Any) -> tuple[int, int, int, int] | None:
+    """What changes when a routed save replaces the file ``f`` (a path), or None."""
+    if not isinstance(f, (str, bytes, os.PathLike)):
+        return None
     try:
-        return _ORIGINAL["load"](
-            f, map_location, pickle_module, weights_only=weights_only, mmap=mmap, **pickle_load_args
-        )
-    finally:
-        _LOAD_SESSION.reset(token)
+        st = os.stat(f)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 _WRAPPERS = {"save": _save, "load": _load}

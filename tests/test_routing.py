@@ -735,6 +735,33 @@ def test_concurrent_saves_of_one_file_are_serialised(tmp_path):
     assert len(entries(path)) == 1 and sorted(os.listdir(tmp_path)) == ["c.pt", "c.pt.memtree"]
 
 
+def test_a_load_that_a_save_overtakes_loads_the_new_pair(tmp_path, monkeypatch):
+    """Found flaky in CI: a load read the old pickle, then a save of the same file committed and
+    removed the old tree before the load opened it. The load now reads the new pair; a tree
+    missing while the file is unchanged is still an error."""
+    path = tmp_path / "c.pt"
+    save_routed({"a": torch.zeros(4)}, path)
+    real = routing.load_memmap
+    calls = []
+
+    def overtaken(tree_path, **kw):
+        calls.append(tree_path)
+        if len(calls) == 1:  # between reading the pickle and opening its tree, another save lands
+            save_routed({"a": torch.ones(4)}, path)
+        return real(tree_path, **kw)
+
+    monkeypatch.setattr(routing, "load_memmap", overtaken)
+    assert torch.equal(load_routed(path)["a"], torch.ones(4))
+    assert len(calls) == 2 and calls[0] != calls[1]
+    monkeypatch.setattr(routing, "load_memmap", real)
+    for entry in entries(path):  # the tree gone, the file as it was: damage, said once
+        import shutil
+
+        shutil.rmtree(path.parent / "c.pt.memtree" / entry)
+    with pytest.raises(NotAMemtreeError, match="copy the file together with its tree"):
+        load_routed(path)
+
+
 def test_other_targets_forms_and_options(tmp_path):
     w = torch.randn(4, 4)
     with memtree.saving(fsync=True, num_threads=2):
