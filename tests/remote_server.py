@@ -47,6 +47,8 @@ class FaultyServer(ThreadingHTTPServer):
         self.drop_first = 0  # promise the full length, send half, close the connection
         self.fail_first = 0  # answer the next N requests with 503
         self.latency = 0.0
+        self.in_flight = 0  # requests inside their latency sleep now (counted only with latency)
+        self.max_in_flight = 0
         self.change_after: int | None = None  # after N leaf GETs, every leaf changes (new ETag)
         self.redirects: dict[str, str] = {}  # path -> Location (302)
         self.drip: tuple[str, float] | None = None  # (path suffix, seconds per byte) of GET bodies
@@ -124,7 +126,14 @@ class Handler(BaseHTTPRequestHandler):
         with srv.lock:
             srv.requests.append((self.command, path, dict(self.headers.items())))
         if srv.latency:
-            time.sleep(srv.latency)
+            with srv.lock:  # how many requests the server is answering at once
+                srv.in_flight += 1
+                srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+            try:
+                time.sleep(srv.latency)
+            finally:
+                with srv.lock:
+                    srv.in_flight -= 1
         if self._take("fail_first"):
             self._send(503, {"Content-Length": "0"})
             return
