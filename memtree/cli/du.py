@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import NotAMemtreeError
 from ..format.names import META_NAME
+from ..store.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage", "is_step_name"]
@@ -145,7 +146,7 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
         >>> r.kind, len(r.steps), r.linked_bytes
         ('checkpoints', 2, 4096)
     """
-    top = os.path.realpath(os.fspath(path))
+    top = os.path.realpath(os.fspath(local_path(path, remote="du measures local directories")))
     try:
         st = os.stat(top)
     except OSError as err:

@@ -46,7 +46,7 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..store.storage import LocalStorage, Storage, is_url
+from ..store.storage import LocalStorage, Storage, is_url, local_path
 from ..store.walk import WalkedLevel, walk
 from .du import disk_usage, is_step_name
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
@@ -266,6 +266,7 @@ def describe(
         >>> info["kind"], info["totals"]["bytes"], [e["key"] for e in info["entries"]]
         ('memtree', 24, [['w'], ['sub'], ['sub', 'n']])
     """
+    source = local_path(source)  # file:///path is the local path
     if is_url(source):
         from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 

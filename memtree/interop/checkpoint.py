@@ -37,6 +37,7 @@ from typing import Any, Union
 import torch
 
 from ..errors import CheckpointFormatError, LegacyCheckpointError
+from ..store.storage import local_path
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
 from .sharded import DIRECTORY_FILES, ShardedReader, find_checkpoint, is_index
@@ -181,7 +182,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         >>> list(ckpt), ckpt["model.w"].tolist(), ckpt.non_tensors
         (['model.w'], [1.0, 1.0], {'epoch': 3})
     """
-    name = os.fspath(path)
+    local = "checkpoint files are read locally; download it first (memtree.load_memmap reads memtree URLs)"
+    name = os.fspath(local_path(path, remote=local))
     if os.path.isdir(name):
         found = find_checkpoint(name)
         if found is None:

@@ -79,6 +79,7 @@ from ..format.values import NonTensor, json_problem
 from ..store.progress import Progress
 from ..store.read import read_tree
 from ..store.options import ReadOptions, WriteOptions
+from ..store.storage import local_path
 from ..store.write import write_tree
 from ..store.tensordict_write import write_tensordict_dir
 from .checkpoint import Checkpoint, checkpoint_kind
@@ -228,7 +229,7 @@ def source_kind(src: str | os.PathLike[str]) -> str:
         >>> source_kind(p)
         'torch'
     """
-    kind, path = _locate(os.fspath(src))
+    kind, path = _locate(os.fspath(local_path(src, remote="source_kind reads local files")))
     if kind != "checkpoint":
         return kind
     if is_index(path):
@@ -594,7 +595,8 @@ def convert(
     """
     started = time.perf_counter()
     cast = parse_dtype(dtype)
-    src_path, dst_path = os.fspath(src), os.fspath(dst)
+    local = "convert reads and writes local files; download the source or upload the result with memtree.remote"
+    src_path, dst_path = os.fspath(local_path(src, remote=local)), os.fspath(local_path(dst, remote=local))
     single_file = dst_path.endswith(".safetensors")
     fmt = format if format is not None else ("safetensors" if single_file else "memtree")
     if fmt not in FORMATS:

@@ -61,6 +61,7 @@ from ..errors import (
 )
 from ..store.files import FileRange, replacing_file, write_fd
 from ..store.mapped import to_storable
+from ..store.storage import local_path
 from ..format.level import as_level
 from .checkpoint_file import CheckpointFile, Closing
 
@@ -358,7 +359,7 @@ def write_safetensors(
         DtypeError: a dtype safetensors cannot hold.
         CheckpointFormatError: ``produce`` returned a tensor that does not match its spec.
     """
-    path = os.fspath(path)
+    path = os.fspath(local_path(path, remote="this writes a local file; write it locally, then copy it"))
     header: dict[str, Any] = {}
     if metadata:
         if not all(type(k) is str and type(v) is str for k, v in metadata.items()):

@@ -33,6 +33,7 @@ from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
+from ..store.storage import local_path
 from ..store.tensordict import is_tensordict_dir
 from ..tree.bind import (
     TIED_KEY,
@@ -418,6 +419,8 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
+    if isinstance(source, str):
+        source = local_path(source)  # file:///path is the local path; other URLs: load_memmap's
     groups = module_groups(module)
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
     # structure (each leaf opened and checked once as it is walked, none mapped), then read the

@@ -2,6 +2,7 @@
 
 The one place that chooses the backend for :func:`memtree.load_memmap` (and the CLI):
 
+* a ``file://`` URL is the local path it names (:func:`memtree.store.storage.local_path`);
 * a URL with a scheme other than ``file://`` (``s3://``, ``https://``, ``memory://``...) is read
   with :mod:`memtree.store.remote` (the optional fsspec extra), always loaded whole;
 * a directory whose root ``meta.json`` is tensordict's (``_type``, no ``format``) is read with
@@ -29,7 +30,7 @@ from ..format.level import Level
 from ..errors import InvalidArgumentError
 from .options import ReadOptions
 from .read import PendingLevel, open_tree
-from .storage import is_url
+from .storage import is_url, local_path
 from .tensordict import is_tensordict_dir, read_tensordict_level
 
 __all__ = ["is_url", "open_prefix"]
@@ -46,6 +47,7 @@ def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: 
             local path.
         MemtreeError: as the chosen reader raises.
     """
+    prefix = local_path(prefix)  # file:///path is the local path
     if is_url(prefix):
         from .remote import load_url  # optional extra: fsspec
 

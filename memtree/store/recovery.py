@@ -53,6 +53,7 @@ from .cache import remove_stale_downloads
 from .commit import WriterLock, rename_noreplace
 from .files import open_leaf
 from .read import open_dir, read_meta, walk_levels
+from .storage import local_path
 from ..format.names import META_TMP, SIBLING, lock_path
 
 __all__ = ["GROWTH_JOURNAL", "recover_locked", "recover"]
@@ -269,7 +270,8 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
         >>> recover(tempfile.mkdtemp())
         []
     """
-    real = os.path.realpath(os.fspath(path))
+    where = local_path(path, remote="recover() repairs local directories only")
+    real = os.path.realpath(os.fspath(where))
     actions: list[str] = []
     parent, name = os.path.split(real)
     if name:

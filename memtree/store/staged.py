@@ -34,6 +34,7 @@ from .commit import WriterLock
 from .faults import point
 from .files import check_free_space, storage_error
 from .recovery import recover_locked
+from .storage import local_path
 from .write import LOCK_TIMEOUT, destination_state, publish
 
 __all__ = ["staged_directory"]
@@ -75,7 +76,8 @@ def staged_directory(
         StorageError: the filesystem refused something; ``dest`` is then unchanged and the
             staging directory removed.
     """
-    dest = os.path.realpath(os.fspath(dest))
+    where = local_path(dest, remote="this writes a local directory; write it locally, then copy it")
+    dest = os.path.realpath(os.fspath(where))
     parent, name = os.path.split(dest)
     try:
         os.makedirs(parent, exist_ok=True)

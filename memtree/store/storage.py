@@ -73,6 +73,7 @@ __all__ = [
     "http_status",
     "identity_of",
     "is_url",
+    "local_path",
     "open_dir",
     "read_meta_bytes",
     "read_meta",
@@ -83,6 +84,14 @@ _BACKOFF_S = 0.05
 _T = TypeVar("_T")
 
 
+#: fsspec's URL schemes of the local filesystem: such a URL names a local path.
+_LOCAL_SCHEMES = ("file://", "local://")
+
+
+def _is_local_url(prefix: object) -> bool:
+    return isinstance(prefix, str) and prefix[:8].lower().startswith(_LOCAL_SCHEMES)
+
+
 def is_url(prefix: str | os.PathLike[str]) -> bool:
     """True for an fsspec URL that the remote reader handles (any scheme but ``file://``).
 
@@ -90,7 +99,47 @@ def is_url(prefix: str | os.PathLike[str]) -> bool:
         >>> is_url("s3://bucket/tree"), is_url("/data/tree"), is_url("file:///data/tree")
         (True, False, False)
     """
-    return isinstance(prefix, str) and "://" in prefix and not prefix.startswith("file://")
+    return isinstance(prefix, str) and "://" in prefix and not _is_local_url(prefix)
+
+
+def local_path(location: str | os.PathLike[str], *, remote: str | None = None) -> str | os.PathLike[str]:
+    """The local path a tree location names: the one rule of every entry point taking one.
+
+    A ``file://`` URL names the local path after it, as fsspec reads it: ``file:///data/tree``
+    (and ``file://localhost/data/tree``, and fsspec's ``local:///data/tree``) is
+    ``/data/tree``, the rest of the URL kept verbatim (no percent-decoding, as in fsspec). A
+    path is returned unchanged; so is any other URL (``s3://``, ``https://``...) unless
+    ``remote`` says that the caller reads and writes local files only.
+
+    Args:
+        location: a path or a URL.
+        remote: for a caller of local files only, what to do instead of passing a remote URL
+            (the end of the error message); ``None``: other URLs are returned for the caller's
+            remote reader (:func:`is_url` tells them).
+
+    Raises:
+        InvalidArgumentError: a ``file://`` URL that names a host or a relative path
+            (``file://data/tree``), or nothing; a remote URL when ``remote`` is given.
+
+    Example:
+        >>> local_path("file:///data/tree"), local_path("/data/tree"), local_path("s3://b/t")
+        ('/data/tree', '/data/tree', 's3://b/t')
+    """
+    if _is_local_url(location):
+        rest = str(location).split("://", 1)[1]
+        host, slash, path = rest.partition("/")
+        if host.lower() == "localhost":
+            host = ""
+        if host or not slash:
+            raise InvalidArgumentError(
+                f"{location!r} is a file URL without an absolute local path (it names "
+                f"{'the host ' + repr(host) if host else 'no path'}); memtree reads the files of this "
+                "machine only: write file:///absolute/path (three slashes), or pass the path itself"
+            )
+        return "/" + path
+    if remote is not None and is_url(location):
+        raise InvalidArgumentError(f"{location!r} is a remote URL: {remote}")
+    return location
 
 
 # The openers of a local tree's directories and meta.json files (LocalStorage and the fd-based
@@ -371,10 +420,17 @@ class LocalStorage:
     Raises:
         NotCommittedError: ``prefix`` is the staging directory or old copy of a write.
         NotAMemtreeError: ``prefix`` does not exist or is not a directory.
+        InvalidArgumentError: ``prefix`` is a remote URL (a ``file://`` URL is its local path:
+            :func:`local_path`).
     """
 
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
-        self.root = os.path.realpath(os.fspath(prefix))
+        where = local_path(
+            prefix,
+            remote="this reads local directories; memtree.load_memmap, memtree.verify_tree and "
+            "memtree info take URLs, or copy the tree locally first",
+        )
+        self.root = os.path.realpath(os.fspath(where))
         if is_uncommitted_name(os.path.basename(self.root)):
             raise NotCommittedError(
                 f"{self.root} is the staging directory (or old copy) of a write that never "

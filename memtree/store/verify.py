@@ -56,7 +56,7 @@ from ..format.schema import LeafMeta, LevelMeta, PickleMeta
 from .files import leaf_size_error, new_digest
 from .integrity import changed_after_meta, tree_hash
 from .progress import Progress
-from .storage import FileInfo, LocalStorage, Storage, is_url
+from .storage import FileInfo, LocalStorage, Storage, is_url, local_path
 from .walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
@@ -406,6 +406,7 @@ def verify_tree(
         from ..errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"num_threads must be >= 1, got {num_threads}")
+    prefix = local_path(prefix)  # file:///path is the local path
     remote = is_url(prefix)
     if not remote and (storage_options is not None or timeout is not None):
         from ..errors import InvalidArgumentError

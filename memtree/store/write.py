@@ -97,6 +97,7 @@ from .options import ReadOptions, WriteOptions, check_mode
 from .read import PendingLevel, load_pending_at, open_tree
 from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX, lock_path, old_path, staging_path
 from .recovery import recover_locked
+from .storage import local_path
 
 __all__ = [
     "LeafJob",
@@ -377,7 +378,8 @@ def write_tree(
     (``TensorTree.memmap`` wraps it in a tree whose levels load on first use), with ``mode``.
 
     Args:
-        prefix: destination directory (created with its parents if needed).
+        prefix: destination directory (created with its parents if needed); a ``file://`` URL
+            is its local path, other URLs are refused (:func:`memtree.remote.upload` writes them).
         level: the tree to write (a :class:`~memtree.format.level.Level`, or a
             :class:`~memtree.TensorTree`: anything :func:`~memtree.format.level.as_level` takes).
         options: how (:class:`~memtree.store.options.WriteOptions`: sparse files or data,
@@ -409,7 +411,8 @@ def write_tree(
     if tree is None:
         raise InvalidArgumentError(f"write_tree writes a Level or a TensorTree, got {type(level).__name__}")
     level = tree
-    dest = os.path.realpath(os.fspath(prefix))
+    remote = "memmap() writes a local directory; write the tree locally, then memtree.remote.upload(tree, url)"
+    dest = os.path.realpath(os.fspath(local_path(prefix, remote=remote)))
     with _gc_paused():
         plan = plan_write(level, options, dest=dest)
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json

@@ -56,6 +56,7 @@ from ..store.files import storage_error
 from ..store.options import ReadOptions, WriteOptions
 from ..store.read import open_tree
 from ..store.recovery import recover
+from ..store.storage import local_path
 from ..store.write import WriteStats, write_tree
 from ..nn.loading import load_into_module
 from .state import copy_values, level_to_state, state_to_level, tensor_slots
@@ -131,7 +132,8 @@ class Checkpointer:
                 raise InvalidArgumentError(f"{name} must be True or False, got {flag!r:.40}")
         self.fsync = fsync
         self.incremental = incremental
-        self.root = os.path.realpath(os.fspath(root))
+        where = local_path(root, remote="a Checkpointer writes to a local directory; upload steps with memtree.remote")
+        self.root = os.path.realpath(os.fspath(where))
         if os.path.lexists(self.root) and not os.path.isdir(self.root):
             raise DestinationExistsError(
                 f"{self.root} exists and is not a directory: a Checkpointer root is a directory of "
