@@ -57,3 +57,19 @@ def test_every_page_in_the_nav_exists() -> None:
     assert "index.md" in nav_pages and "format.md" in nav_pages
     missing = [p for p in nav_pages if not (REPO / "docs" / p).is_file()]
     assert not missing, missing
+
+
+def test_every_heading_of_the_format_page_cited_in_the_code_exists() -> None:
+    """Docstrings and comments cite ``docs/format.md`` by heading (``"Version 2", "Encryption"``):
+    each cited heading is a heading of the page, so a renamed section leaves no stale pointer."""
+    headings = set(re.findall(r"^#+ +(.+?) *$", (REPO / "docs" / "format.md").read_text(), re.M))
+    cited: dict[str, list[str]] = {}
+    for path in sorted((REPO / "memtree").rglob("*.py")):
+        # a citation may wrap: join the lines (and the "#:" of comment lines) first
+        text = re.sub(r"\n\s*(?:#:?)?\s*", " ", path.read_text())
+        for quoted in re.findall(r'docs/format\.md``?,?\s*((?:"[^"]+"(?:,\s*)?)+)', text):
+            for heading in re.findall(r'"([^"]+)"', quoted):
+                cited.setdefault(heading, []).append(path.name)
+    assert "Encryption" in cited and "Version 2" in cited  # the pattern finds the citations
+    stale = {h: files for h, files in cited.items() if h not in headings}
+    assert not stale, f"docs/format.md has no heading named {stale}; cite the current heading"

@@ -3,7 +3,7 @@
 A checkpoint's ``state`` is a nested mapping of tensors and plain values: ``model.state_dict()``,
 ``optimizer.state_dict()`` (int keys under ``"state"``, tuples such as ``betas`` in
 ``param_groups``), a :class:`~memtree.TensorTree`, scheduler and RNG states. :func:`state_to_level`
-turns it into levels of format version 2 (``docs/format.md``, "Version 2: Python containers"):
+turns it into levels of format version 2 (``docs/format.md``, "Version 2", "Python containers"):
 
 * a mapping, list or tuple that holds a tensor, or a mapping with an int key (anywhere below),
   becomes a level of type ``"dict"``, ``"list"`` or ``"tuple"`` (items under ``"0"``, ``"1"``...;
