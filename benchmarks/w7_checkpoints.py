@@ -61,9 +61,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import memtree  # noqa: E402
-from memtree.cli.du import _files, disk_usage  # noqa: E402
+from memtree.cli.du import disk_usage  # noqa: E402
 from memtree.errors import NotAMemtreeError  # noqa: E402
-from memtree.store.files import default_checksum, new_digest  # noqa: E402
+from memtree.store.files import default_checksum, new_digest, regular_files  # noqa: E402
 
 
 def wchar() -> int:
@@ -80,7 +80,7 @@ def allocated(root: str) -> int:
     try:
         return disk_usage(root).allocated_bytes
     except NotAMemtreeError:
-        files = {(st.st_dev, st.st_ino): st.st_blocks for st in _files(root, os.stat(root).st_dev)}
+        files = {(st.st_dev, st.st_ino): st.st_blocks for st in regular_files(root)}
         return 512 * sum(files.values())
 
 

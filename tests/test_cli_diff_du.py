@@ -148,3 +148,21 @@ def test_du_step_names(tmp_path, name, is_step):
     else:
         with pytest.raises(memtree.NotAMemtreeError):
             disk_usage(tmp_path)
+
+
+def test_regular_files_counts_each_name_follows_no_link(tmp_path):
+    from memtree.errors import StorageError
+    from memtree.store.files import regular_files
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_bytes(b"x" * 10)
+    os.link(tmp_path / "a" / "b" / "f", tmp_path / "a" / "g")  # one file, two names
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "big").write_bytes(b"y" * 1000)
+    os.symlink(tmp_path / "outside", tmp_path / "a" / "dirlink")
+    os.symlink(tmp_path / "outside" / "big", tmp_path / "a" / "filelink")
+    found = regular_files(tmp_path / "a")
+    assert sorted(st.st_size for st in found) == [10, 10]
+    assert len({(st.st_dev, st.st_ino) for st in found}) == 1 and all(st.st_nlink == 2 for st in found)
+    with pytest.raises(StorageError, match="walking"):
+        regular_files(tmp_path / "missing")

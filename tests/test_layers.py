@@ -144,3 +144,16 @@ def test_a_package_init_imported_by_its_children_is_a_circle_too() -> None:
             test_no_import_circle()
     finally:
         GRAPH = saved
+
+
+def test_benchmarks_and_tutorials_import_no_private_name_of_memtree() -> None:
+    """Scripts outside the package use memtree's public functions: a private name (``_files``)
+    imported by a benchmark breaks silently when the module that owns it changes."""
+    private = []
+    for folder in ("benchmarks", "tutorials"):
+        for path in sorted((PACKAGE.parent / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memtree"):
+                    private += [f"{folder}/{path.name}: {node.module}.{a.name}" for a in node.names
+                                if a.name.startswith("_")]
+    assert not private, f"give these a public home (or use the public API): {private}"

@@ -26,8 +26,9 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import NotAMemtreeError
+from ..errors import NotAMemtreeError, StorageError
 from ..format.names import META_NAME
+from ..store.files import regular_files
 from ..store.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
@@ -36,8 +37,6 @@ __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "dis
 NAME = "du"
 HELP = "disk use of a tree or a checkpoint root: apparent, allocated, and shared by hard links"
 
-#: Deepest directory nesting walked (a tree is at most 256 levels deep).
-_MAX_DEPTH = 300
 _STEP = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
@@ -105,29 +104,6 @@ class DuReport:
         return asdict(self)
 
 
-def _files(top: str, dev: int) -> list[os.stat_result]:
-    """``lstat`` of every regular file below ``top`` (no link followed, same filesystem)."""
-    out: list[os.stat_result] = []
-    todo = [(top, 0)]
-    while todo:
-        directory, depth = todo.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev and depth < _MAX_DEPTH:
-                todo.append((e.path, depth + 1))
-            elif stat.S_ISREG(st.st_mode):
-                out.append(st)
-    return out
-
-
 def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     """Measure a tree or a checkpoint root (see the module docstring).
 
@@ -165,7 +141,12 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
                 "<step>/ sub-directory holding a tree)"
             )
         report = DuReport(top, "checkpoints")
-    per_step = [(name, _files(directory, st.st_dev)) for name, directory in steps]
+    per_step = []
+    for name, directory in steps:
+        try:
+            per_step.append((name, regular_files(directory)))
+        except StorageError:  # a step deleted meanwhile (retention): nothing of it to count
+            per_step.append((name, []))
     names_of: dict[tuple[int, int], int] = {}  # inode -> names in the scope
     steps_of: dict[tuple[int, int], set[str]] = {}
     for name, found in per_step:

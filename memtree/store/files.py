@@ -89,6 +89,7 @@ __all__ = [
     "check_checksum_option",
     "file_checksum",
     "tensor_checksum",
+    "regular_files",
 ]
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -745,3 +746,52 @@ def read_fd(fd: int, out: torch.Tensor) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"unexpected end of file after {done} of {total} bytes")
         done += n
+
+
+#: Deepest directory nesting :func:`regular_files` walks (a tree is at most 256 levels deep).
+WALK_MAX_DEPTH = 300
+
+
+def regular_files(top: str | os.PathLike[str]) -> list[os.stat_result]:
+    """``lstat`` of every regular file below the directory ``top``, each name once.
+
+    Symbolic links are never followed and the walk stays on ``top``'s filesystem (at most
+    :data:`WALK_MAX_DEPTH` levels down); entries that vanish or cannot be read meanwhile are
+    skipped. What ``memtree du`` counts: sizes (``st_size``), blocks (``st_blocks``) and hard
+    links (``(st_dev, st_ino)``, ``st_nlink``).
+
+    Raises:
+        StorageError: ``top`` cannot be read (missing, not a directory, no permission).
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> os.makedirs(d + "/a/b"); open(d + "/a/b/f", "wb").write(b"12345")
+        5
+        >>> [st.st_size for st in regular_files(d)]
+        [5]
+    """
+    root = os.fspath(top)
+    try:
+        dev = os.stat(root).st_dev
+    except OSError as err:
+        raise storage_error(err, f"walking {root}") from err
+    out: list[os.stat_result] = []
+    todo = [(root, 0)]
+    while todo:
+        directory, depth = todo.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev and depth < WALK_MAX_DEPTH:
+                todo.append((e.path, depth + 1))
+            elif stat.S_ISREG(st.st_mode):
+                out.append(st)
+    return out
