@@ -300,7 +300,7 @@ def test_shrinking_keep_last_later_prunes_at_the_next_save(tmp_path):
     assert second.steps() == [4, 5]
 
 
-@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": -1}, {"keep_last": True}, {"fsync": 1}, {"incremental": None}])
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": -1}, {"keep_last": True}, {"fsync": 1}, {"incremental": 1}, {"incremental": "no"}])
 def test_bad_options(tmp_path, kwargs):
     with pytest.raises(memtree.InvalidArgumentError):
         memtree.Checkpointer(tmp_path, **kwargs)

@@ -15,6 +15,9 @@ root. What a save does (``docs/guide/training.md``):
    resolve. One save is in flight at a time: the next ``save`` first waits for it, and an error
    of a background save is raised by its future *and* by the next ``save``/``wait``.
 
+With ``encryption=key`` the same write is made with ``WriteOptions(encryption=key)`` (every step
+encrypted and authenticated, ``docs/guide/encryption.md``), always whole: no leaf is linked.
+
 Example:
     >>> import tempfile, torch, memtree
     >>> ckpt = memtree.Checkpointer(tempfile.mkdtemp(), keep_last=2)
@@ -52,6 +55,7 @@ from ..format.dtypes import dtype_name
 from ..format.level import Level
 from ..format.names import META_NAME, lock_path, staging_path
 from ..store.commit import WriterLock
+from ..store.crypto import EncryptionKey
 from ..store.files import storage_error
 from ..store.options import ReadOptions, WriteOptions
 from ..store.read import open_tree
@@ -101,7 +105,14 @@ class Checkpointer:
         fsync: fsync files and directories before a save counts as done (survives power loss).
         incremental: hard-link each leaf whose bytes equal the newest step's instead of writing
             it (decided by checksum, in the writer threads; the old file is hashed too, so a
-            damaged one is never linked); ``False`` writes every byte.
+            damaged one is never linked); ``False`` writes every byte. Default: ``True``, and
+            ``False`` with ``encryption``.
+        encryption: an :class:`~memtree.EncryptionKey`: every step is written encrypted and
+            authenticated (``docs/guide/encryption.md``), and :meth:`restore` decrypts with it
+            (a step of another key, or an encrypted step restored without a key, raises
+            ``DecryptionError``). Encrypted steps are always written whole: a hard link would
+            share one ciphertext between steps whose keys differ, so ``incremental=True`` with
+            ``encryption`` is refused.
 
     Opening a root cleans up what crashed writers left in it (:func:`memtree.recover`: staging
     directories and stale lock files of steps no live writer holds). Several checkpointers, in
@@ -123,15 +134,24 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         fsync: bool = False,
-        incremental: bool = True,
+        incremental: bool | None = None,
+        encryption: EncryptionKey | None = None,
     ) -> None:
         self.keep_last = _check_keep("keep_last", keep_last)
         self.keep_every = _check_keep("keep_every", keep_every)
-        for name, flag in (("fsync", fsync), ("incremental", incremental)):
+        for name, flag in (("fsync", fsync), ("incremental", True if incremental is None else incremental)):
             if type(flag) is not bool:
                 raise InvalidArgumentError(f"{name} must be True or False, got {flag!r:.40}")
+        #: The key of the steps (``None``: plain); checked as every ``encryption=`` is.
+        self.encryption = ReadOptions.of(encryption=encryption).encryption
+        if self.encryption is not None and incremental:
+            raise InvalidArgumentError(
+                "incremental=True cannot be combined with encryption: an encrypted step is always "
+                "written whole (a hard link would share one ciphertext between steps with different "
+                "keys); leave incremental out (or False) to save encrypted steps in full"
+            )
         self.fsync = fsync
-        self.incremental = incremental
+        self.incremental = self.encryption is None if incremental is None else incremental
         where = local_path(root, remote="a Checkpointer writes to a local directory; upload steps with memtree.remote")
         self.root = os.path.realpath(os.fspath(where))
         if os.path.lexists(self.root) and not os.path.isdir(self.root):
@@ -157,7 +177,8 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (
             f"Checkpointer({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "
-            f"fsync={self.fsync}, incremental={self.incremental})"
+            f"fsync={self.fsync}, incremental={self.incremental}"
+            f"{', encryption=EncryptionKey(<hidden>)' if self.encryption is not None else ''})"
         )
 
     # -- listing ----------------------------------------------------------------------------
@@ -291,7 +312,7 @@ class Checkpointer:
         link_from = self.path(previous[-1]) if previous else None
         options = WriteOptions.of(
             existsok=overwrite, fsync=self.fsync, copy_existing=True, progress=False,
-            num_threads=min(8, os.cpu_count() or 1), link_from=link_from,
+            num_threads=min(8, os.cpu_count() or 1), link_from=link_from, encryption=self.encryption,
         )
         stats = WriteStats()
         written = write_tree(dest, level, options, stats=stats)
@@ -395,6 +416,9 @@ class Checkpointer:
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint, or not ``step``.
+            DecryptionError: the step is encrypted and this checkpointer has no key or another
+                key, or it is not encrypted and this checkpointer has a key, or its files were
+                changed (every byte of an encrypted step is authenticated).
             MemtreeKeyError: ``into`` names a key the checkpoint does not have.
 
         Example:
@@ -417,7 +441,8 @@ class Checkpointer:
                     f"step {step} is not a committed checkpoint in {self.root} (steps there: "
                     f"{self.steps()[-20:]})"
                 )
-            state = level_to_state(open_tree(self.path(step), ReadOptions(mode="r", mmap=False)))
+            options = ReadOptions(mode="r", mmap=False, encryption=self.encryption)
+            state = level_to_state(open_tree(self.path(step), options))
         return state if into is None else _fill(into, state, ())
 
 
