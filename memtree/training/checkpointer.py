@@ -49,6 +49,7 @@ from ..errors import (
     DtypeError,
     InvalidArgumentError,
     LockError,
+    MemtreeError,
     MemtreeKeyError,
 )
 from ..format.dtypes import dtype_name
@@ -72,6 +73,9 @@ _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 MAX_STEP = 2**63 - 1
 #: Bytes between leaves in the staging buffer (every dtype's alignment).
 _ALIGN = 64
+#: Reads of :meth:`Checkpointer.restore` (and listings of :meth:`Checkpointer.steps`) before
+#: giving up on steps that other processes keep retiring or replacing while they are read.
+_READ_ATTEMPTS = 64
 
 
 def _check_step(step: object) -> int:
@@ -195,28 +199,44 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """The committed steps in the root, ascending (staging directories and locks ignored).
 
+        While another process saves and retires steps, the list is the root as it was at one
+        moment: a listing in which a step vanished before it was checked (a newer one may have
+        been committed meanwhile, unlisted) is taken again.
+
         Example:
             >>> import tempfile
             >>> Checkpointer(tempfile.mkdtemp()).steps()
             []
         """
+        found: list[int] = []
+        for _ in range(_READ_ATTEMPTS):
+            found, vanished = self._list_steps()
+            if not vanished:
+                break
+        return found
+
+    def _list_steps(self) -> tuple[list[int], bool]:
+        """The committed steps of one listing, and whether a listed step vanished meanwhile."""
         found = []
+        vanished = False
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
-            return []
+            return [], False
         for name in names:
             if _STEP_NAME.fullmatch(name) is None:
                 continue
+            path = os.path.join(self.root, name)
             try:
-                if not stat.S_ISDIR(os.lstat(os.path.join(self.root, name)).st_mode):
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
                     continue
-                if not stat.S_ISREG(os.lstat(os.path.join(self.root, name, META_NAME)).st_mode):
+                if not stat.S_ISREG(os.lstat(os.path.join(path, META_NAME)).st_mode):
                     continue
-            except OSError:  # deleted meanwhile, or no meta.json: not a checkpoint
+            except OSError:  # no meta.json: not a checkpoint; or retired meanwhile
+                vanished = vanished or not os.path.lexists(path)
                 continue
             found.append(int(name))
-        return sorted(s for s in found if s <= MAX_STEP)
+        return sorted(s for s in found if s <= MAX_STEP), vanished
 
     def latest(self) -> int | None:
         """The newest committed step (the largest number), or ``None`` when there is none.
@@ -368,6 +388,8 @@ class Checkpointer:
         if self.keep_last is None:
             return
         steps = self.steps()
+        if not steps:
+            return  # the step just saved was deleted already (by hand, or by another process)
         keep = set(steps[-self.keep_last :])
         keep.add(steps[-1])  # the newest complete step, always
         if self.keep_every is not None:
@@ -431,19 +453,60 @@ class Checkpointer:
         """
         with self._lock:
             self._join()  # the save in flight is part of what can be restored
+            state = self._read(None if step is None else _check_step(step))
+        return state if into is None else _fill(into, state, ())
+
+    def _read(self, wanted: int | None) -> Any:
+        """The state of step ``wanted`` (``None``: the newest), read whole into memory.
+
+        Another process may retire the step (retention) or replace it (``overwrite=True``) while
+        it is read. Its files are never changed in place, so what is read is right, but the read
+        can fail halfway on a file that is gone. Such a failure is told from damage by the step's
+        directory: if the path no longer names the directory that was opened, the newest step is
+        read again (``wanted=None``); a named step is read again if it was replaced, and is
+        reported missing if it was retired.
+        """
+        options = ReadOptions(mode="r", mmap=False, encryption=self.encryption)
+        lost: list[int] = []  # steps retired or replaced while they were read
+        last: BaseException | None = None
+        for _ in range(_READ_ATTEMPTS):
+            step = self.latest() if wanted is None else wanted
             if step is None:
-                step = self.latest()
-                if step is None:
-                    raise CheckpointNotFoundError(f"{self.root} holds no committed checkpoint yet")
-            step = _check_step(step)
-            if step not in self.steps():
+                raise CheckpointNotFoundError(f"{self.root} holds no committed checkpoint yet")
+            path = self.path(step)
+            opened = _dir_identity(path)
+            if opened is None or step not in self.steps():
+                if wanted is None:
+                    continue  # retired between latest() and here: take the next newest
+                retired = (
+                    " (it was deleted while it was read: another Checkpointer's retention, keep_last, "
+                    "retired it; restore a newer step)" if lost else ""
+                )
                 raise CheckpointNotFoundError(
-                    f"step {step} is not a committed checkpoint in {self.root} (steps there: "
+                    f"step {step} is not a committed checkpoint in {self.root}{retired} (steps there: "
                     f"{self.steps()[-20:]})"
                 )
-            options = ReadOptions(mode="r", mmap=False, encryption=self.encryption)
-            state = level_to_state(open_tree(self.path(step), options))
-        return state if into is None else _fill(into, state, ())
+            try:
+                return level_to_state(open_tree(path, options))
+            except (MemtreeError, OSError) as err:
+                if _dir_identity(path) == opened:
+                    raise  # the same step is still there: the error is its own
+                lost.append(step)
+                last = err
+        raise CheckpointNotFoundError(
+            f"the newest steps of {self.root} ({lost[-5:]}) were retired or replaced while they were "
+            f"read, {len(lost)} times in a row: another process saves with a retention rule faster "
+            "than this one reads a step; restore again, or keep more steps (keep_last)"
+        ) from last
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the directory at ``path`` (no link followed), ``None`` if none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
