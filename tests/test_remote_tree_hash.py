@@ -50,7 +50,7 @@ def _tamper_cfg(fs, url: str) -> None:
 @pytest.fixture(params=["memory", "file"])
 def url(request, tmp_path):
     """Where to upload: an in-memory fsspec URL, or a ``file://`` URL (which memtree's readers
-    take as the local directory it names: ``load_memmap`` reads ``file://`` as a path)."""
+    take as the local directory it names, mapped: ``store.storage.local_path``)."""
     if request.param == "memory":
         base = "memory://memtree-tree-hash/" + request.node.name.replace("[", "-").replace("]", "")
         yield base
@@ -59,10 +59,6 @@ def url(request, tmp_path):
             fs.rm(base, recursive=True)
     else:
         yield f"file://{tmp_path}/remote"
-
-
-def _read(url: str) -> str:
-    return url.removeprefix("file://")
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "sha256"])
@@ -75,27 +71,27 @@ def test_uploaded_tree_hash_is_the_one_a_local_writer_would_check(url, tmp_path,
     # a local copy of the uploaded objects passes the local check, and the remote one too
     fs.get(path, str(tmp_path / "copy"), recursive=True)
     local = memtree.load_memmap(str(tmp_path / "copy"), verify=True, allow_pickle=True)
-    remote = memtree.load_memmap(_read(url), verify=True, allow_pickle=True)
+    remote = memtree.load_memmap(url, verify=True, allow_pickle=True)
     for got in (local, remote):
         assert torch.equal(got["w"], tree["w"]) and got["obj"] == {1, 2} and got["sub", "cfg"] == {"lr": 0.5}
-    report = memtree.verify_tree(_read(url))
+    report = memtree.verify_tree(url)
     assert report.ok and report.tree_hash == "ok"
-    assert main(["verify", _read(url)]) == 0
+    assert main(["verify", url]) == 0
 
 
 def test_a_consistent_edit_of_a_meta_json_fails_verify_true_and_memtree_verify(url, capsys):
     upload(_tree(), url, allow_pickle=True)
     fs, path = fsspec.core.url_to_fs(url)
     _tamper_cfg(fs, path)
-    assert memtree.load_memmap(_read(url), allow_pickle=True)["sub", "cfg"] == {"lr": 5.0}  # no check asked
+    assert memtree.load_memmap(url, allow_pickle=True)["sub", "cfg"] == {"lr": 5.0}  # no check asked
     with pytest.raises(memtree.IntegrityError, match="tree_hash"):
-        memtree.load_memmap(_read(url), verify=True, allow_pickle=True)
+        memtree.load_memmap(url, verify=True, allow_pickle=True)
     with pytest.raises(memtree.IntegrityError, match="tree_hash"):  # a selection elsewhere: every level counts
-        memtree.load_memmap(_read(url), keys=["w"], verify=True)
-    report = memtree.verify_tree(_read(url))
+        memtree.load_memmap(url, keys=["w"], verify=True)
+    report = memtree.verify_tree(url)
     assert not report.ok and report.tree_hash == "mismatch"
     capsys.readouterr()
-    assert main(["verify", "--json", _read(url)]) == 1
+    assert main(["verify", "--json", url]) == 1
     assert json.loads(capsys.readouterr().out)["tree_hash"] == "mismatch"
 
 
@@ -107,14 +103,14 @@ def test_a_changed_pickle_fails_the_tree_hash(url):
 
     fs.pipe_file(f"{path}/{name}", pickle.dumps({1, 2, 3}))
     with pytest.raises(memtree.IntegrityError, match="tree_hash"):
-        memtree.load_memmap(_read(url), verify=True, allow_pickle=True)
+        memtree.load_memmap(url, verify=True, allow_pickle=True)
 
 
 def test_upload_without_checksums_writes_no_tree_hash(url):
     upload(TensorTree({"x": torch.ones(3)}), url, checksum=None)
     fs, path = fsspec.core.url_to_fs(url)
     assert "tree_hash" not in _meta(fs, path)
-    assert memtree.load_memmap(_read(url), verify=True)["x"].tolist() == [1.0, 1.0, 1.0]
+    assert memtree.load_memmap(url, verify=True)["x"].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_replacing_upload_gets_a_new_valid_hash(url):
@@ -123,7 +119,7 @@ def test_replacing_upload_gets_a_new_valid_hash(url):
     first = _meta(fs, path)["tree_hash"]
     upload(TensorTree({"x": torch.zeros(2)}), url, existsok=True)
     assert _meta(fs, path)["tree_hash"] != first
-    assert memtree.verify_tree(_read(url)).tree_hash == "ok"
+    assert memtree.verify_tree(url).tree_hash == "ok"
 
 
 @pytest.fixture(scope="module")
@@ -141,17 +137,17 @@ def test_http_verify_checks_the_tree_hash_and_cache_hits_stay_loadable(server, t
     server.publish(str(tmp_path / "src"), "t")
     url = f"{server.url}/t"
     cache = str(tmp_path / "cache")
-    got = memtree.load_memmap(_read(url), verify=True, allow_pickle=True, cache_dir=cache, keys=["w", "obj"])
+    got = memtree.load_memmap(url, verify=True, allow_pickle=True, cache_dir=cache, keys=["w", "obj"])
     assert torch.equal(got["w"], tree["w"])
     # the cache entry (a selection, its own meta.json files) is reused with verify=True
-    again = memtree.load_memmap(_read(url), verify=True, allow_pickle=True, cache_dir=cache, keys=["w", "obj"])
+    again = memtree.load_memmap(url, verify=True, allow_pickle=True, cache_dir=cache, keys=["w", "obj"])
     assert torch.equal(again["w"], tree["w"])
-    assert main(["verify", _read(url)]) == 0
+    assert main(["verify", url]) == 0
     doc = json.loads(server.files["/t/sub/meta.json"])
     for e in doc["entries"]:
         if e["key"] == "cfg":
             e["value"] = {"lr": 9}
     server.files["/t/sub/meta.json"] = json.dumps(doc, separators=(",", ":")).encode()
     with pytest.raises(memtree.IntegrityError, match="tree_hash"):
-        memtree.load_memmap(_read(url), verify=True, allow_pickle=True)
-    assert main(["verify", _read(url)]) == 1
+        memtree.load_memmap(url, verify=True, allow_pickle=True)
+    assert main(["verify", url]) == 1
