@@ -95,7 +95,7 @@ from .files import (
     storage_error,
     write_fd,
 )
-from .commit import WriterLock, fsync_dir, write_small_file
+from .commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
 from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ..format.level import Level
@@ -103,7 +103,6 @@ from .mapped import MemoryMappedTensor, map_leaf, to_storable
 from ..format.values import NonTensor
 from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
-from .write import LOCK_TIMEOUT, publish
 
 __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]
 
