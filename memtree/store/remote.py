@@ -86,13 +86,13 @@ from .options import ReadOptions, WriteOptions
 from .progress import Progress
 from .read import read_tree
 from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
-from .integrity import bytes_checksum, tree_hash
+from .integrity import bytes_checksum, check_tree_hash, tree_hash
 from .storage import FileInfo, Storage, http_status, with_retries
 from .options import KeySelection
 from .walk import WalkedLevel, map_all, walk
 from .write import plan_write
 
-__all__ = ["load", "upload", "fetch_tree", "check_remote_tree_hash", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+__all__ = ["load", "upload", "fetch_tree", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -250,7 +250,8 @@ def fetch_tree(
         )
     if options.verify and root_meta.tree_hash is not None:
         with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
-            check_remote_tree_hash(storage, root_meta, pool)
+            check_tree_hash(storage, root_meta, pool=pool, after="uploaded",
+                            fix="nothing was loaded (`memtree verify URL` lists every problem)")
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:
@@ -276,30 +277,6 @@ def fetch_tree(
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
     return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
-
-
-def check_remote_tree_hash(storage: Storage, root: LevelMeta, pool: ThreadPoolExecutor) -> None:
-    """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
-    of the tree at ``storage`` (what ``load_memmap(path, verify=True)`` checks locally): every
-    level is read, whatever the selection; no leaf byte is.
-
-    Raises:
-        IntegrityError: the hash differs.
-        MemtreeError: a level is missing, damaged or hostile.
-    """
-    assert root.tree_hash is not None
-    algorithm = root.tree_hash.partition(":")[0]
-    levels = list(walk(storage, pool=pool, root=root))
-    pickles = [lvl.file(e.file) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
-    sums = {rel: bytes_checksum(algorithm, _read_whole(storage, rel)) for rel in pickles}
-    found = tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, sums)
-    if found != root.tree_hash:
-        raise IntegrityError(
-            f"{storage.describe('')}: the root meta.json records tree_hash {root.tree_hash}, the "
-            f"tree's meta.json files hash to {found}: a key, dtype, shape, value or checksum "
-            "changed after the tree was uploaded, or a meta.json is damaged; nothing was loaded "
-            "(`memtree verify URL` lists every problem)"
-        )
 
 
 def _read_whole(storage: Storage, rel: str) -> bytes:

@@ -373,7 +373,10 @@ class LocalStorage:
         NotAMemtreeError: ``prefix`` does not exist or is not a directory.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], *, root_fd: int | None = None) -> None:
+        """Open the tree at ``prefix``; with ``root_fd``, read the root directory the caller has
+        already opened (a duplicate of that descriptor is held): the very directory, even if
+        ``prefix`` names another one by now."""
         self.root = os.path.realpath(os.fspath(prefix))
         if is_uncommitted_name(os.path.basename(self.root)):
             raise NotCommittedError(
@@ -381,7 +384,7 @@ class LocalStorage:
                 "finished; it is not a committed tree. memtree.recover() on its parent directory "
                 "restores or deletes it"
             )
-        self.fd: int | None = open_dir(self.root, self.root, None)
+        self.fd: int | None = open_dir(self.root, self.root, None) if root_fd is None else os.dup(root_fd)
 
     def __enter__(self) -> LocalStorage:
         return self

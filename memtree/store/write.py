@@ -63,11 +63,10 @@ from .files import (
     create_leaf,
     file_checksum,
     is_plain_memory,
-    new_digest,
     storage_error,
     tensor_checksum,
 )
-from .integrity import tree_hash
+from .integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
 from .commit import fsync_dir, wait_for_removals, write_small_file
 from ..format.schema import (
@@ -523,9 +522,7 @@ def _write_staging(
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
         if checksum is not None:
-            digest = new_digest(checksum)
-            digest.update(data)
-            pickle_sums[rel] = f"{checksum}:{digest.hexdigest()}"
+            pickle_sums[rel] = bytes_checksum(checksum, data)
     *children, root = plan.levels  # deepest first, the root's meta.json last
     _run(children, write_meta, _thread_count(num_threads, len(children), 0))
     write_meta(root)
