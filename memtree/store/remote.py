@@ -53,7 +53,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -85,14 +85,17 @@ from .mapped import to_storable
 from .options import ReadOptions, WriteOptions
 from .progress import Progress
 from .read import read_tree
-from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+from .fsspec_storage import FsspecStorage
 from .integrity import bytes_checksum, check_tree_hash, tree_hash
 from .storage import FileInfo, Storage, http_status, with_retries
 from .options import KeySelection
 from .walk import WalkedLevel, map_all, walk
 from .write import plan_write
 
-__all__ = ["load", "upload", "fetch_tree", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["load", "upload", "fetch_tree", "RemoteKeywords", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -111,6 +114,33 @@ def _label(path: tuple[str, ...]) -> str:
     return repr(path[0]) if len(path) == 1 else repr(path)
 
 
+class RemoteKeywords(TypedDict, total=False):
+    """The keywords of a remote load besides the reading options (:func:`load`, and
+    ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list of
+    them. Each is described in :func:`load`; a keyword left out takes the default of the
+    function it is for (:class:`~memtree.store.fsspec_storage.FsspecStorage` for the first four,
+    :func:`fetch_tree` for the others).
+
+    Example:
+        >>> sorted(RemoteKeywords.__annotations__)[:3]
+        ['allow_redirects', 'cache_dir', 'chunk_bytes']
+    """
+
+    storage_options: Mapping[str, Any] | None
+    retries: int
+    timeout: float | None
+    allow_redirects: str
+    cache_dir: str | os.PathLike[str] | None
+    num_threads: int
+    chunk_bytes: int
+    fsync: bool
+    progress: bool | None
+
+
+#: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
+_STORAGE_KEYWORDS = frozenset({"storage_options", "retries", "timeout", "allow_redirects"})
+
+
 def load(
     url: str,
     *,
@@ -120,15 +150,7 @@ def load(
     mmap: bool = True,
     allow_pickle: bool = False,
     verify: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    num_threads: int = DEFAULT_NUM_THREADS,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    retries: int = 3,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    allow_redirects: str = "same-origin",
-    fsync: bool = False,
-    progress: bool | None = None,
+    **remote: Unpack[RemoteKeywords],
 ) -> Level:
     """Load a tree from an fsspec URL (what ``memtree.load_memmap(url, ...)`` calls).
 
@@ -145,20 +167,23 @@ def load(
         allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True`` (trusted only).
         verify: also re-hash the leaves of a cache entry that is reused (downloaded leaves are
             always checked against the checksums ``meta.json`` records).
-        storage_options: passed to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
-        cache_dir: download into an atomically committed memtree under this directory and map
-            it from there; a later load of the same save is served from it.
-        num_threads: concurrent requests.
-        chunk_bytes: size of each range request.
-        retries: attempts after the first for each request (transient errors, short bodies).
-        timeout: seconds one request may take, from sending it to its last byte (HTTP(S) and
-            asynchronous fsspec filesystems such as S3); a slower answer fails the load with a
-            :class:`~memtree.errors.RemoteError`. ``None``: no limit.
-        allow_redirects: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
-            scheme, host and port), ``"any"`` or ``"none"``.
-        fsync: fsync the cache entry before its commit.
-        progress: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
-            ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
+        **remote: the keywords of :class:`RemoteKeywords` (all optional):
+
+            * ``storage_options``: passed to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
+            * ``cache_dir``: download into an atomically committed memtree under this directory and map
+              it from there; a later load of the same save is served from it.
+            * ``num_threads``: concurrent requests (default :data:`DEFAULT_NUM_THREADS`: 8).
+            * ``chunk_bytes``: size of each range request (default :data:`DEFAULT_CHUNK_BYTES`: 8 MiB).
+            * ``retries``: attempts after the first for each request (transient errors, short bodies;
+              default 3).
+            * ``timeout``: seconds one request may take, from sending it to its last byte (HTTP(S) and
+              asynchronous fsspec filesystems such as S3); a slower answer fails the load with a
+              :class:`~memtree.errors.RemoteError`. ``None``: no limit (default: 60).
+            * ``allow_redirects``: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
+              scheme, host and port), ``"any"`` or ``"none"``.
+            * ``fsync``: fsync the cache entry before its commit (default False).
+            * ``progress``: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
+              ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
 
     Raises:
         NotAMemtreeError: no tree at ``url``.
@@ -182,30 +207,15 @@ def load(
         ['b']
     """
     options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
-    return load_url(url, options, storage_options=storage_options, cache_dir=cache_dir, num_threads=num_threads,
-                    chunk_bytes=chunk_bytes, retries=retries, timeout=timeout, allow_redirects=allow_redirects,
-                    fsync=fsync, progress=progress)
+    return load_url(url, options, **remote)
 
 
-def load_url(
-    url: str,
-    options: ReadOptions,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    num_threads: int = DEFAULT_NUM_THREADS,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    retries: int = 3,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    allow_redirects: str = "same-origin",
-    fsync: bool = False,
-    progress: bool | None = None,
-) -> Level:
+def load_url(url: str, options: ReadOptions, **remote: Unpack[RemoteKeywords]) -> Level:
     """:func:`load` with its reading options already checked (:func:`memtree.store.open.open_prefix`)."""
-    storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=timeout,
-                            allow_redirects=allow_redirects)
-    return fetch_tree(storage, options, cache_key=url, cache_dir=cache_dir, num_threads=num_threads,
-                      chunk_bytes=chunk_bytes, fsync=fsync, progress=progress)
+    storage_keywords: dict[str, Any] = {k: v for k, v in remote.items() if k in _STORAGE_KEYWORDS}
+    fetch_keywords: dict[str, Any] = {k: v for k, v in remote.items() if k not in _STORAGE_KEYWORDS}
+    storage = FsspecStorage(url, **storage_keywords)
+    return fetch_tree(storage, options, cache_key=url, **fetch_keywords)
 
 
 def fetch_tree(
