@@ -67,7 +67,7 @@ from ..errors import (
     PickleNotAllowedError,
     RemoteChangedError,
 )
-from ..format.level import Level, as_level
+from ..format.level import Level, as_level, fmt_key
 from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
@@ -108,10 +108,6 @@ class _Leaf:
     meta: LeafMeta
     label: str  # the key, for messages
     info: FileInfo | None = None  # its stat, once done
-
-
-def _label(path: tuple[str, ...]) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 class RemoteKeywords(TypedDict, total=False):
@@ -268,7 +264,7 @@ def fetch_tree(
             return read_tree(hit, options)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
         levels = list(walk(storage, selection=selection, pool=pool, root=root_meta))
-        leaves = [_Leaf(lvl.file(e.file), e, _label(lvl.keys + (e.key,)))
+        leaves = [_Leaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)))
                   for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":

@@ -81,7 +81,7 @@ from ..format.schema import (
     extent_bytes,
 )
 from ..format.names import META_NAME, encode_level
-from ..format.level import Level, as_level
+from ..format.level import Level, as_level, fmt_key
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
 from .progress import Progress
@@ -116,7 +116,7 @@ class LeafJob:
     @property
     def where(self) -> str:
         """The key as error messages show it (``'w'`` or ``('a', 'w')``)."""
-        return _key_label(self.key)
+        return fmt_key(self.key)
 
 
 @dataclass
@@ -145,10 +145,6 @@ class WritePlan:
     def total_files(self) -> int:
         """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
         return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
-
-
-def _key_label(path: tuple[str, ...]) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) -> WritePlan:
@@ -184,7 +180,7 @@ def _plan_level(
             key.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidKeyError(
-                f"key {_key_label(path + (key,))} contains a lone surrogate and cannot be "
+                f"key {fmt_key(path + (key,))} contains a lone surrogate and cannot be "
                 "written to meta.json (UTF-8); rename it"
             ) from None
         if isinstance(value, torch.Tensor):
@@ -225,7 +221,7 @@ def _json_ok(value: object, path: tuple[str, ...], allow_pickle: bool) -> bool:
     data = value.data if isinstance(value, NonTensor) else value
     if allow_pickle:
         return json_problem(data) is None
-    check_json(data, _key_label(path))
+    check_json(data, fmt_key(path))
     return True
 
 
@@ -244,28 +240,28 @@ def _plan_leaf(
     try:
         dtype_name(dtype)
     except DtypeError as err:
-        raise DtypeError(f"leaf {_key_label(kpath)}: {err}") from None
+        raise DtypeError(f"leaf {fmt_key(kpath)}: {err}") from None
     if tensor.layout != torch.strided or tensor.is_nested:
         raise DtypeError(
-            f"leaf {_key_label(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
+            f"leaf {fmt_key(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
         )
     if not like:
         if tensor.is_meta:
             raise DtypeError(
-                f"leaf {_key_label(kpath)} is on the meta device and has no data; use "
+                f"leaf {fmt_key(kpath)} is on the meta device and has no data; use "
                 "memmap_like() to allocate files for it, or load real weights first"
             )
         if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
             target = os.path.join(dest, rel) if dest else None
             if tensor.filename is not None and not copy_existing and tensor.filename != target:
                 raise ExistingMemmapError(
-                    f"leaf {_key_label(kpath)} is already memory-mapped from {tensor.filename}; "
+                    f"leaf {fmt_key(kpath)} is already memory-mapped from {tensor.filename}; "
                     "pass copy_existing=True to copy it into the new prefix"
                 )
     shape = tuple(tensor.shape)
     if extent_bytes(shape, dtype) > MAX_NBYTES:  # a zero-element tensor: no other can be so large
         raise LimitError(
-            f"leaf {_key_label(kpath)} has the shape {list(shape)}: no element, but dims spanning "
+            f"leaf {fmt_key(kpath)} has the shape {list(shape)}: no element, but dims spanning "
             f"{extent_bytes(shape, dtype)} bytes, more than a reader accepts ({MAX_NBYTES}, zero "
             "dims counted as 1); give its empty dims smaller sizes"
         )
