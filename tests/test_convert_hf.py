@@ -365,9 +365,11 @@ def _content(path: Path, fmt: str) -> dict[str, list[float]] | None:
 @pytest.mark.parametrize(
     "scenario, fault, expected",
     [
+        ("new", "after_lock", "absent"),
         ("new", "staging_created", "absent"),
         ("new", "before_publish", "absent"),
         ("new", "after_publish", "new"),
+        ("overwrite", "after_lock", "old"),
         ("overwrite", "staging_created", "old"),
         ("overwrite", "before_publish", "old"),
         ("overwrite", "before_old_removed", "new"),

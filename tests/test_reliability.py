@@ -119,7 +119,7 @@ def threads_even_for_small_trees(monkeypatch):
 
 @pytest.fixture
 def short_lock(monkeypatch):
-    monkeypatch.setattr(write_mod, "LOCK_TIMEOUT", 0.05)
+    monkeypatch.setattr(commit_mod, "LOCK_TIMEOUT", 0.05)
 
 
 def lock_of(prefix: Path) -> commit_mod.WriterLock:
@@ -169,7 +169,7 @@ def test_lock_of_one_destination_does_not_block_another(parent, short_lock):
 
 
 def test_writer_waits_for_lock_released_within_timeout(parent, monkeypatch):
-    monkeypatch.setattr(write_mod, "LOCK_TIMEOUT", 30.0)
+    monkeypatch.setattr(commit_mod, "LOCK_TIMEOUT", 30.0)
     prefix = parent / "tree"
     lock = lock_of(prefix)
     lock.acquire()
@@ -208,7 +208,7 @@ def test_stale_lock_file_of_a_dead_writer_does_not_block(parent):
 
 
 def _barrier_writer(barrier, prefix, seed, existsok, big):
-    write_mod.LOCK_TIMEOUT = 0.0
+    commit_mod.LOCK_TIMEOUT = 0.0
     barrier.wait()
     try:
         sample(seed, big=big).memmap(prefix, existsok=existsok, num_threads=2)
@@ -1050,7 +1050,9 @@ def tiny_tmpfs(tmp_path):
 
 def _write_past_free_space(prefix, skip_check):
     if skip_check:  # another process fills the disk after the up-front check
-        write_mod.check_free_space = lambda *a: None
+        from memtree.store import staged
+
+        staged.check_free_space = lambda *a: None
     tree = TensorTree({"a": torch.ones(600 << 10, dtype=torch.uint8), "b": torch.ones(600 << 10, dtype=torch.uint8)})
     tree.memmap(prefix, num_threads=2)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -246,7 +247,8 @@ def load_refusal(root: Path, **kw: Any) -> memtree.MemtreeError | None:
     return None  # anything else propagates: the failure looked for
 
 
-def assert_agreement(top: Path, root: Path) -> None:
+def assert_agreement(top: Path, root: Path) -> memtree.VerifyReport:
+    """Load and verify agree on ``root`` (structure only, and with checksums); returns the full report."""
     before = snapshot(top)
     refused = load_refusal(root)
     report = memtree.verify_tree(root, checksums=False, progress=False)
@@ -256,7 +258,7 @@ def assert_agreement(top: Path, root: Path) -> None:
     assert full.ok == (refused_verified is None), (refused_verified, full.problems)
     assert {p.kind for p in full.problems} <= KINDS
     assert snapshot(top) == before
-    event(f"{full.layout}: {'ok' if full.ok else 'refused'}")
+    return full
 
 
 DAMAGES = st.lists(  # meta.json edits drawn most: they have the most ways to go wrong
@@ -285,7 +287,8 @@ def test_verify_agrees_with_load_on_memtree_directories(batch, entries, checksum
             return
         for d in damages:
             damage(root, *d)
-        assert_agreement(top, root)
+        full = assert_agreement(top, root)
+        event(f"{full.layout}: {'ok' if full.ok else 'refused'}")
 
 
 @SETTINGS
@@ -303,7 +306,8 @@ def test_verify_agrees_with_load_on_tensordict_directories(batch, entries, quirk
         write_tensordict(root, batch, entries, quirks)
         for d in damages:
             damage(root, *d)
-        assert_agreement(top, root)
+        full = assert_agreement(top, root)
+        event(f"{full.layout}: {'ok' if full.ok else 'refused'}")
 
 
 # -- tensordict directories: what verify reports ----------------------------------------------------
@@ -351,3 +355,36 @@ def test_verify_reports_every_damaged_tensordict_leaf_and_runs_no_pickle(tmp_pat
     with pytest.raises(memtree.MemtreeError):
         memtree.load_memmap(root)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["p.pickle", "sub/q.pickle"])
+@pytest.mark.parametrize("kind", ["deleted", "symlink", "directory", "fifo", "other_pickle"])
+def test_a_damaged_pickle_file_is_reported_and_refused_alike(tmp_path: Path, where: str, kind: str) -> None:
+    """A pickle file (which the tree hash covers) deleted, replaced by something else, or by
+    another pickle: ``verify_tree`` reports it and leaves the tree hash unchecked (it raised a
+    ``KeyError`` for a missing pickle file), or reports the mismatch; the loader agrees."""
+    root = tmp_path / "tree"
+    tree = TensorTree({"a": torch.ones(2), "sub": {"b": torch.zeros(3)}})
+    tree["p"] = {1, 2}  # not JSON: pickled
+    tree["sub", "q"] = {3}
+    tree.memmap(root, allow_pickle=True, checksum="crc32")
+    assert memtree.verify_tree(root, progress=False).tree_hash == "ok"
+    path = root / where
+    path.unlink()
+    if kind == "symlink":
+        path.symlink_to(tmp_path / "elsewhere.pickle")
+        (tmp_path / "elsewhere.pickle").write_bytes(pickle.dumps({1, 2}))
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "other_pickle":
+        path.write_bytes(pickle.dumps({9}))
+    report = assert_agreement(tmp_path, root)
+    expected = {"deleted": "missing", "symlink": "unsafe", "directory": "unsafe", "fifo": "unsafe",
+                "other_pickle": "tree-hash"}[kind]
+    assert [p.kind for p in report.problems] == [expected], report.problems
+    assert report.tree_hash == ("mismatch" if kind == "other_pickle" else "unchecked")
+    error, match = (memtree.IntegrityError, "tree_hash") if kind == "other_pickle" else (memtree.MemtreeError, where)
+    with pytest.raises(error, match=match):
+        memtree.load_memmap(root, verify=True, allow_pickle=True)

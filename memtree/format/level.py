@@ -21,7 +21,7 @@ import torch
 from .schema import TREE_TYPE
 from .values import NonTensor
 
-__all__ = ["Level", "Value", "as_level"]
+__all__ = ["Level", "Value", "as_level", "fmt_key"]
 
 
 @dataclass
@@ -62,3 +62,12 @@ def as_level(obj: Any) -> Level | None:
     method = getattr(type(obj), "__memtree_level__", None)
     return method(obj) if method is not None else None
 
+
+def fmt_key(path: tuple[str, ...]) -> str:
+    """A key path as messages show it: ``'a'`` or ``('a', 'b')``.
+
+    Example:
+        >>> fmt_key(("a",)), fmt_key(("a", "b"))
+        ("'a'", "('a', 'b')")
+    """
+    return repr(path[0]) if len(path) == 1 else repr(path)

@@ -1,8 +1,11 @@
 """The primitives of a commit (``docs/format.md``, "How a write is committed").
 
 ``renameat2`` exchange and no-replace renames, directory ``fsync``, small new files (a
-``meta.json``), and :class:`WriterLock`: the per-destination writer lock, whose file holds the
-journal of a writer that died (``memtree.store.recovery`` replays it).
+``meta.json``), :class:`WriterLock`: the per-destination writer lock, whose file holds the
+journal of a writer that died (``memtree.store.recovery`` replays it), and the two steps every
+directory commit takes under that lock: :func:`destination_state` (what may be replaced) and
+:func:`publish` (the rename of a complete staging directory onto the destination, and the
+removal of the old copy). :func:`memtree.store.staged.staged_commit` runs them in order.
 
 Example:
     >>> import os, tempfile
@@ -18,17 +21,32 @@ import ctypes
 import errno
 import fcntl
 import os
+import shutil
 import stat
+import threading
 import time
 from typing import Any
 
 import orjson
 
-from ..errors import LockError, UnsafePathError
-
+from ..errors import DestinationExistsError, LockError, UnsafePathError
+from ..format.names import META_NAME, old_path
+from ..format.schema import FORMAT
+from .faults import point
 from .files import RW_FLAGS, libc_function, new_file, storage_error
 
-__all__ = ["exchange", "rename_noreplace", "fsync_dir", "write_small_file", "WriterLock", "JOURNAL_BYTES"]
+__all__ = [
+    "exchange",
+    "rename_noreplace",
+    "fsync_dir",
+    "write_small_file",
+    "WriterLock",
+    "JOURNAL_BYTES",
+    "LOCK_TIMEOUT",
+    "destination_state",
+    "publish",
+    "wait_for_removals",
+]
 
 
 # -- directories and the commit rename ----------------------------------------------------------
@@ -101,6 +119,8 @@ def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:
 
 
 # -- the writer lock ----------------------------------------------------------------------------
+#: Seconds a writer waits for another writer of the same destination before raising LockError.
+LOCK_TIMEOUT = 1.0
 _LOCK_FLAGS = RW_FLAGS | os.O_CREAT
 #: The lock file's journal is padded to this size and written with one ``pwrite``.
 JOURNAL_BYTES = 1024
@@ -252,3 +272,154 @@ class WriterLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# -- the commit steps ---------------------------------------------------------------------------
+def destination_state(dest: str, existsok: bool) -> str:
+    """``"absent"``, ``"empty"`` (an empty directory) or ``"tree"``; raise if it must not be replaced.
+
+    Constant cost: it looks at one entry of the directory and at its ``meta.json``.
+    """
+    try:
+        st = os.lstat(dest)
+    except FileNotFoundError:
+        return "absent"
+    if not stat.S_ISDIR(st.st_mode):
+        raise DestinationExistsError(
+            f"{dest} exists and is not a directory; choose another prefix or remove it"
+        )
+    with os.scandir(dest) as it:
+        if next(it, None) is None:
+            return "empty"
+    if not existsok:
+        raise DestinationExistsError(
+            f"{dest} already exists; pass existsok=True to replace it, or choose another prefix"
+        )
+    if _is_memtree_meta(os.path.join(dest, META_NAME)):
+        return "tree"
+    raise DestinationExistsError(
+        f"{dest} exists, is not empty and is not a memtree directory; memtree never replaces "
+        "it. Choose another prefix or empty it yourself"
+    )
+
+
+def _is_memtree_meta(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, 4096, 0)
+        return b'"format":"memtree"' in head or orjson.loads(head).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+_removals: list[threading.Thread] = []
+_removals_lock = threading.Lock()
+
+
+def _remove_old(path: str, background: bool) -> None:
+    """Delete an old tree that no name but its hidden one refers to any more.
+
+    ``background``: in a (non-daemon) thread, which the interpreter waits for at exit; a process
+    killed meanwhile leaves the hidden directory to :func:`memtree.recover`.
+    """
+    if background:
+        t = threading.Thread(
+            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="memtree-remove-old"
+        )
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: delete it here
+            pass
+        else:
+            with _removals_lock:
+                _removals[:] = [r for r in _removals if r.is_alive()]
+                _removals.append(t)
+            return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_removals(timeout: float | None = None) -> bool:
+    """Wait until the old trees that overwrites are deleting in the background are gone.
+
+    An overwrite of a large tree (:data:`BACKGROUND_REMOVAL_FILES`) returns as soon as the new
+    tree is published; its old copy, already renamed to a hidden staging name that nothing
+    loads, is deleted by a background thread. The interpreter waits for those threads at exit.
+
+    Args:
+        timeout: the most seconds to wait (``None``: until done).
+
+    Returns:
+        True when no deletion is running any more.
+
+    Example:
+        >>> wait_for_removals(timeout=10)
+        True
+    """
+    with _removals_lock:
+        pending = list(_removals)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in pending:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with _removals_lock:
+        _removals[:] = [r for r in _removals if r.is_alive()]
+        return not _removals
+
+
+def publish(
+    staging: str, dest: str, state: str, fsync: bool, lock: WriterLock, *, background_removal: bool = False
+) -> None:
+    """Make the complete staging tree the destination, in one atomic step (see format.md).
+
+    ``background_removal``: when an old tree is replaced, delete it in a background thread
+    (:func:`wait_for_removals`) instead of before returning.
+    """
+    parent = os.path.dirname(dest)
+    point("before_publish")
+    if state == "absent":
+        try:
+            renamed = rename_noreplace(staging, dest)
+        except FileExistsError:
+            renamed = False
+        if not renamed:
+            if os.path.lexists(dest):  # created by someone else (memtree writers hold the lock)
+                raise DestinationExistsError(
+                    f"{dest} appeared while memtree was writing it; nothing was replaced. "
+                    "Choose another prefix or remove it"
+                )
+            os.rename(staging, dest)  # no RENAME_NOREPLACE on this filesystem
+    elif state == "empty":
+        os.rename(staging, dest)  # replaces an empty directory, fails (ENOTEMPTY) on any other
+    elif exchange(staging, dest):
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
+        point("before_old_removed")
+        _remove_old(staging, background_removal)  # staging now holds the old tree
+        return
+    else:  # no RENAME_EXCHANGE on this filesystem: two renames, journaled for recovery
+        old = old_path(parent, os.path.basename(dest))
+        lock.write_journal(
+            {"staging": os.path.basename(staging), "old": os.path.basename(old)}, fsync=fsync
+        )
+        os.rename(dest, old)
+        point("between_renames")
+        try:
+            os.rename(staging, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+        point("after_publish")
+        if fsync:
+            fsync_dir(parent)
+        _remove_old(old, background_removal)
+        return
+    point("after_publish")
+    if fsync:
+        fsync_dir(parent)

@@ -56,6 +56,7 @@ import orjson
 
 from ..errors import DecryptionError, InvalidArgumentError, MissingDependencyError, StorageError
 from ..format.dtypes import dtype_name
+from ..format.level import fmt_key
 from ..format.names import LEAF_SUFFIX
 from ..format.schema import (
     ENCRYPTION_ALGORITHM,
@@ -166,10 +167,6 @@ def _hkdf(key: bytes, salt: bytes, info: bytes, length: int) -> bytes:
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=_INFO + info).derive(key)
-
-
-def _label(key: tuple[str, ...]) -> str:
-    return repr(key[0]) if len(key) == 1 else repr(key)
 
 
 @dataclass(frozen=True, eq=False)
@@ -355,7 +352,7 @@ class TreeCipher:
                 if type(err).__name__ != "InvalidTag":
                     raise
                 raise DecryptionError(
-                    f"leaf {_label(key)} at {where} fails authentication (chunk {i} of "
+                    f"leaf {fmt_key(key)} at {where} fails authentication (chunk {i} of "
                     f"{leaf.chunks}): the file was changed, truncated, or moved from another leaf "
                     "or tree, or its dtype/shape in meta.json were edited; restore it or re-save the tree"
                 ) from None

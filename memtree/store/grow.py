@@ -95,15 +95,14 @@ from .files import (
     storage_error,
     write_fd,
 )
-from .commit import WriterLock, fsync_dir, write_small_file
+from .commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
 from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
-from ..format.level import Level
+from ..format.level import Level, fmt_key
 from .mapped import MemoryMappedTensor, map_leaf, to_storable
 from ..format.values import NonTensor
 from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
-from .write import LOCK_TIMEOUT, publish
 
 __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]
 
@@ -204,10 +203,6 @@ def _find_prefix(level: Level, path: tuple[str, ...] = ()) -> str | None:
             if found is not None:
                 return found
     return None
-
-
-def _label(path: tuple[str, ...]) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 @dataclass
@@ -324,7 +319,7 @@ class _Growth:
         meta = self.metas[rel]
         if tuple(level.batch_size) != meta.batch_size:
             raise self._changed(
-                f"level {_label(path) if path else 'root'} has batch_size {list(level.batch_size)} "
+                f"level {fmt_key(path) if path else 'root'} has batch_size {list(level.batch_size)} "
                 f"here and {list(meta.batch_size)} on disk"
             )
         on_disk = {e.key for e in meta.entries}
@@ -332,11 +327,11 @@ class _Growth:
             raise self._changed(
                 f"keys {sorted(on_disk - set(level.entries))[:5]} are on disk only and keys "
                 f"{sorted(set(level.entries) - on_disk)[:5]} in memory only, at "
-                f"{_label(path) if path else 'the root'}"
+                f"{fmt_key(path) if path else 'the root'}"
             )
         if rows is not None and set(rows.entries) != on_disk:
             missing, extra = sorted(on_disk - set(rows.entries)), sorted(set(rows.entries) - on_disk)
-            where = _label(path) if path else "the root"
+            where = fmt_key(path) if path else "the root"
             raise MemtreeKeyError(
                 f"rows to append must have exactly the tree's keys at {where}: missing "
                 f"{missing[:5]}, unexpected {extra[:5]}"
@@ -349,16 +344,16 @@ class _Growth:
                 self._plan_leaf(entry, value, new, rel, key, length)
             elif isinstance(entry, ChildMeta):
                 if not isinstance(value, Level):
-                    raise self._changed(f"{_label(key)} is a sub-tree on disk")
+                    raise self._changed(f"{fmt_key(key)} is a sub-tree on disk")
                 if new is not None and not isinstance(new, Level):
-                    raise ShapeMismatchError(f"rows to append: {_label(key)} must be a sub-tree")
+                    raise ShapeMismatchError(f"rows to append: {fmt_key(key)} must be a sub-tree")
                 self._plan(value, new, f"{rel}/{entry.dir}" if rel else entry.dir, key, length)
             elif not isinstance(value, NonTensor):
-                raise self._changed(f"{_label(key)} is a non-tensor leaf on disk")
+                raise self._changed(f"{fmt_key(key)} is a non-tensor leaf on disk")
             elif new is not None and not (isinstance(new, NonTensor) and new == value):
                 shown = new.data if isinstance(new, NonTensor) else type(new).__name__
                 raise NotGrowableError(
-                    f"cannot append: non-tensor leaf {_label(key)} is {value.data!r:.60} in the "
+                    f"cannot append: non-tensor leaf {fmt_key(key)} is {value.data!r:.60} in the "
                     f"tree and {shown!r:.60} in the new rows; a non-tensor leaf holds one value "
                     "for the whole tree"
                 )
@@ -374,7 +369,7 @@ class _Growth:
     ) -> None:
         path = os.path.join(self.dest, rel, entry.file)
         if not isinstance(value, MemoryMappedTensor) or value.filename != path:
-            raise self._changed(f"leaf {_label(key)} is not mapped from {path}")
+            raise self._changed(f"leaf {fmt_key(key)} is not mapped from {path}")
         if value.readonly:
             raise ReadOnlyError(
                 f"cannot grow the tree at {self.dest}: it was loaded with mode='r'; load it with "
@@ -385,7 +380,7 @@ class _Growth:
             whole = value.storage_offset() == 0 and value.is_contiguous()
         if shape != entry.shape or dtype != entry.dtype or not whole:
             raise self._changed(
-                f"leaf {_label(key)} is {str(value.dtype)[6:]}{list(value.shape)} here and "
+                f"leaf {fmt_key(key)} is {str(value.dtype)[6:]}{list(value.shape)} here and "
                 f"{str(entry.dtype)[6:]}{list(entry.shape)} on disk"
             )
         if rows is not None:
@@ -393,7 +388,7 @@ class _Growth:
             if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != expected:
                 found = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
                 raise ShapeMismatchError(
-                    f"rows to append: leaf {_label(key)} must have shape {list(expected)} "
+                    f"rows to append: leaf {fmt_key(key)} must have shape {list(expected)} "
                     f"(rows of {list(entry.shape[1:])}), got {found}"
                 )
         old_capacity = entry.shape[0] if entry.capacity is None else entry.capacity
@@ -543,7 +538,7 @@ class _Growth:
         for leaf in self.leaves:
             data = None
             if appended and leaf.rows is not None and leaf.rows.numel():
-                data = to_storable(leaf.rows.to(leaf.old.dtype), _label(leaf.key))
+                data = to_storable(leaf.rows.to(leaf.old.dtype), fmt_key(leaf.key))
             zeros = 0 if appended else max(0, min(stop, leaf.dirty_until) - start) * leaf.row_bytes
             if data is None and not zeros and not (self.fsync and leaf.new_generation):
                 continue

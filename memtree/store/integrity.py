@@ -19,6 +19,11 @@ define), so any change of a key, dtype, shape, value, file name or leaf checksum
 leaf's bytes) changes it. The writer hashes the bytes it has just written: no extra work per
 leaf.
 
+:func:`check_tree_hash` is the one check of a recorded ``tree_hash`` against a tree as it is
+stored, over the storage seam (:class:`~memtree.store.storage.Storage`: a local directory or a
+URL): ``load_memmap(..., verify=True)`` runs it for a local tree and a remote one, and
+``memtree verify`` computes the same hash (:func:`stored_tree_hash`) over what it has read.
+
 A leaf whose bytes no longer match its checksum is *damaged*, unless the file was modified after
 its level's ``meta.json`` was written (:func:`changed_after_meta`): then it was written in place
 (through a ``mode="r+"`` mapping, say) and its checksum is *stale*: memtree cannot tell an
@@ -33,16 +38,32 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import replace
 
 import orjson
 
+from ..errors import IntegrityError
 from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
 from .files import new_digest
+from .storage import FileInfo, Storage
+from .walk import WalkedLevel, walk
 
-__all__ = ["tree_hash", "tree_hash_lines", "bytes_checksum", "changed_after_meta"]
+__all__ = [
+    "tree_hash",
+    "tree_hash_lines",
+    "bytes_checksum",
+    "storage_checksum",
+    "stored_tree_hash",
+    "tree_hash_mismatch",
+    "check_tree_hash",
+    "changed_after_meta",
+]
+
+#: Bytes read at a time to hash a file through a :class:`~memtree.store.storage.Storage`.
+HASH_CHUNK = 8 * 1024 * 1024
 
 _HEADER = "memtree-tree-hash"
 
@@ -111,6 +132,163 @@ def bytes_checksum(algorithm: str, data: bytes) -> str:
     digest = new_digest(algorithm)
     digest.update(data)
     return f"{algorithm}:{digest.hexdigest()}"
+
+
+def storage_checksum(
+    storage: Storage,
+    rel: str,
+    algorithm: str,
+    *,
+    info: FileInfo | None = None,
+    nbytes: int | None = None,
+    advance: Callable[[int], None] | None = None,
+) -> str:
+    """``"<algorithm>:<hex>"`` of the file ``rel`` of ``storage``, read :data:`HASH_CHUNK` bytes at
+    a time (a file of any size hashed in bounded memory).
+
+    Args:
+        storage: where the file is.
+        rel: its path relative to the root.
+        algorithm: one of :data:`~memtree.store.files.CHECKSUMS`.
+        info: its :meth:`~memtree.store.storage.Storage.stat`, if already taken (else taken here).
+        nbytes: hash the first ``nbytes`` bytes only (default: the whole file).
+        advance: called with the number of bytes of each chunk hashed (a progress bar).
+
+    Raises:
+        MemtreeError: the file is missing, not a regular file, shorter than ``nbytes``, or the
+            storage fails (as its ``stat``/``read_into`` raise).
+
+    Example:
+        >>> import os, tempfile
+        >>> from memtree.store.storage import LocalStorage
+        >>> d = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(d, "p.pickle"), "wb").write(b"abc")
+        >>> with LocalStorage(d) as s:
+        ...     storage_checksum(s, "p.pickle", "crc32") == bytes_checksum("crc32", b"abc")
+        True
+    """
+    if info is None:
+        info = storage.stat(rel)
+    size = info.size if nbytes is None else nbytes
+    digest = new_digest(algorithm)
+    buf = memoryview(bytearray(min(size, HASH_CHUNK)))
+    done = 0
+    while done < size:
+        n = min(len(buf), size - done)
+        storage.read_into(rel, done, buf[:n], info)
+        digest.update(buf[:n])
+        done += n
+        if advance is not None:
+            advance(n)
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def stored_tree_hash(
+    storage: Storage,
+    root: LevelMeta,
+    *,
+    levels: Sequence[WalkedLevel] | None = None,
+    pickle_sums: Mapping[str, str] | None = None,
+    pool: Executor | None = None,
+) -> str:
+    """The tree hash of the tree in ``storage`` as it is stored now, with the algorithm of
+    ``root.tree_hash``: every level's ``meta.json`` and every pickle file's bytes, no leaf byte.
+
+    Args:
+        storage: where the tree is.
+        root: the root's ``meta.json`` as already read (it records the ``tree_hash``).
+        levels: every level of the tree, as :func:`~memtree.store.walk.walk` yields them (read
+            here when not given: the whole tree, whatever a load selects).
+        pickle_sums: each pickle file's checksum in that algorithm, by path relative to the
+            root (computed here when not given).
+        pool: reads each generation of sub-levels concurrently.
+
+    Raises:
+        KeyError: ``levels``/``pickle_sums`` lack a level or pickle file of the tree.
+        MemtreeError: a level or pickle file is missing, damaged or hostile, or the algorithm
+            is not available.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.storage import LocalStorage
+        >>> from memtree.store.options import WriteOptions
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.ones(2)}), WriteOptions.of(checksum="crc32"))
+        >>> with LocalStorage(d) as s:
+        ...     root = next(iter(walk(s))).meta
+        ...     stored_tree_hash(s, root) == root.tree_hash
+        True
+    """
+    assert root.tree_hash is not None, "stored_tree_hash() needs a root that records a tree_hash"
+    algorithm = root.tree_hash.partition(":")[0]
+    if levels is None:
+        levels = list(walk(storage, pool=pool, root=root))
+    if pickle_sums is None:
+        pickle_sums = {
+            lvl.file(e.file): storage_checksum(storage, lvl.file(e.file), algorithm)
+            for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)
+        }
+    return tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, pickle_sums)
+
+
+def tree_hash_mismatch(where: str, recorded: str, found: str, *, after: str = "written", fix: str) -> str:
+    """The message of a ``tree_hash`` that differs from the tree's (one wording for every check).
+
+    Example:
+        >>> tree_hash_mismatch("/t", "crc32:0", "crc32:1", fix="re-save it")[:46]
+        '/t: the root meta.json records tree_hash crc32'
+    """
+    return (
+        f"{where}: the root meta.json records tree_hash {recorded}, the tree's meta.json files hash "
+        f"to {found}: a key, dtype, shape, value or checksum changed after the tree was {after}, "
+        f"or a meta.json is damaged; {fix}"
+    )
+
+
+def check_tree_hash(
+    storage: Storage,
+    root: LevelMeta,
+    *,
+    pool: Executor | None = None,
+    after: str = "written",
+    fix: str = "restore it or re-save the tree (`memtree verify DIR` lists every problem)",
+) -> None:
+    """Compare ``root.tree_hash`` with the hash of every ``meta.json`` (and pickle file) of the
+    tree in ``storage`` (:func:`stored_tree_hash`): what ``load_memmap(..., verify=True)``
+    checks before anything is loaded, for a local directory and a URL alike.
+
+    Args:
+        storage: where the tree is.
+        root: the root's ``meta.json`` as already read (with a ``tree_hash``).
+        pool: reads each generation of sub-levels concurrently (a remote tree).
+        after, fix: the wording of the error ("the tree was <after>"; what to do).
+
+    Raises:
+        IntegrityError: the hash differs.
+        MemtreeError: a level is missing, damaged or hostile.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.storage import LocalStorage
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.ones(2)}))
+        >>> with LocalStorage(d) as s:
+        ...     root = next(iter(walk(s))).meta
+        ...     check_tree_hash(s, root)  # as written: no error
+        ...     try:
+        ...         check_tree_hash(s, replace(root, tree_hash="crc32:00000000"))
+        ...     except IntegrityError as err:
+        ...         print(str(err).startswith(f"{d}: the root meta.json records tree_hash crc32:00000000"))
+        True
+    """
+    assert root.tree_hash is not None, "check_tree_hash() needs a root that records a tree_hash"
+    found = stored_tree_hash(storage, root, pool=pool)
+    if found != root.tree_hash:
+        raise IntegrityError(tree_hash_mismatch(storage.describe(""), root.tree_hash, found, after=after, fix=fix))
 
 
 def changed_after_meta(fd: int, dir_fd: int) -> bool:

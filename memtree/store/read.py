@@ -65,7 +65,7 @@ from ..errors import (
 )
 from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
 from .fill import FillJob, fill
-from .storage import META_FLAGS, open_dir, read_meta, read_meta_bytes
+from .storage import META_FLAGS, LocalStorage, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
     ChildMeta,
     JsonMeta,
@@ -77,7 +77,7 @@ from ..format.schema import (
 from ..format.names import META_NAME
 from ..format.level import Level, Value
 from .mapped import map_leaf
-from .integrity import changed_after_meta, tree_hash
+from .integrity import changed_after_meta, check_tree_hash as check_stored_tree_hash
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
@@ -166,39 +166,15 @@ def walk_levels(
 
 def check_tree_hash(root_fd: int, root: str, meta: LevelMeta) -> None:
     """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
-    of the tree (:mod:`memtree.store.integrity`); no leaf data is read.
+    of the tree open at ``root_fd`` (:func:`memtree.store.integrity.check_tree_hash`); no leaf
+    data is read.
 
     Raises:
         IntegrityError: the hash differs.
         MemtreeError: a level is missing, damaged or hostile.
     """
-    assert meta.tree_hash is not None
-    algorithm = meta.tree_hash.partition(":")[0]
-    metas: dict[str, LevelMeta] = {}
-    sums: dict[str, str] = {}
-
-    def visit(dirs: tuple[str, ...], where: str, dir_fd: int, level: LevelMeta) -> None:
-        rel = "/".join(dirs)
-        metas[rel] = meta if not dirs else level  # the root as already read
-        for e in level.entries:
-            if isinstance(e, PickleMeta):
-                fd = _open_pickle(dir_fd, os.path.join(where, e.file), e.file)
-                try:
-                    sums[f"{rel}/{e.file}" if rel else e.file] = file_checksum(fd, os.fstat(fd).st_size, algorithm)
-                except OSError as err:
-                    raise storage_error(err, f"reading {os.path.join(where, e.file)}") from err
-                finally:
-                    os.close(fd)
-
-    walk_levels(root_fd, root, visit)
-    found = tree_hash(algorithm, metas, sums)
-    if found != meta.tree_hash:
-        raise IntegrityError(
-            f"{root}: the root meta.json records tree_hash {meta.tree_hash}, the tree's meta.json "
-            f"files hash to {found}: a key, dtype, shape, value or checksum changed after the "
-            "tree was written, or a meta.json is damaged; restore it or re-save the tree "
-            "(`memtree verify DIR` lists every problem)"
-        )
+    with LocalStorage(root, root_fd=root_fd) as storage:
+        check_stored_tree_hash(storage, meta)
 
 
 def read_tree(prefix: str | os.PathLike[str], options: ReadOptions | None = None) -> Level:

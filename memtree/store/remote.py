@@ -53,7 +53,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -67,7 +67,7 @@ from ..errors import (
     PickleNotAllowedError,
     RemoteChangedError,
 )
-from ..format.level import Level, as_level
+from ..format.level import Level, as_level, fmt_key
 from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
@@ -85,14 +85,17 @@ from .mapped import to_storable
 from .options import ReadOptions, WriteOptions
 from .progress import Progress
 from .read import read_tree
-from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
-from .integrity import bytes_checksum, tree_hash
+from .fsspec_storage import FsspecStorage
+from .integrity import bytes_checksum, check_tree_hash, tree_hash
 from .storage import FileInfo, Storage, http_status, with_retries
 from .options import KeySelection
 from .walk import WalkedLevel, map_all, walk
 from .write import plan_write
 
-__all__ = ["load", "upload", "fetch_tree", "check_remote_tree_hash", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["load", "upload", "fetch_tree", "RemoteKeywords", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -107,8 +110,31 @@ class _Leaf:
     info: FileInfo | None = None  # its stat, once done
 
 
-def _label(path: tuple[str, ...]) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
+class RemoteKeywords(TypedDict, total=False):
+    """The keywords of a remote load besides the reading options (:func:`load`, and
+    ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list of
+    them. Each is described in :func:`load`; a keyword left out takes the default of the
+    function it is for (:class:`~memtree.store.fsspec_storage.FsspecStorage` for the first four,
+    :func:`fetch_tree` for the others).
+
+    Example:
+        >>> sorted(RemoteKeywords.__annotations__)[:3]
+        ['allow_redirects', 'cache_dir', 'chunk_bytes']
+    """
+
+    storage_options: Mapping[str, Any] | None
+    retries: int
+    timeout: float | None
+    allow_redirects: str
+    cache_dir: str | os.PathLike[str] | None
+    num_threads: int
+    chunk_bytes: int
+    fsync: bool
+    progress: bool | None
+
+
+#: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
+_STORAGE_KEYWORDS = frozenset({"storage_options", "retries", "timeout", "allow_redirects"})
 
 
 def load(
@@ -120,15 +146,7 @@ def load(
     mmap: bool = True,
     allow_pickle: bool = False,
     verify: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    num_threads: int = DEFAULT_NUM_THREADS,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    retries: int = 3,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    allow_redirects: str = "same-origin",
-    fsync: bool = False,
-    progress: bool | None = None,
+    **remote: Unpack[RemoteKeywords],
 ) -> Level:
     """Load a tree from an fsspec URL (what ``memtree.load_memmap(url, ...)`` calls).
 
@@ -145,20 +163,23 @@ def load(
         allow_pickle: unpickle non-tensor leaves saved with ``allow_pickle=True`` (trusted only).
         verify: also re-hash the leaves of a cache entry that is reused (downloaded leaves are
             always checked against the checksums ``meta.json`` records).
-        storage_options: passed to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
-        cache_dir: download into an atomically committed memtree under this directory and map
-            it from there; a later load of the same save is served from it.
-        num_threads: concurrent requests.
-        chunk_bytes: size of each range request.
-        retries: attempts after the first for each request (transient errors, short bodies).
-        timeout: seconds one request may take, from sending it to its last byte (HTTP(S) and
-            asynchronous fsspec filesystems such as S3); a slower answer fails the load with a
-            :class:`~memtree.errors.RemoteError`. ``None``: no limit.
-        allow_redirects: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
-            scheme, host and port), ``"any"`` or ``"none"``.
-        fsync: fsync the cache entry before its commit.
-        progress: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
-            ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
+        **remote: the keywords of :class:`RemoteKeywords` (all optional):
+
+            * ``storage_options``: passed to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``).
+            * ``cache_dir``: download into an atomically committed memtree under this directory and map
+              it from there; a later load of the same save is served from it.
+            * ``num_threads``: concurrent requests (default :data:`DEFAULT_NUM_THREADS`: 8).
+            * ``chunk_bytes``: size of each range request (default :data:`DEFAULT_CHUNK_BYTES`: 8 MiB).
+            * ``retries``: attempts after the first for each request (transient errors, short bodies;
+              default 3).
+            * ``timeout``: seconds one request may take, from sending it to its last byte (HTTP(S) and
+              asynchronous fsspec filesystems such as S3); a slower answer fails the load with a
+              :class:`~memtree.errors.RemoteError`. ``None``: no limit (default: 60).
+            * ``allow_redirects``: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
+              scheme, host and port), ``"any"`` or ``"none"``.
+            * ``fsync``: fsync the cache entry before its commit (default False).
+            * ``progress``: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
+              ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
 
     Raises:
         NotAMemtreeError: no tree at ``url``.
@@ -182,30 +203,15 @@ def load(
         ['b']
     """
     options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
-    return load_url(url, options, storage_options=storage_options, cache_dir=cache_dir, num_threads=num_threads,
-                    chunk_bytes=chunk_bytes, retries=retries, timeout=timeout, allow_redirects=allow_redirects,
-                    fsync=fsync, progress=progress)
+    return load_url(url, options, **remote)
 
 
-def load_url(
-    url: str,
-    options: ReadOptions,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    num_threads: int = DEFAULT_NUM_THREADS,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    retries: int = 3,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    allow_redirects: str = "same-origin",
-    fsync: bool = False,
-    progress: bool | None = None,
-) -> Level:
+def load_url(url: str, options: ReadOptions, **remote: Unpack[RemoteKeywords]) -> Level:
     """:func:`load` with its reading options already checked (:func:`memtree.store.open.open_prefix`)."""
-    storage = FsspecStorage(url, storage_options=storage_options, retries=retries, timeout=timeout,
-                            allow_redirects=allow_redirects)
-    return fetch_tree(storage, options, cache_key=url, cache_dir=cache_dir, num_threads=num_threads,
-                      chunk_bytes=chunk_bytes, fsync=fsync, progress=progress)
+    storage_keywords: dict[str, Any] = {k: v for k, v in remote.items() if k in _STORAGE_KEYWORDS}
+    fetch_keywords: dict[str, Any] = {k: v for k, v in remote.items() if k not in _STORAGE_KEYWORDS}
+    storage = FsspecStorage(url, **storage_keywords)
+    return fetch_tree(storage, options, cache_key=url, **fetch_keywords)
 
 
 def fetch_tree(
@@ -250,14 +256,15 @@ def fetch_tree(
         )
     if options.verify and root_meta.tree_hash is not None:
         with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
-            check_remote_tree_hash(storage, root_meta, pool)
+            check_tree_hash(storage, root_meta, pool=pool, after="uploaded",
+                            fix="nothing was loaded (`memtree verify URL` lists every problem)")
     if cache_dir is not None and dev.type != "meta":
         hit = find_entry(os.fspath(cache_dir), cache_key, root_bytes, selection)
         if hit is not None:
             return read_tree(hit, options)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
         levels = list(walk(storage, selection=selection, pool=pool, root=root_meta))
-        leaves = [_Leaf(lvl.file(e.file), e, _label(lvl.keys + (e.key,)))
+        leaves = [_Leaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)))
                   for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
@@ -276,30 +283,6 @@ def fetch_tree(
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
     return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
-
-
-def check_remote_tree_hash(storage: Storage, root: LevelMeta, pool: ThreadPoolExecutor) -> None:
-    """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
-    of the tree at ``storage`` (what ``load_memmap(path, verify=True)`` checks locally): every
-    level is read, whatever the selection; no leaf byte is.
-
-    Raises:
-        IntegrityError: the hash differs.
-        MemtreeError: a level is missing, damaged or hostile.
-    """
-    assert root.tree_hash is not None
-    algorithm = root.tree_hash.partition(":")[0]
-    levels = list(walk(storage, pool=pool, root=root))
-    pickles = [lvl.file(e.file) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
-    sums = {rel: bytes_checksum(algorithm, _read_whole(storage, rel)) for rel in pickles}
-    found = tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, sums)
-    if found != root.tree_hash:
-        raise IntegrityError(
-            f"{storage.describe('')}: the root meta.json records tree_hash {root.tree_hash}, the "
-            f"tree's meta.json files hash to {found}: a key, dtype, shape, value or checksum "
-            "changed after the tree was uploaded, or a meta.json is damaged; nothing was loaded "
-            "(`memtree verify URL` lists every problem)"
-        )
 
 
 def _read_whole(storage: Storage, rel: str) -> bytes:

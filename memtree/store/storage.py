@@ -424,7 +424,10 @@ class LocalStorage:
             :func:`local_path`).
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], *, root_fd: int | None = None) -> None:
+        """Open the tree at ``prefix``; with ``root_fd``, read the root directory the caller has
+        already opened (a duplicate of that descriptor is held): the very directory, even if
+        ``prefix`` names another one by now."""
         where = local_path(
             prefix,
             remote="this reads local directories; memtree.load_memmap, memtree.verify_tree and "
@@ -437,7 +440,7 @@ class LocalStorage:
                 "finished; it is not a committed tree. memtree.recover() on its parent directory "
                 "restores or deletes it"
             )
-        self.fd: int | None = open_dir(self.root, self.root, None)
+        self.fd: int | None = open_dir(self.root, self.root, None) if root_fd is None else os.dup(root_fd)
 
     def __enter__(self) -> LocalStorage:
         return self

@@ -4,9 +4,9 @@
 a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.walk.walk`:
 same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
 file, not a link, exact size), but instead of stopping at the first problem it records each one
-and goes on, and it compares every leaf's recorded checksum with the file's bytes (the digests of
-:func:`memtree.store.files.new_digest`), and the root's ``tree_hash`` (format version 2) with the
-hash of every ``meta.json`` (:mod:`memtree.store.integrity`). The same code verifies a local tree
+and goes on, and it compares every leaf's recorded checksum with the file's bytes (:func:`memtree.store.integrity.storage_checksum`), and the root's ``tree_hash``
+(format version 2) with the hash of every ``meta.json`` (the one computation of
+:mod:`memtree.store.integrity`, over what it has read). The same code verifies a local tree
 and a remote one. It never maps a file, never unpickles, and never writes. A directory written by tensordict's
 ``memmap``, which ``load_memmap`` reads too, is checked with the same reader
 (:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
@@ -53,16 +53,14 @@ from ..errors import (
 )
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
-from .files import leaf_size_error, new_digest
-from .integrity import changed_after_meta, tree_hash
+from .files import leaf_size_error
+from .integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
 from .progress import Progress
-from .storage import FileInfo, LocalStorage, Storage, is_url, local_path
+from .storage import LocalStorage, Storage, is_url, local_path
 from .walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
 
-#: Bytes read at a time to hash a leaf (one buffer per thread).
-_CHUNK = 8 * 1024 * 1024
 #: Leaves checked at a time (each a stat, then its bytes if it records a checksum).
 DEFAULT_THREADS = 4
 
@@ -198,10 +196,9 @@ class _Walker:
         if not self.checksums or not self.complete or root.sealed is not None:
             self.report.tree_hash = "unchecked"  # (sealed names: the hash covers what only the key reveals)
             return
-        algorithm = root.tree_hash.partition(":")[0]
         meta_path = storage.describe(META_NAME)
         try:
-            found = tree_hash(algorithm, {lvl.rel: lvl.meta for lvl in levels}, self.pickle_sums)
+            found = stored_tree_hash(storage, root, levels=levels, pickle_sums=self.pickle_sums)
         except MemtreeError as err:  # an algorithm this installation lacks
             self.report.tree_hash = "unchecked"
             self.add(meta_path, (), "tree-hash", f"tree_hash not checked: {err}")
@@ -212,9 +209,7 @@ class _Walker:
         self.report.tree_hash = "mismatch"
         self.add(
             meta_path, (), "tree-hash",
-            f"{storage.describe('')}: the root meta.json records tree_hash {root.tree_hash}, the "
-            f"tree's meta.json files hash to {found}: a key, dtype, shape, value or checksum changed "
-            "after the tree was written (or a meta.json was damaged); restore it or re-save the tree",
+            tree_hash_mismatch(storage.describe(""), root.tree_hash, found, fix="restore it or re-save the tree"),
             root.tree_hash, found,
         )
 
@@ -249,20 +244,24 @@ class _Walker:
             return found
 
         if isinstance(entry, PickleMeta):
+
+            def unread(kind: str, message: str, expected: str | None = None, got: str | None = None) -> list[Problem]:
+                self.complete = False  # the tree hash covers its bytes: it cannot be checked
+                return problem(kind, message, expected, got)
+
             try:
-                storage.stat(rel)
+                info = storage.stat(rel)
             except MissingLeafError:
-                return problem("missing", f"pickled leaf file {path} is missing", "a file", "no file")
+                return unread("missing", f"pickled leaf file {path} is missing", "a file", "no file")
             except UnsafePathError as err:
-                return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
+                return unread("unsafe", str(err), "a regular file", _file_kind(storage, rel))
             except MemtreeError as err:
-                return problem(_kind(err), str(err))
+                return unread(_kind(err), str(err))
             if self.checksums and self.tree_algorithm is not None:  # the tree hash covers its bytes
                 try:
-                    info = storage.stat(rel)
-                    digest = self.digest(storage, rel, info, info.size, self.tree_algorithm)
+                    digest = storage_checksum(storage, rel, self.tree_algorithm, info=info, advance=self.advance)
                 except (OSError, MemtreeError) as err:
-                    return problem("io", f"reading {path}: {err}")
+                    return unread("io", f"reading {path}: {err}")
                 with self.lock:
                     self.pickle_sums[rel] = digest
             return found
@@ -282,8 +281,9 @@ class _Walker:
         if not (self.checksums and entry.checksum is not None):  # a checksum covers the tensor's bytes
             return found
         try:
-            digest = self.digest(  # an encrypted leaf's checksum covers its ciphertext
-                storage, rel, info, entry.checksum_nbytes, entry.checksum.partition(":")[0]
+            digest = storage_checksum(  # an encrypted leaf's checksum covers its ciphertext
+                storage, rel, entry.checksum.partition(":")[0], info=info, nbytes=entry.checksum_nbytes,
+                advance=self.advance,
             )
         except MemtreeError as err:
             return problem(_kind(err), str(err))
@@ -308,18 +308,6 @@ class _Walker:
                 entry.checksum, digest,
             )
         return found
-
-    def digest(self, storage: Storage, rel: str, info: FileInfo, nbytes: int, algorithm: str) -> str:
-        hasher = new_digest(algorithm)
-        buf = memoryview(bytearray(min(nbytes, _CHUNK)))
-        done = 0
-        while done < nbytes:
-            n = min(len(buf), nbytes - done)
-            storage.read_into(rel, done, buf[:n], info)
-            hasher.update(buf[:n])
-            done += n
-            self.advance(n)
-        return f"{algorithm}:{hasher.hexdigest()}"
 
     def advance(self, n: int) -> None:
         if self.bar is not None:

@@ -38,22 +38,17 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import shutil
-import stat
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import orjson
 import torch
 
 from ..format.dtypes import dtype_name
 from ..errors import (
-    DestinationExistsError,
     DtypeError,
     ExistingMemmapError,
     InvalidArgumentError,
@@ -65,19 +60,16 @@ from .crypto import TreeCipher, hide_names
 from .faults import point
 from .files import (
     FileRange,
-    check_free_space,
     create_leaf,
     file_checksum,
     is_plain_memory,
-    new_digest,
     storage_error,
     tensor_checksum,
 )
-from .integrity import tree_hash
+from .integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
-from .commit import WriterLock, exchange, fsync_dir, rename_noreplace, write_small_file
+from .commit import fsync_dir, wait_for_removals, write_small_file
 from ..format.schema import (
-    FORMAT,
     MAX_NBYTES,
     ChildMeta,
     Entry,
@@ -89,14 +81,14 @@ from ..format.schema import (
     extent_bytes,
 )
 from ..format.names import META_NAME, encode_level
-from ..format.level import Level, as_level
+from ..format.level import Level, as_level, fmt_key
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
 from .progress import Progress
 from .options import ReadOptions, WriteOptions, check_mode
-from .read import PendingLevel, load_pending_at, open_tree
-from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX, lock_path, old_path, staging_path
-from .recovery import recover_locked
+from .read import PendingLevel, open_tree
+from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX
+from .staged import staged_commit
 from .storage import local_path
 
 __all__ = [
@@ -107,8 +99,6 @@ __all__ = [
     "plan_write",
     "write_tree",
     "share_tree",
-    "destination_state",
-    "publish",
     "wait_for_removals",
 ]
 
@@ -127,7 +117,7 @@ class LeafJob:
     @property
     def where(self) -> str:
         """The key as error messages show it (``'w'`` or ``('a', 'w')``)."""
-        return _key_label(self.key)
+        return fmt_key(self.key)
 
 
 @dataclass
@@ -156,10 +146,6 @@ class WritePlan:
     def total_files(self) -> int:
         """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
         return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
-
-
-def _key_label(path: tuple[str, ...]) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) -> WritePlan:
@@ -195,7 +181,7 @@ def _plan_level(
             key.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidKeyError(
-                f"key {_key_label(path + (key,))} contains a lone surrogate and cannot be "
+                f"key {fmt_key(path + (key,))} contains a lone surrogate and cannot be "
                 "written to meta.json (UTF-8); rename it"
             ) from None
         if isinstance(value, torch.Tensor):
@@ -236,7 +222,7 @@ def _json_ok(value: object, path: tuple[str, ...], allow_pickle: bool) -> bool:
     data = value.data if isinstance(value, NonTensor) else value
     if allow_pickle:
         return json_problem(data) is None
-    check_json(data, _key_label(path))
+    check_json(data, fmt_key(path))
     return True
 
 
@@ -255,28 +241,28 @@ def _plan_leaf(
     try:
         dtype_name(dtype)
     except DtypeError as err:
-        raise DtypeError(f"leaf {_key_label(kpath)}: {err}") from None
+        raise DtypeError(f"leaf {fmt_key(kpath)}: {err}") from None
     if tensor.layout != torch.strided or tensor.is_nested:
         raise DtypeError(
-            f"leaf {_key_label(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
+            f"leaf {fmt_key(kpath)}: {tensor.layout} tensors cannot be stored; use .to_dense()"
         )
     if not like:
         if tensor.is_meta:
             raise DtypeError(
-                f"leaf {_key_label(kpath)} is on the meta device and has no data; use "
+                f"leaf {fmt_key(kpath)} is on the meta device and has no data; use "
                 "memmap_like() to allocate files for it, or load real weights first"
             )
         if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
             target = os.path.join(dest, rel) if dest else None
             if tensor.filename is not None and not copy_existing and tensor.filename != target:
                 raise ExistingMemmapError(
-                    f"leaf {_key_label(kpath)} is already memory-mapped from {tensor.filename}; "
+                    f"leaf {fmt_key(kpath)} is already memory-mapped from {tensor.filename}; "
                     "pass copy_existing=True to copy it into the new prefix"
                 )
     shape = tuple(tensor.shape)
     if extent_bytes(shape, dtype) > MAX_NBYTES:  # a zero-element tensor: no other can be so large
         raise LimitError(
-            f"leaf {_key_label(kpath)} has the shape {list(shape)}: no element, but dims spanning "
+            f"leaf {fmt_key(kpath)} has the shape {list(shape)}: no element, but dims spanning "
             f"{extent_bytes(shape, dtype)} bytes, more than a reader accepts ({MAX_NBYTES}, zero "
             "dims counted as 1); give its empty dims smaller sizes"
         )
@@ -287,8 +273,6 @@ def _plan_leaf(
 # ---------------------------------------------------------------------------------------------
 # executing a plan
 
-#: Seconds a writer waits for another writer of the same destination before raising LockError.
-LOCK_TIMEOUT = 1.0
 #: Bytes of data that cost about as much to write as creating one file (for sizing the threads).
 FILE_COST = 64 * 1024
 #: Work (data bytes + ``FILE_COST`` per file) each writer thread should have at least: below it,
@@ -301,50 +285,6 @@ THREAD_MIN_WORK = 4 * 1024 * 1024
 BACKGROUND_REMOVAL_FILES = 256
 #: How often (seconds) a visible progress bar is advanced while writer threads run.
 _PROGRESS_INTERVAL = 0.1
-
-
-def destination_state(dest: str, existsok: bool) -> str:
-    """``"absent"``, ``"empty"`` (an empty directory) or ``"tree"``; raise if it must not be replaced.
-
-    Constant cost: it looks at one entry of the directory and at its ``meta.json``.
-    """
-    try:
-        st = os.lstat(dest)
-    except FileNotFoundError:
-        return "absent"
-    if not stat.S_ISDIR(st.st_mode):
-        raise DestinationExistsError(
-            f"{dest} exists and is not a directory; choose another prefix or remove it"
-        )
-    with os.scandir(dest) as it:
-        if next(it, None) is None:
-            return "empty"
-    if not existsok:
-        raise DestinationExistsError(
-            f"{dest} already exists; pass existsok=True to replace it, or choose another prefix"
-        )
-    if _is_memtree_meta(os.path.join(dest, META_NAME)):
-        return "tree"
-    raise DestinationExistsError(
-        f"{dest} exists, is not empty and is not a memtree directory; memtree never replaces "
-        "it. Choose another prefix or empty it yourself"
-    )
-
-
-def _is_memtree_meta(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.pread(fd, 4096, 0)
-        return b'"format":"memtree"' in head or orjson.loads(head).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -417,41 +357,12 @@ def write_tree(
         plan = plan_write(level, options, dest=dest)
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
             hide_names(plan)
-    parent, name = os.path.split(dest)
-    try:
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-    except OSError as err:
-        raise storage_error(err, f"creating the parent directory of {dest}") from err
-    with WriterLock(lock_path(parent, name), dest, timeout=LOCK_TIMEOUT) as lock:
-        try:
-            recover_locked(parent, name, lock)
-            point("after_lock")
-            state = destination_state(dest, options.existsok)
-            load_pending_at(dest)  # trees this process opened from dest keep their data
-            check_free_space(parent, plan.total_bytes, f"writing {dest}")
-            staging = staging_path(parent, name)
-            lock.write_journal({"staging": os.path.basename(staging)}, fsync=False)
-            os.mkdir(staging, 0o700)
-        except MemtreeError:
-            raise
-        except OSError as err:
-            raise storage_error(err, f"preparing to write {dest}") from err
-        point("staging_created")
-        try:
-            with LinkSource.open(options.link_from, options.checksum, staging, options.link_verify) as links:
-                if stats is not None:
-                    stats.link_error = links.error if links is not None else None
-                metas = _write_staging(staging, plan, options, links, stats)
-            publish(
-                staging, dest, state, options.fsync, lock,
-                background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES,
-            )
-        except BaseException as err:
-            shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(err, OSError) and not isinstance(err, MemtreeError):
-                raise storage_error(err, f"writing {dest}") from err
-            raise
+    with staged_commit(dest, existsok=options.existsok, nbytes=plan.total_bytes) as staging:
+        with LinkSource.open(options.link_from, options.checksum, staging.path, options.link_verify) as links:
+            if stats is not None:
+                stats.link_error = links.error if links is not None else None
+            metas = _write_staging(staging.path, plan, options, links, stats)
+        staging.publish(fsync=options.fsync, background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES)
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
         written = {tuple(rel.split("/")) if rel else (): meta for rel, meta in metas.items()}
@@ -610,9 +521,7 @@ def _write_staging(
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
         if checksum is not None:
-            digest = new_digest(checksum)
-            digest.update(data)
-            pickle_sums[rel] = f"{checksum}:{digest.hexdigest()}"
+            pickle_sums[rel] = bytes_checksum(checksum, data)
     *children, root = plan.levels  # deepest first, the root's meta.json last
     _run(children, write_meta, _thread_count(num_threads, len(children), 0))
     write_meta(root)
@@ -651,112 +560,6 @@ def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
     if isinstance(entry, LeafMeta):
         return replace(entry, checksum=sums[f"{rel}/{entry.file}" if rel else entry.file])
     return entry
-
-
-_removals: list[threading.Thread] = []
-_removals_lock = threading.Lock()
-
-
-def _remove_old(path: str, background: bool) -> None:
-    """Delete an old tree that no name but its hidden one refers to any more.
-
-    ``background``: in a (non-daemon) thread, which the interpreter waits for at exit; a process
-    killed meanwhile leaves the hidden directory to :func:`memtree.recover`.
-    """
-    if background:
-        t = threading.Thread(
-            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="memtree-remove-old"
-        )
-        try:
-            t.start()
-        except RuntimeError:  # no thread to be had: delete it here
-            pass
-        else:
-            with _removals_lock:
-                _removals[:] = [r for r in _removals if r.is_alive()]
-                _removals.append(t)
-            return
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def wait_for_removals(timeout: float | None = None) -> bool:
-    """Wait until the old trees that overwrites are deleting in the background are gone.
-
-    An overwrite of a large tree (:data:`BACKGROUND_REMOVAL_FILES`) returns as soon as the new
-    tree is published; its old copy, already renamed to a hidden staging name that nothing
-    loads, is deleted by a background thread. The interpreter waits for those threads at exit.
-
-    Args:
-        timeout: the most seconds to wait (``None``: until done).
-
-    Returns:
-        True when no deletion is running any more.
-
-    Example:
-        >>> wait_for_removals(timeout=10)
-        True
-    """
-    with _removals_lock:
-        pending = list(_removals)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for t in pending:
-        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    with _removals_lock:
-        _removals[:] = [r for r in _removals if r.is_alive()]
-        return not _removals
-
-
-def publish(
-    staging: str, dest: str, state: str, fsync: bool, lock: WriterLock, *, background_removal: bool = False
-) -> None:
-    """Make the complete staging tree the destination, in one atomic step (see format.md).
-
-    ``background_removal``: when an old tree is replaced, delete it in a background thread
-    (:func:`wait_for_removals`) instead of before returning.
-    """
-    parent = os.path.dirname(dest)
-    point("before_publish")
-    if state == "absent":
-        try:
-            renamed = rename_noreplace(staging, dest)
-        except FileExistsError:
-            renamed = False
-        if not renamed:
-            if os.path.lexists(dest):  # created by someone else (memtree writers hold the lock)
-                raise DestinationExistsError(
-                    f"{dest} appeared while memtree was writing it; nothing was replaced. "
-                    "Choose another prefix or remove it"
-                )
-            os.rename(staging, dest)  # no RENAME_NOREPLACE on this filesystem
-    elif state == "empty":
-        os.rename(staging, dest)  # replaces an empty directory, fails (ENOTEMPTY) on any other
-    elif exchange(staging, dest):
-        point("after_publish")
-        if fsync:
-            fsync_dir(parent)
-        point("before_old_removed")
-        _remove_old(staging, background_removal)  # staging now holds the old tree
-        return
-    else:  # no RENAME_EXCHANGE on this filesystem: two renames, journaled for recovery
-        old = old_path(parent, os.path.basename(dest))
-        lock.write_journal(
-            {"staging": os.path.basename(staging), "old": os.path.basename(old)}, fsync=fsync
-        )
-        os.rename(dest, old)
-        point("between_renames")
-        try:
-            os.rename(staging, dest)
-        except BaseException:
-            os.rename(old, dest)
-            raise
-        point("after_publish")
-        if fsync:
-            fsync_dir(parent)
-        _remove_old(old, background_removal)
-        return
-    point("after_publish")
-    if fsync:
-        fsync_dir(parent)
 
 
 def share_tree(level: Level, *, like: bool = False) -> Level:

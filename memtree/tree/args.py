@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import BatchSizeError, KeyTypeError
+from ..format.level import fmt_key
 from ..format.schema import MAX_DIM, MAX_NDIM
 
 __all__ = ["Key", "is_str_key", "key_tuple", "fmt_key", "as_size", "check_batch_index", "expand_ellipsis"]
@@ -38,11 +39,6 @@ def key_tuple(key: Key) -> tuple[str, ...]:
                 raise KeyTypeError(f"nested keys are tuples of str; {key!r} holds a {type(k).__name__}")
         return key
     raise KeyTypeError(f"tree keys must be str or non-empty tuples of str, got {key!r}")
-
-
-def fmt_key(path: tuple[str, ...]) -> str:
-    """A key path as messages show it: ``'a'`` or ``('a', 'b')``."""
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 def as_size(batch_size: Any) -> torch.Size:
