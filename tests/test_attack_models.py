@@ -1,0 +1,357 @@
+"""An attacker's and a demanding user's review of loading models (issue 17), as a test suite.
+
+Every class of input is a parametrized or hypothesis suite: hostile safetensors headers, shard
+indexes that point outside their directory or disagree with their shards, ``torch.save`` files
+whose tensors share records or are strided views, casts, ``prefix=`` ambiguities, tied and
+storage-sharing targets, mixed meta/live modules, non-persistent buffers, ``assign=``, the
+optimizer built before the load, files changed during a load, and unusual dtypes and shapes.
+Each case asserts either the exact bits (against ``nn.Module.load_state_dict`` of the same
+values) or a :class:`~memtree.MemtreeError` naming the key or path, with the module untouched
+where the documentation promises that nothing changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memtree
+import memtree.nn.loading as loading_mod
+import memtree.store.read as read_mod
+from memtree import (
+    CheckpointFormatError,
+    MemtreeError,
+    MemtreeKeyError,
+    ShapeMismatchError,
+    SourceError,
+    StorageError,
+    TensorTree,
+    UnsafePathError,
+    empty_init,
+    load_into_module,
+)
+from memtree.interop import save_safetensors
+from treeutil import random_tensor, raw_bytes
+
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+# ------------------------------------------------------------------------------------ helpers
+class Pair(nn.Module):
+    """Two float32 parameters and a persistent int64 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4, 3))
+        self.b = nn.Parameter(torch.zeros(5))
+        self.register_buffer("n", torch.zeros(2, dtype=torch.int64))
+
+
+def values(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        "a": random_tensor((4, 3), torch.float32, seed),
+        "b": random_tensor((5,), torch.float32, seed + 1),
+        "n": random_tensor((2,), torch.int64, seed + 2),
+    }
+
+
+def snapshot(module: nn.Module) -> dict[str, bytes]:
+    """The bytes of every parameter and buffer (persistent or not), by name."""
+    out = {f"p:{k}": raw_bytes(v) for k, v in module.named_parameters(remove_duplicate=False)}
+    out.update({f"b:{k}": raw_bytes(v) for k, v in module.named_buffers(remove_duplicate=False)})
+    return out
+
+
+def filled(module: nn.Module, seed: int = 7) -> nn.Module:
+    """``module`` with recognisable values in every tensor (so that any write shows)."""
+    with torch.no_grad():
+        for i, t in enumerate(module.state_dict(keep_vars=True).values()):
+            if t.device.type != "meta":
+                t.copy_(random_tensor(tuple(t.shape), t.dtype, seed + i))
+    return module
+
+
+def reference(make: Callable[[], nn.Module], state: dict[str, torch.Tensor], **kw: Any) -> nn.Module:
+    """What ``nn.Module.load_state_dict`` makes of ``state`` (the user's expectation)."""
+    m = filled(make())
+    m.load_state_dict(state, **kw)
+    return m
+
+
+def write_source(state: dict[str, torch.Tensor], kind: str, where: Any) -> Any:
+    """``state`` as a source of ``kind``: a state_dict, a memtree directory, a safetensors or
+    torch.save file, or a Hugging Face index of two shards of either format."""
+    d = str(where)
+    state = {k: v.detach() for k, v in state.items()}
+    if kind == "state_dict":
+        return state
+    if kind == "memtree":
+        TensorTree(state).memmap(d + "/tree")
+        return d + "/tree"
+    if kind == "safetensors":
+        save_safetensors(state, d + "/m.safetensors")
+        return d + "/m.safetensors"
+    if kind == "torch":
+        torch.save(state, d + "/m.pt")
+        return d + "/m.pt"
+    keys = list(state)
+    parts = [{k: state[k] for k in keys[: (len(keys) + 1) // 2]}, {k: state[k] for k in keys[(len(keys) + 1) // 2 :]}]
+    ext = "safetensors" if kind == "st-index" else "bin"
+    weight_map = {}
+    for i, part in enumerate(p for p in parts if p):
+        name = f"model-0000{i + 1}-of-00002.{ext}"
+        (save_safetensors if ext == "safetensors" else torch.save)(part, os.path.join(d, name))
+        weight_map.update({k: name for k in part})
+    index = "model.safetensors.index.json" if ext == "safetensors" else "pytorch_model.bin.index.json"
+    with open(os.path.join(d, index), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return os.path.join(d, index)
+
+
+KINDS = ["state_dict", "memtree", "safetensors", "torch", "st-index", "bin-index"]
+FILE_KINDS = ["memtree", "safetensors", "torch", "st-index", "bin-index"]
+
+
+def safetensors_bytes(entries: dict[str, dict[str, Any]], data: bytes, *, header_len: int | None = None) -> bytes:
+    header = json.dumps(entries).encode()
+    n = len(header) if header_len is None else header_len
+    return struct.pack("<Q", n) + header + data
+
+
+# ---------------------------------------------------------- 1. safetensors headers that lie
+def _good_entries() -> tuple[dict[str, dict[str, Any]], bytes]:
+    v = values(1)
+    a, b, n = (raw_bytes(v[k]) for k in ("a", "b", "n"))
+    entries = {
+        "a": {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]},
+        "b": {"dtype": "F32", "shape": [5], "data_offsets": [48, 68]},
+        "n": {"dtype": "I64", "shape": [2], "data_offsets": [68, 84]},
+    }
+    return entries, a + b + n
+
+
+def _lie(case: str) -> bytes:
+    entries, data = _good_entries()
+    if case == "overlap":
+        entries["b"]["data_offsets"] = [40, 60]
+        entries["n"]["data_offsets"] = [60, 76]
+        data = data[:76]
+    elif case == "past-the-end":
+        entries["n"]["data_offsets"] = [68, 84 + 8]
+        entries["n"]["shape"] = [3]
+    elif case == "count-mismatch":
+        entries["a"]["shape"] = [4, 4]
+    elif case == "dtype-mismatch":
+        entries["b"]["dtype"] = "F64"
+    elif case == "hole":
+        entries["b"]["data_offsets"] = [52, 72]
+        entries["n"]["data_offsets"] = [72, 88]
+        data = data[:48] + b"\0" * 4 + data[48:]
+    elif case == "trailing":
+        data += b"\0" * 8
+    elif case == "reversed":
+        entries["b"]["data_offsets"] = [68, 48]
+    elif case == "negative":
+        entries["b"]["data_offsets"] = [-20, 0]
+    elif case == "huge-shape":
+        entries["b"]["shape"] = [2**62, 2**62]
+    elif case == "unknown-dtype":
+        entries["b"]["dtype"] = "F128"
+    elif case == "bool-as-int":
+        entries["b"]["data_offsets"] = [True, 68]
+    elif case == "float-offsets":
+        entries["b"]["data_offsets"] = [48.0, 68.0]
+    elif case == "extra-field":
+        entries["b"]["offset"] = 0
+    elif case == "duplicate":
+        header = json.dumps(entries).encode()[:-1] + b', "a": ' + json.dumps(entries["a"]).encode() + b"}"
+        return struct.pack("<Q", len(header)) + header + data
+    elif case == "header-len-huge":
+        return safetensors_bytes(entries, data, header_len=2**63)
+    elif case == "header-len-past-file":
+        return safetensors_bytes(entries, data, header_len=len(json.dumps(entries)) + 200)
+    elif case == "header-len-short":
+        return safetensors_bytes(entries, data, header_len=len(json.dumps(entries)) - 3)
+    elif case == "deep-json":
+        entries["b"]["shape"] = [[[5]]]
+    elif case == "not-an-object":
+        header = b"[1, 2, 3]"
+        return struct.pack("<Q", len(header)) + header
+    return safetensors_bytes(entries, data)
+
+
+LIES = [
+    "overlap", "past-the-end", "count-mismatch", "dtype-mismatch", "hole", "trailing", "reversed",
+    "negative", "huge-shape", "unknown-dtype", "bool-as-int", "float-offsets", "extra-field",
+    "duplicate", "header-len-huge", "header-len-past-file", "header-len-short", "deep-json",
+    "not-an-object",
+]
+
+
+def test_the_honest_file_the_lies_are_made_from_loads_bit_exact(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(safetensors_bytes(*_good_entries()))
+    m = filled(Pair())
+    assert load_into_module(m, path) == ([], [])
+    assert snapshot(m) == snapshot(reference(Pair, values(1)))
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["live", "meta"])
+@pytest.mark.parametrize("case", LIES)
+def test_a_lying_safetensors_header_is_refused_naming_the_file_and_nothing_changes(tmp_path, case, meta) -> None:
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(_lie(case))
+    if meta:
+        with empty_init():
+            m = Pair()
+    else:
+        m = filled(Pair())
+    before = snapshot(m) if not meta else None
+    with pytest.raises(MemtreeError) as info:
+        load_into_module(m, path)
+    assert str(path) in str(info.value)
+    if before is not None:
+        assert snapshot(m) == before
+    else:
+        assert all(p.device.type == "meta" for p in m.parameters())
+
+
+@SETTINGS
+@given(
+    offsets=st.lists(st.integers(0, 100), min_size=6, max_size=6),
+    tail=st.integers(0, 24),
+    shape_a=st.sampled_from([[4, 3], [3, 4], [12], [4, 4], [2, 3]]),
+)
+def test_fuzzed_offsets_either_load_exactly_the_bytes_they_name_or_raise_and_change_nothing(
+    tmp_path_factory, offsets, tail, shape_a
+) -> None:
+    data = bytes(range(256))[:100] + bytes(tail)
+    entries = {
+        "a": {"dtype": "F32", "shape": shape_a, "data_offsets": offsets[0:2]},
+        "b": {"dtype": "F32", "shape": [5], "data_offsets": offsets[2:4]},
+        "n": {"dtype": "I64", "shape": [2], "data_offsets": offsets[4:6]},
+    }
+    path = tmp_path_factory.mktemp("st") / "m.safetensors"
+    path.write_bytes(safetensors_bytes(entries, data))
+    m = filled(Pair())
+    before = snapshot(m)
+    try:
+        result = load_into_module(m, path, strict=False)
+    except MemtreeError as err:
+        assert str(path) in str(err) or "'a'" in str(err)  # the file, or the key of a wrong shape
+        assert snapshot(m) == before
+        return
+    assert result == ([], [])
+    for name, t in (("a", m.a), ("b", m.b), ("n", m.n)):
+        begin, end = entries[name]["data_offsets"]
+        assert raw_bytes(t) == data[begin:end], name
+
+
+# ------------------------------------------------- 2. shard indexes: paths, links, disagreement
+@pytest.mark.parametrize(
+    "shard",
+    ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors", "./m.safetensors",
+     "a\\..\\..\\outside.safetensors", "m.safetensors\0x", "", "sub//m.safetensors"],
+)
+def test_an_index_naming_a_shard_outside_its_directory_is_refused_before_any_read(tmp_path, shard) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    save_safetensors(values(), tmp_path / "outside.safetensors")
+    save_safetensors(values(), model / "m.safetensors")
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shard, "b": "m.safetensors", "n": "m.safetensors"}}))
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises((UnsafePathError, CheckpointFormatError)) as info:
+        load_into_module(m, model)
+    assert str(index) in str(info.value)
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("how", ["file-link", "dir-link", "link-chain"])
+def test_a_shard_that_links_outside_the_directory_is_refused(tmp_path, how) -> None:
+    model, outside = tmp_path / "model", tmp_path / "outside"
+    model.mkdir()
+    outside.mkdir()
+    save_safetensors(values(3), outside / "s.safetensors")
+    if how == "file-link":
+        os.symlink(outside / "s.safetensors", model / "s.safetensors")
+        name = "s.safetensors"
+    elif how == "dir-link":
+        os.symlink(outside, model / "sub")
+        name = "sub/s.safetensors"
+    else:  # a link inside pointing at a link that leaves
+        os.symlink(outside / "s.safetensors", model / "hop")
+        os.symlink("hop", model / "s.safetensors")
+        name = "s.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: name for k in "abn"}}))
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(UnsafePathError, match="outside"):
+        load_into_module(m, model)
+    assert snapshot(m) == before
+
+
+def _two_shards(tmp_path: Any, fmt: str) -> tuple[Any, Callable[[str, dict[str, torch.Tensor]], None]]:
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+
+    def write(name: str, part: dict[str, torch.Tensor]) -> None:
+        (save_safetensors if fmt == "safetensors" else torch.save)(part, tmp_path / f"{name}.{ext}")
+
+    return ext, write
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_an_index_whose_weight_map_puts_a_tensor_in_the_wrong_shard_is_refused(tmp_path, fmt) -> None:
+    v = values(2)
+    ext, write = _two_shards(tmp_path, fmt)
+    write("s1", {"a": v["a"]})
+    write("s2", {"b": v["b"], "n": v["n"]})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / index).write_text(json.dumps({"weight_map": {"a": f"s2.{ext}", "b": f"s2.{ext}", "n": f"s2.{ext}"}}))
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(CheckpointFormatError, match="'a'"):
+        load_into_module(m, tmp_path)
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_the_index_decides_which_shard_a_tensor_held_twice_comes_from(tmp_path, fmt) -> None:
+    """A stale copy of a tensor in another shard is never read: the index names the source."""
+    v, stale = values(2), values(9)
+    ext, write = _two_shards(tmp_path, fmt)
+    write("s1", {"a": stale["a"], "b": v["b"]})
+    write("s2", {"a": v["a"], "n": v["n"]})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / index).write_text(json.dumps({"weight_map": {"a": f"s2.{ext}", "b": f"s1.{ext}", "n": f"s2.{ext}"}}))
+    m = filled(Pair())
+    assert load_into_module(m, tmp_path) == ([], [])
+    assert snapshot(m) == snapshot(reference(Pair, v))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_an_index_that_lists_a_name_the_module_lacks_reports_it_unexpected(tmp_path, fmt) -> None:
+    v = values(2)
+    ext, write = _two_shards(tmp_path, fmt)
+    write("s1", {**v, "extra": torch.ones(3)})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / index).write_text(json.dumps({"weight_map": {k: f"s1.{ext}" for k in [*v, "extra"]}}))
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(MemtreeKeyError, match="'extra'"):
+        load_into_module(m, tmp_path)
+    assert snapshot(m) == before
+    assert load_into_module(m, tmp_path, strict=False) == ([], ["extra"])
+    assert snapshot(m) == snapshot(reference(Pair, v))
