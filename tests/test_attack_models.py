@@ -355,3 +355,319 @@ def test_an_index_that_lists_a_name_the_module_lacks_reports_it_unexpected(tmp_p
     assert snapshot(m) == before
     assert load_into_module(m, tmp_path, strict=False) == ([], ["extra"])
     assert snapshot(m) == snapshot(reference(Pair, v))
+
+
+# ------------------------------------------- 3. torch.save: shared records, offsets, strides
+class Views(nn.Module):
+    """Parameters of the shapes the view cases below produce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(3, 4))
+        self.y = nn.Parameter(torch.zeros(3, 4))
+        self.z = nn.Parameter(torch.zeros(4, 3))
+
+
+def _views(base: torch.Tensor, case: str) -> dict[str, torch.Tensor]:
+    """Three tensors of shapes (3, 4), (3, 4), (4, 3) that share ``base``'s storage."""
+    flat = base.reshape(-1)
+    if case == "same-record":  # two names, one tensor (a tied state_dict)
+        return {"x": base[:3, :4], "y": base[:3, :4], "z": base[:4, :3]}
+    if case == "offsets":
+        return {"x": flat[5:17].view(3, 4), "y": flat[17:29].view(3, 4), "z": flat[1:13].view(4, 3)}
+    if case == "overlapping":
+        return {"x": flat[0:12].view(3, 4), "y": flat[6:18].view(3, 4), "z": flat[3:15].view(4, 3)}
+    if case == "transposed":
+        return {"x": base[:4, :3].t(), "y": base[2:6, 1:4].t(), "z": base[:3, :4].t()}
+    if case == "strided":
+        return {"x": base[::2, ::2][:3, :4], "y": base[1::2, 1::2][:3, :4], "z": base[::2, 1::2][:4, :3]}
+    if case == "broadcast":  # stride 0
+        return {"x": flat[:4].expand(3, 4), "y": flat[4:5].expand(3, 4), "z": flat[:3].expand(4, 3)}
+    if case == "negative-offset-into-a-big-storage":
+        return {"x": flat[-12:].view(3, 4), "y": flat[-24:-12].view(3, 4), "z": flat[40:52].view(4, 3)}
+    raise AssertionError(case)
+
+
+VIEW_CASES = ["same-record", "offsets", "overlapping", "transposed", "strided", "broadcast",
+              "negative-offset-into-a-big-storage"]
+
+
+@pytest.mark.parametrize("target", ["live", "meta", "assign"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-cast"])
+@pytest.mark.parametrize("case", VIEW_CASES)
+def test_torch_save_views_of_shared_storage_load_as_torch_load_reads_them(tmp_path, case, dtype, target) -> None:
+    base = random_tensor((8, 8), dtype, seed=11)
+    state = _views(base, case)
+    torch.save(state, tmp_path / "m.pt")
+    expected = {k: v.to(torch.float32) for k, v in torch.load(tmp_path / "m.pt", weights_only=True).items()}
+    if target == "meta":
+        with empty_init():
+            m = Views()
+    else:
+        m = filled(Views())
+    params = list(m.parameters())
+    cast = torch.float32 if dtype != torch.float32 else None
+    assert load_into_module(m, tmp_path / "m.pt", dtype=cast, assign=target == "assign") == ([], [])
+    for name in "xyz":
+        got = getattr(m, name)
+        assert got.dtype == torch.float32 and got.device.type == "cpu", name
+        assert raw_bytes(got) == raw_bytes(expected[name]), name
+    if target == "live":
+        assert list(m.parameters()) == params  # the same objects, filled
+
+
+@SETTINGS
+@given(
+    layout=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5), st.integers(0, 5)), min_size=3, max_size=3),
+    target=st.sampled_from(["live", "meta"]),
+    cast=st.booleans(),
+)
+def test_fuzzed_strided_views_of_one_storage_load_as_torch_load_reads_them(tmp_path_factory, layout, target, cast) -> None:
+    """Any offsets and strides (0 included: broadcasts; overlapping views), one shared record."""
+    base = random_tensor((128,), torch.bfloat16 if cast else torch.float32, seed=sum(map(sum, layout)))
+    shapes = {"x": (3, 4), "y": (3, 4), "z": (4, 3)}
+    state = {k: base.as_strided(shapes[k], (s0, s1), off) for k, (off, s0, s1) in zip("xyz", layout)}
+    path = tmp_path_factory.mktemp("views") / "m.pt"
+    torch.save(state, path)
+    expected = torch.load(path, weights_only=True)
+    if target == "meta":
+        with empty_init():
+            m = Views()
+    else:
+        m = filled(Views())
+    assert load_into_module(m, path, dtype=torch.float32 if cast else None) == ([], [])
+    for name in "xyz":
+        assert raw_bytes(getattr(m, name)) == raw_bytes(expected[name].float()), name
+
+
+# ------------------------------------------------------ 4. dtypes, casts, odd shapes, all kinds
+ODD = {  # name: (shape, dtype) of a tensor the module below holds
+    "w": ((3, 2), torch.float32),
+    "flag": ((4,), torch.bool),
+    "phase": ((2, 2), torch.complex64),
+    "f8": ((3,), torch.float8_e4m3fn),
+    "f8b": ((2, 1), torch.float8_e5m2),
+    "empty": ((0, 5), torch.float32),
+    "none": ((3, 0, 2), torch.int32),
+    "step": ((), torch.int64),
+    "scale": ((), torch.float64),
+    "h": ((7,), torch.float16),
+    "u": ((2,), torch.uint8),
+}
+
+
+class Odd(nn.Module):
+    def __init__(self, dtypes: dict[str, torch.dtype] | None = None) -> None:
+        super().__init__()
+        for name, (shape, dtype) in ODD.items():
+            dtype = (dtypes or {}).get(name, dtype)
+            if name == "w":
+                self.w = nn.Parameter(torch.zeros(shape, dtype=dtype))
+            else:
+                self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+
+
+def odd_values(seed: int, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    return {
+        n: random_tensor(shape, (dtypes or {}).get(n, dt), seed + i) for i, (n, (shape, dt)) in enumerate(ODD.items())
+    }
+
+
+@pytest.mark.parametrize("target", ["live", "meta", "assign"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bool_complex_float8_empty_and_0_dim_tensors_load_bit_exact_from_every_kind(tmp_path, kind, target) -> None:
+    state = odd_values(5)
+    source = write_source(state, kind, tmp_path)
+    if target == "meta":
+        with empty_init():
+            m = Odd()
+    else:
+        m = filled(Odd())
+    assert load_into_module(m, source, assign=target == "assign") == ([], [])
+    for name, t in state.items():
+        got = getattr(m, name)
+        assert (got.dtype, got.shape, raw_bytes(got)) == (t.dtype, t.shape, raw_bytes(t)), name
+
+
+CASTS = [  # (stored dtype of the floating tensors, module dtype)
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float8_e4m3fn, torch.float32),
+    (torch.float64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("target", ["live", "meta"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stored, wanted", CASTS, ids=lambda d: str(d).replace("torch.", ""))
+def test_dtype_casts_floating_tensors_exactly_as_tensor_to_and_keeps_the_others(tmp_path, stored, wanted, kind, target) -> None:
+    floats = ["w", "f8", "f8b", "empty", "scale", "h"]
+    state = odd_values(3, {n: stored for n in floats})
+    source = write_source(state, kind, tmp_path)
+    module_dtypes = {n: wanted for n in floats}
+    if target == "meta":
+        with empty_init():
+            m = Odd(module_dtypes)
+    else:
+        m = filled(Odd(module_dtypes))
+    assert load_into_module(m, source, dtype=wanted) == ([], [])
+    for name, t in state.items():
+        want = t.to(wanted) if t.is_floating_point() else t
+        got = getattr(m, name)
+        assert (got.dtype, got.shape, raw_bytes(got)) == (want.dtype, want.shape, raw_bytes(want)), name
+
+
+@pytest.mark.parametrize("target", ["live", "meta"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "stored, module_dtype, cast",
+    [
+        (torch.bfloat16, torch.float32, None),         # no dtype=: a dtype difference is an error
+        (torch.float32, torch.float64, None),
+        (torch.int32, torch.float32, torch.float32),   # integers are never cast
+        (torch.bool, torch.float32, torch.float32),
+        (torch.complex64, torch.float32, torch.float32),  # complex is not floating point
+        (torch.float32, torch.float16, torch.bfloat16),  # the cast dtype is not the module's
+    ],
+    ids=lambda d: str(d).replace("torch.", ""),
+)
+def test_a_dtype_difference_that_dtype_does_not_cover_is_refused_before_any_change(
+    tmp_path, kind, target, stored, module_dtype, cast
+) -> None:
+    state = odd_values(4)
+    state["w"] = random_tensor((3, 2), stored, 4)
+    source = write_source(state, kind, tmp_path)
+    if target == "meta":
+        with empty_init():
+            m = Odd({"w": module_dtype})
+    else:
+        m = filled(Odd({"w": module_dtype}))
+    before = snapshot(m) if target == "live" else None
+    with pytest.raises(ShapeMismatchError, match=r"'w'.*(bfloat16|float|int32|bool|complex64).*module"):
+        load_into_module(m, source, dtype=cast, strict=False)
+    if before is not None:
+        assert snapshot(m) == before
+    else:
+        assert all(t.device.type == "meta" for t in m.state_dict().values())
+
+
+@pytest.mark.parametrize("bad", [torch.int64, torch.bool, torch.complex64, "float32", torch.float32.__class__])
+def test_a_cast_to_a_non_floating_dtype_is_refused(bad) -> None:
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(memtree.InvalidArgumentError, match="dtype="):
+        load_into_module(m, values(), dtype=bad)
+    assert snapshot(m) == before
+
+
+# ------------------------------------------------------------- 5. prefix= and ignore_mismatched
+class Wrapped(nn.Module):
+    """``Pair`` under ``model.``: the names a training checkpoint of a wrapper has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Pair()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_source_with_a_name_both_with_and_without_the_prefix_is_refused_not_guessed(tmp_path, kind) -> None:
+    """``model.a`` and ``a`` in one source: stripping ``model.`` would make two sources of ``a``."""
+    state = {**{f"model.{k}": v for k, v in values(1).items()}, "a": values(2)["a"]}
+    source = write_source(state, kind, tmp_path)
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(SourceError, match=r"'model\.a' and 'a'|'a' and 'model\.a'"):
+        load_into_module(m, source, prefix="model.")
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("direction", ["strip", "add"])
+def test_prefix_maps_whole_components_only(tmp_path, kind, direction) -> None:
+    """``prefix='model'`` never strips ``models.``/``modela``: those names stay as they are."""
+    v = values(3)
+    if direction == "strip":
+        state = {**{f"model.{k}": t for k, t in v.items()}, "modelb": torch.ones(5)}
+        m = filled(Pair())
+        expected_unexpected = ["modelb"]
+    else:
+        state = dict(v)
+        m = filled(Wrapped())
+        expected_unexpected = []
+    source = write_source(state, kind, tmp_path)
+    result = load_into_module(m, source, prefix="model", strict=False)
+    assert (result.missing, sorted(result.unexpected)) == ([], expected_unexpected)
+    inner = m if direction == "strip" else m.model
+    assert snapshot(inner) == snapshot(reference(Pair, v))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ignore_mismatched_with_strict_still_fails_on_unexpected_and_missing_names(tmp_path, kind) -> None:
+    v = values(4)
+    state = {"a": random_tensor((3, 4), torch.float32, 1), "b": v["b"], "extra": torch.ones(2)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(MemtreeKeyError) as info:
+        load_into_module(m, source, ignore_mismatched=True)
+    message = str(info.value)
+    assert "'n'" in message and "'extra'" in message and "'a'" not in message.split("Nothing")[0]
+    assert snapshot(m) == before
+    result = load_into_module(m, source, ignore_mismatched=True, strict=False)
+    assert (result.missing, result.unexpected, result.mismatched) == (["n"], ["extra"], ["a"])
+    assert raw_bytes(m.b) == raw_bytes(v["b"])
+    assert {k: x for k, x in snapshot(m).items() if k != "p:b"} == {k: x for k, x in before.items() if k != "p:b"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ignore_mismatched_never_hides_a_dtype_difference_of_the_same_shape(tmp_path, kind) -> None:
+    state = {**values(4), "b": random_tensor((5,), torch.float64, 1), "a": random_tensor((2, 2), torch.float32, 2)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(Pair())
+    before = snapshot(m)
+    with pytest.raises(ShapeMismatchError, match="'b'"):
+        load_into_module(m, source, ignore_mismatched=True, strict=False)
+    assert snapshot(m) == before
+
+
+# ---------------------------------------------- 6. non-persistent buffers, mixed meta and live
+class WithTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.bn = nn.BatchNorm1d(2)
+        self.register_buffer("rotary", torch.arange(6.0), persistent=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_persistent_buffer_is_never_loaded_and_its_name_is_unexpected_as_in_torch(tmp_path, kind) -> None:
+    donor = filled(WithTables(), seed=21)
+    state = {**donor.state_dict(), "rotary": torch.full((6,), 9.0)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(WithTables())
+    rotary = m.rotary.clone()
+    expected = reference(WithTables, state, strict=False)
+    with pytest.raises(MemtreeKeyError, match="'rotary'"):
+        load_into_module(m, source)
+    result = load_into_module(m, source, strict=False)
+    assert (result.missing, result.unexpected) == ([], ["rotary"])
+    assert list(expected.load_state_dict(state, strict=False)) == [[], ["rotary"]]  # torch agrees
+    assert torch.equal(m.rotary, rotary)
+    assert snapshot(m) == {**snapshot(expected), "b:rotary": raw_bytes(rotary)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_meta_parameters_are_bound_and_live_buffers_filled_in_one_load(tmp_path, kind) -> None:
+    donor = filled(WithTables(), seed=22)
+    source = write_source(donor.state_dict(), kind, tmp_path)
+    with empty_init():
+        m = WithTables()
+    with torch.no_grad():  # the buffers made live (a module half materialised)
+        m.bn.running_mean = torch.zeros(2)
+        m.bn.running_var = torch.zeros(2)
+    live = [m.bn.running_mean, m.bn.running_var]
+    assert load_into_module(m, source) == ([], [])
+    assert m.bn.running_mean is live[0] and m.bn.running_var is live[1]  # filled in place
+    assert all(p.device.type == "cpu" for p in m.state_dict().values())
+    assert snapshot(m) == snapshot(donor)
