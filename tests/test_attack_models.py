@@ -66,10 +66,14 @@ def values(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def snapshot(module: nn.Module) -> dict[str, bytes]:
-    """The bytes of every parameter and buffer (persistent or not), by name."""
-    out = {f"p:{k}": raw_bytes(v) for k, v in module.named_parameters(remove_duplicate=False)}
-    out.update({f"b:{k}": raw_bytes(v) for k, v in module.named_buffers(remove_duplicate=False)})
+def _bits(t: torch.Tensor) -> Any:
+    return ("meta", tuple(t.shape), t.dtype) if t.device.type == "meta" else raw_bytes(t)
+
+
+def snapshot(module: nn.Module) -> dict[str, Any]:
+    """The bytes of every parameter and buffer (persistent or not), by name (meta: no bytes)."""
+    out = {f"p:{k}": _bits(v) for k, v in module.named_parameters(remove_duplicate=False)}
+    out.update({f"b:{k}": _bits(v) for k, v in module.named_buffers(remove_duplicate=False)})
     return out
 
 
@@ -93,6 +97,7 @@ def write_source(state: dict[str, torch.Tensor], kind: str, where: Any) -> Any:
     """``state`` as a source of ``kind``: a state_dict, a memtree directory, a safetensors or
     torch.save file, or a Hugging Face index of two shards of either format."""
     d = str(where)
+    os.makedirs(d, exist_ok=True)
     state = {k: v.detach() for k, v in state.items()}
     if kind == "state_dict":
         return state
@@ -671,3 +676,110 @@ def test_meta_parameters_are_bound_and_live_buffers_filled_in_one_load(tmp_path,
     assert m.bn.running_mean is live[0] and m.bn.running_var is live[1]  # filled in place
     assert all(p.device.type == "cpu" for p in m.state_dict().values())
     assert snapshot(m) == snapshot(donor)
+
+
+# --------------------------------------------------------------- 7. tied and storage-sharing targets
+class Tied(nn.Module):
+    """An embedding and an output projection tied by the constructor (as in GPT-2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("target", ["live", "meta", "assign"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_source_giving_tied_names_different_values_is_refused_not_resolved_silently(tmp_path, kind, target) -> None:
+    """``load_state_dict`` keeps whichever name it copies last, Hugging Face re-ties to the input
+    embedding: either is a silent choice. memtree refuses, naming both names, before any change."""
+    state = {"emb.weight": random_tensor((6, 4), torch.float32, 1), "head.weight": random_tensor((6, 4), torch.float32, 2)}
+    source = write_source(state, kind, tmp_path)
+    if target == "meta":
+        with empty_init():
+            m = Tied()
+    else:
+        m = filled(Tied())
+    before = snapshot(m)
+    with pytest.raises(MemtreeError, match=r"'emb\.weight'.*'head\.weight'|'head\.weight'.*'emb\.weight'") as info:
+        load_into_module(m, source, assign=target == "assign")
+    assert "tied" in str(info.value)
+    assert snapshot(m) == before
+    assert m.head.weight is m.emb.weight
+
+
+@pytest.mark.parametrize("target", ["live", "meta", "assign"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_source_giving_tied_names_equal_values_loads_and_stays_tied(tmp_path, kind, target) -> None:
+    """A ``torch.save(model.state_dict())`` of a tied model has both names (one storage, or two
+    copies of equal bits, NaN payloads included): that loads."""
+    w = random_tensor((6, 4), torch.float32, 3)
+    state = {"emb.weight": w, "head.weight": w if kind != "safetensors" else w.clone()}
+    source = write_source(state, kind, tmp_path)
+    if target == "meta":
+        with empty_init():
+            m = Tied()
+    else:
+        m = filled(Tied())
+    assert load_into_module(m, source, assign=target == "assign") == ([], [])
+    assert m.head.weight is m.emb.weight
+    assert raw_bytes(m.emb.weight) == raw_bytes(w)
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["live", "meta"])
+def test_to_module_of_a_tree_giving_tied_names_different_values_is_refused(live) -> None:
+    tree = TensorTree({"emb": {"weight": random_tensor((6, 4), torch.float32, 1)},
+                       "head": {"weight": random_tensor((6, 4), torch.float32, 2)}})
+    if live:
+        m = filled(Tied())
+    else:
+        with empty_init():
+            m = Tied()
+    before = snapshot(m)
+    with pytest.raises(SourceError, match=r"'emb\.weight' and 'head\.weight' different values"):
+        tree.to_module(m)
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_name_of_a_tied_pair_loads_both(tmp_path, kind) -> None:
+    w = random_tensor((6, 4), torch.float32, 4)
+    for name in ("emb.weight", "head.weight"):
+        source = write_source({name: w}, kind, tmp_path / name)
+        m = filled(Tied())
+        assert load_into_module(m, source) == ([], [])
+        assert m.head.weight is m.emb.weight and raw_bytes(m.head.weight) == raw_bytes(w)
+
+
+class SharedStorage(nn.Module):
+    """Parameters that are views of one storage (a fused projection split by the constructor)."""
+
+    def __init__(self, overlap: bool = False) -> None:
+        super().__init__()
+        base = torch.zeros(30)
+        self.q = nn.Parameter(base[0:12].view(3, 4))
+        self.k = nn.Parameter(base[8:20].view(3, 4) if overlap else base[12:24].view(3, 4))
+        self.v = nn.Parameter(base[24:30].view(2, 3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_sharing_one_storage_are_each_filled_with_their_own_bytes(tmp_path, kind) -> None:
+    state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
+             "v": random_tensor((2, 3), torch.float32, 3)}
+    source = write_source(state, kind, tmp_path)
+    m = SharedStorage()
+    storage = m.q.untyped_storage().data_ptr()
+    assert load_into_module(m, source) == ([], [])
+    assert all(p.untyped_storage().data_ptr() == storage for p in m.parameters())
+    assert snapshot(m) == snapshot(reference(SharedStorage, state))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overlapping_parameters_given_agreeing_bytes_load(tmp_path, kind) -> None:
+    base = random_tensor((30,), torch.float32, 5)
+    state = {"q": base[0:12].view(3, 4).clone(), "k": base[8:20].view(3, 4).clone(), "v": base[24:30].view(2, 3).clone()}
+    source = write_source(state, kind, tmp_path)
+    m = filled(SharedStorage(overlap=True))
+    assert load_into_module(m, source) == ([], [])
+    assert snapshot(m) == snapshot(reference(lambda: SharedStorage(overlap=True), state))

@@ -290,7 +290,8 @@ def _leaf_targets(
     found: Plan, src: Source, tree: TensorTree
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
     """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
-    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path."""
+    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path, or if
+    the tree holds several names of one tied tensor (whose values are compared on the data)."""
     paths = {
         id(v): (k,) if isinstance(k, str) else k
         for k, v in tree.items(include_nested=True, leaves_only=True)
@@ -301,6 +302,8 @@ def _leaf_targets(
         path = paths.get(id(src.entries.get(name)))
         if path is None or not is_live(group) or not all(isinstance(k, str) for k in path):
             return None
+        if sum(n in src.entries for n in group.names) > 1:
+            return None  # several names of one tied tensor: plan() compares their data
         dest = group.tensor.detach()
         if type(dest) is not torch.Tensor:
             dest = dest.as_subclass(torch.Tensor)
@@ -396,7 +399,8 @@ def load_into_module(
             ``prefix`` starts no name of either side.
         InvalidArgumentError: ``dtype`` is not a floating-point dtype, ``prefix`` is not a
             dotted name, or ``device`` differs from a live tensor's device.
-        SourceError: the source is of an unknown kind or cannot be read.
+        SourceError: the source is of an unknown kind or cannot be read, or gives two names
+            of one tied tensor of the module different values.
 
     Example:
         >>> import tempfile
