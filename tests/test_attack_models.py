@@ -81,7 +81,7 @@ def filled(module: nn.Module, seed: int = 7) -> nn.Module:
     """``module`` with recognisable values in every tensor (so that any write shows)."""
     with torch.no_grad():
         for i, t in enumerate(module.state_dict(keep_vars=True).values()):
-            if t.device.type != "meta":
+            if t.device.type != "meta" and torch._debug_has_internal_overlap(t) != 1:  # not expanded
                 t.copy_(random_tensor(tuple(t.shape), t.dtype, seed + i))
     return module
 
@@ -709,13 +709,20 @@ def test_a_source_giving_tied_names_different_values_is_refused_not_resolved_sil
     assert m.head.weight is m.emb.weight
 
 
+@pytest.mark.parametrize("layout", ["one-tensor", "copies", "strided-copies"])
 @pytest.mark.parametrize("target", ["live", "meta", "assign"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_source_giving_tied_names_equal_values_loads_and_stays_tied(tmp_path, kind, target) -> None:
+def test_a_source_giving_tied_names_equal_values_loads_and_stays_tied(tmp_path, kind, target, layout) -> None:
     """A ``torch.save(model.state_dict())`` of a tied model has both names (one storage, or two
     copies of equal bits, NaN payloads included): that loads."""
     w = random_tensor((6, 4), torch.float32, 3)
-    state = {"emb.weight": w, "head.weight": w if kind != "safetensors" else w.clone()}
+    if layout == "one-tensor" and kind != "safetensors":  # safetensors cannot share
+        state = {"emb.weight": w, "head.weight": w}
+    elif layout == "strided-copies":
+        state = {"emb.weight": torch.stack([w, torch.zeros_like(w)], 2)[:, :, 0], "head.weight": w.t().contiguous().t()}
+        assert not any(t.is_contiguous() for t in state.values())
+    else:
+        state = {"emb.weight": w, "head.weight": w.clone()}
     source = write_source(state, kind, tmp_path)
     if target == "meta":
         with empty_init():
@@ -753,14 +760,21 @@ def test_one_name_of_a_tied_pair_loads_both(tmp_path, kind) -> None:
 
 
 class SharedStorage(nn.Module):
-    """Parameters that are views of one storage (a fused projection split by the constructor)."""
+    """Parameters that are views of one storage (a fused projection split by the constructor).
 
-    def __init__(self, overlap: bool = False) -> None:
+    ``layout``: (storage offset, strides) of ``q`` (3, 4), ``k`` (3, 4) and ``v`` (2, 3).
+    """
+
+    SPLIT = [(0, (4, 1)), (12, (4, 1)), (24, (3, 1))]
+    OVERLAP = [(0, (4, 1)), (8, (4, 1)), (24, (3, 1))]
+    INTERLEAVED = [(0, (8, 2)), (1, (8, 2)), (24, (3, 1))]  # disjoint elements, overlapping ranges
+
+    def __init__(self, layout: list[tuple[int, tuple[int, int]]] | None = None) -> None:
         super().__init__()
-        base = torch.zeros(30)
-        self.q = nn.Parameter(base[0:12].view(3, 4))
-        self.k = nn.Parameter(base[8:20].view(3, 4) if overlap else base[12:24].view(3, 4))
-        self.v = nn.Parameter(base[24:30].view(2, 3))
+        base = torch.zeros(64)
+        shapes = [(3, 4), (3, 4), (2, 3)]
+        q, k, v = (base.as_strided(shape, stride, off) for shape, (off, stride) in zip(shapes, layout or self.SPLIT))
+        self.q, self.k, self.v = nn.Parameter(q), nn.Parameter(k), nn.Parameter(v)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -768,18 +782,96 @@ def test_parameters_sharing_one_storage_are_each_filled_with_their_own_bytes(tmp
     state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
              "v": random_tensor((2, 3), torch.float32, 3)}
     source = write_source(state, kind, tmp_path)
-    m = SharedStorage()
+    m = filled(SharedStorage())
     storage = m.q.untyped_storage().data_ptr()
     assert load_into_module(m, source) == ([], [])
     assert all(p.untyped_storage().data_ptr() == storage for p in m.parameters())
     assert snapshot(m) == snapshot(reference(SharedStorage, state))
 
 
+@pytest.mark.parametrize("layout", ["SPLIT", "INTERLEAVED"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_sharing_one_storage_without_sharing_elements_load(tmp_path, kind, layout) -> None:
+    state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
+             "v": random_tensor((2, 3), torch.float32, 3)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(SharedStorage(getattr(SharedStorage, layout)))
+    assert load_into_module(m, source) == ([], [])
+    assert snapshot(m) == snapshot(reference(lambda: SharedStorage(getattr(SharedStorage, layout)), state))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overlapping_parameters_given_disagreeing_bytes_are_refused(tmp_path, kind) -> None:
+    """Two parameters over the same bytes cannot both hold what the source says for them;
+    ``load_state_dict`` keeps the last copy, a threaded fill any of them. memtree refuses."""
+    state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
+             "v": random_tensor((2, 3), torch.float32, 3)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(SharedStorage(SharedStorage.OVERLAP))
+    before = snapshot(m)
+    with pytest.raises(SourceError, match=r"'q', 'k'.*share memory.*assign=True"):
+        load_into_module(m, source)
+    assert snapshot(m) == before
+    assert load_into_module(m, source, assign=True) == ([], [])  # binding: each its own tensor
+    assert all(raw_bytes(getattr(m, k)) == raw_bytes(v) for k, v in state.items())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_overlapping_parameters_given_agreeing_bytes_load(tmp_path, kind) -> None:
-    base = random_tensor((30,), torch.float32, 5)
+    base = random_tensor((64,), torch.float32, 5)
     state = {"q": base[0:12].view(3, 4).clone(), "k": base[8:20].view(3, 4).clone(), "v": base[24:30].view(2, 3).clone()}
     source = write_source(state, kind, tmp_path)
-    m = filled(SharedStorage(overlap=True))
+    m = filled(SharedStorage(SharedStorage.OVERLAP))
     assert load_into_module(m, source) == ([], [])
-    assert snapshot(m) == snapshot(reference(lambda: SharedStorage(overlap=True), state))
+    assert snapshot(m) == snapshot(reference(lambda: SharedStorage(SharedStorage.OVERLAP), state))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parameter_whose_elements_share_memory_is_refused_before_any_change(tmp_path, kind) -> None:
+    """An expanded view cannot be filled in place (``copy_`` into it raises in torch)."""
+    state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
+             "v": random_tensor((2, 3), torch.float32, 3)}
+    source = write_source(state, kind, tmp_path)
+    m = filled(SharedStorage([(0, (4, 1)), (12, (0, 1)), (24, (3, 1))]))
+    before = snapshot(m)
+    with pytest.raises(memtree.InvalidArgumentError, match=r"'k'.*share memory.*assign=True"):
+        load_into_module(m, source)
+    assert snapshot(m) == before
+
+
+@SETTINGS
+@given(
+    layout=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 6), st.integers(0, 6)), min_size=3, max_size=3),
+    agree=st.booleans(),
+    kind=st.sampled_from(KINDS),
+)
+def test_fuzzed_storage_sharing_targets_load_as_load_state_dict_or_are_refused_unchanged(
+    tmp_path_factory, layout, agree, kind
+) -> None:
+    """Any layout of three parameters over one storage. Oracle: ``load_state_dict`` (sequential
+    copies); where its result leaves each parameter holding its own source value, memtree must
+    give the same bits; where it does not (the source disagrees on shared memory, or copy_
+    refuses a self-overlapping view), memtree must refuse and change nothing."""
+    shape_layout = [(off, (s0, s1)) for off, s0, s1 in layout]
+    make = lambda: SharedStorage(shape_layout)  # noqa: E731
+    base = random_tensor((64,), torch.float32, sum(map(sum, layout)))
+    if agree:
+        state = {k: getattr(SharedStorage(shape_layout), k).detach().clone() for k in "qkv"}
+        state = {k: base.as_strided(v.shape, v.stride(), getattr(make(), k).storage_offset()).clone() for k, v in state.items()}
+    else:
+        state = {k: random_tensor(tuple(getattr(make(), k).shape), torch.float32, i) for i, k in enumerate("qkv")}
+    try:
+        expected = reference(make, state)
+        consistent = all(raw_bytes(getattr(expected, k)) == raw_bytes(v) for k, v in state.items())
+    except RuntimeError:  # torch refuses to copy into a view whose elements overlap
+        consistent = False
+    source = write_source(state, kind, tmp_path_factory.mktemp("shared"))
+    m = filled(make())
+    before = snapshot(m)
+    if consistent:
+        assert load_into_module(m, source) == ([], [])
+        assert snapshot(m) == snapshot(expected)
+    else:
+        with pytest.raises((SourceError, memtree.InvalidArgumentError)):
+            load_into_module(m, source)
+        assert snapshot(m) == before

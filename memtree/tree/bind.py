@@ -398,7 +398,7 @@ def _same_values(src: Source, a: str, b: str) -> bool:
     x, y = _plain(src.get(a)).detach(), _plain(src.get(b)).detach()
     if x.device.type == "meta" or y.device.type == "meta" or _storage_key(x) == _storage_key(y):
         return True
-    return torch.equal(x.cpu().reshape(-1).view(torch.uint8), y.cpu().reshape(-1).view(torch.uint8))
+    return torch.equal(*(t.cpu().contiguous().view(-1).view(torch.uint8) for t in (x, y)))
 
 
 def names_list(names: list[str]) -> str:
