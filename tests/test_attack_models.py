@@ -101,8 +101,15 @@ def write_source(state: dict[str, torch.Tensor], kind: str, where: Any) -> Any:
     state = {k: v.detach() for k, v in state.items()}
     if kind == "state_dict":
         return state
-    if kind == "memtree":
-        TensorTree(state).memmap(d + "/tree")
+    if kind == "memtree":  # nested by dotted name, as from_module nests a module
+        nested: dict[str, Any] = {}
+        for name, t in state.items():
+            *parents, leaf = name.split(".")
+            level = nested
+            for p in parents:
+                level = level.setdefault(p, {})
+            level[leaf] = t
+        TensorTree(nested).memmap(d + "/tree")
         return d + "/tree"
     if kind == "safetensors":
         save_safetensors(state, d + "/m.safetensors")
@@ -875,3 +882,156 @@ def test_fuzzed_storage_sharing_targets_load_as_load_state_dict_or_are_refused_u
         with pytest.raises((SourceError, memtree.InvalidArgumentError)):
             load_into_module(m, source)
         assert snapshot(m) == before
+
+
+# ------------------------------------------------- 8. the optimizer order, assign=, bound training
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+_X = torch.randn(16, 6, generator=torch.Generator().manual_seed(3))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model.train()
+    opt.zero_grad()
+    model(_X).square().mean().backward()
+    opt.step()
+
+
+def _trained_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _step(m, opt)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ["st-index", "bin-index", "safetensors", "torch"])
+def test_model_then_optimizer_then_load_from_files_and_shard_indexes_trains_the_model(tmp_path, kind, opt_name) -> None:
+    state = _trained_state()
+    source = write_source(state, kind, tmp_path)
+    torch.manual_seed(1)
+    model = Net()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    load_into_module(model, source)
+    _step(model, opt)
+    _step(model, opt)
+    ref = Net()
+    ref.load_state_dict(state)
+    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    _step(ref, ref_opt)
+    _step(ref, ref_opt)
+    assert snapshot(model) == snapshot(ref)
+    assert not torch.equal(model.fc.weight, state["fc.weight"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_assign_binds_new_objects_keeping_requires_grad_and_values(tmp_path, kind) -> None:
+    state = _trained_state()
+    source = write_source(state, kind, tmp_path)
+    model = filled(Net())
+    model.fc.bias.requires_grad_(False)
+    old = dict(model.named_parameters())
+    assert load_into_module(model, source, assign=True) == ([], [])
+    new = dict(model.named_parameters())
+    assert all(new[k] is not old[k] for k in old)
+    assert [n for n, p in new.items() if not p.requires_grad] == ["fc.bias"]
+    assert all(type(p) is nn.Parameter for p in new.values())
+    assert snapshot(model) == snapshot(reference(Net, state))
+    opt = torch.optim.SGD(old.values(), lr=0.1)  # built on the replaced objects: trains nothing
+    before = snapshot(model)
+    _step(model, opt)
+    assert {k: v for k, v in snapshot(model).items() if k.startswith("p:")} == {
+        k: v for k, v in before.items() if k.startswith("p:")
+    }
+
+
+def _file_bytes(source: Any) -> dict[str, bytes]:
+    if isinstance(source, dict):
+        return {}
+    root = str(source) if os.path.isdir(source) else os.path.dirname(str(source))
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out[os.path.join(dirpath, f)] = fh.read()
+    return out
+
+
+@pytest.mark.parametrize("how", ["meta", "assign"])
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_training_bound_weights_never_writes_the_checkpoint(tmp_path, kind, how) -> None:
+    """Bound tensors are copy-on-write views of the files: an optimizer step, BatchNorm statistics
+    and a direct write change the model, never a byte of the source."""
+    state = _trained_state()
+    source = write_source(state, kind, tmp_path)
+    files = _file_bytes(source)
+    assert files
+    if how == "meta":
+        with empty_init():
+            model = Net()
+    else:
+        model = filled(Net())
+    load_into_module(model, source, assign=how == "assign")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        _step(model, opt)
+    with torch.no_grad():
+        model.out.bias.fill_(7.0)
+    assert not torch.equal(model.fc.weight, state["fc.weight"])
+    assert _file_bytes(source) == files
+
+
+# ------------------------------------------------------------ 9. a source changed during the load
+def _during_fill(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> None:
+    """Run ``action`` after the source is opened and planned, right before its bytes are read."""
+    for mod in (loading_mod, read_mod):
+        real = mod.fill
+
+        def late(jobs: Any, _real: Any = real, **kw: Any) -> None:
+            action()
+            _real(jobs, **kw)
+
+        monkeypatch.setattr(mod, "fill", late)
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_a_source_replaced_by_rename_during_the_load_is_read_whole_from_the_old_files(tmp_path, kind, monkeypatch) -> None:
+    """A writer that publishes a new checkpoint by rename (as every careful writer does) never
+    mixes into a load in progress: the files opened are read."""
+    old = _trained_state()  # nested: a memtree directory has a level per sub-module
+    new = {k: v.detach().clone() for k, v in filled(Net(), seed=99).state_dict().items()}
+    source = write_source(old, kind, tmp_path / "old")
+    replacement = write_source(new, kind, tmp_path / "new")
+    old_root = str(source) if os.path.isdir(source) else os.path.dirname(str(source))
+    new_root = str(replacement) if os.path.isdir(replacement) else os.path.dirname(str(replacement))
+    replaced = []
+
+    def swap() -> None:
+        for dirpath, _, files in os.walk(new_root):
+            for f in files:
+                target = os.path.join(old_root, os.path.relpath(os.path.join(dirpath, f), new_root))
+                if os.path.exists(target):
+                    os.replace(os.path.join(dirpath, f), target)
+                    replaced.append(target)
+
+    _during_fill(monkeypatch, swap)
+    m = filled(Net())
+    assert load_into_module(m, source) == ([], [])
+    assert replaced
+    assert snapshot(m) == snapshot(reference(Net, old))
