@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -43,7 +43,7 @@ from memtree.interop import save_safetensors
 from treeutil import random_tensor, raw_bytes
 
 SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
@@ -239,20 +239,45 @@ def test_a_lying_safetensors_header_is_refused_naming_the_file_and_nothing_chang
         assert all(p.device.type == "meta" for p in m.parameters())
 
 
+@st.composite
+def _layouts(draw: Any) -> tuple[dict[str, list[int]], list[int]]:
+    """Offsets of ``a`` (12 float32), ``b`` (5 float32), ``n`` (2 int64) laid out honestly in a
+    random order, then perhaps lied about: one offset moved, or one end changed."""
+    sizes = {"a": 48, "b": 20, "n": 16}
+    order = draw(st.permutations(list(sizes)))
+    offsets, at = {}, 0
+    for name in order:
+        offsets[name] = [at, at + sizes[name]]
+        at += sizes[name]
+    lie = draw(st.sampled_from(["none", "none", "none", "move", "end", "swap"]))
+    if lie == "move":
+        name = draw(st.sampled_from(order))
+        shift = draw(st.sampled_from([-24, -8, -4, -1, 1, 4, 8, 24]))
+        offsets[name] = [max(offsets[name][0] + shift, 0), max(offsets[name][1] + shift, 0)]
+    elif lie == "end":
+        name = draw(st.sampled_from(order))
+        offsets[name][1] = max(offsets[name][1] + draw(st.sampled_from([-8, -4, -1, 1, 4, 8])), 0)
+    elif lie == "swap":
+        x, y = draw(st.permutations(order))[:2]
+        offsets[x], offsets[y] = offsets[y], offsets[x]
+    return offsets, [at]
+
+
 @SETTINGS
 @given(
-    offsets=st.lists(st.integers(0, 100), min_size=6, max_size=6),
-    tail=st.integers(0, 24),
-    shape_a=st.sampled_from([[4, 3], [3, 4], [12], [4, 4], [2, 3]]),
+    layout=_layouts(),
+    tail=st.sampled_from([0, 0, 0, 0, 0, 8]),
+    shape_a=st.sampled_from([[4, 3], [4, 3], [4, 3], [3, 4], [12], [2, 3]]),
 )
 def test_fuzzed_offsets_either_load_exactly_the_bytes_they_name_or_raise_and_change_nothing(
-    tmp_path_factory, offsets, tail, shape_a
+    tmp_path_factory, layout, tail, shape_a
 ) -> None:
-    data = bytes(range(256))[:100] + bytes(tail)
+    offsets, _ = layout
+    data = bytes(range(256))[:84] + bytes(tail)
     entries = {
-        "a": {"dtype": "F32", "shape": shape_a, "data_offsets": offsets[0:2]},
-        "b": {"dtype": "F32", "shape": [5], "data_offsets": offsets[2:4]},
-        "n": {"dtype": "I64", "shape": [2], "data_offsets": offsets[4:6]},
+        "a": {"dtype": "F32", "shape": shape_a, "data_offsets": offsets["a"]},
+        "b": {"dtype": "F32", "shape": [5], "data_offsets": offsets["b"]},
+        "n": {"dtype": "I64", "shape": [2], "data_offsets": offsets["n"]},
     }
     path = tmp_path_factory.mktemp("st") / "m.safetensors"
     path.write_bytes(safetensors_bytes(entries, data))
@@ -260,7 +285,9 @@ def test_fuzzed_offsets_either_load_exactly_the_bytes_they_name_or_raise_and_cha
     before = snapshot(m)
     try:
         result = load_into_module(m, path, strict=False)
+        event("loaded")
     except MemtreeError as err:
+        event("refused")
         assert str(path) in str(err) or "'a'" in str(err)  # the file, or the key of a wrong shape
         assert snapshot(m) == before
         return
@@ -848,7 +875,14 @@ def test_a_parameter_whose_elements_share_memory_is_refused_before_any_change(tm
 
 @SETTINGS
 @given(
-    layout=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 6), st.integers(0, 6)), min_size=3, max_size=3),
+    layout=st.lists(
+        st.tuples(
+            st.integers(0, 30),
+            *(st.one_of(st.sampled_from([1, 1, 2, 3, 4, 8]), st.integers(0, 6)) for _ in range(2)),
+        ),
+        min_size=3,
+        max_size=3,
+    ),
     agree=st.booleans(),
     kind=st.sampled_from(KINDS),
 )
@@ -863,8 +897,7 @@ def test_fuzzed_storage_sharing_targets_load_as_load_state_dict_or_are_refused_u
     make = lambda: SharedStorage(shape_layout)  # noqa: E731
     base = random_tensor((64,), torch.float32, sum(map(sum, layout)))
     if agree:
-        state = {k: getattr(SharedStorage(shape_layout), k).detach().clone() for k in "qkv"}
-        state = {k: base.as_strided(v.shape, v.stride(), getattr(make(), k).storage_offset()).clone() for k, v in state.items()}
+        state = {k: base.as_strided(p.shape, p.stride(), p.storage_offset()).clone() for k, p in make().named_parameters()}
     else:
         state = {k: random_tensor(tuple(getattr(make(), k).shape), torch.float32, i) for i, k in enumerate("qkv")}
     try:
@@ -875,6 +908,7 @@ def test_fuzzed_storage_sharing_targets_load_as_load_state_dict_or_are_refused_u
     source = write_source(state, kind, tmp_path_factory.mktemp("shared"))
     m = filled(make())
     before = snapshot(m)
+    event("loaded" if consistent else "refused")
     if consistent:
         assert load_into_module(m, source) == ([], [])
         assert snapshot(m) == snapshot(expected)
@@ -1035,3 +1069,95 @@ def test_a_source_replaced_by_rename_during_the_load_is_read_whole_from_the_old_
     assert load_into_module(m, source) == ([], [])
     assert replaced
     assert snapshot(m) == snapshot(reference(Net, old))
+
+
+# ----------------------------------------------------- 10. torch.save layouts that lie about records
+class _Storage:
+    """Pickled as a persistent id ``('storage', torch.FloatStorage, key, 'cpu', numel)``."""
+
+    def __init__(self, key: str, numel: int, cls: Any = torch.FloatStorage) -> None:
+        self.key, self.numel, self.cls = key, numel, cls
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.args = (storage, offset, size, stride)
+
+    def __reduce__(self) -> Any:
+        import collections
+
+        return torch._utils._rebuild_tensor_v2, (*self.args, False, collections.OrderedDict())
+
+
+def torch_zip(path: Any, tensors: dict[str, _Tensor], records: dict[str, bytes]) -> None:
+    """A ``torch.save`` zip written by hand: any layout, any record size."""
+    import io
+    import pickle
+    import zipfile
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, _Storage):
+                return ("storage", obj.cls, obj.key, "cpu", obj.numel)
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(tensors)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/byteorder", "little")
+        for key, data in records.items():
+            z.writestr(f"archive/data/{key}", data)
+        z.writestr("archive/version", "3\n")
+
+
+def test_the_hand_written_torch_zip_is_what_torch_load_reads(tmp_path) -> None:
+    record = raw_bytes(random_tensor((40,), torch.float32, 1))
+    s = _Storage("0", 40)
+    torch_zip(tmp_path / "m.pt", {"a": _Tensor(s, 2, (4, 3), (3, 1)), "b": _Tensor(s, 30, (5,), (2,))}, {"0": record})
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    m = filled(Pair())
+    assert load_into_module(m, tmp_path / "m.pt", strict=False) == (["n"], [])
+    assert raw_bytes(m.a) == raw_bytes(loaded["a"]) and raw_bytes(m.b) == raw_bytes(loaded["b"])
+
+
+@SETTINGS
+@given(
+    numel=st.one_of(st.just(48), st.integers(0, 48)),
+    record_delta=st.sampled_from([0, 0, 0, 0, -4, 4, -1]),
+    layout_a=st.tuples(st.integers(0, 30), st.sampled_from([0, 1, 3, 4, 8]), st.sampled_from([0, 1, 2, 5])),
+    layout_b=st.tuples(st.integers(0, 50), st.integers(0, 8)),
+    meta=st.booleans(),
+)
+def test_fuzzed_torch_layouts_load_exactly_the_record_bytes_they_name_or_are_refused_unchanged(
+    tmp_path_factory, numel, record_delta, layout_a, layout_b, meta
+) -> None:
+    """Offsets, strides and storage sizes that may reach past a record, records whose size
+    disagrees with their storage: the bytes named, or a CheckpointFormatError and no change."""
+    record = raw_bytes(random_tensor((64,), torch.float32, numel))[: max(numel * 4 + record_delta, 0)]
+    s = _Storage("0", numel)
+    off_a, s0, s1 = layout_a
+    off_b, sb = layout_b
+    path = tmp_path_factory.mktemp("tz") / "m.pt"
+    torch_zip(path, {"a": _Tensor(s, off_a, (4, 3), (s0, s1)), "b": _Tensor(s, off_b, (5,), (sb,))}, {"0": record})
+    if meta:
+        with empty_init():
+            m = Pair()
+    else:
+        m = filled(Pair())
+    before = snapshot(m)
+    fits = record_delta == 0 and all(
+        off + sum((n - 1) * st_ for n, st_ in zip(shape, strides)) < numel
+        for off, shape, strides in ((off_a, (4, 3), (s0, s1)), (off_b, (5,), (sb,)))
+    )
+    event("refused" if not fits else "loaded")
+    if not fits:
+        with pytest.raises(CheckpointFormatError) as info:
+            load_into_module(m, path, strict=False)
+        assert str(path) in str(info.value) or "storage" in str(info.value)
+        assert snapshot(m) == before
+        return
+    assert load_into_module(m, path, strict=False) == (["n"], [])
+    storage = torch.frombuffer(bytearray(record), dtype=torch.float32) if record else torch.empty(0)
+    assert raw_bytes(m.a) == raw_bytes(storage.as_strided((4, 3), (s0, s1), off_a))
+    assert raw_bytes(m.b) == raw_bytes(storage.as_strided((5,), (sb,), off_b))
