@@ -1161,3 +1161,120 @@ def test_fuzzed_torch_layouts_load_exactly_the_record_bytes_they_name_or_are_ref
     storage = torch.frombuffer(bytearray(record), dtype=torch.float32) if record else torch.empty(0)
     assert raw_bytes(m.a) == raw_bytes(storage.as_strided((4, 3), (s0, s1), off_a))
     assert raw_bytes(m.b) == raw_bytes(storage.as_strided((5,), (sb,), off_b))
+
+
+# ------------------------------------- 11. memtree directories that lie, read by the in-place loader
+def _seq() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+
+
+_META_LIES = {
+    "dtype": ["bfloat16", "float64", "int32", "bool", "float8_e4m3fn", "complex64", "float128", 7, None],
+    "shape": [[3, 2], [6], [2, 4], [1, 2, 3], [], [0], [-1, 6], [2**40, 2**40], "2,3", [2.0, 3]],
+    "file": ["bias.memmap", "../1/running_mean.memmap", "/etc/passwd", "sub/weight.memmap", "", ".",
+             "meta.json", "weight.memmap/", "..", "w\0.memmap"],
+    "key": ["bias", "we.ight", "__tied__", "", "weight ", 5],
+    "kind": ["tree", "json", "nontensor", "tensor "],
+}
+
+
+@SETTINGS
+@given(
+    entry=st.sampled_from([0, 1]),
+    field=st.sampled_from(sorted(_META_LIES)),
+    pick=st.integers(0, 9),
+    meta=st.booleans(),
+)
+def test_a_lying_level_loads_into_a_live_module_as_load_memmap_reads_it_or_is_refused_unchanged(
+    tmp_path_factory, entry, field, pick, meta
+) -> None:
+    """The in-place loader opens a memtree directory with its own reader (no mapping): it must
+    accept nothing that ``load_memmap`` refuses, read the same bytes, and change nothing when
+    it refuses."""
+    donor = filled(_seq(), seed=31)
+    d = tmp_path_factory.mktemp("lie") / "tree"
+    TensorTree.from_module(donor).memmap(d)
+    doc = json.loads((d / "0" / "meta.json").read_text())
+    value = _META_LIES[field][pick % len(_META_LIES[field])]
+    doc["entries"][entry][field] = value
+    (d / "0" / "meta.json").write_text(json.dumps(doc))
+    try:
+        tree = memtree.load_memmap(d, mode="r")
+        reference_leaves: dict[str, Any] | None = {
+            ".".join(k): v for k, v in tree.items(include_nested=True, leaves_only=True) if isinstance(v, torch.Tensor)
+        }
+    except MemtreeError:
+        reference_leaves = None
+    if meta:
+        with empty_init():
+            m = _seq()
+    else:
+        m = filled(_seq())
+    before = snapshot(m)
+    try:
+        result = load_into_module(m, d, strict=False)
+    except MemtreeError:
+        event("refused")
+        assert snapshot(m) == before
+        return
+    event("loaded")
+    assert reference_leaves is not None, "load_into_module accepted a tree that load_memmap refuses"
+    loaded = dict(m.state_dict())
+    for name in loaded:
+        if name in reference_leaves and name not in result.missing:
+            assert raw_bytes(loaded[name]) == raw_bytes(reference_leaves[name]), name
+    assert sorted(result.unexpected) == sorted(set(reference_leaves) - set(loaded))
+
+
+@pytest.mark.parametrize("what", ["fifo", "directory", "dev-null-link", "socket"])
+@pytest.mark.parametrize("kind", ["memtree-leaf", "safetensors", "torch", "hf-dir", "index-shard"])
+def test_a_source_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, kind, what) -> None:
+    """A FIFO would block ``open`` forever, a socket or device is no checkpoint: a MemtreeError
+    naming the path, quickly, and nothing changes."""
+    import signal
+    import socket
+
+    def make(path: Any) -> None:
+        if os.path.lexists(path):
+            os.remove(path)
+        if what == "fifo":
+            os.mkfifo(path)
+        elif what == "directory":
+            os.mkdir(path)
+        elif what == "dev-null-link":
+            os.symlink("/dev/null", path)
+        else:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path))
+            s.close()
+
+    if kind == "memtree-leaf":
+        TensorTree.from_module(filled(Pair())).memmap(tmp_path / "tree")
+        victim, source = tmp_path / "tree" / "a.memmap", tmp_path / "tree"
+    elif kind in ("safetensors", "torch"):
+        victim = source = tmp_path / ("m.safetensors" if kind == "safetensors" else "m.pt")
+    elif kind == "hf-dir":
+        victim, source = tmp_path / "model.safetensors", tmp_path
+    else:
+        save_safetensors({"a": values()["a"]}, tmp_path / "s1.safetensors")
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "n": "s2.safetensors"}})
+        )
+        victim, source = tmp_path / "s2.safetensors", tmp_path
+    make(victim)
+
+    def hang(*_: Any) -> None:
+        raise AssertionError(f"load_into_module hung on a {what}")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    m = filled(Pair())
+    before = snapshot(m)
+    signal.alarm(60)
+    try:
+        with pytest.raises(MemtreeError) as info:
+            load_into_module(m, source)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert os.path.basename(victim) in str(info.value)
+    assert snapshot(m) == before
