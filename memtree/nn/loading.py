@@ -129,6 +129,12 @@ def as_source(source: Any, *, mode: str = "r") -> Source:
             return _source_from_file(path)
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, META_NAME)) and find_checkpoint(path):
             return _source_from_file(path)  # a Hugging Face model directory
+        if os.path.exists(path) and not os.path.isdir(path):  # a FIFO, a socket, a device
+            raise SourceError(
+                f"{path} is neither a regular file nor a directory (it resolves to "
+                f"{os.path.realpath(path)}); a source is a checkpoint file, a memtree directory or "
+                "a Hugging Face model directory"
+            )
         return _tree_source(load_memmap(path, mode=mode))
     if isinstance(source, Mapping):
         if callable(getattr(source, "tensor_spec", None)):
