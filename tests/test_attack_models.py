@@ -1307,3 +1307,78 @@ def test_threads_loading_one_source_into_their_own_modules_all_get_the_exact_bit
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads) and not errors, errors
     assert all(snapshot(m) == expected for m in modules)
+
+
+# ------------------------------------------------------------- 13. the prefix= rule, as documented
+def module_with(names: list[str]) -> nn.Module:
+    """A module with one float32 parameter (of 2 elements) at each dotted name."""
+    root = nn.Module()
+    for name in names:
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        owner.register_parameter(leaf, nn.Parameter(torch.zeros(2)))
+    return root
+
+
+def _a_tree(names: list[str]) -> list[str]:
+    """``names`` without duplicates and without a name that another is under (a leaf cannot
+    also be a sub-module)."""
+    names = list(dict.fromkeys(names))
+    return [n for n in names if not any(o != n and (o.startswith(n + ".") or n.startswith(o + ".")) for o in names)]
+
+
+_PARTS = ["model", "models", "h", "0", "w", "transformer"]
+
+
+@SETTINGS
+@given(data=st.data(), prefix=st.sampled_from(["model", "model.", "models", "transformer.h", "h.0", "w"]))
+def test_prefix_follows_its_documented_table_for_any_names(data, prefix) -> None:
+    p = prefix.rstrip(".") + "."
+    sides = {}
+    for side in ("module", "source"):  # each side's names, some put under the prefix
+        names = data.draw(st.lists(st.lists(st.sampled_from(_PARTS), min_size=1, max_size=3).map(".".join), min_size=1, max_size=6))
+        mode = data.draw(st.sampled_from(["none", "some", "all"]))  # which names are under the prefix
+        under = [mode == "all"] * len(names)
+        if mode == "some":
+            under = data.draw(st.lists(st.booleans(), min_size=len(names), max_size=len(names)))
+        if side == "source" and data.draw(st.booleans()):
+            under.append(not under[0])  # the same name with and without the prefix
+            names.append(names[0])
+        sides[side] = _a_tree([p + n if u else n for n, u in zip(names, under)])
+    module_names, source_names = sides["module"], sides["source"]
+    state = {n: torch.full((2,), float(i + 1)) for i, n in enumerate(source_names)}
+    m = module_with(module_names)
+    in_src = any(n.startswith(p) for n in source_names)
+    in_mod = any(n.startswith(p) for n in module_names)
+    if in_src and not in_mod:
+        renamed = {(n[len(p):] if n.startswith(p) else n): v for n, v in state.items()}
+        collide = len(renamed) < len(state)
+    elif in_mod and not in_src:
+        renamed, collide = {p + n: v for n, v in state.items()}, False
+    else:
+        renamed, collide = dict(state), False
+    before = snapshot(m)
+    if not in_src and not in_mod:
+        event("neither side")
+        with pytest.raises(MemtreeKeyError, match="prefix="):
+            load_into_module(m, state, prefix=prefix, strict=False)
+        assert snapshot(m) == before
+        return
+    if collide:
+        event("collision")
+        with pytest.raises(SourceError, match="would both become"):
+            load_into_module(m, state, prefix=prefix, strict=False)
+        assert snapshot(m) == before
+        return
+    event("strip" if in_src and not in_mod else "add" if in_mod and not in_src else "as is")
+    result = load_into_module(m, state, prefix=prefix, strict=False)
+    assert sorted(result.missing) == sorted(set(module_names) - set(renamed))
+    assert sorted(result.unexpected) == sorted(set(renamed) - set(module_names))
+    loaded = dict(m.named_parameters())
+    for name in module_names:
+        want = renamed.get(name, torch.zeros(2))
+        assert torch.equal(loaded[name], want), name
