@@ -320,8 +320,8 @@ def _leaf_targets(
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[begin, end)`` of its storage that the elements of ``t`` (not empty) lie in."""
     size = t.element_size()
-    begin = t.storage_offset() * size
-    return begin, begin + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * size
+    begin = int(t.storage_offset()) * size
+    return begin, begin + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * size
 
 
 def _may_overlap_itself(t: torch.Tensor) -> bool:
@@ -378,8 +378,8 @@ def _check_shared_memory(clusters: list[list[tuple[Group, str]]], src: Source) -
         ).untyped_storage()
         written = []
         for (group, name), t in zip(cluster, tensors):
-            view = torch.empty(0, dtype=t.dtype, device=t.device)
-            view.set_(scratch, (t.storage_offset() * t.element_size() - base) // t.element_size(), t.shape, t.stride())
+            offset = (_extent(t)[0] - base) // t.element_size()
+            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, offset, t.shape, t.stride())
             value = src.get(name).detach()
             try:
                 view.copy_(value)
