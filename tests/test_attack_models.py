@@ -195,6 +195,8 @@ def _lie(case: str) -> bytes:
         return safetensors_bytes(entries, data, header_len=len(json.dumps(entries)) + 200)
     elif case == "header-len-short":
         return safetensors_bytes(entries, data, header_len=len(json.dumps(entries)) - 3)
+    elif case == "offsets-past-2**64":
+        entries["n"]["data_offsets"] = [2**64 + 68, 2**64 + 84]
     elif case == "deep-json":
         entries["b"]["shape"] = [[[5]]]
     elif case == "not-an-object":
@@ -206,7 +208,7 @@ def _lie(case: str) -> bytes:
 LIES = [
     "overlap", "past-the-end", "count-mismatch", "dtype-mismatch", "hole", "trailing", "reversed",
     "negative", "huge-shape", "unknown-dtype", "bool-as-int", "float-offsets", "extra-field",
-    "duplicate", "header-len-huge", "header-len-past-file", "header-len-short", "deep-json",
+    "duplicate", "header-len-huge", "header-len-past-file", "header-len-short", "offsets-past-2**64", "deep-json",
     "not-an-object",
 ]
 
@@ -1382,3 +1384,40 @@ def test_prefix_follows_its_documented_table_for_any_names(data, prefix) -> None
     for name in module_names:
         want = renamed.get(name, torch.zeros(2))
         assert torch.equal(loaded[name], want), name
+
+
+# ------------------------------------------------ 14. live targets in other layouts (staged fill)
+class Layouts(nn.Module):
+    """A channels-last convolution, a transposed weight, and a bfloat16 parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.t = nn.Parameter(torch.zeros(5, 3).t())
+        self.low = nn.Parameter(torch.zeros(6, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["same-dtype", "from-float16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_channels_last_and_transposed_parameters_are_filled_in_place_in_their_layout(tmp_path, kind, cast) -> None:
+    donor = filled(Layouts(), seed=41)
+    state = {k: v.detach().contiguous() for k, v in donor.state_dict().items()}
+    if cast:
+        state = {k: v.to(torch.float16) for k, v in state.items()}
+    source = write_source(state, kind, tmp_path)
+    m = filled(Layouts())
+    if cast:
+        with pytest.raises(ShapeMismatchError):  # float16 into float32 and bfloat16: dtype= covers one
+            load_into_module(m, source)
+        m.low.data = m.low.data.float()
+        ref_state = {k: v.float() for k, v in state.items()}
+    else:
+        ref_state = state
+    strides = {k: v.stride() for k, v in m.state_dict().items()}
+    params = list(m.parameters())
+    assert load_into_module(m, source, dtype=torch.float32 if cast else None) == ([], [])
+    assert list(m.parameters()) == params
+    assert {k: v.stride() for k, v in m.state_dict().items()} == strides
+    assert m.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    for k, v in m.state_dict().items():
+        assert raw_bytes(v) == raw_bytes(ref_state[k]), k
