@@ -809,7 +809,7 @@ class SharedStorage(nn.Module):
 
     def __init__(self, layout: list[tuple[int, tuple[int, int]]] | None = None) -> None:
         super().__init__()
-        base = torch.zeros(64)
+        base = torch.zeros(128)  # room for any layout the fuzz below draws
         shapes = [(3, 4), (3, 4), (2, 3)]
         q, k, v = (base.as_strided(shape, stride, off) for shape, (off, stride) in zip(shapes, layout or self.SPLIT))
         self.q, self.k, self.v = nn.Parameter(q), nn.Parameter(k), nn.Parameter(v)
@@ -899,7 +899,7 @@ def test_fuzzed_storage_sharing_targets_load_as_load_state_dict_or_are_refused_u
     refuses a self-overlapping view), memtree must refuse and change nothing."""
     shape_layout = [(off, (s0, s1)) for off, s0, s1 in layout]
     make = lambda: SharedStorage(shape_layout)  # noqa: E731
-    base = random_tensor((64,), torch.float32, sum(map(sum, layout)))
+    base = random_tensor((128,), torch.float32, sum(map(sum, layout)))
     if agree:
         state = {k: base.as_strided(p.shape, p.stride(), p.storage_offset()).clone() for k, p in make().named_parameters()}
     else:
