@@ -1421,3 +1421,34 @@ def test_channels_last_and_transposed_parameters_are_filled_in_place_in_their_la
     assert m.conv.weight.is_contiguous(memory_format=torch.channels_last)
     for k, v in m.state_dict().items():
         assert raw_bytes(v) == raw_bytes(ref_state[k]), k
+
+
+@pytest.mark.parametrize("kind", ["torch", "bin-index"])
+def test_a_record_rewritten_in_place_during_the_load_fails_its_crc_and_says_the_module_was_written(
+    tmp_path, kind, monkeypatch
+) -> None:
+    """The CRC-32 of a ``torch.save`` record is checked on the bytes as they are read into the
+    module: the error must say that the module now holds them (not "nothing was changed")."""
+    import zipfile
+
+    state = values(6)
+    source = write_source(state, kind, tmp_path)
+    files = [str(source)] if kind == "torch" else [str(p) for p in tmp_path.glob("*.bin")]
+
+    def damage() -> None:
+        for path in files:
+            with zipfile.ZipFile(path) as z:
+                records = [i for i in z.infolist() if "/data/" in i.filename]
+            with open(path, "r+b") as f:
+                for info in records:
+                    f.seek(info.header_offset + 26)
+                    name_len, extra_len = struct.unpack("<HH", f.read(4))
+                    f.seek(info.header_offset + 30 + name_len + extra_len)
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ 0x5A]))
+
+    _during_fill(monkeypatch, damage)
+    m = filled(Pair())
+    with pytest.raises(CheckpointFormatError, match=r"CRC-32.*(?s:.*)partly overwritten"):
+        load_into_module(m, source)
