@@ -130,6 +130,12 @@ def as_source(source: Any, *, mode: str = "r") -> Source:
             return _source_from_file(path)
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, META_NAME)) and find_checkpoint(path):
             return _source_from_file(path)  # a Hugging Face model directory
+        if os.path.exists(path) and not os.path.isdir(path):  # a FIFO, a socket, a device
+            raise SourceError(
+                f"{path} is neither a regular file nor a directory (it resolves to "
+                f"{os.path.realpath(path)}); a source is a checkpoint file, a memtree directory or "
+                "a Hugging Face model directory"
+            )
         return _tree_source(load_memmap(path, mode=mode))
     if isinstance(source, Mapping):
         if callable(getattr(source, "tensor_spec", None)):
@@ -291,7 +297,8 @@ def _leaf_targets(
     found: Plan, src: Source, tree: TensorTree
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
     """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
-    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path."""
+    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path, or if
+    the tree holds several names of one tied tensor (whose values are compared on the data)."""
     paths = {
         id(v): (k,) if isinstance(k, str) else k
         for k, v in tree.items(include_nested=True, leaves_only=True)
@@ -302,11 +309,98 @@ def _leaf_targets(
         path = paths.get(id(src.entries.get(name)))
         if path is None or not is_live(group) or not all(isinstance(k, str) for k in path):
             return None
+        if sum(n in src.entries for n in group.names) > 1:
+            return None  # several names of one tied tensor: plan() compares their data
         dest = group.tensor.detach()
         if type(dest) is not torch.Tensor:
             dest = dest.as_subclass(torch.Tensor)
         targets.setdefault(path, []).append((dest, src.spec(name)[1]))
     return targets
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[begin, end)`` of its storage that the elements of ``t`` (not empty) lie in."""
+    size = t.element_size()
+    begin = int(t.storage_offset()) * size
+    return begin, begin + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * size
+
+
+def _may_overlap_itself(t: torch.Tensor) -> bool:
+    """False when no two elements of ``t`` can share memory (each stride, smallest first, passes
+    the reach of the smaller ones); True for an expanded view, and for layouts too odd to tell."""
+    reach = 0
+    for stride, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (n - 1) * stride
+    return False
+
+
+def _shared_memory(found: Plan) -> list[list[tuple[Group, str]]]:
+    """The planned live tensors that may share memory, which a fill would write in any order
+    (rare: views of one storage made by the constructor): groups of tensors whose byte ranges
+    of one storage overlap, and single tensors that may overlap themselves."""
+    spans = []
+    for group, name in found.pairs:
+        t = group.tensor
+        if is_live(group) and t.numel():
+            spans.append((str(t.device), t.untyped_storage().data_ptr(), *_extent(t), group, name))
+    spans.sort(key=lambda s: s[:3])
+    clusters: list[list[tuple[Group, str]]] = []
+    end = -1
+    where = None
+    for device, ptr, begin, stop, group, name in spans:
+        if (device, ptr) == where and begin < end:
+            clusters[-1].append((group, name))
+            end = max(end, stop)
+        else:
+            clusters.append([(group, name)])
+            where, end = (device, ptr), stop
+    return [c for c in clusters if len(c) > 1 or _may_overlap_itself(c[0][0].tensor)]
+
+
+def _check_shared_memory(clusters: list[list[tuple[Group, str]]], src: Source) -> None:
+    """Refuse a load into tensors that share memory unless the source's values agree on it.
+
+    Each group's values are written, in order, into a scratch copy of the shared bytes laid out
+    as the module's tensors are; every tensor must then read back its own value.
+
+    Raises:
+        SourceError: two tensors sharing memory are given different values for it.
+        InvalidArgumentError: a tensor's elements share memory (an expanded view): it cannot be
+            filled in place.
+    """
+    for cluster in clusters:
+        tensors = [group.tensor.detach() for group, _ in cluster]
+        base = min(_extent(t)[0] for t in tensors)
+        base -= base % 16
+        scratch = torch.empty(
+            max(_extent(t)[1] for t in tensors) - base, dtype=torch.uint8, device=tensors[0].device
+        ).untyped_storage()
+        written = []
+        for (group, name), t in zip(cluster, tensors):
+            offset = (_extent(t)[0] - base) // t.element_size()
+            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, offset, t.shape, t.stride())
+            value = src.get(name).detach()
+            try:
+                view.copy_(value)
+            except RuntimeError:
+                raise InvalidArgumentError(
+                    f"load_into_module: the module's tensor {group.names[0]!r} has elements that share "
+                    f"memory ({list(t.shape)} with strides {list(t.stride())}: an expanded view), so it "
+                    "cannot be filled in place. Nothing was changed: pass assign=True to bind new "
+                    "tensors, or give the module a tensor of its own"
+                ) from None
+            written.append((group, view, value.to(device=t.device, dtype=t.dtype)))
+        for group, view, value in written:
+            if not torch.equal(*(t.contiguous().view(-1).view(torch.uint8) for t in (view, value))):
+                names = [g.names[0] for g, _ in cluster]
+                raise SourceError(
+                    f"load_into_module: the module's tensors {names_list(names)} share memory (views "
+                    f"of one storage), and the source gives {group.names[0]!r} values that another of "
+                    "them overwrites. Nothing was changed: pass assign=True to bind new tensors, or "
+                    "load a source whose values agree on the shared memory"
+                )
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:
@@ -396,8 +490,11 @@ def load_into_module(
             names no tensor or sub-module of the module and nothing in the source; or
             ``prefix`` starts no name of either side.
         InvalidArgumentError: ``dtype`` is not a floating-point dtype, ``prefix`` is not a
-            dotted name, or ``device`` differs from a live tensor's device.
-        SourceError: the source is of an unknown kind or cannot be read.
+            dotted name, ``device`` differs from a live tensor's device, or a live tensor's
+            elements share memory (an expanded view: it cannot be filled in place).
+        SourceError: the source is of an unknown kind or cannot be read, or gives two names
+            of one tied tensor of the module, or two live tensors that share memory, values
+            that disagree.
 
     Example:
         >>> import tempfile
@@ -470,7 +567,8 @@ def load_into_module(
                 return value.to(device=target, dtype=cast)
             return value
 
-        targets = _leaf_targets(found, src, structure) if root is not None else None
+        shared = root is not None and bool(_shared_memory(found))  # checked below, on the data
+        targets = _leaf_targets(found, src, structure) if root is not None and not shared else None
         if root is not None and targets is not None and fill_tree(root, targets):
             found = dataclasses.replace(found, pairs=[])
         else:
@@ -479,6 +577,8 @@ def load_into_module(
                 if prefix is not None:
                     src = _apply_prefix(src, module_names, prefix)
                 found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+            if not assign:
+                _check_shared_memory(_shared_memory(found), src)
             locate = None if assign else _locator(source, src)
             if locate is not None:
                 found = _fill_live(found, src, locate)

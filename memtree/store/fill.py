@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import InvalidArgumentError, StorageError
+from ..errors import InvalidArgumentError, MemtreeError, StorageError
 from ..format.dtypes import itemsize
 from .files import FileRange, byte_view, file_checksum, is_plain_memory, storage_error, tensor_checksum
 
@@ -272,7 +272,8 @@ def fill(
         StorageError: a file is shorter than a range (before anything is written), ends or
             fails while being read.
         InvalidArgumentError: a destination's size does not match its range, or is on ``meta``.
-        MemtreeError: what a job's checksum check raises.
+        MemtreeError: what a job's checksum check raises (its message then says that the
+            destinations may be partly overwritten: the bytes are checked as they are read).
 
     Example:
         >>> import os, tempfile, torch
@@ -396,7 +397,16 @@ class _Sums:
                 found = file_checksum(src.fd, src.nbytes, algorithm, src.offset)
             except OSError as err:
                 raise storage_error(err, f"checking {src.what}") from err
-        check(found)
+        try:
+            check(found)
+        except MemtreeError as err:  # the bytes are in the destination already: say so
+            if len(err.args) == 1 and isinstance(err.args[0], str):
+                err.args = (
+                    f"{err.args[0]}. The bytes were checked as they were read into place, so the "
+                    "destination of this tensor (and others of the same load) may be partly "
+                    "overwritten: load again from an intact file",
+                )
+            raise
 
 
 def _fill_direct(jobs: list[FillJob], threads: int) -> None:

@@ -345,6 +345,14 @@ def plan(
             continue
         consumed.add(name)
         if group.kind != "extra":
+            differing = [n for n in present[1:] if not _same_values(src, name, n)]
+            if differing:
+                raise SourceError(
+                    f"the source gives {name!r} and {differing[0]!r} different values, but they "
+                    f"are one tensor of the module (tied: {', '.join(repr(n) for n in group.names)}), "
+                    "which cannot hold both. Nothing was changed: leave the unwanted name out of "
+                    "the source, or untie the module's tensors before loading"
+                )
             if not src.is_tensor(name):
                 mismatches.append(f"{name!r}: the source holds a non-tensor value, the module a tensor")
                 continue
@@ -377,6 +385,20 @@ def plan(
     consumed.update(a for a, target in src.aliases.items() if target in consumed)
     unexpected = [n for n in src.entries if _selected(n, prefixes) and n not in consumed]
     return Plan(pairs, missing_names, unexpected, mismatched)
+
+
+def _same_values(src: Source, a: str, b: str) -> bool:
+    """True if the source names ``a`` and ``b`` hold the same tensor bits: one tensor under two
+    names, or equal copies (a tied model's ``state_dict`` saved whole). The data is read only
+    when they are not one memory; tensors on the meta device hold no data, and never differ."""
+    if src.entries[a] is src.entries[b]:
+        return True
+    if not (src.is_tensor(a) and src.is_tensor(b)) or src.spec(a) != src.spec(b):
+        return False
+    x, y = _plain(src.get(a)).detach(), _plain(src.get(b)).detach()
+    if x.device.type == "meta" or y.device.type == "meta" or _storage_key(x) == _storage_key(y):
+        return True
+    return torch.equal(*(t.cpu().contiguous().view(-1).view(torch.uint8) for t in (x, y)))
 
 
 def names_list(names: list[str]) -> str:
