@@ -75,7 +75,7 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from ..store.files import FileRange, file_checksum, storage_error
+from ..store.files import FileRange, crc32, file_checksum, storage_error
 from .checkpoint_file import CheckpointFile, Closing
 from .pickle_guard import (
     Budget,
@@ -663,8 +663,7 @@ class TorchSaveReader(Closing):
         buf = torch.empty(nbytes // itemsize(ref.dtype), dtype=ref.dtype)
         self._file.read_into(buf, start, f"tensor {key!r}")
         if self._whole_record(ref, nbytes):
-            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
-            self._check_crc(key, ref, zlib.crc32(buf.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            self._check_crc(key, ref, crc32(buf.view(torch.uint8).numpy()))
         return torch.as_strided(buf, ref.size, ref.stride, 0)
 
     @staticmethod
