@@ -268,3 +268,30 @@ def test_a_damaged_small_record_read_with_its_neighbours_fails_its_own_crc(tmp_p
     name = list(src.state_dict())[victim]
     with pytest.raises(CheckpointFormatError, match=rf"tensor '{name}' fails its CRC-32"):
         load_into_module(Many(), path)
+
+
+def test_opening_a_torch_file_asks_for_every_record_header_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local headers the unpickler reads one by one are prefetched (WILLNEED) in file order
+    first; advice refused by the filesystem changes nothing."""
+    import zipfile
+
+    from memtree.interop import open_checkpoint
+
+    path = str(tmp_path / "m.pt")
+    torch.save(Many().state_dict(), path)
+    with zipfile.ZipFile(path) as z:
+        headers = sorted(i.header_offset for i in z.infolist() if "/data/" in i.filename)
+    advised: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, how)))
+    with open_checkpoint(path) as ckpt:
+        assert len(ckpt) == 60
+    assert advised == [(h, os.POSIX_FADV_WILLNEED) for h in headers]
+
+    def refuse(fd: int, off: int, n: int, how: int) -> None:
+        raise OSError(errno.EINVAL, "no advice here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    net, src = Many(), Many()
+    torch.save(src.state_dict(), path)
+    load_into_module(net, path)
+    assert {k: raw(v) for k, v in net.state_dict().items()} == {k: raw(v) for k, v in src.state_dict().items()}
