@@ -474,7 +474,8 @@ class TorchSaveReader(Closing):
         self._infos = infos
         self._prefix = pickles[0][: -len("data.pkl")]
         records = self._prefix + "data/"
-        _prefetch(self._file.fd, sorted(i.header_offset for n, i in infos.items() if n.startswith(records)))
+        headers = sorted(i.header_offset for n, i in infos.items() if n.startswith(records))
+        _prefetch(self._file.fd, headers)
         order = infos.get(self._prefix + "byteorder")
         if order is not None and self._read_entry(order, 16) != b"little":
             raise CheckpointFormatError(

@@ -84,7 +84,18 @@ READ_CHUNK = 16 * 1024 * 1024
 #: scratch buffer and dropped): a ``torch.save`` file has a zip header (~100 bytes, with its
 #: alignment padding) between two records, so its small tensors are read a run at a time.
 READ_GAP = 4096
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
+
+
+def _iov_max() -> int:
+    """Most buffers one ``preadv`` takes here (Linux: 1024)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 16
+    return min(n, 1024) if n > 0 else 16
+
+
+_IOV_MAX = _iov_max()
 _SCRATCH = bytearray(READ_GAP)  # where gap bytes land (never read; threads share it)
 #: Host buffer size for casts and non-contiguous CPU destinations (``READ_THREADS + 2`` of them:
 #: the most memory a cast load holds besides its destinations).
@@ -445,8 +456,8 @@ class _Read:
 
     @property
     def what(self) -> str:
-        first = self.parts[0][0].source.what
-        more = len({id(job) for job, _, _ in self.parts}) - 1
+        """The first tensor read, for messages (a tensor's pieces are never in one read)."""
+        first, more = self.parts[0][0].source.what, len(self.parts) - 1
         return f"{first} (and {more} more tensors read with it)" if more else first
 
 
@@ -457,14 +468,19 @@ def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
     pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
     for job in jobs:
         view, src = byte_view(job.dest), job.source
-        pieces.extend((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]) for s in range(0, len(view), READ_CHUNK))
+        for s in range(0, len(view), READ_CHUNK):
+            pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
     pieces.sort(key=lambda p: (p[0], p[1]))
     reads: list[_Read] = []
     last: _Read | None = None
     for fd, offset, job, start, piece in pieces:
         if last is not None and fd == last.fd:
-            gap = offset - last.offset - last.nbytes  # < 0: ranges that overlap (views of one storage)
-            if 0 <= gap <= READ_GAP and last.nbytes + gap + len(piece) <= READ_CHUNK and len(last.views) + 2 <= _IOV_MAX:
+            gap = offset - last.offset - last.nbytes  # < 0: overlaps (views of one storage)
+            if (
+                0 <= gap <= READ_GAP
+                and last.nbytes + gap + len(piece) <= READ_CHUNK
+                and len(last.views) + 2 <= _IOV_MAX
+            ):
                 if gap:
                     last.views.append(memoryview(_SCRATCH)[:gap])
                 last.views.append(piece)
