@@ -26,6 +26,9 @@ bit-exact (CRC-32 of every tensor, untimed).
 Run::
 
     .venv/bin/python benchmarks/w6_resume.py [--size-gib 1] [--rounds 3] [--workdir DIR]
+
+``--systems floor,"memtree (safetensors file)",safetensors`` measures only those (comma-separated
+names from the list above; the floor is always measured, the ratios need it).
 """
 
 from __future__ import annotations
@@ -169,7 +172,11 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.environ.get("BENCH_TMP"))
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ", ".join(SYSTEMS))
     args = ap.parse_args()
+    systems = ["floor"] + [s for s in (x.strip() for x in args.systems.split(",")) if s and s != "floor"]
+    if not set(systems) <= set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(set(systems) - set(SYSTEMS))}; choose from {SYSTEMS}")
     layers = layers_for(args.size_gib)
     wd = tempfile.mkdtemp(prefix="w6-", dir=args.workdir)
     try:
@@ -178,7 +185,7 @@ def main() -> None:
               f"{args.rounds} rounds", flush=True)
         rows: list[dict[str, Any]] = []
         for r in range(args.rounds):
-            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
             for cache in ("cold", "warm") if r % 2 == 0 else ("warm", "cold"):
                 for system in order:
                     row = measure_one(system, cache, wd, layers)
@@ -188,15 +195,15 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        print(summary(rows, info["nbytes"]))
+        print(summary(rows, info["nbytes"], systems))
     finally:
         if not args.keep:
             remove(wd)
 
 
-def summary(rows: list[dict[str, Any]], nbytes: int) -> str:
+def summary(rows: list[dict[str, Any]], nbytes: int, systems: list[str] = SYSTEMS) -> str:
     med: dict[tuple[str, str], dict[str, float]] = {}
-    for system in SYSTEMS:
+    for system in systems:
         for cache in ("cold", "warm"):
             mine = [r for r in rows if r["system"] == system and r["cache"] == cache]
             med[system, cache] = {
@@ -208,7 +215,7 @@ def summary(rows: list[dict[str, Any]], nbytes: int) -> str:
         "| system | cold s | cold GB/s | warm s | warm GB/s | speed vs floor cold / warm | max anon beyond model | peak RSS growth |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for system in SYSTEMS:
+    for system in systems:
         c, w = med[system, "cold"], med[system, "warm"]
         fc, fw = med["floor", "cold"]["s"], med["floor", "warm"]["s"]
         lines.append(
@@ -217,6 +224,8 @@ def summary(rows: list[dict[str, Any]], nbytes: int) -> str:
         )
     m = "memtree"
     for other in ("safetensors", "torch mmap"):
+        if (m, "cold") not in med or (other, "cold") not in med:
+            continue
         lines.append(
             f"\n{m} vs {other}: {med[other, 'cold']['s'] / med[m, 'cold']['s']:.2f}x cold, "
             f"{med[other, 'warm']['s'] / med[m, 'warm']['s']:.2f}x warm (>1: memtree faster)"

@@ -7,8 +7,11 @@ no mapping of the file and no second copy in memory:
 * **direct** (a contiguous CPU tensor of the source's dtype, the usual case): the bytes are read
   with ``os.preadv`` straight into the tensor's storage, in pieces of at most
   :data:`READ_CHUNK` bytes spread over up to ``num_threads`` threads (as many as the work keeps
-  busy: a small load runs in the calling thread). Short reads are continued; a file that ends
-  inside its range raises :class:`~memtree.errors.StorageError` (``EIO``) naming the tensor;
+  busy: a small load runs in the calling thread). Pieces are read in file order, and pieces
+  that lie one after another in one file (a checkpoint's small tensors) are read together, one
+  ``preadv`` into several tensors (gaps of at most :data:`READ_GAP` bytes between them are read
+  into a scratch buffer). Short reads are continued; a file that ends inside its range raises
+  :class:`~memtree.errors.StorageError` (``EIO``) naming the tensor;
 * **staged** (a dtype cast, a non-contiguous or non-CPU destination): reader threads fill a
   bounded ring of host buffers, the calling thread copies each buffer into its place in the
   destination (``copy_``, casting on the way) and hands the buffer back once its copy is done.
@@ -43,7 +46,6 @@ import os
 import queue
 import stat
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +55,7 @@ import torch
 
 from ..errors import InvalidArgumentError, MemtreeError, StorageError
 from ..format.dtypes import itemsize
-from .files import FileRange, byte_view, file_checksum, is_plain_memory, storage_error, tensor_checksum
+from .files import FileRange, byte_view, crc32, file_checksum, is_plain_memory, storage_error, tensor_checksum
 
 __all__ = [
     "READ_THREADS",
@@ -67,6 +69,7 @@ __all__ = [
     "fill",
     "mapped_range",
     "read_exact",
+    "read_views",
 ]
 
 #: Threads that read at most (a small load is read by fewer, or by the calling thread).
@@ -77,6 +80,23 @@ READ_MIN_WORK = 4 * 1024 * 1024
 #: Bytes one ``preadv`` asks for: large reads, and pieces small enough to spread one big tensor
 #: over the threads.
 READ_CHUNK = 16 * 1024 * 1024
+#: Most bytes of a file between two ranges that one read spans (their bytes are read into a
+#: scratch buffer and dropped): a ``torch.save`` file has a zip header (~100 bytes, with its
+#: alignment padding) between two records, so its small tensors are read a run at a time.
+READ_GAP = 4096
+
+
+def _iov_max() -> int:
+    """Most buffers one ``preadv`` takes here (Linux: 1024)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 16
+    return min(n, 1024) if n > 0 else 16
+
+
+_IOV_MAX = _iov_max()
+_SCRATCH = bytearray(READ_GAP)  # where gap bytes land (never read; threads share it)
 #: Host buffer size for casts and non-contiguous CPU destinations (``READ_THREADS + 2`` of them:
 #: the most memory a cast load holds besides its destinations).
 BOUNCE_BYTES = 8 * 1024 * 1024
@@ -136,10 +156,29 @@ def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         >>> read_exact(fd, memoryview(buf), 3, "bytes"); os.close(fd); bytes(buf)
         b'3456'
     """
-    done, total = 0, len(view)
+    read_views(fd, [view], offset, what)
+
+
+def read_views(fd: int, views: Sequence[memoryview], offset: int, what: str) -> None:
+    """Fill ``views`` one after another with the bytes of ``fd`` from ``offset``: one ``preadv``
+    for all of them (at most ``IOV_MAX``), continued on short reads.
+
+    Raises:
+        StorageError: the file ends before the last view is full (``EIO``), or a read fails.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(path, "wb").write(b"0123456789")
+        >>> fd, a, b = os.open(path, os.O_RDONLY), bytearray(2), bytearray(3)
+        >>> read_views(fd, [memoryview(a), memoryview(b)], 4, "bytes"); os.close(fd); bytes(a), bytes(b)
+        (b'45', b'678')
+    """
+    total = sum(len(v) for v in views)
+    done = 0
     while done < total:
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, views, offset + done)
         except OSError as err:
             raise storage_error(err, f"reading {what}") from err
         if n <= 0:
@@ -151,6 +190,11 @@ def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
                 "partly overwritten: load again from an intact file",
             )
         done += n
+        if done < total:  # a short read: drop what is full, continue in the view it ended in
+            views = list(views)
+            while n >= len(views[0]):
+                n -= len(views.pop(0))
+            views[0] = views[0][n:]
 
 
 class Copier(Protocol):
@@ -372,7 +416,7 @@ class _Sums:
     def add(self, job: FillJob, offset: int, data: memoryview, *, staged: bool) -> None:
         if job.checksum is None:
             return
-        crc = zlib.crc32(data) if job.checksum[0] == "crc32" else 0
+        crc = crc32(data) if job.checksum[0] == "crc32" else 0
         with self.lock:
             parts = self.parts.setdefault(id(job), [])
             parts.append((offset, crc, len(data)))
@@ -409,23 +453,69 @@ class _Sums:
             raise
 
 
+@dataclass
+class _Read:
+    """One ``preadv`` of a direct fill: pieces of destinations that lie one after another in
+    one file (with at most :data:`READ_GAP` bytes between two), in file order."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    views: list[memoryview]  # the pieces, and scratch views for the gaps between them
+    parts: list[tuple[FillJob, int, memoryview]]  # (job, where the piece starts in it, piece)
+
+    @property
+    def what(self) -> str:
+        """The first tensor read, for messages (a tensor's pieces are never in one read)."""
+        first, more = self.parts[0][0].source.what, len(self.parts) - 1
+        return f"{first} (and {more} more tensors read with it)" if more else first
+
+
+def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
+    """The reads of ``jobs``: each destination cut in pieces of at most :data:`READ_CHUNK`
+    bytes, sorted by file and offset, and neighbours merged into one read of at most
+    :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a gap's bytes land in scratch)."""
+    pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
+    for job in jobs:
+        view, src = byte_view(job.dest), job.source
+        for s in range(0, len(view), READ_CHUNK):
+            pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    reads: list[_Read] = []
+    last: _Read | None = None
+    for fd, offset, job, start, piece in pieces:
+        if last is not None and fd == last.fd:
+            gap = offset - last.offset - last.nbytes  # < 0: overlaps (views of one storage)
+            if (
+                0 <= gap <= READ_GAP
+                and last.nbytes + gap + len(piece) <= READ_CHUNK
+                and len(last.views) + 2 <= _IOV_MAX
+            ):
+                if gap:
+                    last.views.append(memoryview(_SCRATCH)[:gap])
+                last.views.append(piece)
+                last.parts.append((job, start, piece))
+                last.nbytes += gap + len(piece)
+                continue
+        last = _Read(fd, offset, len(piece), [piece], [(job, start, piece)])
+        reads.append(last)
+    return reads
+
+
 def _fill_direct(jobs: list[FillJob], threads: int) -> None:
-    items: list[tuple[FillJob, memoryview, int]] = []
     sums = _Sums()
     for job in jobs:
-        view = byte_view(job.dest)
-        items.extend((job, view, s) for s in range(0, len(view), READ_CHUNK))
         sums.empty(job)
+    reads = _direct_reads(jobs)
 
-    def work(item: tuple[FillJob, memoryview, int]) -> int:
-        job, view, start = item
-        piece = view[start : start + READ_CHUNK]
-        read_exact(job.source.fd, piece, job.source.offset + start, job.source.what)
-        sums.add(job, start, piece, staged=False)
-        return len(piece)
+    def work(read: _Read) -> int:
+        read_views(read.fd, read.views, read.offset, read.what)
+        for job, start, piece in read.parts:
+            sums.add(job, start, piece, staged=False)
+        return read.nbytes
 
     total = sum(j.source.nbytes for j in jobs)
-    _run(items, work, _thread_count(threads, len(items), total))
+    _run(reads, work, _thread_count(threads, len(reads), total))
 
 
 def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
