@@ -274,6 +274,10 @@ def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
     return prefix == batch_size or tuple(prefix) == tuple(batch_size)  # no copies in the common case
 
 
+#: The digits of a digest (lower-case hex): ``s.strip(_HEX)`` is empty when ``s`` has no other.
+_HEX = "0123456789abcdef"
+
+
 def is_checksum(value: object) -> bool:
     """True for ``"<algorithm>:<hex>"`` with a known algorithm and its digest length.
 
@@ -284,7 +288,7 @@ def is_checksum(value: object) -> bool:
     if type(value) is not str:
         return False
     algo, _, digest = value.partition(":")
-    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and all(ch in "0123456789abcdef" for ch in digest)
+    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and not digest.strip(_HEX)  # only hex digits
 
 
 def _leaves_directory(name: str) -> bool:
@@ -437,7 +441,7 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
 
 
 def _is_hex(v: Any, digits: int) -> bool:
-    return type(v) is str and len(v) == digits and all(ch in "0123456789abcdef" for ch in v)
+    return type(v) is str and len(v) == digits and not v.strip(_HEX)
 
 
 def _parse_encryption(c: _Checker, doc: dict[str, Any]) -> tuple[EncryptionMeta | None, str | None]:
