@@ -87,6 +87,8 @@ KeyPrefix = Union[str, tuple[str, ...]]
 
 @dataclass(eq=False)  # holds modules and tensors: compared by identity
 class _Slot:
+    """Where a tensor is reachable: ``owner``'s attribute ``attr``."""
+
     owner: nn.Module
     attr: str
 
@@ -298,6 +300,8 @@ def _selected(name: str, prefixes: list[str] | None) -> bool:
 
 @dataclass(eq=False)  # holds modules and tensors: compared by identity
 class Plan:
+    """What loading a source into a module does: the pairs to bind or fill, and what is left."""
+
     pairs: list[tuple[Group, str]]  # group -> source name bound to it
     missing_names: list[str]
     unexpected: list[str]
