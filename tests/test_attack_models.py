@@ -26,7 +26,7 @@ from torch import nn
 
 import memtree
 import memtree.nn.loading as loading_mod
-import memtree.store.read as read_mod
+import memtree.store.fill as fill_mod
 from memtree import (
     CheckpointFormatError,
     MemtreeError,
@@ -1038,7 +1038,7 @@ def test_training_bound_weights_never_writes_the_checkpoint(tmp_path, kind, how)
 # ------------------------------------------------------------ 9. a source changed during the load
 def _during_fill(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> None:
     """Run ``action`` after the source is opened and planned, right before its bytes are read."""
-    for mod in (loading_mod, read_mod):
+    for mod in (loading_mod, fill_mod):  # the tree reader imports fill where it reads
         real = mod.fill
 
         def late(jobs: Any, _real: Any = real, **kw: Any) -> None:

@@ -123,7 +123,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", counting)
-    monkeypatch.setattr(read_mod, "fill", counting)
+    monkeypatch.setattr(fill_mod, "fill", counting)  # the tree reader imports it where it reads
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)  # threads even for this small model
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 1024)
     return calls
@@ -221,7 +221,7 @@ def _truncate_during_load(monkeypatch: pytest.MonkeyPatch, path: str, size: int)
         real(jobs, **kw)
 
     monkeypatch.setattr(loading_mod, "fill", late)
-    monkeypatch.setattr(read_mod, "fill", late)  # memtree directories: read by the tree reader
+    monkeypatch.setattr(fill_mod, "fill", late)  # memtree directories: the tree reader imports it where it reads
 
 
 @pytest.mark.parametrize("kind", ["memtree", "safetensors", "torch"])

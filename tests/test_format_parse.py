@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from memtree import LimitError, MemtreeError, MetaFormatError
 from memtree.format import schema as fmt
+from memtree.format.dtypes import dtype_from_name
 from memtree.format.values import MAX_JSON_DEPTH
 
 ODD_VALUES = st.one_of(
@@ -151,7 +152,7 @@ def test_short_path_is_taken_for_plain_entries(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(fmt, "_parse_entry", refuse)
     level = fmt.parse_level(orjson.dumps(doc), "t/meta.json")
     assert level.entries == (
-        fmt.LeafMeta("w", "w.memmap", fmt.dtype_from_name("float32"), (2, 3)),
+        fmt.LeafMeta("w", "w.memmap", dtype_from_name("float32"), (2, 3)),
         fmt.ChildMeta("sub", "sub"),
     )
 
@@ -219,7 +220,7 @@ def test_every_shape_the_parser_takes_is_one_torch_makes(shape: list[int], dtype
     """Accepted exactly when the dims, zeros counted as 1, span at most MAX_NBYTES; and then
     torch makes the tensor, its strides and its byte view (what loading does with it)."""
     doc = level_doc([_with(TENSOR, shape=shape, dtype=dtype)])
-    torch_dtype = fmt.dtype_from_name(dtype)
+    torch_dtype = dtype_from_name(dtype)
     span = prod(d or 1 for d in shape) * torch_dtype.itemsize
     try:
         (leaf,) = fmt.parse_level(orjson.dumps(doc), "t/meta.json").entries

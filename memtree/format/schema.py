@@ -22,14 +22,27 @@ import re
 import sys
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from math import prod
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .dtypes import DTYPE_ITEMSIZES, dtype_from_name, dtype_name, itemsize
-from ..errors import DtypeError, LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from .dtypes import DTYPE_ITEMSIZES, itemsize
+from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from .entries import (
+    TAG_BYTES,
+    TREE_TYPE,
+    ChildMeta,
+    EncryptionMeta,
+    Entry,
+    JsonMeta,
+    LeafMeta,
+    LevelMeta,
+    PickleMeta,
+    TuplePath,
+    sealed_nbytes,
+)
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
 from .values import MAX_JSON_DEPTH, json_depth
 
@@ -74,7 +87,6 @@ FORMAT = "memtree"
 VERSION = 2
 #: The versions memtree reads.
 READ_VERSIONS = (1, 2)
-TREE_TYPE = "TensorTree"
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
 CONTAINER_TYPES = frozenset({"dict", "list", "tuple"})
@@ -97,22 +109,9 @@ _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 
 #: The one cipher of encrypted trees (``docs/format.md``, "Version 2", "Encryption").
 ENCRYPTION_ALGORITHM = "aes-256-gcm"
-#: Bytes of the authentication tag after each encrypted chunk.
-TAG_BYTES = 16
 #: Bounds of an encrypted tree's ``chunk_bytes`` (plaintext bytes per chunk).
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 256 * 1024 * 1024
-
-
-def sealed_nbytes(nbytes: int, chunk_bytes: int) -> int:
-    """Size of an encrypted leaf file: the data plus one tag per chunk (an empty leaf has one
-    chunk, so its file holds a tag: never empty).
-
-    Example:
-        >>> sealed_nbytes(0, 4096), sealed_nbytes(4096, 4096), sealed_nbytes(4097, 4096)
-        (16, 4112, 4129)
-    """
-    return nbytes + TAG_BYTES * max(1, -(-nbytes // chunk_bytes))
 
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
@@ -146,142 +145,6 @@ def is_type_name(name: object) -> bool:
     if type(name) is not str or len(name) > TYPE_NAME_MAX:
         return False
     return _TYPE_NAME.fullmatch(name) is not None
-
-
-TuplePath = tuple[Union[int, str], ...]
-"""Where a tuple sits in a JSON value: array indices and object keys from the value down."""
-
-
-@dataclass(frozen=True)
-class LeafMeta:
-    """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
-
-    The dtype is kept as its format name (``dtype_name``; a ``torch.dtype`` given to the
-    constructor is turned into its name), so that metadata is parsed without torch; the
-    ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
-    of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
-    """
-
-    key: str
-    file: str
-    dtype_name: str
-    shape: tuple[int, ...]
-    checksum: str | None = None
-    capacity: int | None = None
-    #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
-    chunk_bytes: int | None = None
-    int_key: bool = False
-
-    def __post_init__(self) -> None:
-        given: Any = self.dtype_name
-        if type(given) is not str:  # a torch.dtype
-            object.__setattr__(self, "dtype_name", dtype_name(given))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The leaf's torch dtype (imports torch on first use).
-
-        Raises:
-            DtypeError: this torch build lacks the dtype (float8 types need a recent torch).
-        """
-        dt = dtype_from_name(self.dtype_name)
-        if dt is None:
-            raise DtypeError(
-                f"leaf {self.key!r} ({self.file}) holds {self.dtype_name}, which this torch build "
-                "does not have; upgrade torch to load it"
-            )
-        return dt
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the tensor's data in bytes (``numel × itemsize``)."""
-        return prod(self.shape) * DTYPE_ITEMSIZES[self.dtype_name]
-
-    @property
-    def file_nbytes(self) -> int:
-        """Exact size of the leaf's file in bytes: ``nbytes``, or ``capacity`` rows of it, or
-        for an encrypted leaf ``nbytes`` plus its tags (:func:`sealed_nbytes`)."""
-        if self.chunk_bytes is not None:
-            return sealed_nbytes(self.nbytes, self.chunk_bytes)
-        if self.capacity is None:
-            return self.nbytes
-        return self.capacity * prod(self.shape[1:]) * DTYPE_ITEMSIZES[self.dtype_name]
-
-    @property
-    def checksum_nbytes(self) -> int:
-        """Bytes from the file's start that ``checksum`` covers: the tensor's bytes, or the whole
-        file of an encrypted leaf (its ciphertext, which can be checked without the key)."""
-        return self.file_nbytes if self.chunk_bytes is not None else self.nbytes
-
-
-@dataclass(frozen=True)
-class ChildMeta:
-    """A sub-tree stored in the sub-directory ``dir``."""
-
-    key: str
-    dir: str
-    int_key: bool = False
-
-
-@dataclass(frozen=True)
-class JsonMeta:
-    """A non-tensor leaf stored inline as a JSON value; ``tuples``: the paths (in ``value``) of the
-    arrays that are Python tuples (:func:`memtree.format.values.tuples_to_lists`)."""
-
-    key: str
-    value: Any
-    int_key: bool = False
-    tuples: tuple[TuplePath, ...] | None = None
-
-
-@dataclass(frozen=True)
-class PickleMeta:
-    """A non-tensor leaf pickled into ``file`` (only with ``allow_pickle=True``)."""
-
-    key: str
-    file: str
-    int_key: bool = False
-
-
-Entry = Union[LeafMeta, ChildMeta, JsonMeta, PickleMeta]
-
-
-@dataclass(frozen=True)
-class EncryptionMeta:
-    """How a tree's leaves are encrypted (the same object at every level of the tree).
-
-    ``salt`` (32 random bytes, hex) is the per-tree nonce material the keys are derived from;
-    ``key_check`` (16 bytes, hex) is derived from the key and the salt, so a wrong key is told
-    apart from damaged data. The key itself is never written. ``names``: the levels' entries
-    (keys, names, shapes, values) are sealed too, and file names are random.
-    """
-
-    algorithm: str
-    chunk_bytes: int
-    salt: str
-    key_check: str
-    names: bool = False
-
-
-@dataclass(frozen=True)
-class LevelMeta:
-    """One level of a tree: its batch size and its entries in key order.
-
-    An encrypted tree's levels carry ``encryption`` and ``mac`` (HMAC-SHA256 of the level's
-    ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
-    encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
-    real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
-    """
-
-    batch_size: tuple[int, ...]
-    entries: tuple[Entry, ...]
-    type: str = TREE_TYPE
-    save_id: str | None = None
-    #: The root's whole-tree hash (``"<algorithm>:<hex>"``, ``docs/format.md``), else None.
-    tree_hash: str | None = None
-    encryption: EncryptionMeta | None = None
-    mac: str | None = None
-    sealed: str | None = None
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
@@ -411,6 +274,10 @@ def starts_with_batch(shape: Sequence[int], batch_size: Sequence[int]) -> bool:
     return prefix == batch_size or tuple(prefix) == tuple(batch_size)  # no copies in the common case
 
 
+#: The digits of a digest (lower-case hex): ``s.strip(_HEX)`` is empty when ``s`` has no other.
+_HEX = "0123456789abcdef"
+
+
 def is_checksum(value: object) -> bool:
     """True for ``"<algorithm>:<hex>"`` with a known algorithm and its digest length.
 
@@ -421,7 +288,7 @@ def is_checksum(value: object) -> bool:
     if type(value) is not str:
         return False
     algo, _, digest = value.partition(":")
-    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and all(ch in "0123456789abcdef" for ch in digest)
+    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and not digest.strip(_HEX)  # only hex digits
 
 
 def _leaves_directory(name: str) -> bool:
@@ -574,7 +441,7 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
 
 
 def _is_hex(v: Any, digits: int) -> bool:
-    return type(v) is str and len(v) == digits and all(ch in "0123456789abcdef" for ch in v)
+    return type(v) is str and len(v) == digits and not v.strip(_HEX)
 
 
 def _parse_encryption(c: _Checker, doc: dict[str, Any]) -> tuple[EncryptionMeta | None, str | None]:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.dtypes import itemsize
+from ..format.record import Record
 from ..format.names import staging_path
 from ..errors import (
     InvalidArgumentError,
@@ -406,8 +407,8 @@ def is_plain_memory(tensor: torch.Tensor) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class FileRange:
+@dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
+class FileRange(Record):
     """A leaf's data that lies, byte for byte, in another open file: ``nbytes`` at ``offset``.
 
     :func:`create_leaf` copies it with :func:`copy_range` instead of writing from memory. The
@@ -424,6 +425,12 @@ class FileRange:
     offset: int
     nbytes: int
     what: str
+
+    def __init__(self, fd: int, offset: int, nbytes: int, what: str) -> None:
+        object.__setattr__(self, "fd", fd)
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "what", what)
 
 
 def copy_range(

@@ -33,7 +33,7 @@ import os
 from collections.abc import Sequence
 from math import prod
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, NamedTuple, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -373,18 +373,33 @@ def _check_writable(target: Any) -> None:
 
 
 # -- row assignment with pwrite ----------------------------------------------------------------
-class _Rows(NamedTuple):
-    """Where the rows (dim 0) of a file-backed tensor lie in its file."""
+class _Rows:
+    """Where the rows (dim 0) of a file-backed tensor lie in its file (a plain class: a
+    ``NamedTuple`` compiles its constructor when the module is imported)."""
 
-    nrows: int
-    nbytes: int  # bytes per row
-    step: int  # bytes from one row to the next
-    base: int  # file offset of row 0
-    shape: torch.Size  # of one row
-    dtype: torch.dtype
-    storage: int  # address range of the mapping (to spot values read from it)
-    storage_end: int
-    buffer: type[ctypes.Array[ctypes.c_char]]  # one row of memory, for pwrite
+    __slots__ = ("nrows", "nbytes", "step", "base", "shape", "dtype", "storage", "storage_end", "buffer")
+
+    def __init__(
+        self,
+        nrows: int,
+        nbytes: int,  # bytes per row
+        step: int,  # bytes from one row to the next
+        base: int,  # file offset of row 0
+        shape: torch.Size,  # of one row
+        dtype: torch.dtype,
+        storage: int,  # address range of the mapping (to spot values read from it)
+        storage_end: int,
+        buffer: type[ctypes.Array[ctypes.c_char]],  # one row of memory, for pwrite
+    ) -> None:
+        self.nrows = nrows
+        self.nbytes = nbytes
+        self.step = step
+        self.base = base
+        self.shape = shape
+        self.dtype = dtype
+        self.storage = storage
+        self.storage_end = storage_end
+        self.buffer = buffer
 
 
 def _row_layout(dst: MemoryMappedTensor) -> _Rows | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
+from ..format.record import Record
 from ..format.schema import ChildMeta, LevelMeta
 from .files import check_checksum_option, default_checksum
 
@@ -139,8 +140,13 @@ def _key(key: object) -> EncryptionKey | None:
     return key
 
 
-@dataclass(frozen=True)
-class ReadOptions:
+_set = object.__setattr__
+#: ``WriteOptions(checksum=...)`` not given: :func:`~memtree.store.files.default_checksum`.
+_DEFAULT_CHECKSUM: Any = object()
+
+
+@dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
+class ReadOptions(Record):
     """What to read and how: the selection, the mapping mode, where leaves go, which checks.
 
     Build it with :meth:`of` (which checks every value); the fields are then trusted.
@@ -163,6 +169,24 @@ class ReadOptions:
     allow_pickle: bool = False
     verify: bool = False
     encryption: EncryptionKey | None = None
+
+    def __init__(
+        self,
+        selection: Selection | None = None,
+        mode: str = "r+",
+        mmap: bool = True,
+        device: torch.device | None = None,
+        allow_pickle: bool = False,
+        verify: bool = False,
+        encryption: EncryptionKey | None = None,
+    ) -> None:
+        _set(self, "selection", selection)
+        _set(self, "mode", mode)
+        _set(self, "mmap", mmap)
+        _set(self, "device", device)
+        _set(self, "allow_pickle", allow_pickle)
+        _set(self, "verify", verify)
+        _set(self, "encryption", encryption)
 
     @classmethod
     def of(
@@ -211,8 +235,8 @@ class ReadOptions:
         return self.device if self.device is not None else torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class WriteOptions:
+@dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
+class WriteOptions(Record):
     """How a tree is written (:func:`memtree.store.write.write_tree`), checked by :meth:`of`.
 
     Attributes:
@@ -254,6 +278,36 @@ class WriteOptions:
     encrypt_names: bool = False
     link_from: str | None = None
     link_verify: bool = True
+
+    def __init__(
+        self,
+        like: bool = False,
+        num_threads: int = 0,
+        existsok: bool = True,
+        fsync: bool = False,
+        reserve: bool = False,
+        allow_pickle: bool = False,
+        copy_existing: bool = False,
+        checksum: str | None = _DEFAULT_CHECKSUM,
+        progress: bool | None = None,
+        encryption: EncryptionKey | None = None,
+        encrypt_names: bool = False,
+        link_from: str | None = None,
+        link_verify: bool = True,
+    ) -> None:
+        _set(self, "like", like)
+        _set(self, "num_threads", num_threads)
+        _set(self, "existsok", existsok)
+        _set(self, "fsync", fsync)
+        _set(self, "reserve", reserve)
+        _set(self, "allow_pickle", allow_pickle)
+        _set(self, "copy_existing", copy_existing)
+        _set(self, "checksum", default_checksum() if checksum is _DEFAULT_CHECKSUM else checksum)
+        _set(self, "progress", progress)
+        _set(self, "encryption", encryption)
+        _set(self, "encrypt_names", encrypt_names)
+        _set(self, "link_from", link_from)
+        _set(self, "link_verify", link_verify)
 
     @classmethod
     def of(cls, **kwargs: Any) -> WriteOptions:

@@ -64,7 +64,6 @@ from ..errors import (
     UnsafePathError,
 )
 from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
-from .fill import FillJob, fill
 from .storage import META_FLAGS, LocalStorage, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
     ChildMeta,
@@ -84,6 +83,7 @@ from .options import ReadOptions, Selection, select_entries
 
 if TYPE_CHECKING:
     from .crypto import TreeCipher
+    from .fill import FillJob
 
 __all__ = [
     "read_tree",
@@ -235,6 +235,8 @@ def fill_tree(
     kept = root.source.reader.kept
     if kept is None:
         return False
+    from .fill import FillJob, fill  # only here and for reads (mmap=False, devices): not on a mapping load
+
     jobs: list[FillJob] = []
     for key, dests in targets.items():
         found = kept.get(key)
@@ -662,6 +664,8 @@ class _Reader:
             if self.verify and entry.checksum is not None:  # whether the file is newer than its
                 stale = changed_after_meta(fd, dir_fd)  # meta.json, known now (dir_fd closes before the read)
                 checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
+            from .fill import FillJob
+
             cast = entry.dtype if entry.dtype != dest.dtype else None
             job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
         except BaseException:
@@ -716,6 +720,8 @@ class _Reader:
         jobs, self.pending = self.pending, []
         if not jobs:
             return
+        from .fill import fill
+
         try:
             fill([job for job, _ in jobs])
         finally:

@@ -57,6 +57,7 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
+from ..format.record import Record
 from ..format.names import META_NAME, is_safe_name, is_uncommitted_name
 from ..format.schema import MAX_META_BYTES, LevelMeta, parse_level
 from .files import open_leaf, storage_error
@@ -226,8 +227,8 @@ def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
 
 
 
-@dataclass(frozen=True)
-class FileInfo:
+@dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
+class FileInfo(Record):
     """What a storage knows about one file before reading it.
 
     Attributes:
@@ -243,6 +244,11 @@ class FileInfo:
     size: int
     identity: tuple[tuple[str, str], ...]
     pin: Any = None
+
+    def __init__(self, size: int, identity: tuple[tuple[str, str], ...], pin: Any = None) -> None:
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "identity", identity)
+        object.__setattr__(self, "pin", pin)
 
 
 class Storage(Protocol):

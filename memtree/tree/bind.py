@@ -85,13 +85,15 @@ KeyPrefix = Union[str, tuple[str, ...]]
 """A ``keys=`` entry: a dotted prefix (``"encoder.0"``) or a tuple (``("encoder", "0")``)."""
 
 
-@dataclass
+@dataclass(eq=False)  # holds modules and tensors: compared by identity
 class _Slot:
+    """Where a tensor is reachable: ``owner``'s attribute ``attr``."""
+
     owner: nn.Module
     attr: str
 
 
-@dataclass
+@dataclass(eq=False)  # holds modules and tensors: compared by identity
 class Group:
     """Every name under which one tensor (or one extra state) is reachable in a module."""
 
@@ -170,7 +172,7 @@ def _storage_key(t: torch.Tensor) -> Any:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-@dataclass
+@dataclass(eq=False)  # holds modules and tensors: compared by identity
 class Source:
     """A source seen as flat dotted names, with shapes/dtypes known before any data is read."""
 
@@ -296,8 +298,10 @@ def _selected(name: str, prefixes: list[str] | None) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-@dataclass
+@dataclass(eq=False)  # holds modules and tensors: compared by identity
 class Plan:
+    """What loading a source into a module does: the pairs to bind or fill, and what is left."""
+
     pairs: list[tuple[Group, str]]  # group -> source name bound to it
     missing_names: list[str]
     unexpected: list[str]

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-from torch.utils.data._utils.collate import default_collate_fn_map
 
 from ..errors import InvalidArgumentError
 from .ops import stack
@@ -52,8 +51,9 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     """Stack records (trees of equal batch size) into one batch tree along a new first dim.
 
     A batch that is already one tree (from ``tree[idx]`` or ``tree.__getitems__``) is returned
-    as it is. The DataLoader's default ``collate_fn`` calls it for trees (memtree registers it
-    in ``default_collate_fn_map``); pass it as ``collate_fn`` to use it explicitly.
+    as it is. The DataLoader's default ``collate_fn`` calls it for trees (registered in
+    ``default_collate_fn_map`` where :class:`~memtree.TensorTree` is defined); pass it as
+    ``collate_fn`` to use it explicitly.
 
     Example:
         >>> rec = TensorTree({"x": torch.zeros(3)})
@@ -63,16 +63,6 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     if isinstance(batch, TensorTree):
         return batch
     return stack(list(batch))
-
-
-def _collate_trees(batch: Sequence[TensorTree] | TensorTree, *, collate_fn_map: Any = None) -> TensorTree:
-    """:func:`collate` in the form ``torch.utils.data.default_collate`` calls for a registered type."""
-    return collate(batch)
-
-
-# torch's documented extension point of default_collate (torch.utils.data._utils.collate.collate):
-# the default collate_fn looks an item's type up here, subclasses (tensorclasses) included.
-default_collate_fn_map[TensorTree] = _collate_trees
 
 
 class BatchIndexSampler(Sampler[torch.Tensor]):
