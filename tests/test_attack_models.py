@@ -1494,3 +1494,35 @@ def test_any_model_converted_to_shards_of_any_size_loads_back_bit_exact_and_tied
     assert load_into_module(m, d / "hf") == ([], [])
     assert m.lm.head.weight is m.lm.emb.weight
     assert snapshot(m) == snapshot(donor)
+
+
+# ------------------------------------------------ a refused file never closes someone else's descriptor
+@pytest.mark.parametrize("make", ["directory", "fifo"])
+def test_a_refused_checkpoint_path_leaves_later_descriptors_open(tmp_path, make) -> None:
+    """A checkpoint path refused after it was opened (a directory, a FIFO) closed its descriptor
+    and then closed the same number again when the half-built reader was collected: by then the
+    number belonged to another open file, whose reads failed with EBADF (found as a flaky
+    ``Bad file descriptor`` in later tests)."""
+    import gc
+
+    from memtree.interop.checkpoint_file import CheckpointFile
+
+    bad = tmp_path / "bad"
+    if make == "directory":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)
+    (tmp_path / "other").write_bytes(b"x" * 16)
+    gc.disable()  # the half-built reader is collected exactly when the test says
+    try:
+        with pytest.raises(MemtreeError) as caught:
+            CheckpointFile(bad)
+        fd = os.open(tmp_path / "other", os.O_RDONLY)  # the number the refused reader had
+        try:
+            del caught  # drops the traceback, the frame and the half-built reader
+            gc.collect()
+            assert os.pread(fd, 4, 0) == b"xxxx"
+        finally:
+            os.close(fd)
+    finally:
+        gc.enable()

@@ -98,6 +98,7 @@ class CheckpointFile(Closing):
                 )
         except BaseException:
             os.close(self.fd)
+            self.fd = -1  # __del__ still runs for an object whose __init__ raised
             raise
         self.size = st.st_size
         self._map: torch.Tensor | None = None
