@@ -31,6 +31,7 @@ from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, Source
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
+from ..store.files import gc_paused
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.tensordict import is_tensordict_dir
@@ -418,6 +419,21 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
+    with gc_paused():  # the walk and the plan allocate many objects, none of them garbage
+        return _load(module, source, strict, keys, device, prefix, dtype, ignore_mismatched, assign)
+
+
+def _load(
+    module: nn.Module,
+    source: Any,
+    strict: bool,
+    keys: Iterable[KeyPrefix] | KeyPrefix | None,
+    device: torch.device | str | None,
+    prefix: str | None,
+    dtype: torch.dtype | None,
+    ignore_mismatched: bool,
+    assign: bool,
+) -> LoadResult:
     groups = module_groups(module)
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
     # structure (each leaf opened and checked once as it is walked, none mapped), then read the

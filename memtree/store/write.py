@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import shutil
@@ -44,7 +43,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -68,6 +66,7 @@ from .files import (
     check_free_space,
     create_leaf,
     file_checksum,
+    gc_paused,
     is_plain_memory,
     new_digest,
     storage_error,
@@ -346,23 +345,6 @@ def _is_memtree_meta(path: str) -> bool:
         os.close(fd)
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a plan is built.
-
-    A plan of 20,000 leaves allocates ~100,000 objects, which would trigger collections of the
-    whole heap (~0.2 s with torch loaded) although none of them is garbage.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def write_tree(
     prefix: str | os.PathLike[str],
     level: Level | Any,
@@ -410,7 +392,7 @@ def write_tree(
         raise InvalidArgumentError(f"write_tree writes a Level or a TensorTree, got {type(level).__name__}")
     level = tree
     dest = os.path.realpath(os.fspath(prefix))
-    with _gc_paused():
+    with gc_paused():
         plan = plan_write(level, options, dest=dest)
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
             hide_names(plan)
