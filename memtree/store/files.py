@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and 
 __all__ = [
     "CHUNK_BYTES",
     "byte_view",
+    "writable_view",
     "write_fd",
     "pwrite_from",
     "is_plain_memory",
@@ -163,6 +164,7 @@ _view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _view_of_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _view_of_memory.restype = ctypes.py_object
 _PYBUF_READ = 0x100
+_PYBUF_WRITE = 0x200
 
 
 def storage_error(err: OSError, what: str) -> StorageError:
@@ -189,6 +191,24 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     import torch
 
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def writable_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte ``memoryview`` of a plain contiguous CPU tensor's memory
+    (:func:`is_plain_memory`), without copying: ~1 µs where :func:`byte_view` takes ~5 µs.
+    The view does not keep ``tensor`` alive: the caller does, while the view is used.
+
+    Example:
+        >>> import torch
+        >>> t = torch.zeros(2, dtype=torch.int16)
+        >>> writable_view(t)[:2] = b"\\x01\\x00"
+        >>> t.tolist()
+        [1, 0]
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return _view_of_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
 
 
 # -- checksums ---------------------------------------------------------------------------------

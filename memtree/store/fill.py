@@ -45,7 +45,7 @@ import stat
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,7 +53,15 @@ import torch
 
 from ..errors import InvalidArgumentError, StorageError
 from ..format.dtypes import itemsize
-from .files import FileRange, byte_view, file_checksum, is_plain_memory, storage_error, tensor_checksum
+from .files import (
+    FileRange,
+    byte_view,
+    file_checksum,
+    is_plain_memory,
+    storage_error,
+    tensor_checksum,
+    writable_view,
+)
 
 __all__ = [
     "READ_THREADS",
@@ -285,13 +293,15 @@ def fill(
     """
     threads = READ_THREADS if num_threads is None else num_threads
     _check_jobs(jobs)
-    direct = [j for j in jobs if j.direct]
-    if direct:
-        _fill_direct(direct, threads)
+    direct: list[FillJob] = []
     staged: dict[torch.device, list[FillJob]] = {}
     for job in jobs:
-        if not job.direct:
+        if job.direct:
+            direct.append(job)
+        else:
             staged.setdefault(job.dest.device, []).append(job)
+    if direct:
+        _fill_direct(direct, threads)
     for device, group in staged.items():
         if copier is not None:
             made = copier(device)
@@ -400,12 +410,18 @@ class _Sums:
 
 
 def _fill_direct(jobs: list[FillJob], threads: int) -> None:
-    items: list[tuple[FillJob, memoryview, int]] = []
+    """Read ``jobs`` (plain contiguous CPU destinations) in pieces of :data:`READ_CHUNK`; the
+    reader threads start at once and take each job's pieces as they come to it (its view of the
+    destination is made then, so that setting up the later jobs overlaps the first reads)."""
     sums = _Sums()
     for job in jobs:
-        view = byte_view(job.dest)
-        items.extend((job, view, s) for s in range(0, len(view), READ_CHUNK))
         sums.empty(job)
+
+    def items() -> Iterator[tuple[FillJob, memoryview, int]]:
+        for job in jobs:
+            view = writable_view(job.dest)
+            for start in range(0, len(view), READ_CHUNK):
+                yield job, view, start
 
     def work(item: tuple[FillJob, memoryview, int]) -> int:
         job, view, start = item
@@ -414,8 +430,11 @@ def _fill_direct(jobs: list[FillJob], threads: int) -> None:
         sums.add(job, start, piece, staged=False)
         return len(piece)
 
-    total = sum(j.source.nbytes for j in jobs)
-    _run(items, work, _thread_count(threads, len(items), total))
+    total = pieces = 0
+    for job in jobs:
+        total += job.source.nbytes
+        pieces += -(-job.source.nbytes // READ_CHUNK)
+    _run(items(), work, _thread_count(threads, pieces, total))
 
 
 def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
@@ -426,17 +445,21 @@ def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
     return min(num_threads, pieces, useful) if useful >= 2 else 0
 
 
-def _run(items: list[Any], work: Callable[[Any], int], threads: int) -> None:
-    """``work(item)`` for every item, by ``threads`` threads (0: this thread)."""
+def _run(items: Iterable[Any], work: Callable[[Any], int], threads: int) -> None:
+    """``work(item)`` for every item, by ``threads`` threads (0: this thread). ``items`` may be
+    a generator: the threads take its items one at a time, under a lock."""
+    todo = iter(items)
     if threads == 0:
-        for item in items:
+        for item in todo:
             work(item)
         return
-    todo = iter(items)  # a list iterator hands each item to one thread (atomic under the GIL)
+    take = threading.Lock()
 
     def body(stop: threading.Event) -> None:
-        for item in todo:
-            if stop.is_set():
+        while not stop.is_set():
+            with take:  # one iterator, several threads
+                item = next(todo, None)
+            if item is None:
                 return
             work(item)
 
