@@ -421,7 +421,7 @@ def is_checksum(value: object) -> bool:
     if type(value) is not str:
         return False
     algo, _, digest = value.partition(":")
-    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and all(ch in "0123456789abcdef" for ch in digest)
+    return CHECKSUM_ALGORITHMS.get(algo) == len(digest) and not digest.strip("0123456789abcdef")
 
 
 def _leaves_directory(name: str) -> bool:

@@ -95,10 +95,13 @@ class LoadResult(_Keys):
         return f"LoadResult(missing={self.missing!r}, unexpected={self.unexpected!r}{extra})"
 
 
+def _tree_leaves(tree: TensorTree) -> list[tuple[tuple[str, ...], Any]]:
+    """``tree``'s leaves as ``(key path, value)``."""
+    return [((k,) if isinstance(k, str) else k, v) for k, v in tree.items(include_nested=True, leaves_only=True)]
+
+
 def _tree_source(tree: TensorTree) -> Source:
-    return source_from_leaves(
-        ((k,) if isinstance(k, str) else k, v) for k, v in tree.items(include_nested=True, leaves_only=True)
-    )
+    return source_from_leaves(_tree_leaves(tree))
 
 
 def _source_from_mapping(source: Mapping[Any, Any]) -> Source:
@@ -288,15 +291,12 @@ def _structure(source: Any) -> PendingLevel | None:
 
 
 def _leaf_targets(
-    found: Plan, src: Source, tree: TensorTree
+    found: Plan, src: Source, leaves: list[tuple[tuple[str, ...], Any]]
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
     """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
-    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path."""
-    paths = {
-        id(v): (k,) if isinstance(k, str) else k
-        for k, v in tree.items(include_nested=True, leaves_only=True)
-        if isinstance(v, torch.Tensor)
-    }
+    key path of the tree whose ``leaves`` (on the meta device) ``src`` was made from; ``None``
+    if a pair has no key path."""
+    paths = {id(v): path for path, v in leaves if isinstance(v, torch.Tensor)}
     targets: dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] = {}
     for group, name in found.pairs:
         path = paths.get(id(src.entries.get(name)))
@@ -441,8 +441,8 @@ def _load(
     root = _structure(source) if not assign and all(is_live(g) for g in groups) else None
     try:
         if root is not None:
-            structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
-            src = _tree_source(structure)
+            leaves = _tree_leaves(TensorTree._from_level(root.load_all(), torch.device("meta")))
+            src = source_from_leaves(leaves)
         else:
             src = as_source(source, mode="r")
         module_names = {n for g in groups for n in g.names}
@@ -483,7 +483,7 @@ def _load(
                 return value.to(device=target, dtype=cast)
             return value
 
-        targets = _leaf_targets(found, src, structure) if root is not None else None
+        targets = _leaf_targets(found, src, leaves) if root is not None else None
         if root is not None and targets is not None and fill_tree(root, targets):
             found = dataclasses.replace(found, pairs=[])
         else:

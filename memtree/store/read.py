@@ -224,7 +224,10 @@ def open_for_fill(prefix: str | os.PathLike[str]) -> PendingLevel:
             hostile (when its level loads).
     """
     root = open_tree(prefix, ReadOptions.of(mode="r", device="meta"))
-    root.source.reader.kept = {}
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    reader = root.source.reader
+    reader.keep_most = soft // 4 if soft != resource.RLIM_INFINITY and soft >= 0 else 1 << 62
+    reader.kept = {}
     return root
 
 
@@ -638,6 +641,7 @@ class _Reader:
         #: :func:`open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
         #: none kept (a plain load, or too many leaves)
         self.kept: dict[tuple[str, ...], tuple[int, LeafMeta, str]] | None = None
+        self.keep_most = 0  # most leaves kept open (a quarter of RLIMIT_NOFILE)
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
@@ -698,8 +702,7 @@ class _Reader:
     def keep(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> None:
         """Open and check a leaf for :func:`fill_tree`, and keep it open (see :func:`open_for_fill`)."""
         assert self.kept is not None
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft != resource.RLIM_INFINITY and soft >= 0 and len(self.kept) >= soft // 4:
+        if len(self.kept) >= self.keep_most:
             kept, self.kept = self.kept, None  # too many to keep open: keep none
             for fd, _, _ in kept.values():
                 os.close(fd)
