@@ -350,6 +350,10 @@ def load_into_module(
     parts still to come; call :func:`init_missing` once every part is loaded to allocate and
     initialise what no source provided (a new head, for example).
 
+    Python's cyclic garbage collector is paused during the call (enabled again at its end,
+    unless the caller had disabled it): the walk of a large tree allocates many objects, none of
+    them garbage, and a full collection would cost more than reading a warm model.
+
     Args:
         module: the module to load into.
         source: a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``
