@@ -305,6 +305,33 @@ def worker(system: str, wd: str, layers: int) -> None:
     print(json.dumps({"seconds": seconds, "anon": max(0, anon - base_anon) * 1024, "rss": max(0, rss - base_rss) * 1024}))
 
 
+def overhead(wd: str, layers: int, runs: int) -> str:
+    """Wall and CPU time of ``load_into_module`` from a tree of the same structure (the same 370
+    levels and 924 leaves) with tiny tensors: the cost that does not depend on the bytes."""
+    import memtree
+
+    small = Model.__init__.__defaults__
+    Model.__init__.__defaults__ = (4, 10)  # d=4, vocab=10: the same names and levels
+    try:
+        box = live_container(layers)
+    finally:
+        Model.__init__.__defaults__ = small
+    tree = os.path.join(wd, "tiny-tree")
+    if not os.path.isdir(tree):
+        memtree.TensorTree.from_module(box).memmap(tree)
+    for _ in range(3):
+        memtree.load_into_module(box, tree)
+    wall, cpu = [], []
+    for _ in range(runs):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        memtree.load_into_module(box, tree)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return (f"fixed cost (same structure, tiny tensors, {runs} loads): wall median {statistics.median(wall) * 1e3:.1f} ms "
+            f"(min {min(wall) * 1e3:.1f}), CPU of the calling thread median {statistics.median(cpu) * 1e3:.1f} ms; "
+            f"uptime: {os.getloadavg()}")
+
+
 # -- back to back in one process -----------------------------------------------------------------
 def pairs_main(argv: list[str]) -> None:
     import cProfile
@@ -317,6 +344,8 @@ def pairs_main(argv: list[str]) -> None:
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--profile", type=int, default=0, help="memtree loads to profile after the pairs")
+    ap.add_argument("--overhead", type=int, default=0,
+                    help="loads of a tree of the same structure with tiny tensors (memtree's fixed cost)")
     ap.add_argument("--workdir", help="reuse (or create) the checkpoint here; kept")
     args = ap.parse_args(argv)
     layers = layers_for(args.size_gib)
@@ -358,6 +387,8 @@ def pairs_main(argv: list[str]) -> None:
             ratio = statistics.median(r["floor"] / r["memtree"] for r in rows)
             print(f"median floor {f_med:.3f} s, memtree {m_med:.3f} s; median of per-pair ratios {ratio:.0%}; "
                   f"uptime: {os.getloadavg()}")
+        if args.overhead:
+            print(overhead(wd, layers, args.overhead))
         if args.profile:
             prof = cProfile.Profile()
             for _ in range(args.profile):
