@@ -208,7 +208,8 @@ def writable_view(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
-    return _view_of_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
+    view: memoryview = _view_of_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
+    return view
 
 
 # -- checksums ---------------------------------------------------------------------------------
