@@ -354,6 +354,38 @@ def test_the_collector_is_paused_during_a_load_and_restored_after(tmp_path: Any,
         gc.enable()
 
 
+def _fd_table_size() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("FDSize:")).split()[1])
+
+
+def test_a_walk_grows_the_descriptor_table_in_one_step_and_touches_no_other_descriptor() -> None:
+    """``_make_fd_room`` grows the table to 16 times the descriptor (at least 1024) at once; a
+    descriptor another thread holds at the target number is neither closed nor replaced, and
+    no descriptor is left open."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    probe = os.open(os.devnull, os.O_RDONLY)
+    target = max(1024, 16 * probe)
+    try:
+        try:
+            os.fstat(target)
+            pytest.skip(f"descriptor {target} is in use in this process")
+        except OSError:
+            pass
+        os.dup2(null, target)  # "another thread's" descriptor, exactly at the target
+        before = _open_fds()
+        assert read_mod._make_fd_room(probe) == target
+        assert _fd_table_size() > target
+        assert _open_fds() == before
+        assert os.path.samestat(os.fstat(target), os.fstat(null))
+    finally:
+        for fd in (null, probe, target):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 # -- load_memmap(mmap=False) --------------------------------------------------------------------------
 def _tree(n: int = 3) -> dict[str, Any]:
     return {
