@@ -446,8 +446,8 @@ def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
 
 
 def _run(items: Iterable[Any], work: Callable[[Any], int], threads: int) -> None:
-    """``work(item)`` for every item, by ``threads`` threads (0: this thread). ``items`` may be
-    a generator: the threads take its items one at a time, under a lock."""
+    """``work(item)`` for every item (never ``None``), by ``threads`` threads (0: this thread).
+    ``items`` may be a generator: the threads take its items one at a time, under a lock."""
     todo = iter(items)
     if threads == 0:
         for item in todo:
