@@ -29,6 +29,13 @@ Run::
 
 ``--systems floor,"memtree (safetensors file)",safetensors`` measures only those (comma-separated
 names from the list above; the floor is always measured, the ratios need it).
+Back to back in one process (``pairs``): the same live tensors and the same warm files, the
+floor then memtree, ``--pairs`` times (after one untimed pair), each pair's ratio (floor time
+over memtree time) and their median; ``--profile N`` then profiles ``N`` more memtree loads
+(``cProfile``, the top functions by own time and by cumulative time). With ``--workdir DIR
+--keep`` the checkpoint is written once and reused by later runs::
+
+    .venv/bin/python benchmarks/w6_resume.py pairs [--size-gib 1] [--pairs 9] [--profile 3]
 """
 
 from __future__ import annotations
@@ -306,8 +313,109 @@ def worker(system: str, wd: str, layers: int) -> None:
     print(json.dumps({"seconds": seconds, "anon": max(0, anon - base_anon) * 1024, "rss": max(0, rss - base_rss) * 1024}))
 
 
+def overhead(wd: str, layers: int, runs: int) -> str:
+    """Wall and CPU time of ``load_into_module`` from a tree of the same structure (the same 370
+    levels and 924 leaves) with tiny tensors: the cost that does not depend on the bytes."""
+    import memtree
+
+    small = Model.__init__.__defaults__
+    Model.__init__.__defaults__ = (4, 10)  # d=4, vocab=10: the same names and levels
+    try:
+        box = live_container(layers)
+    finally:
+        Model.__init__.__defaults__ = small
+    tree = os.path.join(wd, "tiny-tree")
+    if not os.path.isdir(tree):
+        memtree.TensorTree.from_module(box).memmap(tree)
+    for _ in range(3):
+        memtree.load_into_module(box, tree)
+    wall, cpu = [], []
+    for _ in range(runs):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        memtree.load_into_module(box, tree)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return (f"fixed cost (same structure, tiny tensors, {runs} loads): wall median {statistics.median(wall) * 1e3:.1f} ms "
+            f"(min {min(wall) * 1e3:.1f}), CPU of the calling thread median {statistics.median(cpu) * 1e3:.1f} ms; "
+            f"uptime: {os.getloadavg()}")
+
+
+# -- back to back in one process -----------------------------------------------------------------
+def pairs_main(argv: list[str]) -> None:
+    import cProfile
+    import pstats
+
+    import memtree
+    import memtree.nn.loading  # noqa: F401
+
+    ap = argparse.ArgumentParser(prog="w6_resume.py pairs")
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--profile", type=int, default=0, help="memtree loads to profile after the pairs")
+    ap.add_argument("--overhead", type=int, default=0,
+                    help="loads of a tree of the same structure with tiny tensors (memtree's fixed cost)")
+    ap.add_argument("--workdir", help="reuse (or create) the checkpoint here; kept")
+    args = ap.parse_args(argv)
+    layers = layers_for(args.size_gib)
+    wd = args.workdir or tempfile.mkdtemp(prefix="w6-", dir=os.environ.get("BENCH_TMP"))
+    try:
+        if not os.path.isfile(os.path.join(wd, "expected.json")):
+            os.makedirs(wd, exist_ok=True)
+            prepare(wd, layers)
+        with open(os.path.join(wd, "expected.json")) as f:
+            expected = json.load(f)["crc"]
+        tree = os.path.join(wd, "tree")
+        box = live_container(layers)
+        loads = {"floor": lambda: floor_load(box, tree), "memtree": lambda: memtree.load_into_module(box, tree)}
+
+        def timed(system: str) -> float:
+            warm_up([tree])  # the files stay cached (another process may have pushed some out)
+            with torch.no_grad():
+                for t in box.state_dict().values():
+                    t.zero_()
+            t0 = time.perf_counter()
+            loads[system]()
+            return time.perf_counter() - t0
+
+        for system in loads:  # one untimed pair, checked bit-exact
+            timed(system)
+            if crcs(box) != expected:
+                raise SystemExit(f"{system}: wrong bytes")
+        print(f"uptime: {os.getloadavg()}", flush=True)
+        rows = []
+        for i in range(args.pairs):
+            order = ("floor", "memtree") if i % 2 == 0 else ("memtree", "floor")
+            got = {s: timed(s) for s in order}
+            rows.append(got)
+            print(f"  pair {i} floor {got['floor']:.3f} s  memtree {got['memtree']:.3f} s  "
+                  f"{got['floor'] / got['memtree']:.0%}", flush=True)
+        if rows:
+            f_med = statistics.median(r["floor"] for r in rows)
+            m_med = statistics.median(r["memtree"] for r in rows)
+            ratio = statistics.median(r["floor"] / r["memtree"] for r in rows)
+            print(f"median floor {f_med:.3f} s, memtree {m_med:.3f} s; median of per-pair ratios {ratio:.0%}; "
+                  f"uptime: {os.getloadavg()}")
+        if args.overhead:
+            print(overhead(wd, layers, args.overhead))
+        if args.profile:
+            prof = cProfile.Profile()
+            for _ in range(args.profile):
+                warm_up([tree])
+                prof.enable()
+                loads["memtree"]()
+                prof.disable()
+            stats = pstats.Stats(prof)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(40)
+    finally:
+        if not args.workdir:
+            remove(wd)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "pairs":
+        pairs_main(sys.argv[2:])
     else:
         main()

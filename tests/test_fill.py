@@ -210,6 +210,48 @@ def test_property_any_mix_of_jobs_fills_bit_exact(
     assert no_reader_threads()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(0, 40),
+    threads=st.sampled_from([0, 1, 2, 4]),
+    fail_work=st.one_of(st.none(), st.integers(0, 39)),
+    fail_make=st.one_of(st.none(), st.integers(0, 39)),
+)
+def test_property_threads_take_items_from_a_generator_once_each(
+    count: int, threads: int, fail_work: int | None, fail_make: int | None
+) -> None:
+    """``_run`` feeds the threads from a generator (the jobs' pieces are made as the threads
+    ask for them): every item is worked on exactly once; a failure in the work or in making
+    an item is raised, after which no item is taken and no thread is left."""
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def make() -> Any:
+        for i in range(count):
+            if i == fail_make:
+                raise RuntimeError("making item failed")
+            yield i
+
+    def work(i: int) -> int:
+        if i == fail_work:
+            raise RuntimeError("work failed")
+        with lock:
+            done.append(i)
+        return 1
+
+    fails = [x for x in (fail_work, fail_make) if x is not None and x < count]
+    if fails:
+        with pytest.raises(RuntimeError, match="failed"):
+            fill_mod._run(make(), work, threads)
+        assert len(done) == len(set(done)) and min(fails) not in done
+        if threads <= 1:  # one taker: exactly the items before the failure
+            assert done == list(range(min(fails)))
+    else:
+        fill_mod._run(make(), work, threads)
+        assert sorted(done) == list(range(count))
+    assert no_reader_threads()
+
+
 # -- short reads, EOF, files that change ----------------------------------------------------------
 def test_read_exact_continues_short_reads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     path, _ = write_file(tmp_path, "f", [bytes(range(200))])

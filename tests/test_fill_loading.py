@@ -8,9 +8,12 @@ clear errors and leave the module as it was when the damage is found before read
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import os
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -277,6 +280,110 @@ def test_a_damaged_torch_record_fails_its_crc_on_the_bytes_read(tmp_path: Any) -
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointFormatError, match="CRC-32"):
         load_into_module(Net(), path)
+
+
+def _open_fds() -> set[str]:
+    gc.collect()  # descriptors that only garbage still holds are closed first
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("fail_at", [1, 7, 40])
+def test_a_read_failing_mid_load_raises_closes_every_descriptor_and_leaves_no_thread(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
+    """The reader threads take the jobs as they are made: a read that fails part way (the
+    first piece, one in the middle, one late) stops them all; the error names the leaf, every
+    leaf descriptor is closed, no reader thread is left and the collector is on again."""
+    monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)
+    monkeypatch.setattr(fill_mod, "READ_CHUNK", 64)  # many pieces: the threads overlap the setup
+    path = save(trained(), "memtree", tmp_path)
+    real = os.preadv
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def failing(fd: int, buffers: list[Any], offset: int) -> int:
+        with lock:
+            calls["n"] += 1
+            n = calls["n"]
+        if n == fail_at:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    before = _open_fds()
+    with pytest.raises(StorageError, match=r"leaf .*\.memmap") as info:
+        load_into_module(Net(), path)
+    assert info.value.errno == errno.EIO
+    del info  # its traceback holds the tree (and its root directory) until it is dropped
+    assert _open_fds() == before
+    assert not any(t.name.startswith("memtree-read") for t in threading.enumerate())
+    assert gc.isenabled()
+    calls["n"] = -(10**9)  # no more failures: the same module loads bit-exact afterwards
+    net = Net()
+    assert load_into_module(net, path) == ([], [])
+    assert {k: raw(v) for k, v in net.state_dict().items()} == {k: raw(v) for k, v in trained().state_dict().items()}
+
+
+def test_the_collector_is_paused_during_a_load_and_restored_after(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cyclic collection while the walk and the plan allocate; the collector's state is as
+    it was afterwards, after a success, a strict error and a read error, enabled or not."""
+    path = save(trained(), "memtree", tmp_path)
+    seen: list[bool] = []
+    real = fill_mod.fill
+
+    def spying(jobs: Any, **kw: Any) -> None:
+        seen.append(gc.isenabled())
+        real(jobs, **kw)
+
+    monkeypatch.setattr(fill_mod, "fill", spying)  # the tree reader imports it where it reads
+    assert load_into_module(Net(), path) == ([], []) and seen == [False] and gc.isenabled()
+
+    class Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(2, 2)
+
+    with pytest.raises(memtree.MemtreeKeyError):
+        load_into_module(Other(), path)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_into_module(Net(), path)
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
+
+
+def _fd_table_size() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("FDSize:")).split()[1])
+
+
+def test_a_walk_grows_the_descriptor_table_in_one_step_and_touches_no_other_descriptor() -> None:
+    """``_make_fd_room`` grows the table to 16 times the descriptor (at least 1024) at once; a
+    descriptor another thread holds at the target number is neither closed nor replaced, and
+    no descriptor is left open."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    probe = os.open(os.devnull, os.O_RDONLY)
+    target = max(1024, 16 * probe)
+    try:
+        try:
+            os.fstat(target)
+            pytest.skip(f"descriptor {target} is in use in this process")
+        except OSError:
+            pass
+        os.dup2(null, target)  # "another thread's" descriptor, exactly at the target
+        before = _open_fds()
+        assert read_mod._make_fd_room(probe) == target
+        assert _fd_table_size() > target
+        assert _open_fds() == before
+        assert os.path.samestat(os.fstat(target), os.fstat(null))
+    finally:
+        for fd in (null, probe, target):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 # -- load_memmap(mmap=False) --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, Source
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
+from ..store.files import gc_paused
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.storage import local_path
@@ -95,10 +96,13 @@ class LoadResult(_Keys):
         return f"LoadResult(missing={self.missing!r}, unexpected={self.unexpected!r}{extra})"
 
 
+def _tree_leaves(tree: TensorTree) -> list[tuple[tuple[str, ...], Any]]:
+    """``tree``'s leaves as ``(key path, value)``."""
+    return [((k,) if isinstance(k, str) else k, v) for k, v in tree.items(include_nested=True, leaves_only=True)]
+
+
 def _tree_source(tree: TensorTree) -> Source:
-    return source_from_leaves(
-        ((k,) if isinstance(k, str) else k, v) for k, v in tree.items(include_nested=True, leaves_only=True)
-    )
+    return source_from_leaves(_tree_leaves(tree))
 
 
 def _source_from_mapping(source: Mapping[Any, Any]) -> Source:
@@ -294,16 +298,13 @@ def _structure(source: Any) -> PendingLevel | None:
 
 
 def _leaf_targets(
-    found: Plan, src: Source, tree: TensorTree
+    found: Plan, src: Source, leaves: list[tuple[tuple[str, ...], Any]]
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
     """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
-    key path of ``tree`` (loaded on the meta device); ``None`` if a pair has no key path, or if
-    the tree holds several names of one tied tensor (whose values are compared on the data)."""
-    paths = {
-        id(v): (k,) if isinstance(k, str) else k
-        for k, v in tree.items(include_nested=True, leaves_only=True)
-        if isinstance(v, torch.Tensor)
-    }
+    key path of the tree whose ``leaves`` (on the meta device) ``src`` was made from; ``None``
+    if a pair has no key path, or if the tree holds several names of one tied tensor (whose
+    values are compared on the data)."""
+    paths = {id(v): path for path, v in leaves if isinstance(v, torch.Tensor)}
     targets: dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] = {}
     for group, name in found.pairs:
         path = paths.get(id(src.entries.get(name)))
@@ -444,6 +445,10 @@ def load_into_module(
     parts still to come; call :func:`init_missing` once every part is loaded to allocate and
     initialise what no source provided (a new head, for example).
 
+    Python's cyclic garbage collector is paused during the call (enabled again at its end,
+    unless the caller had disabled it): the walk of a large tree allocates many objects, none of
+    them garbage, and a full collection would cost more than reading a warm model.
+
     Args:
         module: the module to load into.
         source: a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``
@@ -518,6 +523,21 @@ def load_into_module(
         )
     if isinstance(source, str):
         source = local_path(source)  # file:///path is the local path; other URLs: load_memmap's
+    with gc_paused():  # the walk and the plan allocate many objects, none of them garbage
+        return _load(module, source, strict, keys, device, prefix, dtype, ignore_mismatched, assign)
+
+
+def _load(
+    module: nn.Module,
+    source: Any,
+    strict: bool,
+    keys: Iterable[KeyPrefix] | KeyPrefix | None,
+    device: torch.device | str | None,
+    prefix: str | None,
+    dtype: torch.dtype | None,
+    ignore_mismatched: bool,
+    assign: bool,
+) -> LoadResult:
     groups = module_groups(module)
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
     # structure (each leaf opened and checked once as it is walked, none mapped), then read the
@@ -525,8 +545,8 @@ def load_into_module(
     root = _structure(source) if not assign and all(is_live(g) for g in groups) else None
     try:
         if root is not None:
-            structure = TensorTree._from_level(root.load_all(), torch.device("meta"))
-            src = _tree_source(structure)
+            leaves = _tree_leaves(TensorTree._from_level(root.load_all(), torch.device("meta")))
+            src = source_from_leaves(leaves)
         else:
             src = as_source(source, mode="r")
         module_names = {n for g in groups for n in g.names}
@@ -568,7 +588,7 @@ def load_into_module(
             return value
 
         shared = root is not None and bool(_shared_memory(found))  # checked below, on the data
-        targets = _leaf_targets(found, src, structure) if root is not None and not shared else None
+        targets = _leaf_targets(found, src, leaves) if root is not None and not shared else None
         if root is not None and targets is not None and fill_tree(root, targets):
             found = dataclasses.replace(found, pairs=[])
         else:

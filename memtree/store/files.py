@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import hashlib
 import os
 import shutil
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and 
 __all__ = [
     "CHUNK_BYTES",
     "byte_view",
+    "writable_view",
     "write_fd",
     "pwrite_from",
     "is_plain_memory",
@@ -92,6 +94,7 @@ __all__ = [
     "tensor_checksum",
     "regular_files",
     "crc32",
+    "gc_paused",
 ]
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -120,6 +123,31 @@ RW_FLAGS = (
 _PROC_FD = os.path.isdir("/proc/self/fd")
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile (where it was enabled: it is enabled again after).
+
+    Building a plan of many leaves (a write's, or a load's walk of a tree's structure) allocates
+    tens of thousands of objects, none of them garbage, which would trigger collections of the
+    whole heap (0.05 to 0.3 s each with torch loaded: more than reading a warm model).
+
+    Example:
+        >>> with gc_paused():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def libc_function(name: str, argtypes: list[Any]) -> Any:
     """A C library function that sets ``errno`` (``None`` where the platform lacks it)."""
     try:
@@ -139,6 +167,7 @@ _view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _view_of_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _view_of_memory.restype = ctypes.py_object
 _PYBUF_READ = 0x100
+_PYBUF_WRITE = 0x200
 
 
 def storage_error(err: OSError, what: str) -> StorageError:
@@ -165,6 +194,25 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     import torch
 
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def writable_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte ``memoryview`` of a plain contiguous CPU tensor's memory
+    (:func:`is_plain_memory`), without copying: ~1 µs where :func:`byte_view` takes ~5 µs.
+    The view does not keep ``tensor`` alive: the caller does, while the view is used.
+
+    Example:
+        >>> import torch
+        >>> t = torch.zeros(2, dtype=torch.int16)
+        >>> writable_view(t)[:2] = b"\\x01\\x00"
+        >>> t.tolist()
+        [1, 0]
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    view: memoryview = _view_of_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
+    return view
 
 
 # -- checksums ---------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import queue
 import stat
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,7 +55,16 @@ import torch
 
 from ..errors import InvalidArgumentError, MemtreeError, StorageError
 from ..format.dtypes import itemsize
-from .files import FileRange, byte_view, crc32, file_checksum, is_plain_memory, storage_error, tensor_checksum
+from .files import (
+    FileRange,
+    byte_view,
+    crc32,
+    file_checksum,
+    is_plain_memory,
+    storage_error,
+    tensor_checksum,
+    writable_view,
+)
 
 __all__ = [
     "READ_THREADS",
@@ -330,13 +339,15 @@ def fill(
     """
     threads = READ_THREADS if num_threads is None else num_threads
     _check_jobs(jobs)
-    direct = [j for j in jobs if j.direct]
-    if direct:
-        _fill_direct(direct, threads)
+    direct: list[FillJob] = []
     staged: dict[torch.device, list[FillJob]] = {}
     for job in jobs:
-        if not job.direct:
+        if job.direct:
+            direct.append(job)
+        else:
             staged.setdefault(job.dest.device, []).append(job)
+    if direct:
+        _fill_direct(direct, threads)
     for device, group in staged.items():
         if copier is not None:
             made = copier(device)
@@ -477,7 +488,7 @@ def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
     :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a gap's bytes land in scratch)."""
     pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
     for job in jobs:
-        view, src = byte_view(job.dest), job.source
+        view, src = writable_view(job.dest), job.source  # direct jobs: plain memory
         for s in range(0, len(view), READ_CHUNK):
             pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
     pieces.sort(key=lambda p: (p[0], p[1]))
@@ -503,6 +514,8 @@ def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
 
 
 def _fill_direct(jobs: list[FillJob], threads: int) -> None:
+    """Read ``jobs`` (plain contiguous CPU destinations) in file order, neighbouring pieces of
+    one file in one ``preadv`` (:func:`_direct_reads`), by up to ``threads`` threads."""
     sums = _Sums()
     for job in jobs:
         sums.empty(job)
@@ -526,17 +539,21 @@ def _thread_count(num_threads: int, pieces: int, nbytes: int) -> int:
     return min(num_threads, pieces, useful) if useful >= 2 else 0
 
 
-def _run(items: list[Any], work: Callable[[Any], int], threads: int) -> None:
-    """``work(item)`` for every item, by ``threads`` threads (0: this thread)."""
+def _run(items: Iterable[Any], work: Callable[[Any], int], threads: int) -> None:
+    """``work(item)`` for every item (never ``None``), by ``threads`` threads (0: this thread).
+    ``items`` may be a generator: the threads take its items one at a time, under a lock."""
+    todo = iter(items)
     if threads == 0:
-        for item in items:
+        for item in todo:
             work(item)
         return
-    todo = iter(items)  # a list iterator hands each item to one thread (atomic under the GIL)
+    take = threading.Lock()
 
     def body(stop: threading.Event) -> None:
-        for item in todo:
-            if stop.is_set():
+        while not stop.is_set():
+            with take:  # one iterator, several threads
+                item = next(todo, None)
+            if item is None:
                 return
             work(item)
 

@@ -35,13 +35,11 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -62,6 +60,7 @@ from .files import (
     FileRange,
     create_leaf,
     file_checksum,
+    gc_paused,
     is_plain_memory,
     storage_error,
     tensor_checksum,
@@ -287,21 +286,6 @@ BACKGROUND_REMOVAL_FILES = 256
 _PROGRESS_INTERVAL = 0.1
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a plan is built.
-
-    A plan of 20,000 leaves allocates ~100,000 objects, which would trigger collections of the
-    whole heap (~0.2 s with torch loaded) although none of them is garbage.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def write_tree(
@@ -353,7 +337,7 @@ def write_tree(
     level = tree
     remote = "memmap() writes a local directory; write the tree locally, then memtree.remote.upload(tree, url)"
     dest = os.path.realpath(os.fspath(local_path(prefix, remote=remote)))
-    with _gc_paused():
+    with gc_paused():
         plan = plan_write(level, options, dest=dest)
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
             hide_names(plan)
