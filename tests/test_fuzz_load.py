@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import shutil
 import stat
+import time
 import zlib
 from pathlib import Path
 
@@ -315,11 +316,18 @@ def fresh_copy(pristine: Path) -> Path:
         p = work / rel
         if data is None:
             os.makedirs(p, exist_ok=True)
-        elif not p.exists() or p.read_bytes() != data:  # only what changed: a truncating open is slow too
-            p.write_bytes(data)
-            times = (pristine / rel).stat()  # and its times: a leaf newer than its meta.json is stale
-            os.utime(p, ns=(times.st_atime_ns, times.st_mtime_ns))
+        else:
+            if not p.exists() or p.read_bytes() != data:  # only what changed: a truncating open is slow too
+                p.write_bytes(data)
+            # and its times, even where the bytes are the same (a mutation that rewrote a file
+            # with its own bytes): a leaf newer than its meta.json is reported stale, not damaged
+            times = (pristine / rel).stat()
+            if p.stat().st_mtime_ns != times.st_mtime_ns:
+                os.utime(p, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert _image(work) == image, "the work directory was not reset to the pristine state"
+    assert all(
+        (work / rel).stat().st_mtime_ns == (pristine / rel).stat().st_mtime_ns for rel, data in image if data is not None
+    ), "the work directory's files do not have the pristine files' times"
     return work
 
 
@@ -651,3 +659,18 @@ def test_every_single_bit_flip_is_caught_by_verify(worker, pristine, leaf):
     else:
         assert r[0] == "refused" and r[1] == "IntegrityError" and r[-1] == ["checksum"], r
         assert worker.load(work / "tree", {})[0] == "loaded"
+
+
+def test_the_reset_restores_times_of_files_rewritten_with_their_own_bytes(pristine):
+    """A mutation that rewrites a leaf with the bytes it had (``resize`` to its own size) leaves
+    it newer than its meta.json; the next example's reset must give it the pristine time back,
+    or that example's bit flip is reported ``stale`` instead of ``checksum`` (a flaky failure of
+    test_every_single_bit_flip_is_caught_by_verify, depending on the examples run before it)."""
+    leaf = "nested/deeper/mask.memmap"
+    work = fresh_copy(pristine)
+    before = (work / "tree" / leaf).stat().st_mtime_ns
+    time.sleep(0.05)  # a clock tick: the rewrite is strictly later
+    apply(work, ("leaf", leaf, "resize", (work / "tree" / leaf).stat().st_size))
+    assert (work / "tree" / leaf).stat().st_mtime_ns > before
+    work = fresh_copy(pristine)
+    assert (work / "tree" / leaf).stat().st_mtime_ns == before
