@@ -64,7 +64,8 @@ from ..errors import (
     SourceError,
     UnsafePathError,
 )
-from .files import FileRange, file_checksum, open_checked, open_leaf, storage_error
+from .files import FileRange, open_checked, open_leaf, storage_error
+from .checksums import file_checksum
 from .storage import META_FLAGS, LocalStorage, open_dir, read_meta, read_meta_bytes
 from ..format.schema import (
     ChildMeta,
