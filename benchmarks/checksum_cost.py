@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import memtree
-from memtree.store.files import available_checksums, tensor_checksum
+from memtree.store.checksums import available_checksums, tensor_checksum
 from memtree.store.options import WriteOptions
 from memtree.store.write import WriteStats, wait_for_removals, write_tree
 

@@ -63,7 +63,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import memtree  # noqa: E402
 from memtree.cli.du import disk_usage  # noqa: E402
 from memtree.errors import NotAMemtreeError  # noqa: E402
-from memtree.store.files import default_checksum, new_digest, regular_files  # noqa: E402
+from memtree.store.files import regular_files  # noqa: E402
+from memtree.store.checksums import default_checksum, new_digest  # noqa: E402
 
 
 def wchar() -> int:

@@ -194,6 +194,7 @@ def test_repr_of_a_memory_mapped_leaf_names_its_device(saved: Path) -> None:
 _INTERNAL = {
     ("store/files.py", "OSError"),  # EIO of short reads/writes: converted by storage_error()
     ("store/files.py", "ValueError"),  # create_leaf's preconditions
+    ("store/checksums.py", "OSError"),  # file_checksum's EIO of a short file: storage_error() converts it
     ("store/commit.py", "OSError"),  # renameat2's errno: converted by the callers' storage_error()
     ("store/commit.py", "ValueError"),  # the journal's size: a programming error
     ("store/cache.py", "FileExistsError"),  # caught two lines below: another download won

@@ -15,8 +15,8 @@ import memtree
 from memtree import IntegrityError, MemtreeError, TensorTree, verify_tree
 from memtree.errors import MetaFormatError
 from memtree.format.schema import VERSION, LevelMeta, dump_level, parse_level
-from memtree.store import files
-from memtree.store.files import available_checksums, default_checksum, tensor_checksum
+from memtree.store import checksums
+from memtree.store.checksums import available_checksums, default_checksum, tensor_checksum
 from memtree.store.integrity import tree_hash
 from treeutil import raw_bytes
 
@@ -53,9 +53,9 @@ def test_known_answers(algorithm, digest):
 
 def test_default_is_the_fastest_installed(monkeypatch):
     assert default_checksum() == next(a for a in ("xxh3", "crc32c", "crc32") if a in available_checksums())
-    monkeypatch.setattr(files, "_FACTORIES", {k: v for k, v in files._FACTORIES.items() if k != "xxh3"})
-    assert default_checksum() == ("crc32c" if "crc32c" in files._FACTORIES else "crc32")
-    monkeypatch.setattr(files, "_FACTORIES", {k: v for k, v in files._FACTORIES.items() if k != "crc32c"})
+    monkeypatch.setattr(checksums, "_FACTORIES", {k: v for k, v in checksums._FACTORIES.items() if k != "xxh3"})
+    assert default_checksum() == ("crc32c" if "crc32c" in checksums._FACTORIES else "crc32")
+    monkeypatch.setattr(checksums, "_FACTORIES", {k: v for k, v in checksums._FACTORIES.items() if k != "crc32c"})
     assert default_checksum() == "crc32"
     with pytest.raises(memtree.InvalidArgumentError, match="fast-checksums"):
         TensorTree({"a": torch.ones(2)}).memmap("/nonexistent/never", checksum="xxh3")

@@ -377,7 +377,7 @@ def test_a_file_that_grows_while_read_is_read_only_within_its_range(tmp_path: An
 
 
 def test_checksums_are_checked_on_the_bytes_read(tmp_path: Any, threaded: None) -> None:
-    from memtree.store.files import tensor_checksum
+    from memtree.store.checksums import tensor_checksum
 
     src = torch.arange(300, dtype=torch.int32)
     path, (off,) = write_file(tmp_path, "f", [raw(src)])

@@ -23,7 +23,7 @@ from torch import nn
 import memtree
 import memtree.nn.loading as loading_mod
 import memtree.store.fill as fill_mod
-import memtree.store.read as read_mod
+import memtree.store.leaf_reader as leaf_reader_mod
 from memtree import (
     CheckpointFormatError,
     IntegrityError,
@@ -195,7 +195,7 @@ def test_a_memtree_directory_into_live_modules_opens_each_leaf_once_and_maps_non
     src = trained()
     path = save(src, "memtree", tmp_path)
     opened: list[str] = []
-    real_open = read_mod.open_leaf
+    real_open = leaf_reader_mod.open_leaf
 
     def counting(name: str, *args: Any, **kw: Any) -> Any:
         opened.append(name)
@@ -204,8 +204,8 @@ def test_a_memtree_directory_into_live_modules_opens_each_leaf_once_and_maps_non
     def never(*_: Any, **__: Any) -> Any:
         raise AssertionError("a leaf was mapped")
 
-    monkeypatch.setattr(read_mod, "open_leaf", counting)
-    monkeypatch.setattr(read_mod, "map_leaf", never)
+    monkeypatch.setattr(leaf_reader_mod, "open_leaf", counting)
+    monkeypatch.setattr(leaf_reader_mod, "map_leaf", never)
     monkeypatch.setattr(loading_mod, "mapped_range", never)
     net = Net()
     assert load_into_module(net, path) == ([], [])
@@ -374,7 +374,7 @@ def test_a_walk_grows_the_descriptor_table_in_one_step_and_touches_no_other_desc
             pass
         os.dup2(null, target)  # "another thread's" descriptor, exactly at the target
         before = _open_fds()
-        assert read_mod._make_fd_room(probe) == target
+        assert leaf_reader_mod._make_fd_room(probe) == target
         assert _fd_table_size() > target
         assert _open_fds() == before
         assert os.path.samestat(os.fstat(target), os.fstat(null))
@@ -394,7 +394,7 @@ def _tree(n: int = 3) -> dict[str, Any]:
 
 
 def test_mmap_false_reads_every_leaf_bit_exact_into_ordinary_memory(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(read_mod, "MAX_PENDING_READS", 4)  # several threaded batches
+    monkeypatch.setattr(leaf_reader_mod, "MAX_PENDING_READS", 4)  # several threaded batches
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)
     data = _tree(10)
     d = str(tmp_path / "t")

@@ -6,7 +6,7 @@ their several destinations with one ``preadv`` (the few bytes between two ``torc
 records land in a scratch buffer). These tests pin that the destinations get exactly their
 bytes whatever the layout (gaps, overlapping views of one storage, any order of the jobs, any
 piece size, short reads at any buffer boundary), that checksums still see each tensor's own
-bytes, and that the number of reads is what the layout allows. Also :func:`memtree.store.files.crc32`
+bytes, and that the number of reads is what the layout allows. Also :func:`memtree.store.checksums.crc32`
 (ISA-L's where installed) against zlib's.
 """
 
@@ -25,10 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import memtree.store.files as files_mod
+import memtree.store.checksums as checksums_mod
 import memtree.store.fill as fill_mod
 from memtree import CheckpointFormatError, StorageError, load_into_module
-from memtree.store.files import FileRange, crc32
+from memtree.store.files import FileRange
+from memtree.store.checksums import crc32
 from memtree.store.fill import FillJob, fill, read_views
 
 
@@ -215,18 +216,18 @@ def test_property_crc32_is_zlibs(data: bytes, start: int) -> None:
 
 
 def test_crc32_falls_back_to_zlib_without_isal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(files_mod, "_CRC32", None)
+    monkeypatch.setattr(checksums_mod, "_CRC32", None)
     monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)  # import isal.isal_zlib now fails
     assert crc32(b"hello world") == zlib.crc32(b"hello world")
-    assert files_mod._CRC32 is zlib.crc32
+    assert checksums_mod._CRC32 is zlib.crc32
 
 
 def test_crc32_uses_isal_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     isal_zlib = pytest.importorskip("isal.isal_zlib")
-    monkeypatch.setattr(files_mod, "_CRC32", None)
+    monkeypatch.setattr(checksums_mod, "_CRC32", None)
     data = os.urandom(1 << 20)
     assert crc32(data, 7) == zlib.crc32(data, 7)
-    assert files_mod._CRC32 is isal_zlib.crc32
+    assert checksums_mod._CRC32 is isal_zlib.crc32
 
 
 # -- torch.save files: small records read together, each still checked ----------------------------

@@ -30,7 +30,7 @@ from torch import nn
 import memtree
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 from memtree.store.options import ReadOptions, WriteOptions
-from memtree.store.files import default_checksum
+from memtree.store.checksums import default_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 

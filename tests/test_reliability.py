@@ -659,7 +659,7 @@ def test_memmap_in_place_with_checksum(parent):
 
 
 def test_checksums_by_default_and_none_on_request(parent):
-    from memtree.store.files import default_checksum
+    from memtree.store.checksums import default_checksum
 
     sample().memmap(parent / "t")
     meta = json.loads((parent / "t" / "meta.json").read_bytes())

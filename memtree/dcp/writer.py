@@ -28,7 +28,8 @@ from torch.futures import Future
 
 from ..format.dtypes import dtype_name, itemsize
 from ..errors import DistributedCheckpointError, InvalidKeyError, MemtreeError, MetaFormatError
-from ..store.files import allocate_fd, byte_view, storage_error
+from ..store.files import allocate_fd, storage_error
+from ..store.memory import byte_view
 from ..store.commit import LOCK_TIMEOUT, WriterLock, destination_state, fsync_dir, publish, write_small_file
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, dump_level
 from ..format.names import META_NAME, encode_level

@@ -36,7 +36,8 @@ from typing import TypeVar
 import torch
 
 from ..errors import CheckpointFormatError, StorageError
-from ..store.files import CHUNK_BYTES, byte_view, map_fd, storage_error
+from ..store.files import CHUNK_BYTES, map_fd, storage_error
+from ..store.memory import byte_view
 
 _Self = TypeVar("_Self", bound="Closing")
 

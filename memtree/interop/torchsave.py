@@ -39,7 +39,7 @@ The CRC-32 of a record is checked when a ``pread`` reads it whole, when the in-p
 (:func:`memtree.store.fill.fill`) reads it whole (by the reader thread, on the bytes it read),
 and before a file-to-file copy of a whole record (read through one 64 KiB buffer); mapped views
 are not checked (as with ``torch.load``, which checks no CRC-32). The CRC-32 is
-:func:`memtree.store.files.crc32`: zlib's, or ISA-L's (about 3.5 times faster) where the
+:func:`memtree.store.checksums.crc32`: zlib's, or ISA-L's (about 3.5 times faster) where the
 ``isal`` package is installed.
 
 ``allow_pickle=True`` lets other globals through to :class:`pickle.Unpickler` (trusted files
@@ -80,7 +80,8 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from ..store.files import FileRange, crc32, file_checksum, storage_error
+from ..store.files import FileRange, storage_error
+from ..store.checksums import crc32, file_checksum
 from .checkpoint_file import CheckpointFile, Closing
 from .pickle_guard import (
     Budget,

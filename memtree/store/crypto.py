@@ -71,7 +71,9 @@ from ..format.schema import (
     parse_level,
     sealed_nbytes,
 )
-from .files import FileRange, byte_view, new_digest, new_file, preallocate_fd
+from .files import FileRange, new_file, preallocate_fd
+from .checksums import new_digest
+from .memory import byte_view
 
 if TYPE_CHECKING:  # torch is imported by the functions that handle tensors (memtree info imports none)
     import torch

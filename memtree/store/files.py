@@ -33,21 +33,18 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import hashlib
 import os
 import shutil
 import stat
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..format.dtypes import itemsize
 from ..format.record import Record
 from ..format.names import staging_path
 from ..errors import (
-    InvalidArgumentError,
     DestinationExistsError,
     InsufficientSpaceError,
     LeafSizeError,
@@ -56,17 +53,16 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
+from .checksums import DIGEST_SLICE, Digest, new_digest
+from .memory import PYBUF_READ, byte_view, is_plain_memory, view_of_memory
 
 if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and checksumming
     import torch  # files need none (``memtree info`` starts without torch)
 
 __all__ = [
     "CHUNK_BYTES",
-    "byte_view",
-    "writable_view",
     "write_fd",
     "pwrite_from",
-    "is_plain_memory",
     "FileRange",
     "copy_range",
     "allocate_fd",
@@ -84,16 +80,7 @@ __all__ = [
     "storage_error",
     "libc_function",
     "RW_FLAGS",
-    "CHECKSUMS",
-    "available_checksums",
-    "default_checksum",
-    "Digest",
-    "new_digest",
-    "check_checksum_option",
-    "file_checksum",
-    "tensor_checksum",
     "regular_files",
-    "crc32",
     "gc_paused",
 ]
 
@@ -103,9 +90,6 @@ CHUNK_BYTES = 64 * 1024 * 1024
 #: 195 leaves 0.80 s preallocated vs 1.37 s not, on ext4). Smaller files gain nothing from the
 #: extra system call.
 PREALLOCATE_MIN = 1024 * 1024
-#: Slice size when a checksum is computed during a write: small enough to stay in the CPU cache
-#: between ``pwrite`` and the hash, large enough that the extra syscalls cost nothing.
-DIGEST_SLICE = 4 * 1024 * 1024
 #: The buffer of :func:`copy_range` where the kernel cannot copy between the files itself (or a
 #: checksum needs the bytes): the most memory a file-to-file copy ever holds.
 COPY_BUFFER = 8 * 1024 * 1024
@@ -162,12 +146,6 @@ def libc_function(name: str, argtypes: list[Any]) -> Any:
 #: Linux ``fallocate(2)``: unlike ``os.posix_fallocate`` it never falls back to writing zeros
 #: into every block where the filesystem cannot preallocate.
 _fallocate = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
-#: Wraps raw memory in a read-only ``memoryview`` without copying (CPython's C API).
-_view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
-_view_of_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
-_view_of_memory.restype = ctypes.py_object
-_PYBUF_READ = 0x100
-_PYBUF_WRITE = 0x200
 
 
 def storage_error(err: OSError, what: str) -> StorageError:
@@ -183,206 +161,6 @@ def storage_error(err: OSError, what: str) -> StorageError:
     out = StorageError(err.errno or 0, f"{what}: {err.strerror or err} ({hint})")
     out.filename = err.filename
     return out
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A flat byte ``memoryview`` of a contiguous CPU tensor, without copying."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
-    import torch
-
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def writable_view(tensor: torch.Tensor) -> memoryview:
-    """A writable flat byte ``memoryview`` of a plain contiguous CPU tensor's memory
-    (:func:`is_plain_memory`), without copying: ~1 µs where :func:`byte_view` takes ~5 µs.
-    The view does not keep ``tensor`` alive: the caller does, while the view is used.
-
-    Example:
-        >>> import torch
-        >>> t = torch.zeros(2, dtype=torch.int16)
-        >>> writable_view(t)[:2] = b"\\x01\\x00"
-        >>> t.tolist()
-        [1, 0]
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    view: memoryview = _view_of_memory(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
-    return view
-
-
-# -- checksums ---------------------------------------------------------------------------------
-#: Checksum algorithms a leaf may record in ``meta.json`` (``"<algorithm>:<hex digest>"``):
-#: ``xxh3`` (xxh3_64 of the ``xxhash`` package) and ``crc32c`` (the ``crc32c`` package) are
-#: optional extras (``pip install memtree[fast-checksums]``); ``crc32`` and ``sha256`` come with
-#: Python. ``sha256`` also detects deliberate changes, given a trusted ``meta.json``.
-CHECKSUMS = ("xxh3", "crc32c", "crc32", "sha256")
-#: The algorithms ``checksum="auto"`` (the default of a write) picks from, fastest first.
-_AUTO_ORDER = ("xxh3", "crc32c", "crc32")
-
-
-class Digest(Protocol):
-    """What :func:`write_fd` needs from a running checksum (``hashlib`` objects qualify)."""
-
-    def update(self, data: Any, /) -> None:
-        """Add bytes to the checksum."""
-
-    def hexdigest(self) -> str:
-        """The checksum so far, as lowercase hex digits."""
-
-
-_CRC32: Callable[[Any, int], int] | None = None  # the implementation, found on first use
-
-
-def _fastest_crc32() -> Callable[[Any, int], int]:
-    try:
-        from isal.isal_zlib import crc32 as isal_crc32
-    except ImportError:
-        return zlib.crc32
-    fast: Callable[[Any, int], int] = isal_crc32
-    return fast
-
-
-def crc32(data: Any, value: int = 0) -> int:
-    """zlib's CRC-32 (the polynomial of zip, gzip and PNG) of the bytes of ``data``, continued
-    from ``value``, as ``zlib.crc32`` computes it.
-
-    Where the optional ``isal`` package is installed (``pip install memtree[fast-checksums]``)
-    it computes it (ISA-L's folded CRC-32: 14 GB/s on one core of this project's test machine,
-    zlib 1.2.13's 4.2 GB/s); both release the GIL for large buffers, so reader threads check
-    what they read in parallel.
-
-    Example:
-        >>> import zlib
-        >>> crc32(b"world", crc32(b"hello ")) == zlib.crc32(b"hello world")
-        True
-    """
-    global _CRC32
-    if _CRC32 is None:
-        _CRC32 = _fastest_crc32()
-    return _CRC32(data, value)
-
-
-class _Crc32:
-    """:func:`crc32` with the ``hashlib`` interface (8 lowercase hex digits)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = crc32(data, self.value)  # releases the GIL for large buffers
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _digest_factories() -> dict[str, Any]:
-    out: dict[str, Any] = {"crc32": _Crc32, "sha256": hashlib.sha256}
-    try:
-        import xxhash
-
-        out["xxh3"] = xxhash.xxh3_64  # releases the GIL for large buffers
-    except ImportError:
-        pass
-    try:
-        import crc32c
-
-        out["crc32c"] = crc32c.CRC32CHash  # 8 hex digits, releases the GIL
-    except ImportError:
-        pass
-    return out
-
-
-_FACTORIES: dict[str, Any]  # found on first use (importing xxhash and crc32c takes time)
-
-
-def _factories() -> dict[str, Any]:
-    """The digest factories by algorithm (tests replace ``_FACTORIES`` to hide one)."""
-    global _FACTORIES
-    try:
-        return _FACTORIES
-    except NameError:
-        _FACTORIES = _digest_factories()
-        return _FACTORIES
-
-
-def __getattr__(name: str) -> Any:
-    if name == "_FACTORIES":
-        return _factories()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def available_checksums() -> tuple[str, ...]:
-    """The checksum algorithms this installation can compute, fastest first.
-
-    Example:
-        >>> "crc32" in available_checksums() and "sha256" in available_checksums()
-        True
-    """
-    return tuple(a for a in CHECKSUMS if a in _factories())
-
-
-def default_checksum() -> str:
-    """The algorithm a write records when ``checksum=`` is not given: the fastest installed
-    (``xxh3``, else ``crc32c``, else ``crc32``).
-
-    Example:
-        >>> default_checksum() in ("xxh3", "crc32c", "crc32")
-        True
-    """
-    return next(a for a in _AUTO_ORDER if a in _factories())
-
-
-def check_checksum_option(checksum: str | None) -> None:
-    """Refuse a ``checksum=`` value other than ``None`` or an installed one of :data:`CHECKSUMS`."""
-    if checksum is not None and checksum not in CHECKSUMS:
-        raise InvalidArgumentError(
-            f"checksum must be None or one of {list(CHECKSUMS)}, got {checksum!r:.40}"
-        )
-    if checksum is not None and checksum not in _factories():
-        raise InvalidArgumentError(
-            f"checksum={checksum!r} needs the {'xxhash' if checksum == 'xxh3' else checksum} "
-            "package: pip install 'memtree[fast-checksums]', or pick one of "
-            f"{list(available_checksums())}"
-        )
-
-
-def new_digest(algorithm: str) -> Digest:
-    """A running checksum for ``algorithm`` (one of :func:`available_checksums`)."""
-    check_checksum_option(algorithm)
-    digest: Digest = _factories()[algorithm]()
-    return digest
-
-
-def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
-    """``"<algorithm>:<hex>"`` of a contiguous CPU tensor's bytes."""
-    digest = new_digest(algorithm)
-    view = byte_view(tensor)
-    for start in range(0, len(view), DIGEST_SLICE):
-        digest.update(view[start : start + DIGEST_SLICE])
-    return f"{algorithm}:{digest.hexdigest()}"
-
-
-def file_checksum(
-    fd: int, nbytes: int, algorithm: str, offset: int = 0, buffer: int | None = None
-) -> str:
-    """``"<algorithm>:<hex>"`` of ``nbytes`` of an open file from ``offset``, read with ``pread``
-    through one buffer of ``buffer`` bytes (default :data:`DIGEST_SLICE`)."""
-    digest = new_digest(algorithm)
-    buf = bytearray(min(nbytes, buffer or DIGEST_SLICE))
-    view = memoryview(buf)
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[: min(len(buf), nbytes - done)]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file after {done} of {nbytes} bytes")
-        digest.update(view[:n])
-        done += n
-    return f"{algorithm}:{digest.hexdigest()}"
 
 
 def pwrite_from(
@@ -403,7 +181,7 @@ def pwrite_from(
         >>> os.close(fd)
     """
     if nbytes:
-        _pwrite_view(fd, _view_of_memory(address, nbytes, _PYBUF_READ), offset, digest)
+        _pwrite_view(fd, view_of_memory(address, nbytes, PYBUF_READ), offset, digest)
 
 
 def _pwrite_view(fd: int, view: memoryview, offset: int, digest: Digest | None) -> None:
@@ -425,34 +203,15 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
 
     With ``digest``, each slice is hashed right after it is written (one pass over the data).
     A plain tensor's memory is written as it is (:func:`pwrite_from`: about 1 µs of overhead,
-    which matters for 20,000 small leaves); other tensors go through :func:`byte_view`, which
-    also serves subclasses whose ``data_ptr()`` is no real memory (wrapper subclasses such as
+    which matters for 20,000 small leaves); other tensors go through
+    :func:`~memtree.store.memory.byte_view`, which also serves subclasses whose ``data_ptr()``
+    is no real memory (wrapper subclasses such as
     :class:`~memtree.nn.offloading.OffloadedTensor` produce their data on demand).
     """
     if is_plain_memory(tensor):
         pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
     else:
         _pwrite_view(fd, byte_view(tensor), offset, digest)
-
-
-def is_plain_memory(tensor: torch.Tensor) -> bool:
-    """True for a plain, contiguous CPU tensor whose memory holds its bytes as they are (no
-    subclass, no lazy conjugate or negation bit): it can be written from ``data_ptr()``.
-
-    Example:
-        >>> import torch
-        >>> is_plain_memory(torch.ones(2, 3)), is_plain_memory(torch.ones(2, 3).t())
-        (True, False)
-    """
-    import torch
-
-    return (
-        type(tensor) is torch.Tensor
-        and tensor.is_cpu
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
 
 
 @dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
@@ -602,7 +361,7 @@ def create_leaf(
             bytes to copy file to file (:func:`copy_range`); or ``None`` for a file of zeros
             (sparse unless ``reserve``).
         nbytes: the file's size.
-        checksum: one of :data:`CHECKSUMS` to hash the bytes while writing them (needs
+        checksum: one of :data:`~memtree.store.checksums.CHECKSUMS` to hash the bytes while writing them (needs
             ``tensor``).
 
     Returns:

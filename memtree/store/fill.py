@@ -55,16 +55,9 @@ import torch
 
 from ..errors import InvalidArgumentError, MemtreeError, StorageError
 from ..format.dtypes import itemsize
-from .files import (
-    FileRange,
-    byte_view,
-    crc32,
-    file_checksum,
-    is_plain_memory,
-    storage_error,
-    tensor_checksum,
-    writable_view,
-)
+from .files import FileRange, storage_error
+from .checksums import crc32, file_checksum, tensor_checksum
+from .memory import byte_view, is_plain_memory, writable_view
 
 __all__ = [
     "READ_THREADS",

@@ -47,7 +47,7 @@ import orjson
 from ..errors import IntegrityError
 from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
-from .files import new_digest
+from .checksums import new_digest
 from .storage import FileInfo, Storage
 from .walk import WalkedLevel, walk
 
@@ -149,7 +149,7 @@ def storage_checksum(
     Args:
         storage: where the file is.
         rel: its path relative to the root.
-        algorithm: one of :data:`~memtree.store.files.CHECKSUMS`.
+        algorithm: one of :data:`~memtree.store.checksums.CHECKSUMS`.
         info: its :meth:`~memtree.store.storage.Storage.stat`, if already taken (else taken here).
         nbytes: hash the first ``nbytes`` bytes only (default: the whole file).
         advance: called with the number of bytes of each chunk hashed (a progress bar).

@@ -46,7 +46,8 @@ import torch
 from ..errors import MemtreeError
 from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta
-from .files import _unlink_quiet, file_checksum, open_leaf
+from .files import _unlink_quiet, open_leaf
+from .checksums import file_checksum
 from .read import open_dir, walk_levels
 
 __all__ = ["MAX_LINKS", "LinkSource", "WriteStats"]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Union
 from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
 from ..format.record import Record
 from ..format.schema import ChildMeta, LevelMeta
-from .files import check_checksum_option, default_checksum
+from .checksums import check_checksum_option, default_checksum
 
 if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
     import torch
@@ -141,7 +141,7 @@ def _key(key: object) -> EncryptionKey | None:
 
 
 _set = object.__setattr__
-#: ``WriteOptions(checksum=...)`` not given: :func:`~memtree.store.files.default_checksum`.
+#: ``WriteOptions(checksum=...)`` not given: :func:`~memtree.store.checksums.default_checksum`.
 _DEFAULT_CHECKSUM: Any = object()
 
 
@@ -248,8 +248,8 @@ class WriteOptions(Record):
         allow_pickle: pickle non-tensor values JSON cannot hold.
         copy_existing: copy leaves already memory-mapped from another prefix.
         checksum: the algorithm of the checksum recorded for each leaf (and of the root's
-            ``tree_hash``): one of :data:`~memtree.store.files.CHECKSUMS`, ``"auto"`` (the default:
-            the fastest installed, :func:`~memtree.store.files.default_checksum`) or ``None``
+            ``tree_hash``): one of :data:`~memtree.store.checksums.CHECKSUMS`, ``"auto"`` (the default:
+            the fastest installed, :func:`~memtree.store.checksums.default_checksum`) or ``None``
             (none). ``like`` records none.
         progress: a progress bar of the bytes written: ``None`` on a terminal only.
         encryption: encrypt the leaves with this key (``docs/guide/encryption.md``).

@@ -73,14 +73,9 @@ from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, Pic
 from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from . import faults
 from .cache import Download, entry_name, find_entry
-from .files import (
-    byte_view,
-    check_checksum_option,
-    check_free_space,
-    file_checksum,
-    storage_error,
-    tensor_checksum,
-)
+from .files import check_free_space, storage_error
+from .checksums import check_checksum_option, file_checksum, tensor_checksum
+from .memory import byte_view
 from .mapped import to_storable
 from .options import ReadOptions, WriteOptions
 from .progress import Progress

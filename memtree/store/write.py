@@ -56,15 +56,9 @@ from ..errors import (
 )
 from .crypto import TreeCipher, hide_names
 from .faults import point
-from .files import (
-    FileRange,
-    create_leaf,
-    file_checksum,
-    gc_paused,
-    is_plain_memory,
-    storage_error,
-    tensor_checksum,
-)
+from .files import FileRange, create_leaf, gc_paused, storage_error
+from .checksums import file_checksum, tensor_checksum
+from .memory import is_plain_memory
 from .integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
 from .commit import fsync_dir, wait_for_removals, write_small_file
