@@ -29,22 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from harness import evict  # noqa: E402
-from w6_resume import SYSTEMS, crcs, files_of, floor_load, layers_for, live_container, prepare, warm_up  # noqa: E402
-
-
-def loads(box: torch.nn.Module, wd: str) -> dict[str, object]:
-    import memtree
-    from safetensors.torch import load_file
-
-    tree, st, pt = (os.path.join(wd, n) for n in ("tree", "ckpt.safetensors", "ckpt.pt"))
-    return {
-        "floor": lambda: floor_load(box, tree),
-        "memtree": lambda: memtree.load_into_module(box, tree),
-        "memtree (safetensors file)": lambda: memtree.load_into_module(box, st),
-        "memtree (torch file)": lambda: memtree.load_into_module(box, pt),
-        "safetensors": lambda: box.load_state_dict(load_file(st)),
-        "torch mmap": lambda: box.load_state_dict(torch.load(pt, mmap=True, weights_only=True)),
-    }
+from w6_resume import SYSTEMS, crcs, files_of, layers_for, live_container, loads, prepare, warm_up  # noqa: E402
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -272,18 +272,13 @@ def floor_load(box: nn.Module, tree: str) -> None:
         t.join()
 
 
-def worker(system: str, wd: str, layers: int) -> None:
+def loads(box: nn.Module, wd: str) -> dict[str, Callable[[], Any]]:
+    """Each system's load of the checkpoint in ``wd`` into the live container ``box``."""
     import memtree
-    import memtree.nn.loading  # noqa: F401  (imported untimed, as safetensors.torch is)
     from safetensors.torch import load_file
 
-    with open(os.path.join(wd, "expected.json")) as f:
-        expected = json.load(f)["crc"]
-    box = live_container(layers)
     tree, st, pt = (os.path.join(wd, n) for n in ("tree", "ckpt.safetensors", "ckpt.pt"))
-    if not os.path.isfile(os.path.join(tree, "optim", "0", "exp_avg.memmap")):
-        raise SystemExit("unexpected leaf file layout: the floor reads tree/<dotted path>.memmap")
-    loads = {
+    return {
         "floor": lambda: floor_load(box, tree),
         "memtree": lambda: memtree.load_into_module(box, tree),
         "memtree (safetensors file)": lambda: memtree.load_into_module(box, st),
@@ -291,7 +286,19 @@ def worker(system: str, wd: str, layers: int) -> None:
         "safetensors": lambda: box.load_state_dict(load_file(st)),
         "torch mmap": lambda: box.load_state_dict(torch.load(pt, mmap=True, weights_only=True)),
     }
-    load = loads[system]
+
+
+def worker(system: str, wd: str, layers: int) -> None:
+    import memtree.nn.loading  # noqa: F401  (imported untimed, as safetensors.torch is)
+    import safetensors.torch  # noqa: F401
+
+    with open(os.path.join(wd, "expected.json")) as f:
+        expected = json.load(f)["crc"]
+    box = live_container(layers)
+    tree = os.path.join(wd, "tree")
+    if not os.path.isfile(os.path.join(tree, "optim", "0", "exp_avg.memmap")):
+        raise SystemExit("unexpected leaf file layout: the floor reads tree/<dotted path>.memmap")
+    load = loads(box, wd)[system]
     import gc
 
     gc.collect()
