@@ -340,23 +340,31 @@ def _may_overlap_itself(t: torch.Tensor) -> bool:
 def _shared_memory(found: Plan) -> list[list[tuple[Group, str]]]:
     """The planned live tensors that may share memory, which a fill would write in any order
     (rare: views of one storage made by the constructor): groups of tensors whose byte ranges
-    of one storage overlap, and single tensors that may overlap themselves."""
-    spans = []
+    of one storage overlap, and single tensors that may overlap themselves.
+
+    Per tensor only its storage is looked at; extents are computed for the storages that hold
+    several tensors, and strides for the tensors that are not contiguous (this runs on every
+    load into live tensors)."""
+    by_storage: dict[tuple[torch.device, int], list[tuple[Group, str]]] = {}
     for group, name in found.pairs:
         t = group.tensor
         if is_live(group) and t.numel():
-            spans.append((str(t.device), t.untyped_storage().data_ptr(), *_extent(t), group, name))
-    spans.sort(key=lambda s: s[:3])
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((group, name))
     clusters: list[list[tuple[Group, str]]] = []
-    end = -1
-    where = None
-    for device, ptr, begin, stop, group, name in spans:
-        if (device, ptr) == where and begin < end:
-            clusters[-1].append((group, name))
-            end = max(end, stop)
-        else:
-            clusters.append([(group, name)])
-            where, end = (device, ptr), stop
+    for pairs in by_storage.values():
+        if len(pairs) == 1:
+            if not pairs[0][0].tensor.is_contiguous():  # a contiguous tensor never overlaps itself
+                clusters.append(pairs)
+            continue
+        end = -1
+        spans = sorted(((*_extent(g.tensor), g, n) for g, n in pairs), key=lambda s: s[:2])
+        for begin, stop, group, name in spans:
+            if begin < end:
+                clusters[-1].append((group, name))
+                end = max(end, stop)
+            else:
+                clusters.append([(group, name)])
+                end = stop
     return [c for c in clusters if len(c) > 1 or _may_overlap_itself(c[0][0].tensor)]
 
 
