@@ -10,6 +10,7 @@ whether the short path is there or not.
 
 from __future__ import annotations
 
+import sys
 import json
 from math import prod
 from typing import Any
@@ -268,6 +269,24 @@ def test_deep_json_in_any_field_is_a_limit_error(field: str) -> None:
         field.encode(), b"[" * 1000 + b"]" * 1000), 1)
     with pytest.raises(LimitError):
         fmt.parse_level(data, "t/meta.json")
+
+
+@pytest.mark.parametrize("field", ["batch_size", "extra"])
+def test_deep_repeated_field_is_a_limit_error_whatever_the_recursion_limit(
+    field: str,
+) -> None:
+    """Before: the depth of a value hidden by a repeated field was found only by json.loads'
+    RecursionError, so a test that raised the recursion limit (torch._dynamo, transformers) made
+    this a MetaFormatError, and the whole suite failed in one order and passed in another."""
+    data = orjson.dumps(level_doc([TENSOR])).replace(b'"format"', b'"%s":%s,"format"' % (
+        field.encode(), b"[" * 1000 + b"]" * 1000), 1)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        with pytest.raises(LimitError, match="nested more than"):
+            fmt.parse_level(data, "t/meta.json")
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 # -- repeated object fields, found however the bytes are spelled ---------------------------------

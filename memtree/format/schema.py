@@ -506,8 +506,8 @@ def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
         f"{c.where}: JSON nested more than {MAX_META_NESTING} levels deep (a non-tensor value may "
         f"nest {MAX_JSON_DEPTH}); the file is damaged or was not written by memtree"
     )
-    if json_depth(doc, MAX_META_NESTING) > MAX_META_NESTING:
-        raise too_deep
+    if json_depth(doc, MAX_META_NESTING) > MAX_META_NESTING or _bracket_depth(data) > MAX_META_NESTING:
+        raise too_deep  # the bytes too: a repeated field hides its value from orjson's doc
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(items)
@@ -531,10 +531,25 @@ def _check_document(doc: dict[str, Any], data: bytes, c: _Checker) -> None:
             return int(text)
         raise c.fail("a number", f"{text:.40} is an int beyond 64 bits, which memtree never writes")
 
-    try:
-        json.loads(data, object_pairs_hook=pairs, parse_int=int_in_64_bits)
-    except RecursionError:  # deeper still, in a field that a repeated one hid from orjson's doc
-        raise too_deep from None
+    json.loads(data, object_pairs_hook=pairs, parse_int=int_in_64_bits)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def _bracket_depth(data: bytes) -> int:
+    """How deep the arrays and objects of JSON ``data`` nest, counted on the bytes (strings
+    skipped), so that no parser recursion depends on it: ``json.loads`` recurses in C and may
+    overflow the stack, or not fail at all, where something raised the recursion limit."""
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', data)):
+        if m.group() in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
