@@ -1,9 +1,10 @@
 """``memtree.saving()``/``memtree.loading()``: torch.save/torch.load routed through memtree
-(memtree/routing.py, docs/guide/routing.md).
+(memtree/routing/, docs/guide/routing.md).
 
 Round trips of every dtype, shared storages and views, models with optimizer state (``weights_only``
 both ways, ``map_location``), streams, the scope of the contexts (threads, asyncio tasks, nesting,
-exits in any order, errors), the atomic pair on disk, and hostile or damaged files.
+exits in any order, errors), the atomic pair on disk, and damaged files. Hostile files, wrappers
+of torch.save/torch.load and copies of routed files are attacked in ``test_attack_routing.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import pickle
 import threading
 import zipfile
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memtree
-from memtree import CheckpointFormatError, NotAMemtreeError, RoutingError
+from memtree import NotAMemtreeError, RoutingError
 from memtree import routing
+import memtree.routing.load
+import memtree.routing.save
 from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.format.names import ROUTED_ENTRY
 from treeutil import random_tensor, raw_bytes
@@ -489,7 +491,7 @@ def test_crash_between_the_tree_and_the_rename_keeps_the_old_pair(tmp_path, monk
     def crash(src, dst):
         raise KeyboardInterrupt  # what a kill looks like to the code after the tree's commit
 
-    monkeypatch.setattr(routing.os, "replace", crash)
+    monkeypatch.setattr(routing.save.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         save_routed({"w": torch.ones(2)}, tmp_path / "c.pt")
     monkeypatch.undo()
@@ -524,83 +526,6 @@ def test_a_missing_tree_is_a_clear_error(tmp_path):
         load_routed(tmp_path / "c.pt")
     with memtree.loading(path=tmp_path / "elsewhere"):  # told where it went
         assert torch.equal(torch.load(tmp_path / "c.pt")["w"], torch.ones(2))
-
-
-class _Evil:
-    """Pickles as a call of the routing function with arguments of the test's choosing."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __reduce__(self):
-        return (routing._routed_storage, self.args)
-
-
-class _EvilTensor:
-    """A tensor rebuilt by torch over a routed storage, with a size of the test's choosing."""
-
-    def __init__(self, storage_args, size, offset=0):
-        self.storage_args, self.size, self.offset = storage_args, size, offset
-
-    def __reduce__(self):
-        return (
-            torch._utils._rebuild_tensor_v2,
-            (_Evil(*self.storage_args), self.offset, self.size, (1,) * len(self.size), False, OrderedDict()),
-        )
-
-
-def _hostile(tmp_path, payload):
-    """A routed save of a real tensor, then a file whose pickle also holds ``payload``."""
-    save_routed({"w": torch.arange(4.0), "e": torch.empty(0)}, tmp_path / "c.pt")
-    (entry,) = entries(tmp_path / "c.pt")
-    REAL_SAVE({"x": payload(entry)}, tmp_path / "c.pt")  # the tree stays, the pickle is replaced
-    return entry
-
-
-@pytest.mark.parametrize(
-    "payload, match",
-    [
-        (lambda e: _Evil("../../etc", "0", "float32", "cpu"), "names the tree"),
-        (lambda e: _Evil("/" + e, "0", "float32", "cpu"), "names the tree"),
-        (lambda e: _Evil(e[:-1] + ("1" if e[-1] == "0" else "0"), "0", "float32", "cpu"), "cannot be loaded"),
-        (lambda e: _Evil(e, "../0", "float32", "cpu"), "no leaf"),
-        (lambda e: _Evil(e, "7", "float32", "cpu"), "no leaf"),
-        (lambda e: _Evil(e, 0, "float32", "cpu"), "no leaf"),
-        (lambda e: _Evil(e, "0", "object", "cpu"), "dtype"),
-        (lambda e: _Evil(e, "0", "float32", "xla:0"), "location"),
-        (lambda e: _Evil(e, "0", "float32", None), "location"),
-        (lambda e: [_Evil(e, "0", "float32", "cpu"), _Evil("0" * 12 + "-" + "1" * 16, "0", "float32", "cpu")], "two trees"),
-    ],
-)
-@pytest.mark.parametrize("weights_only", [True, False])
-def test_hostile_references_are_refused(tmp_path, payload, match, weights_only):
-    _hostile(tmp_path, payload)
-    before = sorted(os.walk(tmp_path))
-    with pytest.raises((CheckpointFormatError, NotAMemtreeError), match=match):
-        load_routed(tmp_path / "c.pt", weights_only=weights_only)
-    assert sorted(os.walk(tmp_path)) == before
-
-
-@pytest.mark.parametrize("key", ["0", "1"])  # a 16-byte leaf, and an empty one
-def test_a_tensor_larger_than_its_routed_storage_is_refused_without_allocating(tmp_path, key):
-    _hostile(tmp_path, lambda e: _EvilTensor((e, key, "float32", "cpu"), (1 << 40,)))
-    with pytest.raises(RuntimeError, match="not resizable"):
-        load_routed(tmp_path / "c.pt", weights_only=True)
-
-
-def test_an_offset_past_the_storage_is_refused(tmp_path):
-    _hostile(tmp_path, lambda e: _EvilTensor((e, "0", "float32", "cpu"), (2,), offset=1 << 40))
-    with pytest.raises(RuntimeError):
-        load_routed(tmp_path / "c.pt", weights_only=True)
-
-
-def test_a_damaged_leaf_is_refused_by_the_tree_loader(tmp_path):
-    save_routed({"w": torch.arange(8.0)}, tmp_path / "c.pt")
-    (entry,) = entries(tmp_path / "c.pt")
-    with open(tmp_path / "c.pt.memtree" / entry / "0.memmap", "r+b") as f:
-        f.truncate(10)
-    with pytest.raises(memtree.LeafSizeError):
-        load_routed(tmp_path / "c.pt")
 
 
 # ------------------------------------------------------------------------ property: aliasing
@@ -660,7 +585,7 @@ def _killed_saver(path, fault):
 
     if fault == "while_pickling":  # the second tensor being pickled
         calls = []
-        real = routing._RoutingPickler.reducer_override
+        real = routing.save._RoutingPickler.reducer_override
 
         def override(self, obj):
             if isinstance(obj, torch.Tensor):
@@ -669,11 +594,11 @@ def _killed_saver(path, fault):
                     die()
             return real(self, obj)
 
-        routing._RoutingPickler.reducer_override = override
+        routing.save._RoutingPickler.reducer_override = override
     elif fault == "before_pickle_commit":  # tree committed, pickle not renamed over the file
-        routing.os.replace = die
+        routing.save.os.replace = die
     elif fault == "after_pickle_commit":  # pickle committed, older trees not yet removed
-        routing._remove_older = die
+        routing.save._remove_older = die
     else:  # a step of the tree's own write (memtree's fault points)
         os.environ[faults.ENV] = fault
         faults.reload()
@@ -741,19 +666,19 @@ def test_a_load_that_a_save_overtakes_loads_the_new_pair(tmp_path, monkeypatch):
     missing while the file is unchanged is still an error."""
     path = tmp_path / "c.pt"
     save_routed({"a": torch.zeros(4)}, path)
-    real = routing.load_memmap
+    real = routing.load.open_tree
     calls = []
 
-    def overtaken(tree_path, **kw):
+    def overtaken(tree_path, *a, **kw):
         calls.append(tree_path)
         if len(calls) == 1:  # between reading the pickle and opening its tree, another save lands
             save_routed({"a": torch.ones(4)}, path)
-        return real(tree_path, **kw)
+        return real(tree_path, *a, **kw)
 
-    monkeypatch.setattr(routing, "load_memmap", overtaken)
+    monkeypatch.setattr(routing.load, "open_tree", overtaken)
     assert torch.equal(load_routed(path)["a"], torch.ones(4))
     assert len(calls) == 2 and calls[0] != calls[1]
-    monkeypatch.setattr(routing, "load_memmap", real)
+    monkeypatch.setattr(routing.load, "open_tree", real)
     for entry in entries(path):  # the tree gone, the file as it was: damage, said once
         import shutil
 

@@ -39,6 +39,7 @@ __all__ = [
     "exchange",
     "rename_noreplace",
     "fsync_dir",
+    "make_dirs",
     "write_small_file",
     "WriterLock",
     "JOURNAL_BYTES",
@@ -103,6 +104,38 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(path: str, *, fsync: bool) -> list[str]:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates fsynced into its parent
+    (with ``fsync``) before the next one, so that a later commit inside is reachable after a
+    power loss.
+
+    Returns:
+        The directories it created, outermost first.
+
+    Raises:
+        OSError: as ``os.mkdir`` (``FileExistsError`` when ``path`` or a parent is not a directory).
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> [os.path.relpath(p, d) for p in make_dirs(os.path.join(d, "a", "b"), fsync=True)]
+        ['a', 'a/b']
+    """
+    missing = []
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    for new in reversed(missing):
+        try:
+            os.mkdir(new)
+        except FileExistsError:
+            if not os.path.isdir(new):
+                raise
+        if fsync:
+            fsync_dir(os.path.dirname(new))
+    return missing[::-1]
 
 
 def write_small_file(path: str, data: bytes, *, fsync: bool) -> None:

@@ -55,7 +55,7 @@ from ..errors import (
 from ..format.dtypes import dtype_name
 from ..format.level import Level
 from ..format.names import META_NAME, lock_path, staging_path
-from ..store.commit import WriterLock
+from ..store.commit import WriterLock, make_dirs
 from ..store.crypto import EncryptionKey
 from ..store.files import storage_error
 from ..store.options import ReadOptions, WriteOptions
@@ -164,7 +164,7 @@ class Checkpointer:
                 "steps; choose another path"
             )
         try:
-            os.makedirs(self.root, exist_ok=True)
+            make_dirs(self.root, fsync=fsync)  # a new root: durable in its parent
         except OSError as err:
             raise storage_error(err, f"creating the checkpoint root {self.root}") from err
         recover(self.root)
