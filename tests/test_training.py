@@ -339,11 +339,13 @@ def test_the_staging_buffer_is_reused_and_saves_never_overlap(ckpt, monkeypatch)
             active.pop()
 
     monkeypatch.setattr(ckpt_module, "write_tree", tracking)
-    futures = [ckpt.save(s, {"w": torch.full((1 << 16,), float(s))}, blocking=False) for s in range(4)]
-    buffers = {id(ckpt._buffer)}
+    futures, buffers = [], []
+    for s in range(4):
+        futures.append(ckpt.save(s, {"w": torch.full((1 << 16,), float(s))}, blocking=False))
+        buffers.append(ckpt._staging.buffer)  # each save's, held: no id is reused meanwhile
     ckpt.wait()
     assert [f.result(timeout=60) for f in futures] == [ckpt.path(s) for s in range(4)]
-    assert overlaps == [False] * 4 and len(buffers) == 1
+    assert overlaps == [False] * 4 and all(b is buffers[0] for b in buffers)
     assert [ckpt.restore(s)["w"][0].item() for s in range(4)] == [0.0, 1.0, 2.0, 3.0]
 
 
@@ -564,7 +566,7 @@ def test_cuda_state_goes_through_a_pinned_staging_buffer(ckpt):
     w = torch.randn(1000, 100, device="cuda")
     state = {"w": w, "h": w.half().t(), "cpu": torch.arange(3)}
     fut = ckpt.save(1, state, blocking=False)
-    assert ckpt._buffer.is_pinned()
+    assert ckpt._staging.buffer.is_pinned()
     w.zero_()
     fut.result(timeout=120)
     back = ckpt.restore()

@@ -151,23 +151,24 @@ def _value(v: Any, path: tuple[Any, ...], depth: int) -> Any:
     return NonTensor(v)
 
 
-def tensor_slots(level: Level) -> list[tuple[Level, str, torch.Tensor]]:
-    """Every tensor leaf of ``level`` (and the levels below), as (level, key, tensor), in order.
+def tensor_slots(level: Level) -> list[tuple[Level, tuple[str, ...], torch.Tensor]]:
+    """Every tensor leaf of ``level`` (and the levels below), as (its level, its key path,
+    tensor), in order; the key is the path's last item.
 
     Example:
-        >>> [k for _, k, _ in tensor_slots(state_to_level({"a": torch.ones(1), "b": [torch.ones(1)]}))]
-        ['a', '0']
+        >>> [p for _, p, _ in tensor_slots(state_to_level({"a": torch.ones(1), "b": [torch.ones(1)]}))]
+        [('a',), ('b', '0')]
     """
-    out: list[tuple[Level, str, torch.Tensor]] = []
-    stack = [level]
+    out: list[tuple[Level, tuple[str, ...], torch.Tensor]] = []
+    stack: list[tuple[Level, tuple[str, ...]]] = [(level, ())]
     while stack:
-        lvl = stack.pop()
+        lvl, path = stack.pop()
         subs = []
         for key, v in lvl.entries.items():
             if isinstance(v, torch.Tensor):
-                out.append((lvl, key, v))
+                out.append((lvl, path + (key,), v))
             elif isinstance(v, Level):
-                subs.append(v)
+                subs.append((v, path + (key,)))
         stack.extend(reversed(subs))
     return out
 
