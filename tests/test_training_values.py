@@ -280,3 +280,9 @@ def test_a_mapping_that_makes_its_values_on_each_access_is_stored(ckpt, blocking
 
 def test_a_mapping_that_nests_without_end_is_refused(ckpt):
     assert_refused(ckpt, {"lazy": _Fresh(limit=10**9)}, memtree.NonTensorValueError, "levels deep", True)
+
+
+@both
+def test_a_key_utf8_cannot_encode_is_refused_by_save_itself(ckpt, blocking):
+    assert_refused(ckpt, {"model": {"a\udc80": torch.ones(1)}}, memtree.InvalidKeyError,
+                   r"state\['model'\] has the key 'a\\udc80', which holds a lone surrogate", blocking)

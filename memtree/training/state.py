@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DtypeError, InvalidArgumentError, KeyCollisionError, KeyTypeError, NonTensorValueError
+from ..errors import (
+    DtypeError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    KeyCollisionError,
+    KeyTypeError,
+    NonTensorValueError,
+)
 from ..format.level import Level, as_level
 from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_problem
@@ -71,6 +78,14 @@ _SEQUENCES = frozenset({list, tuple})
 
 def _label(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def _has_surrogate(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _is_tree(v: Any) -> bool:
@@ -174,6 +189,7 @@ def state_to_level(state: Any) -> Level:
         InvalidArgumentError: ``state`` is not a mapping.
         KeyTypeError: a mapping key that is neither ``str`` nor ``int`` (``bool`` included).
         KeyCollisionError: an int key and a str key with the same decimal form (``1`` and ``"1"``).
+        InvalidKeyError: a str key with a lone surrogate (UTF-8 cannot encode it).
         NonTensorValueError: a value JSON would change (NaN, an object...), a cycle, a numpy
             masked array; names its path.
         DtypeError: a numpy array of a dtype no tensor holds (str, object, datetime64, structured,
@@ -212,6 +228,11 @@ class _Converter:
             elif type(k) is str:
                 if not k:
                     raise KeyTypeError(f"{_label(path)} has the key '', which memtree cannot store; rename it")
+                if not k.isascii() and _has_surrogate(k):
+                    raise InvalidKeyError(
+                        f"{_label(path)} has the key {k!r:.60}, which holds a lone surrogate and "
+                        "cannot be written to meta.json (UTF-8); rename it"
+                    )
                 key = k
             elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
                 key = str(int(k))
