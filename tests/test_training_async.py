@@ -21,6 +21,7 @@ import memtree
 from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.format.level import Level
 from memtree.training.snapshot import StagingBuffer
+from test_training import assert_same
 from treeutil import random_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -107,34 +108,6 @@ def _torch_round_trip(state):
     return torch.load(buf, weights_only=True)
 
 
-def values_bytes(t):
-    """The bytes of ``t``'s values in C order (any strides, a one-element tensor's too)."""
-    flat = t.resolve_conj().resolve_neg().detach().clone(memory_format=torch.contiguous_format).reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
-def assert_values(got, want, where="state"):
-    """``got`` (restored) holds ``want``'s values (tensors bit-exact, as plain tensors with no
-    conjugate or negative bit) in the same Python containers."""
-    if isinstance(want, torch.Tensor):
-        want = want.resolve_conj().resolve_neg()
-        assert type(got) is torch.Tensor and not got.is_conj() and not got.is_neg(), where
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), where
-        assert values_bytes(got) == values_bytes(want), where
-        return
-    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
-        assert list(got) == list(want), where
-        for k in want:
-            assert_values(got[k], want[k], f"{where}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_values(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
-
 def _save_both_ways(root, state):
     """(blocking restore, async restore) of ``state``; leaves written in full (no hard links)."""
     ckpt = memtree.Checkpointer(root, incremental=False)
@@ -154,8 +127,8 @@ _x = random_tensor((5,), torch.float32, seed=2)
 def test_async_bytes_equal_blocking_bytes_equal_torch_save_values(tmp_path_factory, state):
     want = _torch_round_trip(state)
     blocking, background = _save_both_ways(tmp_path_factory.mktemp("snap"), state)
-    assert_values(blocking, want)
-    assert_values(background, want)
+    assert_same(blocking, want)
+    assert_same(background, want)
 
 
 @pytest.mark.parametrize(
@@ -173,8 +146,8 @@ def test_a_tensor_and_another_view_of_its_memory_each_keep_their_values(tmp_path
     views = {"same": z, "conj": z.conj(), "neg": torch._neg_view(z), "conj_of_neg": torch._neg_view(z).conj()}
     state = {"a": views[first], "b": views[second]}
     blocking, background = _save_both_ways(tmp_path, state)
-    assert_values(blocking, state)
-    assert_values(background, state)
+    assert_same(blocking, state)
+    assert_same(background, state)
 
 
 def test_tied_weights_are_copied_once_and_both_keys_written(tmp_path):
@@ -187,8 +160,8 @@ def test_tied_weights_are_copied_once_and_both_keys_written(tmp_path):
     assert copies["embed"] is copies["head"] and copies["head_t"] is not copies["embed"]
     assert staging.buffer.numel() == 2 * w.nbytes  # the tied pair once, the transposed view apart
     blocking, background = _save_both_ways(tmp_path, state)
-    assert_values(background, state)
-    assert_values(blocking, state)
+    assert_same(background, state)
+    assert_same(blocking, state)
 
 
 def test_a_leaf_that_cannot_be_stored_is_refused_before_anything_is_copied(tmp_path):
@@ -221,7 +194,7 @@ def test_cuda_conjugate_and_negative_views_are_snapshot_with_their_values(tmp_pa
     torch.cuda._sleep(_SLEEP_CYCLES)  # the copies are queued behind it: the host runs ahead
     fut = ckpt.save(1, state, blocking=False)
     fut.result(timeout=120)
-    assert_values(ckpt.restore(1), want)
+    assert_same(ckpt.restore(1), want)
 
 
 @cuda
