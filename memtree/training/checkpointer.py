@@ -8,7 +8,8 @@ root. What a save does (``docs/guide/training.md``):
 
 1. the state becomes levels (:mod:`memtree.training.state`), every input error raised here;
 2. ``blocking=False``: every tensor is copied into one staging buffer (pinned host memory when a
-   CUDA tensor is saved), reused by the next save; that copy is the training loop's whole pause;
+   CUDA tensor is saved), reused by the next save (:mod:`memtree.training.snapshot`); that copy
+   is the training loop's whole pause;
 3. a writer thread writes the tree (checksums computed in the write pass), hard-linking every
    leaf whose bytes equal the previous checkpoint's (``WriteOptions.link_from``), commits it,
    fsyncs it with ``fsync=True``, then applies the retention rule; only then does the future
@@ -46,13 +47,11 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     DestinationExistsError,
-    DtypeError,
     InvalidArgumentError,
     LockError,
     MemtreeError,
     MemtreeKeyError,
 )
-from ..format.dtypes import dtype_name
 from ..format.level import Level
 from ..format.names import META_NAME, lock_path, staging_path
 from ..store.commit import WriterLock, make_dirs
@@ -64,15 +63,14 @@ from ..store.recovery import recover
 from ..store.storage import local_path
 from ..store.write import WriteStats, write_tree
 from ..nn.loading import load_into_module
-from .state import copy_values, level_to_state, state_to_level, tensor_slots
+from .snapshot import Fence, StagingBuffer
+from .state import copy_values, level_to_state, state_to_level
 
 __all__ = ["Checkpointer"]
 
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 #: Largest step number (steps are stored as decimal directory names of an int64).
 MAX_STEP = 2**63 - 1
-#: Bytes between leaves in the staging buffer (every dtype's alignment).
-_ALIGN = 64
 #: Reads of :meth:`Checkpointer.restore` (and listings of :meth:`Checkpointer.steps`) before
 #: giving up on steps that other processes keep retiring or replacing while they are read.
 _READ_ATTEMPTS = 64
@@ -174,7 +172,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[str] | None = None
         self._failed: tuple[int, BaseException] | None = None
-        self._buffer: torch.Tensor | None = None
+        self._staging = StagingBuffer()
         #: What the most recent save wrote and hard-linked (:class:`~memtree.store.write.WriteStats`).
         self.last_stats: WriteStats | None = None
 
@@ -283,11 +281,11 @@ class Checkpointer:
             level = state_to_level(state)
             if blocking:
                 return self._write(step, level, overwrite)
-            event = self._snapshot(level)
+            fence = self._staging.take(level)
             copy_values(level)  # lists and dicts too: the loop may change them while this is written
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtree-checkpoint")
-            self._pending = self._executor.submit(self._background, step, level, overwrite, event)
+            self._pending = self._executor.submit(self._background, step, level, overwrite, fence)
             return self._pending
 
     def wait(self) -> None:
@@ -317,10 +315,9 @@ class Checkpointer:
             futures_wait([self._pending])
             self._pending = None
 
-    def _background(self, step: int, level: Level, overwrite: bool, event: Any) -> str:
+    def _background(self, step: int, level: Level, overwrite: bool, fence: Fence) -> str:
         try:
-            if event is not None:
-                event.synchronize()  # the copies from the GPU into the pinned buffer are done
+            fence.wait()  # the copies into the staging buffer are done, from every device
             return self._write(step, level, overwrite)
         except BaseException as err:  # noqa: BLE001 - raised by the future, and by the next save
             self._failed = (step, err)
@@ -340,47 +337,6 @@ class Checkpointer:
         self.last_stats = stats
         self._prune()
         return dest
-
-    def _snapshot(self, level: Level) -> Any:
-        """Copy every tensor leaf of ``level`` into the staging buffer and put the copies in its
-        place; returns a CUDA event to wait for before the copies are read (or ``None``)."""
-        slots = tensor_slots(level)
-        layout: dict[tuple[Any, ...], int] = {}  # a tensor seen twice (tied weights) is copied once
-        total = 0
-        cuda = False
-        for _, key, t in slots:
-            where = f"leaf {key!r}"
-            try:
-                dtype_name(t.dtype)
-            except DtypeError as err:
-                raise DtypeError(f"{where}: {err}") from None
-            if t.layout != torch.strided or t.is_nested or t.is_meta:
-                raise DtypeError(f"{where}: a {'meta' if t.is_meta else str(t.layout)} tensor has no data to save")
-            ident = _identity(t)
-            if ident not in layout:
-                layout[ident] = total
-                total += -(-t.nbytes // _ALIGN) * _ALIGN
-            cuda = cuda or t.is_cuda
-        pinned = cuda and torch.cuda.is_available()
-        buf = self._buffer
-        if buf is None or buf.numel() < total or buf.numel() > 2 * total + (1 << 20) or (pinned and not buf.is_pinned()):
-            self._buffer = None
-            buf = self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
-        views: dict[tuple[Any, ...], torch.Tensor] = {}
-        for lvl, key, t in slots:
-            ident = _identity(t)
-            view = views.get(ident)
-            if view is None:
-                start = layout[ident]
-                view = buf[start : start + t.nbytes].view(t.dtype).view(t.shape)
-                view.copy_(t.detach(), non_blocking=t.is_cuda)
-                views[ident] = view
-            lvl.entries[key] = view
-        if pinned:
-            event = torch.cuda.Event()
-            event.record()
-            return event
-        return None
 
     # -- retention ------------------------------------------------------------------------
 
@@ -507,10 +463,6 @@ def _dir_identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
-
-
-def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _fill(into: Any, state: Any, path: tuple[Any, ...]) -> Any:
