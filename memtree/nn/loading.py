@@ -32,6 +32,7 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.files import gc_paused
+from ..store.options import check_device
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.storage import local_path
@@ -504,8 +505,9 @@ def load_into_module(
             names no tensor or sub-module of the module and nothing in the source; or
             ``prefix`` starts no name of either side.
         InvalidArgumentError: ``dtype`` is not a floating-point dtype, ``prefix`` is not a
-            dotted name, ``device`` differs from a live tensor's device, or a live tensor's
-            elements share memory (an expanded view: it cannot be filled in place).
+            dotted name, ``device`` is not a device this process has (CUDA without CUDA) or
+            differs from a live tensor's device, or a live tensor's elements share memory (an
+            expanded view: it cannot be filled in place).
         SourceError: the source is of an unknown kind or cannot be read, or gives two names
             of one tied tensor of the module, or tensors on the meta device (no data) to fill
             live tensors with, or two live tensors that share memory, values
@@ -531,7 +533,7 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
-    dev = torch.device(device) if device is not None else None
+    dev = check_device(device)
     if isinstance(source, str):
         source = local_path(source)  # file:///path is the local path; other URLs: load_memmap's
     with gc_paused():  # the walk and the plan allocate many objects, none of them garbage
