@@ -9,6 +9,8 @@ parameter), and the swap it returns binds the previous objects back. ``inplace=T
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -410,3 +412,13 @@ def test_use_state_dict_shares_the_modules_memory_and_keeps_ties() -> None:
     with empty_init():
         meta = Tied()
     assert TensorTree.from_module(meta, use_state_dict=True)[TIED_KEY] == {"head.weight": "emb.weight"}
+
+
+def test_a_pickled_or_copied_swap_is_a_plain_tree_without_the_module() -> None:
+    module = nn.Linear(2, 2)
+    swap = TensorTree.from_module(nn.Linear(2, 2)).to_module(module)
+    for other in (pickle.loads(pickle.dumps(swap)), copy.deepcopy(swap)):
+        assert torch.equal(other["weight"], swap["weight"])
+        with pytest.raises(memtree.InvalidArgumentError, match="only the swap returned by tree.to_module"):
+            with other:
+                pass

@@ -269,9 +269,12 @@ class Persistence(ShapeOps):
 
         Args:
             module: any ``nn.Module``.
-            use_state_dict: build the tree from ``module.state_dict(keep_vars=True)`` instead
-                of the module's attributes, so that custom ``state_dict`` hooks and extra states
-                (``get_extra_state``) are honoured.
+            use_state_dict: the tree is exactly what ``module.state_dict()`` returns, instead
+                of the module's attributes: every ``state_dict`` hook runs (also one that
+                rebinds ``p.data`` after the values are taken) and extra states
+                (``get_extra_state``) are included; the tensors are ``state_dict()``'s detached
+                ones, sharing the module's memory (no copy), and names whose tensors are one
+                memory are stored once (the ``"__tied__"`` record).
 
         Example:
             >>> import torch, memtree
@@ -371,6 +374,11 @@ class Persistence(ShapeOps):
                 "the module's previous tensors back on exit): with params.to_module(module): ..."
             )
         return self
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled or copied swap is a plain tree
+        state = dict(super().__getstate__())
+        state.pop("_bound_into", None)
+        return state
 
     def __exit__(self, *exc: object) -> None:
         assert self._bound_into is not None  # set by to_module, checked by __enter__
