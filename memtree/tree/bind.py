@@ -15,7 +15,8 @@ and output projection, a sub-module used twice) is stored once, under its first 
 non-tensor leaf at the root of the tree, ``tree["__tied__"] = {"decoder.weight":
 "embedding.weight"}`` (alias -> stored name), so the record survives ``memmap`` and
 ``load_memmap``. On binding, ties are restored two ways: names that share one tensor in the
-*target* module (because its constructor tied them) all get the same bound parameter, and a
+*target* module (because its constructor tied them) all get the same bound parameter (unless
+``to_module``'s source gives them different tensors: see "Binding is per name"), and a
 name that the source lacks but lists in ``"__tied__"`` is bound to the stored tensor (the
 same ``nn.Parameter`` object as its canonical name, so the result is tied again even when the
 target module did not tie them itself).
@@ -49,9 +50,10 @@ statistics in training mode) therefore write to the mapping: through to the file
 ``mode="r"``, which :func:`load_into_module` uses for directory sources, so loading a checkpoint
 into a model never lets training change the checkpoint.
 
-Binding is per name: two names of one module tensor (a tie) that the source gives different
-tensors are each bound to their own (the module is untied, as the source says), unless they are
-one attribute of one sub-module (a sub-module used twice), which cannot hold two tensors. A
+Binding is per name (``to_module``; ``load_into_module`` refuses such a source, as filling
+must): two names of one module tensor (a tie) that the source gives different tensors are each
+bound to their own (the module is untied, as the source says), unless they are one attribute of
+one sub-module (a sub-module used twice), which cannot hold two tensors. A
 swap therefore always binds back: ``swap = tree.to_module(m); swap.to_module(m)`` leaves every
 slot of ``m`` holding the object it held before. Non-persistent buffers and extra states
 (which ``from_module`` leaves out, ``from_module(use_state_dict=True)`` keeps the latter) are
