@@ -773,7 +773,7 @@ def test_a_source_giving_tied_names_equal_values_loads_and_stays_tied(tmp_path, 
 
 
 @pytest.mark.parametrize("live", [True, False], ids=["live", "meta"])
-def test_to_module_of_a_tree_giving_tied_names_different_values_is_refused(live) -> None:
+def test_to_module_in_place_of_a_tree_giving_tied_names_different_values_is_refused(live) -> None:
     tree = TensorTree({"emb": {"weight": random_tensor((6, 4), torch.float32, 1)},
                        "head": {"weight": random_tensor((6, 4), torch.float32, 2)}})
     if live:
@@ -783,8 +783,24 @@ def test_to_module_of_a_tree_giving_tied_names_different_values_is_refused(live)
             m = Tied()
     before = snapshot(m)
     with pytest.raises(SourceError, match=r"'emb\.weight' and 'head\.weight' different values"):
-        tree.to_module(m)
+        tree.to_module(m, inplace=True)
     assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["live", "meta"])
+def test_to_module_binds_tied_names_given_different_tensors_each_to_its_own(live) -> None:
+    emb, head = random_tensor((6, 4), torch.float32, 1), random_tensor((6, 4), torch.float32, 2)
+    tree = TensorTree({"emb": {"weight": emb}, "head": {"weight": head}})
+    if live:
+        m = filled(Tied())
+    else:
+        with empty_init():
+            m = Tied()
+    tied = m.emb.weight
+    swap = tree.to_module(m)  # binding: each name is the tree's tensor, so the tie is undone
+    assert m.emb.weight.data_ptr() == emb.data_ptr() and m.head.weight.data_ptr() == head.data_ptr()
+    swap.to_module(m)  # and bound back: tied again, to the very object
+    assert m.emb.weight is tied and m.head.weight is tied
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,5 +1,7 @@
 """The examples of the guide pages run: every ```` ```pycon ```` block of a page, in order, as one
-doctest session, in a fresh directory (the page's files land there)."""
+doctest session, in a fresh directory (the page's files land there); on the pages written as
+scripts, every ```` ```python ```` block, in order, as one script (its ``assert`` lines are the
+checks)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md"]
+SCRIPT_PAGES = ["guide/models.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
+SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
 
 def run_page(page: Path) -> doctest.TestResults:
@@ -30,6 +34,18 @@ def test_the_examples_of_the_page_run(page, tmp_path, monkeypatch, capsys):
     report = capsys.readouterr().out
     assert results.attempted > 5, report
     assert results.failed == 0, report
+
+
+@pytest.mark.parametrize("page", SCRIPT_PAGES)
+def test_the_code_blocks_of_the_page_run_as_one_script(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocks = SCRIPT_BLOCK.findall((DOCS / page).read_text())
+    assert len(blocks) > 5, f"{page} has too few ```python blocks"
+    for block in blocks:
+        if "transformers" in block:
+            pytest.importorskip("transformers")
+    code = compile("\n".join(blocks), str(DOCS / page), "exec")
+    exec(code, {"__name__": "__doc_page__"})
 
 
 def test_a_wrong_example_fails(tmp_path, monkeypatch, capsys):

@@ -91,16 +91,16 @@ def _load(how: str, model: nn.Module, source: Any) -> None:
     if how == "load_into_module":
         load_into_module(model, source)
     elif isinstance(source, TensorTree):
-        source.to_module(model, return_swap=False)
+        source.to_module(model, return_swap=False, inplace=True)
     else:  # to_module of a directory's tree
-        load_memmap(source, mode="r").to_module(model, return_swap=False)
+        load_memmap(source, mode="r").to_module(model, return_swap=False, inplace=True)
 
 
 # ------------------------------------------------------------------ part 1: the resume order
 @pytest.mark.parametrize("make_opt", OPTIMIZERS, ids=["SGD", "AdamW"])
 @pytest.mark.parametrize(
     "how, kind",
-    [("load_into_module", k) for k in KINDS] + [("to_module", "tree"), ("to_module", "directory")],
+    [("load_into_module", k) for k in KINDS] + [("to_module(inplace)", "tree"), ("to_module(inplace)", "directory")],
 )
 def test_model_then_optimizer_then_load_trains_the_module(tmp_path, make_opt, how, kind) -> None:
     saved = trained_net()
@@ -150,22 +150,22 @@ def test_a_partly_meta_module_binds_its_meta_tensors_and_fills_its_live_ones(tmp
         model = net()
     model[0] = nn.Linear(6, 16)  # live
     live = model[0].weight
-    tree.to_module(model, return_swap=False)
+    tree.to_module(model, return_swap=False, inplace=True)
     assert model[0].weight is live and torch.equal(live, saved[0].weight)
     assert model[3].weight.data_ptr() == tree["3", "weight"].data_ptr()  # bound, zero-copy
     assert torch.equal(model.eval()(_X), saved.eval()(_X))
 
 
-@pytest.mark.parametrize("how", ["load_into_module", "to_module"])
-def test_assign_binds_even_live_tensors(tmp_path, how) -> None:
+@pytest.mark.parametrize("how", ["load_into_module(assign)", "to_module"])
+def test_assign_and_to_module_bind_even_live_tensors(tmp_path, how) -> None:
     saved = trained_net()
     tree = TensorTree.from_module(saved).clone()
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if how == "load_into_module":
-        load_into_module(model, tree, assign=True)
+    if how == "to_module":
+        tree.to_module(model)  # binding: the default
     else:
-        tree.to_module(model, assign=True)
+        load_into_module(model, tree, assign=True)
     assert model[0].weight.data_ptr() == tree["0", "weight"].data_ptr()  # shares the source
     train_step(model, opt)  # an optimizer built before an assign=True load holds the old tensors
     assert torch.equal(model[0].weight, saved[0].weight)

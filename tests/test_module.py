@@ -128,9 +128,12 @@ def test_from_module_with_state_dict_honours_hooks_and_extra_state() -> None:
     assert tree["0", "_extra_state"] == {"scale": 2}
     fresh = nn.Sequential(WithExtra(2, 2))
     weight = fresh[0].weight
-    tree.to_module(fresh)
+    tree.to_module(fresh, inplace=True)
     assert fresh[0].scale == 2 and fresh[0].weight is weight  # filled in place
     assert torch.equal(fresh[0].weight, model[0].weight)
+    other = nn.Sequential(WithExtra(2, 2))
+    tree.to_module(other)  # bound: the state_dict's tensor (detached, model's memory)
+    assert other[0].scale == 2 and other[0].weight.data_ptr() == model[0].weight.data_ptr()
 
 
 def test_from_module_with_state_dict_stores_tied_tensors_once() -> None:
@@ -233,35 +236,35 @@ def test_a_sub_module_used_twice_is_stored_once() -> None:
     assert tree[TIED_KEY] == {"2.weight": "0.weight", "2.bias": "0.bias"}
     fresh_shared = nn.Linear(3, 3)
     fresh = nn.Sequential(fresh_shared, nn.ReLU(), fresh_shared)
-    tree.to_module(fresh)
+    tree.to_module(fresh, inplace=True)
     assert fresh[0].weight is fresh[2].weight and torch.equal(fresh[0].weight, model[0].weight)
-    tree.to_module(fresh, assign=True)
+    tree.to_module(fresh)
     assert fresh[0].weight is fresh[2].weight and fresh[0].weight is model[0].weight
 
 
 # -------------------------------------------------------------------------- to_module
-def test_to_module_assign_returns_the_swapped_out_tensors_and_swapping_back_restores() -> None:
+def test_to_module_binds_and_returns_the_swapped_out_objects_which_bind_back() -> None:
     a, b = nn.Linear(4, 3), nn.Linear(4, 3)
     b.bias.requires_grad_(False)
     old_weight, old_bias = b.weight, b.bias
-    swap = TensorTree.from_module(a).to_module(b, assign=True)
+    swap = TensorTree.from_module(a).to_module(b)
     assert swap["weight"] is old_weight and swap["bias"] is old_bias
     assert b.weight is a.weight  # a source nn.Parameter is bound as it is
-    swap.to_module(b, assign=True)
+    swap.to_module(b)
     assert b.weight is old_weight and b.bias is old_bias
 
 
 def test_to_module_in_place_swap_holds_copies_of_the_old_values_never_aliases() -> None:
     a, b = nn.Linear(4, 3), nn.Linear(4, 3)
     old_weight, old_values = b.weight, b.weight.detach().clone()
-    swap = TensorTree.from_module(a).to_module(b)
+    swap = TensorTree.from_module(a).to_module(b, inplace=True)
     assert b.weight is old_weight and torch.equal(b.weight, a.weight)  # filled in place
     assert torch.equal(swap["weight"], old_values)  # the values before the fill ...
     assert swap["weight"].data_ptr() != b.weight.data_ptr()  # ... in their own memory
     with torch.no_grad():
         b.weight.add_(1.0)
     assert torch.equal(swap["weight"], old_values)
-    swap.to_module(b)
+    swap.to_module(b, inplace=True)
     assert b.weight is old_weight and torch.equal(b.weight, old_values)
 
 
@@ -269,7 +272,7 @@ def test_to_module_wraps_plain_tensors_in_parameters_keeping_requires_grad() -> 
     m = nn.Linear(2, 2)
     m.bias.requires_grad_(False)
     new = TensorTree({"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
-    out = new.to_module(m, return_swap=False, assign=True)
+    out = new.to_module(m, return_swap=False)
     assert out is None
     assert isinstance(m.weight, nn.Parameter) and m.weight.requires_grad
     assert isinstance(m.bias, nn.Parameter) and not m.bias.requires_grad

@@ -32,6 +32,7 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.files import gc_paused
+from ..store.options import check_device
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.storage import local_path
@@ -48,6 +49,7 @@ from ..tree.bind import (
     names_list,
     plan,
     prefixes,
+    refuse_fills_from_meta,
     source_from_leaves,
     unmatched_prefixes,
 )
@@ -503,10 +505,12 @@ def load_into_module(
             names no tensor or sub-module of the module and nothing in the source; or
             ``prefix`` starts no name of either side.
         InvalidArgumentError: ``dtype`` is not a floating-point dtype, ``prefix`` is not a
-            dotted name, ``device`` differs from a live tensor's device, or a live tensor's
-            elements share memory (an expanded view: it cannot be filled in place).
+            dotted name, ``device`` is not a device this process has (CUDA without CUDA) or
+            differs from a live tensor's device, or a live tensor's elements share memory (an
+            expanded view: it cannot be filled in place).
         SourceError: the source is of an unknown kind or cannot be read, or gives two names
-            of one tied tensor of the module, or two live tensors that share memory, values
+            of one tied tensor of the module, or tensors on the meta device (no data) to fill
+            live tensors with, or two live tensors that share memory, values
             that disagree.
 
     Example:
@@ -529,10 +533,11 @@ def load_into_module(
             f"load_into_module: dtype= is the floating-point dtype to cast to (torch.float32, "
             f"torch.bfloat16...), got {dtype!r}"
         )
+    dev = check_device(device)
     if isinstance(source, str):
         source = local_path(source)  # file:///path is the local path; other URLs: load_memmap's
     with gc_paused():  # the walk and the plan allocate many objects, none of them garbage
-        return _load(module, source, strict, keys, device, prefix, dtype, ignore_mismatched, assign)
+        return _load(module, source, strict, keys, dev, prefix, dtype, ignore_mismatched, assign)
 
 
 def _load(
@@ -540,7 +545,7 @@ def _load(
     source: Any,
     strict: bool,
     keys: Iterable[KeyPrefix] | KeyPrefix | None,
-    device: torch.device | str | None,
+    dev: torch.device | None,
     prefix: str | None,
     dtype: torch.dtype | None,
     ignore_mismatched: bool,
@@ -571,7 +576,6 @@ def _load(
         found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
         if strict and (found.missing_names or found.unexpected):
             raise _strict_error(module, src, module_names, found)
-        dev = torch.device(device) if device is not None else None
         if dev is not None and not assign:
             elsewhere = [
                 f"{g.names[0]} ({g.tensor.device})"
@@ -606,6 +610,7 @@ def _load(
                     src = _apply_prefix(src, module_names, prefix)
                 found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
             if not assign:
+                refuse_fills_from_meta(found, src, "load_into_module")
                 _check_shared_memory(_shared_memory(found), src)
             locate = None if assign else _locator(source, src)
             if locate is not None:

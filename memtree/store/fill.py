@@ -18,8 +18,9 @@ no mapping of the file and no second copy in memory:
   For CPU destinations the ring holds a few :data:`BOUNCE_BYTES` buffers; for CUDA it holds
   page-locked buffers (at most :data:`PINNED_RING_BYTES` in all, a module setting) and the
   host-to-device copies run on a CUDA stream, ordered by events, while the next reads go on.
-  The ring is freed (and unpinned) before :func:`fill` returns, whatever happened; any error
-  in a reader thread or in a copy stops the others, joins every thread and is raised.
+  The ring is released before :func:`fill` returns, whatever happened (page-locked buffers go
+  back to torch's pinned-memory cache); any error in a reader thread or in a copy stops the
+  others, joins every thread and is raised.
 
 Every range is checked against its file's size first (``fstat``): a file already too short
 raises before anything is written. A file that shrinks during the read raises the same error,
@@ -106,7 +107,8 @@ BOUNCE_BYTES = 8 * 1024 * 1024
 #: reads fill while earlier buffers are copied to the device). A module setting: assign
 #: ``memtree.store.fill.PINNED_RING_BYTES = 256 << 20`` to use less. The ring uses at most
 #: ``2 * READ_THREADS + 2`` buffers of up to :data:`PINNED_CHUNK` bytes, and never more than
-#: the load needs; it is unpinned and freed before the load returns.
+#: the load needs; it is released before the load returns (into torch's pinned-memory cache,
+#: which reuses it for the next pinned allocation).
 PINNED_RING_BYTES = 512 * 1024 * 1024
 #: Size of one buffer of the pinned ring.
 PINNED_CHUNK = 32 * 1024 * 1024
@@ -236,28 +238,28 @@ class HostCopier:
 class CudaCopier:
     """Host-to-device copies on a CUDA stream of their own, from page-locked buffers.
 
-    Buffers are pinned with ``cudaHostRegister`` and unpinned on :meth:`release` (so the memory
-    goes back to the system, not to a cache); where pinning fails they stay pageable (slower,
-    still correct). The stream first waits for the device's current stream, so kernels queued
-    before the load that use the destinations finish first.
+    Buffers are allocated page-locked by torch (``torch.empty(..., pin_memory=True)``, its
+    caching host allocator, which records the copies' stream and keeps the memory for the next
+    pinned allocation); where pinning fails they are pageable (slower, still correct), and no
+    CUDA error is left pending: a failed ``cudaHostRegister`` called directly would leave one,
+    which the next kernel launched in the thread raises as its own. The stream first waits for
+    the device's current stream, so kernels queued before the load that use the destinations
+    finish first.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        self._pinned: set[int] = set()
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0) == 0:
-            self._pinned.add(buf.data_ptr())
-        return buf
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no page-locked memory left (torch clears the CUDA error it got)
+            return torch.empty(nbytes, dtype=torch.uint8)
 
     def release(self, buffer: torch.Tensor) -> None:
-        if buffer.data_ptr() in self._pinned:
-            self._pinned.discard(buffer.data_ptr())
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        pass  # back to torch's allocator when dropped, once the copies recorded on it are done
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         with torch.cuda.stream(self.stream):

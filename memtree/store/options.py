@@ -39,6 +39,7 @@ __all__ = [
     "KeySelection",
     "Selection",
     "check_mode",
+    "check_device",
     "normalize_keys",
     "select_entries",
     "ReadOptions",
@@ -62,6 +63,54 @@ def check_mode(mode: object) -> str:
             f"mode must be 'r' (read-only) or 'r+' (writes reach the files), got {mode!r:.40}"
         )
     return str(mode)
+
+
+def check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` that this process can put tensors on (``None`` stays).
+
+    Checked before anything is read: a device torch was built without or cannot see would
+    otherwise fail deep in a copy (a bare ``AssertionError`` for CUDA without CUDA).
+
+    Raises:
+        InvalidArgumentError: ``device`` names no device, or one this process does not have.
+
+    Example:
+        >>> check_device("cpu"), check_device(None)
+        (device(type='cpu'), None)
+    """
+    import torch
+
+    if device is None:
+        return None
+    try:
+        dev: torch.device = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as err:
+        raise InvalidArgumentError(f"device must name a torch device, got {device!r:.40} ({err})") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (dev.index is None or dev.index < count):
+            return dev
+        if not torch.backends.cuda.is_built():
+            have = f"this torch ({torch.__version__}) is built without CUDA"
+        elif not count:
+            have = "torch sees no CUDA device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it)"
+        else:
+            have = f"this process has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        raise InvalidArgumentError(
+            f"device={str(dev)!r}, but {have}. Nothing was loaded: pass a device this "
+            "machine has (None or 'cpu' maps the files), or run where the GPU is visible with a "
+            "CUDA build of torch"
+        )
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as err:  # NotImplementedError is a RuntimeError
+        raise InvalidArgumentError(
+            f"device={str(dev)!r} cannot hold tensors in this process ({str(err).splitlines()[0]:.200}). "
+            "Nothing was loaded: pass a device this machine has (None or 'cpu' maps the files)"
+        ) from None
+    return dev
 
 
 def normalize_keys(keys: Iterable[KeySelection] | KeySelection) -> Selection:
@@ -206,17 +255,11 @@ class ReadOptions(Record):
             InvalidArgumentError: a bad ``mode``, flag, device or ``encryption``.
             KeyTypeError, MemtreeKeyError: a bad ``keys=`` entry.
         """
-        import torch
-
-        try:
-            dev = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as err:
-            raise InvalidArgumentError(f"device must name a torch device, got {device!r:.40} ({err})") from None
         return cls(
             normalize_keys(keys) if keys is not None else None,
             check_mode(mode),
             _flag("mmap", mmap),
-            dev,
+            check_device(device),
             _flag("allow_pickle", allow_pickle),
             _flag("verify", verify),
             _key(encryption),

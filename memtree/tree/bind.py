@@ -15,28 +15,53 @@ and output projection, a sub-module used twice) is stored once, under its first 
 non-tensor leaf at the root of the tree, ``tree["__tied__"] = {"decoder.weight":
 "embedding.weight"}`` (alias -> stored name), so the record survives ``memmap`` and
 ``load_memmap``. On binding, ties are restored two ways: names that share one tensor in the
-*target* module (because its constructor tied them) all get the same bound parameter, and a
+*target* module (because its constructor tied them) all get the same bound parameter (unless
+``to_module``'s source gives them different tensors: see "Binding is per name"), and a
 name that the source lacks but lists in ``"__tied__"`` is bound to the stored tensor (the
 same ``nn.Parameter`` object as its canonical name, so the result is tied again even when the
 target module did not tie them itself).
 
-**Filling or binding.** A module tensor that holds data (a *live* tensor: any device but
-``meta``) is filled in place by default: ``with torch.no_grad(): tensor.copy_(source)``, so the
-module keeps the same ``nn.Parameter`` objects, their storage and device, and whatever refers to
-them (an optimizer built before the load, hooks, ties made by the constructor) keeps working.
-A tensor on the ``meta`` device (a module built under :func:`memtree.empty_init`) has no memory
-to fill: it is *bound*, as is every tensor when ``assign=True``.
+**Filling or binding.** :meth:`memtree.TensorTree.to_module` *binds* by default, as
+tensordict's ``to_module`` does: every slot of the module afterwards holds the source's tensor
+itself (its memory, zero-copy), whatever the module held before (data, or a meta tensor), and
+the tensors it held are returned so that binding them back restores the module exactly
+(the same objects). ``to_module(inplace=True)``, :func:`memtree.load_into_module` and
+``Checkpointer.restore`` *fill* instead, as ``load_state_dict`` does: a module tensor that holds
+data (a *live* tensor: any device but ``meta``) is filled in place, ``with torch.no_grad():
+tensor.copy_(source)``, so the module keeps the same ``nn.Parameter`` objects, their storage and
+device, and whatever refers to them (an optimizer built before the load, hooks, ties made by the
+constructor) keeps working. A tensor on the ``meta`` device (a module built under
+:func:`memtree.empty_init`) has no memory to fill: it is bound, as is every tensor with
+``load_into_module(assign=True)``. A source tensor on the ``meta`` device has no data to fill
+with: filling a live tensor from one raises before anything changes.
 
-**What binding means.** A parameter becomes a new ``nn.Parameter`` that shares the source
-tensor's memory (``requires_grad`` is kept from the module's current parameter); a source
-that already is an ``nn.Parameter`` is bound as it is (the same object). A buffer becomes a
-plain tensor sharing the source's memory. ``MemoryMappedTensor`` leaves are bound as plain
-tensors over the same mapping, so that torch's fast paths (which skip tensor subclasses) run
-exactly as for an in-memory model. In-place updates of bound tensors (optimizer steps,
-BatchNorm running statistics in training mode) therefore write to the mapping: through to the
-files with ``load_memmap(..., mode="r+")`` (the default), or into private copy-on-write pages
-with ``mode="r"``, which :func:`load_into_module` uses for directory sources, so loading a
-checkpoint into a model never lets training change the checkpoint.
+**What binding means.** A parameter slot gets a ``nn.Parameter`` that shares the source
+tensor's memory: a source that already is an ``nn.Parameter`` is bound as it is (the same
+object), any other tensor is wrapped in a new one whose ``requires_grad`` is the module's. With
+``to_module``, a source tensor that is not an ``nn.Parameter`` but tracks gradients (it requires
+grad, or is batched by ``torch.vmap``) is put in the parameter slot as it is, as
+``torch.func.functional_call`` does, so that a forward pass through the module gives gradients
+with respect to the source's tensors. A buffer becomes a plain tensor sharing the source's
+memory. ``MemoryMappedTensor`` leaves are bound as plain tensors over the same mapping (the one
+``load_memmap`` made), so that torch's fast paths (which skip tensor subclasses) run exactly as
+for an in-memory model. In-place updates of bound tensors (optimizer steps, BatchNorm running
+statistics in training mode) therefore write to the mapping: through to the files with
+``load_memmap(..., mode="r+")`` (the default), or into private copy-on-write pages with
+``mode="r"``, which :func:`load_into_module` uses for directory sources, so loading a checkpoint
+into a model never lets training change the checkpoint.
+
+Binding is per name (``to_module``; ``load_into_module`` refuses such a source, as filling
+must): two names of one module tensor (a tie) that the source gives different tensors are each
+bound to their own (the module is untied, as the source says), unless they are one attribute of
+one sub-module (a sub-module used twice), which cannot hold two tensors. A
+swap therefore always binds back: ``swap = tree.to_module(m); swap.to_module(m)`` leaves every
+slot of ``m`` holding the object it held before. Non-persistent buffers and extra states
+(which ``from_module`` leaves out, ``from_module(use_state_dict=True)`` keeps the latter) are
+bound when the source gives them, and are not required.
+
+Everything is checked before the first slot changes (names, shapes, dtypes, ties, meta sources
+of fills), and an error while installing (a ``set_extra_state`` that raises) puts back every
+slot already changed, so that a failed call leaves the module as it was.
 
 Example:
     >>> from torch import nn
@@ -47,6 +72,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -74,7 +101,9 @@ __all__ = [
     "plan",
     "bind",
     "is_live",
+    "refuse_fills_from_meta",
     "set_slot",
+    "swap_flat",
     "names_list",
 ]
 
@@ -99,8 +128,9 @@ class Group:
 
     kind: str  # "param", "buffer" or "extra"
     names: list[str]
-    slots: list[_Slot]
+    slots: list[_Slot]  # slots[i] is where names[i] is
     tensor: Any  # the current tensor (None for "extra")
+    optional: bool = False  # bound when the source gives it, never missing (see module_groups)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -111,25 +141,28 @@ def _has_extra_state(m: nn.Module) -> bool:
     return type(m).get_extra_state is not nn.Module.get_extra_state
 
 
-def module_groups(module: nn.Module, *, extra_state: bool = True) -> list[Group]:
-    """The module's parameters, persistent buffers (and extra states), grouped by identity."""
-    by_id: dict[int, Group] = {}
+def module_groups(module: nn.Module, *, extra_state: bool = True, binding: bool = False) -> list[Group]:
+    """The module's parameters, persistent buffers (and extra states), grouped by identity.
+
+    ``binding``: what :func:`to_module` binds: also the non-persistent buffers, and these and
+    the extra states (which ``from_module`` leaves out) as :attr:`Group.optional` groups.
+    """
+    by_id: dict[tuple[int, bool], Group] = {}
     groups: list[Group] = []
     for path, m in module.named_modules(remove_duplicate=False):
         for kind, store in (("param", m._parameters), ("buffer", m._buffers)):
             for attr, t in store.items():
-                if t is None or (kind == "buffer" and attr in m._non_persistent_buffers_set):
+                optional = kind == "buffer" and attr in m._non_persistent_buffers_set
+                if t is None or (optional and not binding):
                     continue
-                name = _join(path, attr)
-                group = by_id.get(id(t))
+                group = by_id.get((id(t), optional))
                 if group is None:
-                    group = by_id[id(t)] = Group(kind, [], [], t)
+                    group = by_id[id(t), optional] = Group(kind, [], [], t, optional)
                     groups.append(group)
-                if name not in group.names:
-                    group.names.append(name)
+                group.names.append(_join(path, attr))  # a path is reached once: names stay unique
                 group.slots.append(_Slot(m, attr))
         if extra_state and _has_extra_state(m):
-            groups.append(Group("extra", [_join(path, _EXTRA_STATE)], [_Slot(m, _EXTRA_STATE)], None))
+            groups.append(Group("extra", [_join(path, _EXTRA_STATE)], [_Slot(m, _EXTRA_STATE)], None, binding))
     return groups
 
 
@@ -137,14 +170,17 @@ def module_flat(module: nn.Module, *, use_state_dict: bool = False) -> tuple[lis
     """``module``'s tensors as flat ``(dotted name, tensor)`` pairs, and its ties ``{alias: name}``.
 
     The tensors are the module's own (no copy); a tied tensor appears once, under its first
-    name. With ``use_state_dict``, from ``module.state_dict(keep_vars=True)`` (hooks and extra
-    states honoured).
+    name. With ``use_state_dict``, exactly what ``module.state_dict()`` returns (every hook and
+    extra state honoured; tensors detached, sharing the module's memory): not
+    ``keep_vars=True``, whose parameters are the module's objects, which a post-hook may
+    rebind (``p.data = ...``) after the values were taken. Names whose tensors are one memory
+    (a tie) are stored once.
     """
     flat: list[tuple[str, Any]] = []
     aliases: dict[str, str] = {}
     if use_state_dict:
-        first: dict[int, str] = {}
-        for name, value in module.state_dict(keep_vars=True).items():
+        first: dict[Any, str] = {}
+        for name, value in module.state_dict().items():
             if isinstance(value, torch.Tensor):
                 key = _storage_key(value)
                 if key in first:
@@ -166,10 +202,19 @@ def module_flat(module: nn.Module, *, use_state_dict: bool = False) -> tuple[lis
 
 
 def _storage_key(t: torch.Tensor) -> Any:
-    """Identity of a tensor's data (state_dict hooks may return new objects for one tensor)."""
-    if t.device.type == "meta" or t.numel() == 0:  # no data to compare: only the object counts
-        return id(t)
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    """Identity of a tensor's data: equal for two tensors that are one view of one memory (a
+    state_dict's detached tensors are new objects for one parameter).
+
+    Tensors with data are compared by address (two storages may map one memory); tensors
+    without (meta, or no element) by their storage object, which ``detach`` shares."""
+    try:
+        storage = t.untyped_storage()
+        view = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.device.type == "meta" or t.numel() == 0:
+            return ("storage", storage._cdata, *view)
+        return ("memory", t.device, storage.data_ptr(), *view)
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage (a wrapper)
+        return ("object", id(t))
 
 
 @dataclass(eq=False)  # holds modules and tensors: compared by identity
@@ -323,18 +368,23 @@ def plan(
     *,
     cast: torch.dtype | None = None,
     ignore_mismatched: bool = False,
+    per_name: bool = False,
 ) -> Plan:
     """Match module groups to source names; raise on shape/dtype mismatches (before any change).
 
     ``cast``: floating-point source tensors count as that dtype (they are cast on load).
     ``ignore_mismatched``: a tensor whose shape differs is skipped and its module names are
     reported in :attr:`Plan.mismatched` instead of raising.
+    ``per_name``: binding: the names of one module tensor that the source gives different
+    tensors are planned apart (see :func:`_split`), instead of being refused.
     """
     pairs: list[tuple[Group, str]] = []
     missing_names: list[str] = []
     mismatched: list[str] = []
     consumed: set[str] = set()
     mismatches: list[str] = []
+    if per_name:
+        groups = [part for group in groups for part in _split(group, src)]
     for group in groups:
         chosen_names = [n for n in group.names if _selected(n, prefixes)]
         if not chosen_names:
@@ -343,9 +393,10 @@ def plan(
         consumed.update(present)
         name = next(iter(present), None)
         if name is None:
-            name = next((src.aliases[n] for n in group.names if src.aliases.get(n) in src.entries), None)
+            name = next((_resolve(src, n) for n in group.names if _resolve(src, n) is not None), None)
         if name is None:
-            missing_names.extend(chosen_names)
+            if not group.optional:
+                missing_names.extend(chosen_names)
             continue
         consumed.add(name)
         if group.kind != "extra":
@@ -389,6 +440,38 @@ def plan(
     consumed.update(a for a, target in src.aliases.items() if target in consumed)
     unexpected = [n for n in src.entries if _selected(n, prefixes) and n not in consumed]
     return Plan(pairs, missing_names, unexpected, mismatched)
+
+
+def _resolve(src: Source, name: str) -> str | None:
+    """The source entry that gives ``name``: itself, the stored name it is a tie alias of, or none."""
+    if name in src.entries:
+        return name
+    target = src.aliases.get(name)
+    return target if target in src.entries else None
+
+
+def _split(group: Group, src: Source) -> list[Group]:
+    """``group`` cut into one group per source entry its names resolve to (names the source
+    lacks go with the first), when the source gives its names different entries and the parts
+    have no slot in common; otherwise ``[group]`` (whose values :func:`plan` compares)."""
+    if group.kind == "extra" or len(group.names) < 2:
+        return [group]
+    parts: dict[str | None, Group] = {}
+    for name, slot in zip(group.names, group.slots):
+        part = parts.setdefault(_resolve(src, name), Group(group.kind, [], [], group.tensor, group.optional))
+        part.names.append(name)
+        part.slots.append(slot)
+    lacking = parts.pop(None, None)
+    if len(parts) < 2:
+        return [group]
+    split = list(parts.values())
+    if lacking is not None:
+        split[0].names += lacking.names
+        split[0].slots += lacking.slots
+    owners = [{(id(s.owner), s.attr) for s in part.slots} for part in split]
+    if len(set().union(*owners)) < sum(map(len, owners)):  # one attribute of a sub-module used twice
+        return [group]
+    return split
 
 
 def _same_values(src: Source, a: str, b: str) -> bool:
@@ -438,6 +521,61 @@ def is_live(group: Group) -> bool:
     return group.kind != "extra" and group.tensor.device.type != "meta"
 
 
+def refuse_fills_from_meta(found: Plan, src: Source, where: str) -> None:
+    """Raise unless every live tensor of ``found`` has data to be filled with (a source tensor
+    on the meta device has none). Sources read lazily always have data: not looked at.
+
+    Raises:
+        SourceError: a planned fill's source tensor is on the meta device.
+    """
+    if src.lazy is not None:
+        return
+    empty = []
+    for group, name in found.pairs:
+        value = src.entries[name]
+        if type(value) is not MemoryMappedTensor and isinstance(value, torch.Tensor) and is_live(group):
+            if value.device.type == "meta":
+                empty.append(name)
+    if empty:
+        raise SourceError(
+            f"{where}: the source's tensors {names_list(empty)} are on the meta device (shapes "
+            "only, no data), and the module tensors they would fill hold data. Nothing was "
+            "changed: bind them instead (tree.to_module(module) without inplace=True, or "
+            "load_into_module(..., assign=True)), or load the source with its data (load_memmap "
+            "without device='meta')"
+        )
+
+
+def _tracks_gradients(t: torch.Tensor) -> bool:
+    """A tensor whose gradients a new ``nn.Parameter`` would cut off: one that requires grad,
+    or a ``torch.vmap`` slice (what tensordict keeps in a parameter slot as it is)."""
+    return t.requires_grad or bool(torch._C._functorch.is_batchedtensor(t))
+
+
+def _bound_value(group: Group, value: Any, track_gradients: bool) -> Any:
+    """What a slot of ``group`` holds once ``value`` is bound into it (see the module docstring)."""
+    if group.kind == "param":
+        if isinstance(value, nn.Parameter):
+            return value
+        if track_gradients and _tracks_gradients(value):
+            return _plain(value)
+        return nn.Parameter(_plain(value), requires_grad=group.tensor.requires_grad)
+    if group.kind == "buffer":
+        return _plain(value.detach() if isinstance(value, nn.Parameter) else value)
+    return value
+
+
+def _put_back(group: Group, value: Any) -> None:
+    set_slot(group, value)
+    if group.kind != "extra":
+        group.tensor = value
+
+
+def _copy_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        tensor.copy_(value)
+
+
 def bind(
     plan: Plan,
     src: Source,
@@ -445,59 +583,117 @@ def bind(
     *,
     assign: bool = True,
     keep_old: bool = True,
+    track_gradients: bool = False,
+    where: str = "load_into_module",
 ) -> list[tuple[Group, Any]]:
-    """Install every planned pair; returns ``(group, old value)`` for the swap tree.
+    """Install every planned pair; returns ``(group, old value)`` for the swap tree, in plan order.
 
     With ``assign=False``, a live tensor (not on the meta device) is filled in place,
     ``tensor.copy_(source)`` without autograd (``copy_`` casts and moves across devices;
     ``convert`` is not called); its old value is returned as a detached copy taken before the
     fill, so that it does not change with the module. Every other slot is bound:
-    ``convert(kind, name, value)`` turns the source value into what is bound, and a parameter
-    that is not an ``nn.Parameter`` then is wrapped in one (``requires_grad`` from the module).
-    ``keep_old=False`` returns nothing (and copies nothing).
+    ``convert(kind, name, value)`` turns the source value into what is bound (once per source
+    tensor, so that names given one tensor stay one), and a parameter that is not an
+    ``nn.Parameter`` then is wrapped in one (``requires_grad`` from the module), unless
+    ``track_gradients`` and it tracks gradients (then it is bound as it is). A bound slot's old
+    value is the object it held. ``keep_old=False`` returns nothing (and copies nothing).
+
+    Every bound value is made, and every fill checked, before the first slot changes; then
+    the slots are bound, the extra states set (the module's own code, which may raise) and the
+    live tensors filled, in that order. If one of these raises, every slot already bound and
+    every extra state already set is put back (and, with ``keep_old``, every filled tensor's
+    old values copied back) before the error propagates. ``where`` names the caller in error
+    messages.
+
+    Raises:
+        SourceError: a live tensor would be filled from a meta tensor.
     """
-    made: dict[tuple[str, str], Any] = {}  # one bound object per source name (keeps ties)
+    if not assign:
+        refuse_fills_from_meta(plan, src, where)
+    made: dict[tuple[str, Any], Any] = {}  # one bound object per source tensor (keeps ties)
     old: list[tuple[Group, Any]] = []
+    bound: list[tuple[Group, Any]] = []
+    fills: list[tuple[Group, str, Any]] = []
+    extras: list[tuple[Group, Any, Any]] = []
     for group, name in plan.pairs:
         if not assign and is_live(group):
+            before = _plain(group.tensor).detach().clone() if keep_old else None
+            fills.append((group, name, before))
             if keep_old:
-                old.append((group, _plain(group.tensor).detach().clone()))
-            with torch.no_grad():
-                group.tensor.copy_(_plain(src.get(name)))
+                old.append((group, before))
             continue
+        current = _current(group)
         if keep_old:
-            old.append((group, _current(group)))
-        key = (group.kind, name)
+            old.append((group, current))
+        key = (group.kind, name if src.lazy is not None else id(src.entries[name]))
         value = made.get(key)
         if value is None:
-            value = convert(group.kind, name, src.get(name))
-            if group.kind == "param" and not isinstance(value, nn.Parameter):
-                value = nn.Parameter(_plain(value), requires_grad=group.tensor.requires_grad)
-            elif group.kind == "buffer":
-                value = _plain(value.detach() if isinstance(value, nn.Parameter) else value)
-            made[key] = value
-        set_slot(group, value)
-        group.tensor = value if group.kind != "extra" else None
+            value = made[key] = _bound_value(group, convert(group.kind, name, src.get(name)), track_gradients)
+        if group.kind == "extra":
+            extras.append((group, value, current))
+        else:
+            bound.append((group, value))
+    undo: list[Callable[[], None]] = []
+    try:
+        for group, value in bound:
+            undo.append(functools.partial(_put_back, group, group.tensor))
+            _put_back(group, value)
+        for group, value, current in extras:  # the module's set_extra_state: before any fill
+            set_slot(group, value)  # one that raises is taken to have changed nothing
+            undo.append(functools.partial(set_slot, group, current))
+        for group, name, before in fills:
+            if before is not None:
+                undo.append(functools.partial(_copy_back, group.tensor, before))
+            with torch.no_grad():
+                group.tensor.copy_(_plain(src.get(name)))
+    except BaseException:
+        for step in reversed(undo):
+            with contextlib.suppress(Exception):  # put back what can be: the first error is raised
+                step()
+        raise
     return old
 
 
+def swap_flat(old: list[tuple[Group, Any]]) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """What :func:`bind` returned as :func:`module_flat` returns a module: ``(name, value)``
+    pairs and ties, a value held by several groups (one object) stored once."""
+    flat: list[tuple[str, Any]] = []
+    aliases: dict[str, str] = {}
+    stored: dict[int, str] = {}
+    for group, value in old:
+        target = stored.get(id(value)) if group.kind != "extra" else None
+        if target is None:
+            target = group.names[0]
+            flat.append((target, value))
+            if group.kind != "extra":
+                stored[id(value)] = target
+        aliases.update((name, target) for name in group.names if name != target)
+    return flat, aliases
+
+
 def to_module(
-    src: Source, module: nn.Module, *, assign: bool = False, return_swap: bool = True
+    src: Source, module: nn.Module, *, inplace: bool = False, return_swap: bool = True
 ) -> tuple[list[tuple[str, Any]], dict[str, str]]:
-    """Load every tensor of ``src`` into ``module``; return the swapped-out tensors.
+    """Bind (or with ``inplace``, fill) every tensor of ``src`` into ``module``; return the swap.
 
     What :meth:`memtree.TensorTree.to_module` does: every source name must match a slot of the
-    module, checked before anything changes. Live tensors are filled in place unless
-    ``assign`` (see :func:`bind`). Returns what was replaced (``[]`` unless ``return_swap``),
-    as :func:`module_flat` returns it (to build the swap tree).
+    module (a parameter or persistent buffer, all required; an extra state or non-persistent
+    buffer, bound if given), checked before anything changes. Binding is per name (see
+    :func:`_split`) and keeps a source tensor that tracks gradients as it is; with ``inplace``,
+    live tensors are filled and meta ones bound (see :func:`bind`). Returns what was replaced
+    (``[]`` unless ``return_swap``), as :func:`module_flat` returns it (to build the swap
+    tree): the objects the slots held, or copies of filled tensors' old values.
 
     Raises:
         MemtreeKeyError: a source name matches nothing in the module, or a tensor of the module
             has no source name (``to_module`` loads the whole module; use
             :func:`memtree.load_into_module` with ``strict=False`` for part of it).
         ShapeMismatchError: a shape or dtype differs from the module's tensor.
+        SourceError: ``inplace`` and a live tensor's source is on the meta device, or the
+            source gives two names of one slot (a sub-module used twice; with ``inplace``, of
+            one tensor) different values.
     """
-    found = plan(module_groups(module), src, None)
+    found = plan(module_groups(module, binding=True), src, None, per_name=not inplace)
     if found.missing_names or found.unexpected:
         parts = []
         if found.unexpected:
@@ -512,6 +708,8 @@ def to_module(
             "bind the matching sub-tree into its sub-module (tree['encoder'].to_module(model.encoder)), "
             "or use memtree.load_into_module(..., strict=False) to load what matches"
         )
-    old = bind(found, src, lambda _kind, _name, value: value, assign=assign, keep_old=return_swap)
-    flat = [(group.names[0], value) for group, value in old]
-    return flat, {alias: g.names[0] for g, _ in old for alias in g.names[1:]}
+    old = bind(
+        found, src, lambda _kind, _name, value: value, assign=not inplace, keep_old=return_swap,
+        track_gradients=True, where="to_module(inplace=True)",
+    )
+    return swap_flat(old)

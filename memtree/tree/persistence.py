@@ -45,6 +45,8 @@ __all__ = ["Persistence"]
 class Persistence(ShapeOps):
     """Writing, loading, growing and module binding (mixed into :class:`~memtree.TensorTree`)."""
 
+    _bound_into: tuple[Any, bool] | None = None  # a swap of to_module: (module, inplace), bound back on exit
+
     def is_memmap(self) -> bool:
         """True if every tensor leaf is a :class:`MemoryMappedTensor`."""
         return all(
@@ -267,9 +269,12 @@ class Persistence(ShapeOps):
 
         Args:
             module: any ``nn.Module``.
-            use_state_dict: build the tree from ``module.state_dict(keep_vars=True)`` instead
-                of the module's attributes, so that custom ``state_dict`` hooks and extra states
-                (``get_extra_state``) are honoured.
+            use_state_dict: the tree is exactly what ``module.state_dict()`` returns, instead
+                of the module's attributes: every ``state_dict`` hook runs (also one that
+                rebinds ``p.data`` after the values are taken) and extra states
+                (``get_extra_state``) are included; the tensors are ``state_dict()``'s detached
+                ones, sharing the module's memory (no copy), and names whose tensors are one
+                memory are stored once (the ``"__tied__"`` record).
 
         Example:
             >>> import torch, memtree
@@ -281,36 +286,44 @@ class Persistence(ShapeOps):
         tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
         return cast(Self, tree) if cls is base else cls(tree)
 
-    def to_module(self, module: Any, *, return_swap: bool = True, assign: bool = False) -> TreeCore | None:
-        """Load this tree's tensors into ``module``'s parameters and buffers.
+    def to_module(self, module: Any, *, return_swap: bool = True, inplace: bool = False) -> TreeCore | None:
+        """Bind this tree's tensors as ``module``'s parameters and buffers, zero-copy.
 
-        Every tensor leaf must match a parameter, persistent buffer or extra state of the module
-        by its path (shapes and dtypes must agree), and every tensor of the module must have its
-        leaf: a tree that lacks some raises (a module left half on the meta device would fail
-        later, far from the cause). Everything is checked before anything changes.
+        tensordict's ``to_module``: afterwards each parameter and buffer of the module *is*
+        the leaf of the same path (its memory: a mapped leaf of ``load_memmap`` stays the
+        mapping, a meta leaf makes a meta parameter), whatever the module held before.
+        Parameters stay ``nn.Parameter``: a leaf that is one is bound as it is, any other leaf
+        is wrapped in a new one sharing its memory, with the module's ``requires_grad``; a leaf
+        that tracks gradients (``requires_grad``, or a ``torch.vmap`` slice) is put in the
+        parameter slot as it is, as ``torch.func.functional_call`` does, so that gradients of a
+        forward pass reach the tree's tensors. Two names of one module tensor (a tie) that the
+        tree gives different tensors each get their own; the tie record (``"__tied__"``) ties
+        names again. See :mod:`memtree.tree.bind`.
 
-        How each tensor is loaded depends on the module's tensor (see :mod:`memtree.tree.bind`):
+        Every leaf must match a parameter, buffer or extra state of the module by its path
+        (shapes and dtypes must agree), and every parameter and persistent buffer of the module
+        must have its leaf (non-persistent buffers and extra states are bound when given): a
+        tree that lacks some raises (a module left half on the meta device would fail later, far
+        from the cause). Everything
+        is checked before anything changes, and an error leaves the module as it was.
 
-        * on the meta device (a module built under :func:`memtree.empty_init`): the leaf is
-          *bound*, zero-copy: with a tree from ``load_memmap`` the module's weights are the
-          mapped files;
-        * holding data (a live module): it is *filled in place*
-          (``with torch.no_grad(): p.copy_(leaf)``): the module keeps its ``nn.Parameter``
-          objects, their device and dtype, so an optimizer built before, hooks and ties keep
-          working;
-        * ``assign=True`` binds every leaf, live or not (like
-          ``nn.Module.load_state_dict(assign=True)``); an optimizer built before then no longer
-          holds the module's parameters.
+        Binding replaces the module's parameter objects, so an optimizer built before holds
+        the old ones: to resume training into a live model (optimizer built first), use
+        :func:`memtree.load_into_module` (or ``Checkpointer.restore``), which fills in place;
+        ``inplace=True`` does the same here: live tensors are filled
+        (``with torch.no_grad(): p.copy_(leaf)``, same objects, device and dtype kept) and
+        tensors on the meta device, which hold nothing to fill, are bound.
 
         Args:
-            module: the module to load into.
-            return_swap: return the tensors that were replaced, as a tree (loading it back with
-                ``swap.to_module(module)`` restores the module). For tensors filled in place
-                the swap holds *copies* of their old values, taken before the fill (a bound
-                tensor's old object is returned as it is): the swap never aliases the module's
-                new values, at the cost of one copy of the filled tensors. Pass
-                ``return_swap=False`` to skip it.
-            assign: bind the leaves even into live tensors, instead of filling them.
+            module: the module to bind into.
+            return_swap: return what the module held, as a tree: binding it back,
+                ``swap.to_module(module)``, restores the module, every slot holding the same
+                object as before. The swap is also a context manager that does so on exit:
+                ``with params.to_module(m): y = m(x)``. With ``inplace=True`` the swap holds
+                *copies* of the filled tensors' old values, taken before the fill (never views
+                the fill overwrites; one copy of those tensors), and restores them in place.
+                Pass ``return_swap=False`` to skip it.
+            inplace: fill live tensors in place instead of binding.
 
         Returns:
             The swapped-out tensors as a tree, or ``None``.
@@ -320,26 +333,58 @@ class Persistence(ShapeOps):
                 has no leaf (use :func:`memtree.load_into_module` with ``strict=False`` to load
                 part of a module).
             ShapeMismatchError: a leaf's shape or dtype differs from the module's tensor.
+            SourceError: the tree gives two names of one attribute (a sub-module used twice)
+                different tensors, or with ``inplace=True``, two names of one tensor, or meta
+                leaves to fill live tensors with.
 
         Example:
             >>> import torch, memtree
             >>> from torch import nn
             >>> a, b = nn.Linear(2, 3), nn.Linear(2, 3)
             >>> w = b.weight
-            >>> _ = memtree.TensorTree.from_module(a).to_module(b, return_swap=False)
-            >>> b.weight is w and torch.equal(b.weight, a.weight)   # filled in place
+            >>> swap = memtree.TensorTree.from_module(a).to_module(b)
+            >>> b.weight is a.weight                                 # bound: a's parameter
             True
-            >>> _ = memtree.TensorTree.from_module(a).to_module(b, assign=True)
-            >>> b.weight.data_ptr() == a.weight.data_ptr()            # bound: shared memory
+            >>> _ = swap.to_module(b, return_swap=False)             # bound back: b's own
+            >>> b.weight is w
             True
-            >>> compiled = torch.compile(b, backend="eager")          # bound weights compile
-            >>> torch.equal(compiled(torch.ones(1, 2)), a(torch.ones(1, 2)))
+            >>> _ = memtree.TensorTree.from_module(a).to_module(b, inplace=True)
+            >>> b.weight is w and torch.equal(b.weight, a.weight)     # filled in place
+            True
+            >>> with memtree.TensorTree.from_module(a).apply(torch.zeros_like).to_module(b):
+            ...     b(torch.ones(1, 2)).abs().sum().item()            # zero weights, for now
+            0.0
+            >>> b.weight is w
             True
         """
         leaves = self.items(include_nested=True, leaves_only=True)
         src = bind.source_from_leaves(((k,) if isinstance(k, str) else k, v) for k, v in leaves)
-        flat, aliases = bind.to_module(src, module, assign=assign, return_swap=return_swap)
-        return self._base()._nest(flat, aliases) if return_swap else None
+        flat, aliases = bind.to_module(src, module, inplace=inplace, return_swap=return_swap)
+        if not return_swap:
+            return None
+        swap = cast(Persistence, self._base()._nest(flat, aliases))
+        swap._bound_into = (module, inplace)
+        return swap
+
+    def __enter__(self) -> Self:
+        """A swap returned by :meth:`to_module`, as a context: binds it back on exit."""
+        if getattr(self, "_bound_into", None) is None:
+            raise InvalidArgumentError(
+                "only the swap returned by tree.to_module(module) is a context manager (it binds "
+                "the module's previous tensors back on exit): with params.to_module(module): ..."
+            )
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled or copied swap is a plain tree
+        state = dict(super().__getstate__())
+        state.pop("_bound_into", None)
+        return state
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._bound_into is not None  # set by to_module, checked by __enter__
+        module, inplace = self._bound_into
+        self._bound_into = None
+        self.to_module(module, inplace=inplace, return_swap=False)
 
     def append_(self, item: Any, *, fsync: bool = False) -> Self:
         """Append one item along the first batch dim, on disk and in this tree; returns ``self``.
