@@ -50,14 +50,14 @@ def digest(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
 Digest = tuple[str, tuple[int, ...], int]
 
 
-def digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, Digest]:
+def digests(tensors: Mapping[Any, torch.Tensor]) -> dict[Any, Digest]:
     """:func:`digest` of every tensor, by key."""
     return {k: digest(v) for k, v in tensors.items()}
 
 
 def expect_digests(
-    got: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
-    expected: Mapping[str, Digest],
+    got: Mapping[Any, torch.Tensor] | Callable[[Any], torch.Tensor],
+    expected: Mapping[Any, Any],
     what: str,
 ) -> None:
     """Raise :class:`CheckFailed` unless every expected key has its expected bytes.

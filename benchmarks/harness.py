@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from checks import CheckFailed
-from pagecache import iter_files, make_cold, make_warm, resident_pages
+from pagecache import drop_all, iter_files, make_cold, make_warm, resident_pages
 from results import Row, paired_ratios
 
 MiB = 1024 * 1024
@@ -199,6 +199,7 @@ class Settings:
     rounds: int = 5  # timed rounds
     warmup: int = 1  # untimed rounds first
     quick: bool = False  # tiny sizes: a smoke test, never a result
+    drop_all: bool = False  # cold runs also drop every cache of the machine first (root)
 
 
 def _nothing() -> None:
@@ -231,12 +232,18 @@ class System:
     output: Sequence[str] = ()  # what it writes: disk usage reported after the last run
 
 
-def _prepare_cache(files: Sequence[str], cache: str) -> float | None:
-    """Make the files cold or warm; the fraction of their pages cached before the run."""
+def _prepare_cache(files: Sequence[str], cache: str, everything: bool) -> float | None:
+    """Make the files cold or warm; the fraction of their pages cached before the run (a cold run
+    that reads no file starts with nothing cached). ``everything``: a cold run first drops every
+    clean page, dentry and inode of the machine (``pagecache.drop_all``)."""
+    if cache == "cold" and not files:
+        return 0.0
     if not files or cache not in ("cold", "warm"):
         return None
     if cache == "warm":
         return make_warm(list(files))
+    if everything:
+        drop_all()
     left = make_cold(list(files))
     return 0.0 if left == 0 else max(1e-9, left / max(1, resident_pages(files)[1]))
 
@@ -268,7 +275,7 @@ def compare(
                     continue
                 timed = i >= settings.warmup
                 try:
-                    got = _one_run(s, cache)
+                    got = _one_run(s, cache, settings.drop_all)
                 except CheckFailed as err:
                     row.error = f"check failed in round {i}: {err}"
                     continue
@@ -285,8 +292,9 @@ def compare(
                     row.checked = (row.checked or 0) + 1
                     if resident is not None:
                         row.resident.append(resident)
-                    rss[s.name].append(peak_rss)
-                    anon[s.name].append(peak_anon)
+                    if not s.own_time:  # a child's memory is not this process's
+                        rss[s.name].append(peak_rss)
+                        anon[s.name].append(peak_anon)
                     for key, value in (measured or {}).items():
                         metrics[s.name].setdefault(key, []).append(float(value))
     finally:
@@ -295,9 +303,10 @@ def compare(
     for s in systems:
         row = rows[s.name]
         row.others_load = load
-        if s.name in rss and rss[s.name]:
+        if rss.get(s.name):
             row.rss_peak = int(statistics.median(rss[s.name]))
             row.anon_peak = int(statistics.median(anon[s.name]))
+        if metrics.get(s.name):
             row.metrics = {k: statistics.median(v) for k, v in metrics[s.name].items()}
         if s.output and row.error is None:
             row.apparent, row.allocated, row.files = disk_usage(s.output)
@@ -308,12 +317,12 @@ def compare(
 
 
 def _one_run(
-    s: System, cache: str
+    s: System, cache: str, drop_everything: bool
 ) -> tuple[float, float | None, int, int, dict[str, float] | None]:
     state = out = None
     try:
         state = s.setup()
-        resident = _prepare_cache(s.files, cache)
+        resident = _prepare_cache(s.files, cache, drop_everything)
         gc.collect()
         malloc_trim()
         reset_peak_rss()

@@ -11,7 +11,8 @@ Usage (from the repository root):
 Each workload runs in a fresh subprocess (``--inline``: in this one; the default with
 ``--quick``), its comparisons one after the other (``harness.compare``: ``--rounds`` timed
 rounds after ``--warmup`` untimed ones, systems interleaved, every run checked, cold runs
-verified cold with ``mincore``). ``--cache warm|cold|both`` picks the cache states of the
+verified cold with ``mincore``; ``--drop-caches``: dropping every cache of the machine first, root
+only). ``--cache warm|cold|both`` picks the cache states of the
 read comparisons; cold needs a work directory on a disk (tmpfs is refused: its pages are the
 files). The run's document (``results.py``) records the date, the command, the commit, the
 load average before it started and the runnable tasks of other processes during each
@@ -33,12 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pagecache import is_tmpfs  # noqa: E402
+from pagecache import can_drop_all, is_tmpfs  # noqa: E402
 from results import STORE, Row, Run, save_run  # noqa: E402
 
 #: Workload name -> the module (and object) that defines it: ``describe(cfg)`` and
@@ -71,7 +72,7 @@ def measure(name: str, cfg: dict[str, Any]) -> list[Row]:
     settings = Settings(**cfg["settings"])
     rows: list[Row] = []
     for comp in workload(name).comparisons(cfg):
-        s = settings if comp.rounds is None else Settings(comp.rounds, settings.warmup, settings.quick)
+        s = settings if comp.rounds is None else replace(settings, rounds=comp.rounds)
         got = compare(name, comp.op, comp.cache, comp.systems, s)
         print(f"\n### {name.upper()} {comp.op} {comp.cache}\n\n{table(got)}", file=sys.stderr, flush=True)
         rows += got
@@ -97,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1; quick 0)")
     p.add_argument("--cache", choices=["both", "warm", "cold"], default="both")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="cold runs also write /proc/sys/vm/drop_caches first (root; evicts every process's "
+                        "pages, dentries and inodes: only on a machine you have to yourself)")
     p.add_argument("--inline", action="store_true", help="measure in this process")
     p.add_argument("--systems", default="", help="comma-separated substrings: only these systems")
     p.add_argument("--workdir", default=None,
@@ -150,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds if args.rounds is not None else (1 if args.quick else 5),
         warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
         quick=args.quick,
+        drop_all=args.drop_caches,
     )
+    if args.drop_caches and not can_drop_all():
+        print("--drop-caches needs a writable /proc/sys/vm/drop_caches (root)", file=sys.stderr)
+        return 2
     base = args.workdir or os.environ.get("BENCH_TMP") or tempfile.gettempdir()
     caches = ["warm", "cold"] if args.cache == "both" else [args.cache]
     if "cold" in caches and is_tmpfs(base):
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "rounds": settings.rounds,
         "warmup": settings.warmup,
+        "drop_caches": settings.drop_all,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
         "workdir_tmpfs": is_tmpfs(base),

@@ -99,8 +99,9 @@ class StoreWorkload:
                 for s in stores:
                     if s.reader is None:
                         continue
-                    src = s.source or s.name
-                    systems.append(self._reader(s, layout, os.path.join(wd, slug(src)), sources[src], op, fn, want, one))
+                    producer = s.source or s.name
+                    systems.append(self._reader(s, layout, os.path.join(wd, slug(producer)), sources[producer], op,
+                                                fn, want, one))
                 yield Comparison(op, cache, systems)
 
     def _saver(self, s: Store, layout: Layout, tensors: list[torch.Tensor], want: dict[Key, Any], wd: str) -> System:

@@ -45,6 +45,8 @@ LIBS_W4 = ("torch.load + load_state_dict", "torch.load(mmap) + assign", "safeten
 ANCHORS_W1 = ("tensordict t0", "tensordict t2", "tensordict t8", "safetensors", "torch.save/load",
               "tensorizer")
 MEMTREE_THREADS = ("memtree t0", "memtree t2", "memtree t8")
+#: The workloads of issue 9's memory lines ("every workload" when they were set).
+MEMORY_WORKLOADS = ("w1", "w2", "w3", "w4", "w5")
 
 
 @dataclass(frozen=True)
@@ -292,12 +294,12 @@ def _value(t: Target, mine: Row, refs: list[Row], used: list[Row]) -> tuple[floa
     # time ratios from the paired rounds (a legacy run has none: the ratio of its medians)
     per_round: list[float]
     if any(r.checked is None for r in [mine, *refs]):
-        ref = _best(refs) if t.vs == "best" else max(refs, key=lambda r: r.median)
-        assert ref is not None
-        used.append(ref)
-        value = mine.median / ref.median if t.kind == "ratio" else ref.median / mine.median
+        # the reference that decides: the slowest for "slowest", else the fastest
+        legacy_ref = (max if t.vs == "slowest" else min)(refs, key=lambda r: r.median)
+        used.append(legacy_ref)
+        value = mine.median / legacy_ref.median if t.kind == "ratio" else legacy_ref.median / mine.median
         ok = value <= t.bound if t.kind == "ratio" else value >= t.bound
-        return value, f"{value:.4f} (ratio of the medians); {_spread(mine)} vs {_spread(ref)}", ok
+        return value, f"{value:.4f} (ratio of the medians); {_spread(mine)} vs {_spread(legacy_ref)}", ok
     if t.vs == "each":
         used += refs
         per_round = [max(x) for x in zip(*(paired_ratios(mine, r) for r in refs))]
@@ -310,11 +312,11 @@ def _value(t: Target, mine: Row, refs: list[Row], used: list[Row]) -> tuple[floa
         per_round = [m / s for m, s in zip(mine.runs, slowest)]
         refs_text = ", ".join(_spread(r) for r in refs)
     else:
-        ref = _best(refs)
-        assert ref is not None
-        used.append(ref)
-        per_round = paired_ratios(mine, ref)
-        refs_text = _spread(ref)
+        best = _best(refs)
+        assert best is not None
+        used.append(best)
+        per_round = paired_ratios(mine, best)
+        refs_text = _spread(best)
     if t.kind == "speed":
         per_round = [1 / x for x in per_round]
         value = statistics.median(per_round) if t.stat == "median" else min(per_round)
@@ -349,12 +351,13 @@ def _is_anchor(r: Row) -> bool:
 
 
 def _judge_memory(t: Target, runs: list[Run]) -> Judgement:
-    """memtree's worst excess over the best anchor's peak (+10% +1 MiB), over every comparison
-    with both (W4: the whole ``load+bind+forward``; rows measured in a child process have none)."""
+    """memtree's worst excess over the best anchor's peak (+10% +1 MiB), over every comparison of
+    W1..W5 with both (W4: the whole ``load+bind+forward``; rows measured in a child process have
+    none)."""
     worst: tuple[float, str] | None = None
     used: list[Row] = []
     for run in runs:
-        groups = sorted({(r.workload, r.op, r.cache) for r in run.rows})
+        groups = sorted({(r.workload, r.op, r.cache) for r in run.rows if r.workload in MEMORY_WORKLOADS})
         for wl, op, cache in groups:
             if wl == "w4" and op != "load+bind+forward":
                 continue
@@ -384,7 +387,7 @@ def latest(t: Target, runs: list[Run]) -> Judgement:
     if t.kind == "memory":
         newest: dict[str, Run] = {}
         for run in runs:
-            for wl in {r.workload for r in run.rows}:
+            for wl in {r.workload for r in run.rows} & set(MEMORY_WORKLOADS):
                 newest[wl] = run
         chosen = list({id(r): r for r in newest.values()}.values())
         return _judge_memory(t, chosen) if chosen else Judgement(t, "not measured", "no stored run")

@@ -18,9 +18,11 @@ Systems (``ROWS``):
 * ``raw mmap + assign`` (the limit): one raw file mapped, ``torch.frombuffer`` views,
   ``load_state_dict(assign=True)``.
 
-Comparisons, warm and cold (cold: the files evicted and checked with ``mincore`` before every
-run): ``load+bind+forward`` (the model ready to run: its first output) and ``first forward``
-(the forward alone, after an untimed load + bind), in this process; and ``fresh process
+Comparisons: ``load+bind+forward`` (the model ready to run: its first output), warm and cold
+(cold: the files evicted and checked with ``mincore`` before every run); ``load+bind`` (without
+the forward: its peak RSS is what binding costs); ``first forward`` (the forward alone, after
+an untimed load + bind; warm only: the pages of a file a bound model maps cannot be evicted); and
+``fresh process
 load+bind+forward`` for W4's model and for ``transformers``' GPT-2 (124M parameters, tied
 embeddings; skipped where ``transformers`` is missing): each run in a new interpreter that
 imports torch, the model's module, memtree (for the construction) and the row's library
@@ -334,9 +336,10 @@ def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
     print(prepare(cfg), flush=True)
     ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
     for cache in cfg["caches"]:
-        yield Comparison("load+bind+forward", cache, [_in_process(r, cfg, ref, forward_only=False) for r in rows])
-    for cache in cfg["caches"]:
-        yield Comparison("first forward", cache, [_in_process(r, cfg, ref, forward_only=True) for r in rows])
+        yield Comparison("load+bind+forward", cache, [_in_process(r, cfg, ref, "load+bind+forward") for r in rows])
+    if "warm" in cfg["caches"]:  # cold would need the pages a bound model maps evicted: impossible
+        for part in ("load+bind", "first forward"):
+            yield Comparison(part, "warm", [_in_process(r, cfg, ref, part) for r in rows])
     fresh_rows = [r for r in rows if r != "raw mmap + assign" and (r in QUICK_FRESH or not cfg["quick"])]
     fresh_caches = ["warm"] if cfg["quick"] else cfg["caches"]
     for model in ("w4", "gpt2"):
@@ -359,26 +362,31 @@ def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
         yield Comparison("fresh process import", "", [_import_memtree()])
 
 
-def _in_process(name: str, cfg: dict[str, Any], ref: dict[str, torch.Tensor], forward_only: bool) -> System:
+def _in_process(name: str, cfg: dict[str, Any], ref: dict[str, torch.Tensor], part: str) -> System:
+    """``part``: ``load+bind+forward`` (timed to the first output), ``load+bind`` (the output
+    computed after the timing, for the check) or ``first forward`` (load + bind untimed)."""
     missing = _missing(name, cfg)
     if missing is not None:
         return System(name, run=lambda _: None, check=lambda s, o: None, missing=missing)
     bind, files = _binder(name, cfg)
     allocated = name in ALLOCATED
-    if forward_only:
-        setup: Callable[[], Any] = lambda: bind(skeleton(cfg, allocated))  # noqa: E731
+    nbytes = os.path.getsize(os.path.join(_wd(cfg), "raw.bin"))  # the model's bytes
+    setup: Callable[[], Any] = lambda: skeleton(cfg, allocated)  # noqa: E731
+    if part == "first forward":
+        setup = lambda: bind(skeleton(cfg, allocated))  # noqa: E731
         run: Callable[[Any], Any] = lambda model: _forward_output(model, ref["tokens"])  # noqa: E731
+    elif part == "load+bind":
+        run = bind
     else:
-        setup = lambda: skeleton(cfg, allocated)  # noqa: E731
         run = lambda model: _forward_output(bind(model), ref["tokens"])  # noqa: E731
-    return System(
-        name,
-        run=run,
-        check=lambda _, out: expect_equal(out, ref["out"], f"{name}: the model's first output"),
-        setup=setup,
-        files=files,
-        limit=name == "raw mmap + assign",
-    )
+
+    def check(_: Any, out: Any) -> dict[str, float]:
+        if part == "load+bind":
+            out = _forward_output(out, ref["tokens"])
+        expect_equal(out, ref["out"], f"{name}: the model's first output")
+        return {"model bytes": float(nbytes)}
+
+    return System(name, run=run, check=check, setup=setup, files=files, limit=name == "raw mmap + assign")
 
 
 def _fresh(name: str, cfg: dict[str, Any], ref: dict[str, torch.Tensor]) -> System:

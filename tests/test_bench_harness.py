@@ -397,6 +397,9 @@ def test_results_md_opens_with_the_current_generated_table() -> None:
     text = (BENCH / "RESULTS.md").read_text()
     assert text.splitlines()[2] == report.BEGIN  # the title, then the table: what a reader sees first
     assert report.update(check=True), "RESULTS.md is stale: run `python benchmarks/run.py report`"
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "report", "--check"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "up to date" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_stored_runs_are_valid_documents() -> None:
