@@ -98,12 +98,12 @@ def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
         systems = [s for s in _pause_systems(training, os.path.join(wd, size.replace(" ", ""))) if wanted(s.name, cfg)]
         yield Comparison(f"save, {size} state", "", systems)
         del training, systems
-    training = _Training(2**30 * scale)
+    # each system its own state: between two of its checkpoints exactly one layer changes
     yield Comparison("next checkpoint, 5% changed", "", [
-        _series_save("memtree blocking, full", training, os.path.join(wd, "full"), incremental=False),
-        _series_save("memtree blocking, incremental", training, os.path.join(wd, "incr"), incremental=True),
+        _series_save("memtree blocking, full", _Training(2**30 * scale), os.path.join(wd, "full"), incremental=False),
+        _series_save("memtree blocking, incremental", _Training(2**30 * scale), os.path.join(wd, "incr"),
+                     incremental=True),
     ])
-    del training
     yield Comparison("10 adapter checkpoints", "", [_adapters(os.path.join(wd, "adapters"), scale)], rounds=1)
     shutil.rmtree(wd, ignore_errors=True)
 

@@ -349,6 +349,17 @@ def test_the_w6_warm_target_needs_nine_pairs() -> None:
     assert judge(t, Run({"date": "x", "load_start": 0.1}, rows(8))).verdict == "not judged"
 
 
+def test_a_memory_bound_on_several_systems_is_judged_on_the_worst() -> None:
+    from results import Row, Run
+    from targets import TARGETS, judge
+
+    t = next(t for t in TARGETS if t.text.startswith("W6 anonymous memory") and t.cache == "warm")
+    rows = [Row("w6", t.op, "warm", name, runs=[1.0 + i] * 5, checked=5, metrics={"anon beyond model": anon})
+            for i, (name, anon) in enumerate(zip(t.mine, (1 << 20, 80 << 20, 2 << 20)))]
+    j = judge(t, Run({"date": "x", "load_start": 0.1}, rows))
+    assert j.verdict == "missed" and "80.00 MiB" in j.measured and t.mine[1] in j.measured
+
+
 def test_w4_first_forward_is_judged_against_the_fastest_library() -> None:
     """The target once compared memtree with the *slowest* anchor; it is the best one again."""
     from results import Row, Run
