@@ -1,6 +1,6 @@
 """What checksums (on by default, format version 2) add to W1's save, side by side in one run.
 
-W1's tree (``benchmarks/workloads.py``: 195 float32 tensors of a 16-block transformer,
+W1's tree (``benchmarks/stores.py``: 195 float32 tensors of a 16-block transformer,
 1,000.7 MiB, here of random data) is
 saved with ``memmap(num_threads=THREADS)`` over itself, with each ``checksum=`` setting in turn
 (``None``, ``"xxh3"``, ``"crc32c"``, ``"crc32"``; rounds interleaved so that page-cache writeback
@@ -42,7 +42,7 @@ from stores import w1_layout  # noqa: E402
 
 
 def w1_tree() -> memtree.TensorTree:
-    """W1 (``benchmarks/workloads.py``, full size): 195 float32 tensors, random data."""
+    """W1 (``benchmarks/stores.py``, full size): 195 float32 tensors, random data."""
     g = torch.Generator().manual_seed(0)
     tree = memtree.TensorTree({})
     for key, shape, dtype in w1_layout({"quick": False, "size_gib": 1}):
