@@ -12,8 +12,7 @@ Usage (from the repository root; ``WD=/dev/shm`` runs on tmpfs instead of ``$TMP
     .venv/bin/python benchmarks/floors.py touch [ROUNDS]       # W1 open + sum: raw, format floor, memtree
     .venv/bin/python benchmarks/floors.py touch-cold [ROUNDS]  # the same, every file evicted first
     .venv/bin/python benchmarks/floors.py w4 [ROUNDS]          # W4 load + bind: safetensors, format floor, memtree
-    .venv/bin/python benchmarks/floors.py w4-ready [ROUNDS]    # the same with the model's build (W4's "ready")
-    .venv/bin/python benchmarks/floors.py w4-ready-fresh [ROUNDS] [gpt2|w4] [fork|spawn]  # "ready", each in a new process
+    .venv/bin/python benchmarks/floors.py w4-ready [ROUNDS]    # the same with the model's build
 
 ``save`` also runs tensordict's ``memmap`` at the same thread count when it is installed: how
 far the incumbent is from the same floor, in the same rounds. ``touch-cold`` evicts every file
@@ -24,10 +23,8 @@ cannot leave a half-written tree costs. ``touch`` and ``w4`` also time the *form
 same directory read with the fewest calls and no checks at all (read and decode each level's
 ``meta.json``, ``torch.from_file`` each leaf by path), the least any reader of this on-disk
 format pays, next to the one-file raw limit (``touch``) or safetensors (``w4``).
-``w4-ready-fresh`` times W4's ``ready`` in a new process per run (``w4_model.fresh_ready``): a
-forked child of a process that imported every library (build + load + bind; the default) or a
-spawned interpreter (the library's import too), for transformers' GPT-2 (124M parameters, the
-default) or W4's own model, which shows what the first meta-device build costs.
+A model made ready in a fresh process is measured by ``run.py w4`` (``fresh process
+load+bind+forward``: the same construction for every system, the first output checked).
 """
 
 from __future__ import annotations
@@ -50,10 +47,9 @@ import torch  # noqa: E402
 
 import memtree  # noqa: E402
 from memtree.format.dtypes import dtype_from_name  # noqa: E402
-from memtree.store.commit import rename_noreplace
-from harness import evict, resident_fraction  # noqa: E402
-from stores import Store, make_tensors, nest, prepare_index, save  # noqa: E402
-from workloads import w1_layout, w2_layout  # noqa: E402
+from memtree.store.commit import rename_noreplace  # noqa: E402
+from pagecache import make_cold  # noqa: E402
+from stores import Store, make_tensors, nest, prepare_index, save, w1_layout, w2_layout  # noqa: E402
 
 W3_FILES = (("img.memmap", 1_000_000 * 3 * 64 * 64), ("label.memmap", 1_000_000 * 8))
 
@@ -119,11 +115,10 @@ def _bare_walk(root: str) -> dict[str, torch.Tensor]:
 
 
 def _evict_or_say(paths: list[str]) -> None:
-    """Evict the files from the page cache, and say so when they stay (tmpfs keeps them)."""
-    evict(paths, "fadvise")
-    left = resident_fraction(paths)
-    if left > 0.05:
-        print(f"warning: {left:.0%} of the files' pages are still cached after eviction "
+    """Evict the files from the page cache, and say so when any page stays (tmpfs keeps them)."""
+    left = make_cold(paths)
+    if left:
+        print(f"warning: {left} of the files' pages are still cached after eviction "
               "(tmpfs?): this is not a cold measurement", file=sys.stderr)
 
 
@@ -291,34 +286,6 @@ def main(argv: list[str]) -> None:
                 ),
             }
             _alternate(wrapped, rounds, fresh=False)
-        finally:
-            shutil.rmtree(wd, ignore_errors=True)
-    elif what == "w4-ready-fresh":
-        import w4_model
-
-        wd = tempfile.mkdtemp(prefix="floors-", dir=os.environ.get("WD"))
-        cfg = {"quick": False, "workdir": wd, "model": argv[2] if len(argv) > 2 else "gpt2"}
-        how = argv[3] if len(argv) > 3 else "fork"
-        flags: dict[str, set[str]] = {}
-        try:
-            print(w4_model.prepare(cfg), f"({how})")
-            if how == "fork":
-                w4_model.fork_parent_imports(cfg)
-
-            def fresh(name: str) -> Callable[[str], float]:
-                def run(_: str) -> float:
-                    doc = w4_model.fresh_ready(name, cfg, how)
-                    flags.setdefault(name, set()).update(
-                        ["output equal" if doc["equal"] else "OUTPUT DIFFERS"]
-                        + (["imported torch._dynamo"] if doc["dynamo"] else [])
-                    )
-                    return float(doc["seconds"])
-                return run
-
-            rows = ["safetensors + assign", "torch.load(mmap) + assign", "memtree to_module"]
-            _alternate({k: fresh(k) for k in rows}, int(argv[1]) if len(argv) > 1 else 11, fresh=False, own_time=True)
-            for name in rows:
-                print(f"{name}: {', '.join(sorted(flags[name]))}")
         finally:
             shutil.rmtree(wd, ignore_errors=True)
     else:

@@ -1,55 +1,63 @@
 """GPU load: memtree's pinned-ring loads onto a CUDA device against safetensors and the limits.
 
-Runs unchanged on any machine with a CUDA GPU; without one it says so and exits 0 (it imports
-without a GPU). In one run, round after round (cold and warm alternating, the order of the
-systems rotated), on the same bytes:
+Run (from the repository root; it needs nothing from the network)::
 
-* ``memtree load_memmap``: ``memtree.load_memmap(tree, device=device, mmap=False)`` (threaded preads into a
-  bounded ring of pinned buffers, host-to-device copies on a stream overlapping the reads);
-* ``memtree load_into_module``: the same bytes into the tensors of a module already on the GPU
-  (filled in place), from the memtree directory;
-* ``memtree load_into_module (safetensors)``: the same, from the safetensors file;
-* ``safetensors load_file``: ``safetensors.torch.load_file(f, device="cuda")``;
-* limits: ``disk read`` (a bare 4-thread ``preadv`` of the leaf files into host memory: cold
-  rounds only mean anything) and ``PCIe`` (pinned host to device copies of 256 MiB, no disk).
+    python benchmarks/gpu_load.py [--size-gib 2] [--rounds 5] [--workdir DIR] [--json PATH]
+    python benchmarks/run.py gpu --store ...       # the same, stored for the results table
 
-It prints GB/s per system and, for memtree, the ratio to ``min(disk read, PCIe)`` of the same
-cache state (target >= 70%) and to safetensors (target >= 2x). Cold: the files' pages are
-dropped with ``posix_fadvise(DONTNEED)`` and the drop checked with ``mincore``.
+What it needs installed: ``torch`` with CUDA and a CUDA device, ``safetensors``, and memtree's
+own dependencies (``numpy``, ``orjson``); memtree itself is imported from this checkout. Without
+a CUDA device it says so and exits 0 (``--device cpu`` runs the same comparisons on the CPU: a
+check of the plumbing, never a result). With the defaults (2 GiB, 5 rounds after 1 warm-up,
+cold and warm) it takes 2-4 minutes on an H100 machine. The work directory must be on a disk
+for the cold rounds (tmpfs is refused).
 
-Run::
+Comparisons, each in interleaved rounds (``harness.compare``), cold (the files evicted and
+checked with ``mincore`` before every run) and warm, on the same bytes (a 2 GiB state shaped
+like a transformer's: 64 MiB matrices, small vectors, one large embedding):
 
-    .venv/bin/python benchmarks/gpu_load.py [--size-gib 2] [--rounds 3] [--ring-mib 512] [--workdir DIR]
+* ``load into existing tensors``: a module whose buffers live on the device, filled in place:
+  ``memtree load_into_module`` (from the memtree directory; threaded ``preadv`` into a bounded
+  ring of pinned buffers, host-to-device copies overlapping the reads), ``memtree
+  load_into_module (safetensors file)``, and ``safetensors load_file + load_state_dict``
+  (``module.load_state_dict(safetensors.torch.load_file(f, device="cuda"))``). Before every
+  run the module's tensors are zeroed (the target reset: a load that writes nothing fails);
+* ``allocate and load``: new device tensors: ``memtree load_memmap`` (``device=..., mmap=False``)
+  and ``safetensors load_file`` (``load_file(f, device="cuda")``);
+* in both, the limits of the same rounds: ``disk read`` (a bare 4-thread ``preadv`` of the
+  leaf files into host memory) and ``PCIe`` (pinned host-to-device copies of the same number of
+  bytes, no disk); ``min(disk read, PCIe)`` as a bandwidth is the slower of the two each round.
+
+Every run ends with ``torch.cuda.synchronize()`` inside the timing; ``empty_cache()`` runs in
+the setup, outside it. After every run every tensor is compared with the expected one on the
+device, element by element (bit patterns, key by key: order-sensitive).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
+import subprocess
 import sys
-import tempfile
 import threading
-import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from harness import evict, remove, resident_fraction  # noqa: E402
+from checks import CheckFailed, expect_equal
+from harness import Comparison, System
 
 MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def make_state(size_gib: float) -> dict[str, torch.Tensor]:
     """Tensors like a transformer's: 64 MiB matrices, a few small vectors, one large embedding."""
     total = int(size_gib * (1 << 30))
     g = torch.Generator().manual_seed(0)
-    out: dict[str, torch.Tensor] = {"embed": torch.randn(total // 8 // 4096, 4096, generator=g)}
+    out: dict[str, torch.Tensor] = {"embed": torch.randn(max(1, total // 8 // 4096), 4096, generator=g)}
     left, i = total - out["embed"].nbytes, 0
     while left > 0:
-        n = min(left, 64 * MiB) // 4
+        n = max(1, min(left, 64 * MiB) // 4)
         out[f"layer{i}_weight"] = torch.randn(n, generator=g)
         out[f"layer{i}_bias"] = torch.randn(1024, generator=g)
         left -= n * 4 + 4096
@@ -57,165 +65,160 @@ def make_state(size_gib: float) -> dict[str, torch.Tensor]:
     return out
 
 
-def bit_sum(t: torch.Tensor) -> int:
-    """An order-independent (integer) sum of a float32 tensor's bit patterns: equal on any device."""
-    return int(t.view(torch.int32).to(torch.int64).sum().item())
-
-
 def module_like(state: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
+    """A module with one empty buffer per tensor of ``state``, on ``device``."""
     m = torch.nn.Module()
     for k, v in state.items():
         m.register_buffer(k, torch.empty(v.shape, dtype=v.dtype, device=device))
     return m
 
 
-def disk_read(tree: str) -> float:
-    """Seconds for a bare 4-thread preadv of every leaf file into host memory."""
+def disk_read(tree: str) -> Callable[[Any], None]:
+    """A bare 4-thread ``preadv`` of every leaf file into host memory (64 MiB buffers, made once)."""
+    views = [memoryview(bytearray(64 * MiB)) for _ in range(4)]
+    return lambda _: _read_all(tree, views)
+
+
+def _read_all(tree: str, views: list[memoryview]) -> None:
     files = [os.path.join(r, f) for r, _, fs in os.walk(tree) for f in fs if f.endswith(".memmap")]
     it = iter(files)
-    buf_per_thread = [bytearray(64 * MiB) for _ in range(4)]
+    lock = threading.Lock()
 
-    def work(buf: bytearray) -> None:
-        view = memoryview(buf)
-        for path in it:
+    def work(view: memoryview) -> None:
+        while True:
+            with lock:
+                path = next(it, None)
+            if path is None:
+                return
             fd = os.open(path, os.O_RDONLY)
             try:
                 off = 0
-                while True:
-                    n = os.preadv(fd, [view], off)
-                    if n <= 0:
-                        break
+                while n := os.preadv(fd, [view], off):
                     off += n
             finally:
                 os.close(fd)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(b,)) for b in buf_per_thread]
+    threads = [threading.Thread(target=work, args=(v,)) for v in views]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
 
 
-def pcie(nbytes: int) -> float:
-    """Seconds to copy ``nbytes`` from pinned host memory to the device (256 MiB copies)."""
-    host = torch.empty(256 * MiB, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(max(1, nbytes // (256 * MiB))):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * nbytes / (max(1, nbytes // (256 * MiB)) * 256 * MiB)
+def _pcie(nbytes: int) -> Callable[[Any], None]:
+    """Pinned host-to-device copies of ``nbytes`` in 256 MiB pieces (buffers made once)."""
+    piece = min(nbytes, 256 * MiB)
+    host = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(piece, dtype=torch.uint8, device="cuda")
+
+    def copy(_: Any) -> None:
+        done = 0
+        while done < nbytes:
+            n = min(piece, nbytes - done)
+            dev[:n].copy_(host[:n], non_blocking=True)
+            done += n
+        torch.cuda.synchronize()
+
+    return copy
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gib", type=float, default=2.0)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ring-mib", type=int, default=None, help="memtree.store.fill.PINNED_RING_BYTES, in MiB")
-    ap.add_argument("--workdir", default=os.environ.get("BENCH_TMP"))
-    ap.add_argument("--device", default="cuda", help="'cpu' checks this script's plumbing on any machine")
-    args = ap.parse_args(argv)
-    device = args.device
+def describe(cfg: dict[str, Any]) -> str:
+    return f"{_size(cfg)} GiB of float32 onto {cfg.get('device', 'cuda')}"
+
+
+def _size(cfg: dict[str, Any]) -> float:
+    return 0.01 if cfg["quick"] else float(cfg.get("size_gib", 2.0))
+
+
+def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
+    device = cfg.get("device", "cuda")
     on_gpu = device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        why = "N/A: no CUDA device here (torch.cuda.is_available() is False)"
+        for op in ("load into existing tensors", "allocate and load"):
+            yield Comparison(op, "warm", [System(n, run=lambda _: None, check=lambda s, o: None, missing=why)
+                                          for n in ("memtree load_into_module", "disk read")])
+        return
+    import memtree
+    from safetensors.torch import load_file, save_file
+
+    wd = os.path.join(cfg["workdir"], "gpu")
+    os.makedirs(wd, exist_ok=True)
+    state = make_state(_size(cfg))
+    nbytes = sum(v.nbytes for v in state.values())
+    tree, st = os.path.join(wd, "tree"), os.path.join(wd, "model.safetensors")
+    memtree.TensorTree(state).memmap(tree, num_threads=4)
+    save_file(state, st)
+    want = {k: v.to(device) for k, v in state.items()}  # compared on the device
+    target = module_like(state, device)
+    del state
 
     def sync() -> None:
         if on_gpu:
             torch.cuda.synchronize()
+
+    def reset() -> None:  # outside the timing: the target zeroed, the allocator's cache emptied
+        with torch.no_grad():
+            for t in target.buffers():
+                t.zero_()
+        sync()
+        if on_gpu:
             torch.cuda.empty_cache()
 
-    if on_gpu and not torch.cuda.is_available():
-        print("gpu_load: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
-        return 0
-    import memtree
-    import memtree.store.fill as fill_mod
-    from safetensors.torch import load_file, save_file
+    def fresh() -> None:
+        sync()
+        if on_gpu:
+            torch.cuda.empty_cache()
 
-    if args.ring_mib is not None:
-        fill_mod.PINNED_RING_BYTES = args.ring_mib * MiB
-    wd = tempfile.mkdtemp(prefix="gpu-load-", dir=args.workdir)
-    try:
-        state = make_state(args.size_gib)
-        nbytes = sum(v.nbytes for v in state.values())
-        tree, st = os.path.join(wd, "tree"), os.path.join(wd, "model.safetensors")
-        memtree.TensorTree(state).memmap(tree, num_threads=4)
-        save_file(state, st)
-        expect = {k: bit_sum(v) for k, v in state.items()}
-        target = module_like(state, device)
-        del state
+    def check(what: str) -> Callable[[Any, Any], None]:
+        def go(_: Any, got: Any) -> None:
+            tensors = dict(target.named_buffers()) if got is None else got
+            for k, v in want.items():
+                if k not in tensors:
+                    raise CheckFailed(f"{what}: {k} missing")
+                expect_equal(tensors[k], v, f"{what}: {k}")
 
-        def check(got: dict[str, torch.Tensor]) -> None:
-            bad = [k for k, v in expect.items() if bit_sum(got[k]) != v]
-            if bad:
-                raise SystemExit(f"wrong data in {bad[:5]}")
+        return go
 
-        def from_module() -> dict[str, torch.Tensor]:
-            return {k: getattr(target, k) for k in expect}
+    def timed(fn: Callable[[], Any]) -> Callable[[Any], Any]:
+        def run(_: Any) -> Any:
+            out = fn()
+            sync()
+            return out
 
-        def into_module(src: str) -> Callable[[], dict[str, torch.Tensor]]:
-            def go() -> dict[str, torch.Tensor]:
-                memtree.load_into_module(target, src)
-                return from_module()
+        return run
 
-            return go
+    limits = [System("disk read", run=disk_read(tree), check=lambda s, o: None, files=[tree],
+                     limit=True)]
+    limits.append(System("PCIe", run=_pcie(nbytes), check=lambda s, o: None, limit=True) if on_gpu else
+                  System("PCIe", run=lambda _: None, check=lambda s, o: None, missing="N/A: no device link"))
 
-        # each returns what it loaded, checked bit-exact after the timing
-        systems: dict[str, tuple[Callable[[], dict[str, torch.Tensor]], list[str]]] = {
-            "memtree load_memmap": (lambda: memtree.load_memmap(tree, device=device, mmap=False).to_dict(), [tree]),
-            "memtree load_into_module": (into_module(tree), [tree]),
-            "memtree load_into_module (safetensors)": (into_module(st), [st]),
-            "safetensors load_file": (lambda: load_file(st, device=device), [st]),
-        }
-        times: dict[tuple[str, str], list[float]] = {}
-        names = list(systems) + ["disk read"]
-        for r in range(args.rounds):
-            for cache in ("cold", "warm") if r % 2 == 0 else ("warm", "cold"):
-                order = names[r % len(names):] + names[: r % len(names)]
-                for name in order:
-                    paths = [tree] if name == "disk read" else systems[name][1]
-                    if cache == "cold":
-                        evict(paths, "fadvise")
-                        left = resident_fraction(paths, max_files=10_000)
-                        if left > 0.02:
-                            print(f"  note: eviction left {left:.0%} of {name}'s files cached")
-                    else:
-                        disk_read(paths[0]) if os.path.isdir(paths[0]) else open(paths[0], "rb").read()
-                    sync()
-                    if name == "disk read":
-                        seconds = disk_read(tree)
-                    else:
-                        t0 = time.perf_counter()
-                        got = systems[name][0]()
-                        sync()
-                        seconds = time.perf_counter() - t0
-                        check(got)
-                        del got
-                    times.setdefault((name, cache), []).append(seconds)
-                    print(f"  round {r} {cache} {name:40} {nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
-        link = pcie(nbytes) if on_gpu else 0.0
-        where = torch.cuda.get_device_name() if on_gpu else device
-        print(f"\n{where}: {nbytes / (1 << 30):.2f} GiB, {args.rounds} rounds, "
-              f"ring {fill_mod.PINNED_RING_BYTES // MiB} MiB; PCIe (pinned, 256 MiB copies) {nbytes / link / 1e9 if link else float('nan'):.2f} GB/s\n")
-        print("| system | cold GB/s | warm GB/s | vs min(disk, PCIe) cold / warm | vs safetensors cold / warm |")
-        print("|---|---|---|---|---|")
-        med = {k: statistics.median(v) for k, v in times.items()}
-        for name in names:
-            row = [f"{nbytes / med[name, c] / 1e9:.2f}" for c in ("cold", "warm")]
-            ratios = ["", ""]
-            if name.startswith("memtree"):
-                lim = [max(med["disk read", c], link) for c in ("cold", "warm")]
-                ratios = [
-                    " / ".join(f"{lim[i] / med[name, c]:.0%}" for i, c in enumerate(("cold", "warm"))),
-                    " / ".join(f"{med['safetensors load_file', c] / med[name, c]:.2f}x" for c in ("cold", "warm")),
-                ]
-            print(f"| {name} | {row[0]} | {row[1]} | {ratios[0]} | {ratios[1]} |")
-        return 0
-    finally:
-        remove(wd)
+    def into(src: str) -> Callable[[], None]:
+        return lambda: (memtree.load_into_module(target, src), None)[1]
+
+    fill = [
+        System("memtree load_into_module", run=timed(into(tree)), check=check("memtree load_into_module"),
+               setup=reset, files=[tree]),
+        System("memtree load_into_module (safetensors file)", run=timed(into(st)),
+               check=check("memtree load_into_module (safetensors file)"), setup=reset, files=[st]),
+        System("safetensors load_file + load_state_dict",
+               run=timed(lambda: (target.load_state_dict(load_file(st, device=device)), None)[1]),
+               check=check("safetensors load_file + load_state_dict"), setup=reset, files=[st]),
+    ]
+    alloc = [
+        System("memtree load_memmap", run=timed(lambda: memtree.load_memmap(tree, device=device, mmap=False)
+                                                .to_dict()),
+               check=check("memtree load_memmap"), setup=fresh, files=[tree]),
+        System("safetensors load_file", run=timed(lambda: load_file(st, device=device)),
+               check=check("safetensors load_file"), setup=fresh, files=[st]),
+    ]
+    for cache in cfg["caches"]:
+        yield Comparison("load into existing tensors", cache, fill + limits)
+        yield Comparison("allocate and load", cache, alloc + limits)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if "--device" not in sys.argv and not torch.cuda.is_available():
+        print("gpu_load: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
+        sys.exit(0)
+    sys.exit(subprocess.call([sys.executable, os.path.join(HERE, "run.py"), "gpu", *sys.argv[1:]]))

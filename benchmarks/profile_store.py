@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from stores import make_tensors, nest  # noqa: E402
-from workloads import w1_layout, w2_layout  # noqa: E402
+from stores import make_tensors, nest, w1_layout, w2_layout  # noqa: E402
 
 
 def _case(name: str, cfg: dict[str, Any], wd: str) -> Callable[[], Any]:

@@ -14,6 +14,9 @@ Every system is a :class:`Store` row; its ``kind`` says which library does the w
   (the same without the preallocation), ``raw-files`` (one file per leaf, bare
   ``os.open``/``os.write``/``os.close`` into the same directories; read by mapping every file
   with ``torch.from_file``, which opens, maps privately and closes: the O(files) reference).
+
+The data: W1 (:func:`w1_layout`, a 16-block transformer's 195 float32 tensors, ~1 GiB) and W2
+(:func:`w2_layout`, 20,000 leaves of 256 float32), filled by :func:`make_tensors` (seeded).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import mmap
 import os
 import warnings
 from dataclasses import dataclass
-from math import prod
+from math import isqrt, prod
 from typing import Any, Iterator
 
 import torch
+
+from checks import Digest, digest
 
 Key = tuple[str, ...]
 Layout = list[tuple[Key, tuple[int, ...], torch.dtype]]
@@ -43,6 +48,7 @@ class Store:
     reader: str | None = None  # how it reads (None: this row only saves)
     source: str | None = None  # row whose files it reads (default: itself)
     limit: bool = False
+    checksum: str | None = "default"  # memtree's checksum= ("default": not given)
 
     @property
     def requires(self) -> str | None:
@@ -55,18 +61,35 @@ class Store:
 
     def missing(self) -> str | None:
         """Why this system cannot run here (not installed), or None."""
-        mod = self.requires
-        if mod is None:
-            return None
+        mod = self.requires or "memtree"
         try:
             importlib.import_module(mod)
         except Exception as err:  # noqa: BLE001 - any import failure means "not available"
             return f"N/A: {mod} not importable ({type(err).__name__}: {err})"
+        if self.checksum not in ("default", None):
+            from memtree.store.checksums import available_checksums
+
+            if self.checksum not in available_checksums():
+                return f"N/A: checksum {self.checksum!r} not installed (the fast-checksums extra)"
         return None
 
 
+def reading_store(store: Store) -> Store:
+    """The reader of what ``store`` writes (a save is checked by reading it back with it)."""
+    reader = {"memtree": "mmap", "tensordict": "mmap", "safetensors": "load_file",
+              "torch": "load_mmap", "tensorizer": "eager", "raw": "mmap", "raw-noprealloc": "mmap",
+              "raw-files": "mmap"}[store.kind]
+    kind = "raw" if store.kind == "raw-noprealloc" else store.kind
+    return Store(store.name, kind, reader=reader)
+
+
 def store_systems(many_files: bool) -> list[Store]:
-    """The rows of W1 (``many_files=False``) or W2, producers before their readers."""
+    """The rows of W1 (``many_files=False``) or W2, producers before their readers.
+
+    W1 also saves with each checksum setting at 2 threads (``memtree t2 no checksum``,
+    ``... xxh3``: the fast-checksums extra's default, ``... crc32``: the standard library's):
+    what checksums by default cost a save.
+    """
     rows: list[Store] = []
     for kind in ("memtree", "tensordict"):
         rows.append(Store(f"{kind} t0", kind, 0, reader="mmap"))
@@ -74,6 +97,9 @@ def store_systems(many_files: bool) -> list[Store]:
             rows.append(Store("memtree eager", kind, saves=False, reader="eager", source="memtree t0"))
         rows.append(Store(f"{kind} t2", kind, 2))
         rows.append(Store(f"{kind} t8", kind, 8))
+        if kind == "memtree" and not many_files:
+            for checksum, label in ((None, "no checksum"), ("xxh3", "xxh3"), ("crc32", "crc32")):
+                rows.append(Store(f"memtree t2 {label}", kind, 2, checksum=checksum))
     rows += [
         Store("safetensors", "safetensors", reader="safe_open"),
         Store(
@@ -99,6 +125,56 @@ def store_systems(many_files: bool) -> list[Store]:
 
 
 # -- data -----------------------------------------------------------------------------------
+GiB = 1024**3
+
+
+def w1_layout(cfg: dict[str, Any]) -> Layout:
+    """~``size_gib`` of float32 in 16 transformer blocks (12 tensors each) + embedding + norm.
+
+    Quick: 2 tiny blocks (27 tensors).
+    """
+    layers, vocab = (2, 100) if cfg["quick"] else (16, 32000)
+    if cfg["quick"]:
+        d = 16
+    else:  # 192 d^2 + vocab d = size / 4
+        n = cfg["size_gib"] * GiB / 4
+        d = max(
+            64,
+            (-vocab + isqrt(int(vocab * vocab + 4 * 12 * layers * n)))
+            // (2 * 12 * layers)
+            // 64
+            * 64,
+        )
+    f32 = torch.float32
+    out: Layout = [(("embed", "weight"), (vocab, d), f32)]
+    for i in range(layers):
+        p = ("layers", str(i))
+        for sub, shapes in (
+            (("attn", "qkv"), ((3 * d, d), (3 * d,))),
+            (("attn", "proj"), ((d, d), (d,))),
+            (("ln1",), ((d,), (d,))),
+            (("mlp", "fc1"), ((4 * d, d), (4 * d,))),
+            (("mlp", "fc2"), ((d, 4 * d), (d,))),
+            (("ln2",), ((d,), (d,))),
+        ):
+            out.append((p + sub + ("weight",), shapes[0], f32))
+            out.append((p + sub + ("bias",), shapes[1], f32))
+    out.append((("ln_f", "weight"), (d,), f32))
+    out.append((("ln_f", "bias"), (d,), f32))
+    return out
+
+
+def w2_layout(cfg: dict[str, Any]) -> Layout:
+    """20 x 20 x 50 = 20,000 leaves of 256 float32, three levels deep (quick: 2 x 3 x 5)."""
+    a, b, c = (2, 3, 5) if cfg["quick"] else (20, 20, 50)
+    return [
+        ((f"g{i}", f"s{j}", f"x{k}"), (256,), torch.float32)
+        for i in range(a)
+        for j in range(b)
+        for k in range(c)
+    ]
+
+
 def nest(layout: Layout, tensors: list[torch.Tensor]) -> dict[str, Any]:
     """Nested dict ``{"a": {"b": t}}`` from keys ``("a", "b")``."""
     root: dict[str, Any] = {}
@@ -119,6 +195,11 @@ def make_tensors(layout: Layout, seed: int = 0) -> list[torch.Tensor]:
     """Random tensors of the layout's shapes (uniform, so that nothing compresses)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.empty(shape, dtype=dtype).uniform_(generator=gen) for _, shape, dtype in layout]
+
+
+def expected(layout: Layout, tensors: list[torch.Tensor]) -> dict[Key, Digest]:
+    """The digest of every tensor, by key: what any read of the saved data must give."""
+    return {key: digest(t) for (key, _, _), t in zip(layout, tensors)}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -164,7 +245,8 @@ def save(store: Store, layout: Layout, tensors: list[torch.Tensor], path: str) -
     if kind == "memtree":
         from memtree import TensorTree
 
-        return TensorTree(nest(layout, tensors)).memmap(path, num_threads=store.threads)
+        extra = {} if store.checksum == "default" else {"checksum": store.checksum}
+        return TensorTree(nest(layout, tensors)).memmap(path, num_threads=store.threads, **extra)
     if kind == "tensordict":
         from tensordict import TensorDict
 

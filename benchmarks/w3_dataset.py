@@ -1,16 +1,24 @@
 """W3 dataset: ``datum.expand(N).memmap_like(dir)`` for a (3, 64, 64) uint8 image + int64 label,
 then random single-index writes ``data[i] = item`` and random batch reads of 256.
 
-Rows:
+Systems:
 
 * ``memtree tN`` / ``tensordict tN``: ``memmap_like(dir, num_threads=N)``; the ``t0`` rows also
-  fill by index (each timed run starts from a fresh sparse tree) and read random batches;
+  fill by index and read random batches;
 * ``raw`` (the limit): ``mkdir`` + for each leaf ``open``/``ftruncate``/``mmap``; writes are
   bare ``os.pwrite`` of the same bytes at the same offsets; batch reads index the mappings;
 * ``raw mmap-store``: the same writes stored through the sparse shared mapping (what a plain
   ``mapped[i] = item`` costs: one page fault and one block allocation per page).
 
-After every write run the last item written is read back through the mapping and compared.
+Comparisons (interleaved rounds, every run checked, the target reset before every run):
+
+* ``memmap_like``: a fresh path each run; checked: every leaf of the right shape and dtype, its
+  file of exactly its size, its first and last rows zero;
+* ``write N``: each run starts from a fresh sparse tree (untimed); checked: every row written
+  reads back bit-exact;
+* ``read batch 256``: from a tree holding the largest write's items (written untimed); checked:
+  every batch equals the expected rows (the written items, zeros elsewhere). The time is
+  that of all the batches of a run.
 """
 
 from __future__ import annotations
@@ -18,12 +26,12 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from harness import Result, Settings, disk_usage, measure, remove
+from checks import CheckFailed, expect_equal
+from harness import Comparison, System, remove, wanted
 
 IMG = (3, 64, 64)
 BATCH = 256
@@ -36,24 +44,19 @@ def _sizes(cfg: dict[str, Any]) -> tuple[int, tuple[int, ...], int]:
     return 1_000_000, (1_000, 10_000), 50
 
 
-def systems(cfg: dict[str, Any]) -> list[str]:
-    return [
-        "memtree t0", "memtree t2", "memtree t8",
-        "tensordict t0", "tensordict t2", "tensordict t8",
-        "raw", "raw mmap-store",
-    ]  # fmt: skip
+SYSTEMS = [
+    "memtree t0", "memtree t2", "memtree t8",
+    "tensordict t0", "tensordict t2", "tensordict t8",
+    "raw", "raw mmap-store",
+]  # fmt: skip
 
 
-def prepare(cfg: dict[str, Any]) -> str:
+def describe(cfg: dict[str, Any]) -> str:
     n, writes, batches = _sizes(cfg)
     return (
         f"{n:,} items of img uint8{list(IMG)} + label int64 ({n * (12288 + 8) / 2**30:.2f} GiB "
         f"apparent); writes {', '.join(f'{w:,}' for w in writes)}; {batches} batches of {BATCH}"
     )
-
-
-def limit_of(row: Result) -> str | None:
-    return "raw"
 
 
 class _Raw:
@@ -150,126 +153,138 @@ def _writer(
     return by_mapping if kind == "raw mmap-store" else by_index
 
 
-def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
+def _kind(name: str) -> tuple[str, int]:
+    """(``memtree``/``tensordict``/``raw``/``raw mmap-store``, threads) of a system name."""
+    if name.startswith("raw"):
+        return name, 0
     kind, _, t = name.partition(" t")
-    threads = int(t) if t else 0
-    if kind == "raw mmap-store" or name == "raw":
-        kind = name
-    lib = {"memtree": "memtree", "tensordict": "tensordict"}.get(kind)
-    if lib is not None:
+    return kind, int(t)
+
+
+def _missing(kind: str) -> str | None:
+    if kind in ("memtree", "tensordict"):
         try:
-            __import__(lib)
+            __import__(kind)
         except ImportError as err:
-            return [Result("w3", name, "*", note=f"N/A: {err}")]
-    settings = Settings(**cfg["settings"])
+            return f"N/A: {err}"
+    return None
+
+
+def _check_fresh(name: str, n: int, path: str) -> Callable[[Any, Any], None]:
+    """A ``memmap_like`` result: the right leaves, files of exactly their size, zero rows."""
+    kind, _ = _kind(name)
+
+    def check(_: Any, data: Any) -> None:
+        img, label = _leaves(kind, data)
+        if img.shape != (n, *IMG) or img.dtype != torch.uint8 or label.shape != (n,) or label.dtype != torch.int64:
+            raise CheckFailed(f"{name}: leaves {tuple(img.shape)} {img.dtype}, {tuple(label.shape)} {label.dtype}")
+        sizes = {f: os.path.getsize(os.path.join(path, f)) for f in ("img.memmap", "label.memmap")
+                 if os.path.exists(os.path.join(path, f))}
+        if kind == "raw" and sizes != {"img.memmap": n * 12288, "label.memmap": n * 8}:
+            raise CheckFailed(f"{name}: files {sizes}")
+        for i in (0, n - 1):
+            if img[i].any() or int(label[i]) != 0:
+                raise CheckFailed(f"{name}: row {i} of a fresh dataset is not zero")
+
+    return check
+
+
+def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
     n, write_counts, batches = _sizes(cfg)
     wd = os.path.join(cfg["workdir"], "w3")
     os.makedirs(wd, exist_ok=True)
-    path = os.path.join(wd, name.replace(" ", "_"))
-    rows: list[Result] = []
+    names = [s for s in SYSTEMS if wanted(s, cfg)]
 
-    def fresh() -> None:
-        remove(path)
+    def path_of(name: str) -> str:
+        return os.path.join(wd, name.replace(" ", "_"))
 
-    if kind != "raw mmap-store":
-        sec, runs, rss, anon, note = measure(
-            settings, lambda _: _create(kind, threads, path, n), setup=fresh
+    def created(name: str) -> System:
+        kind, threads = _kind(name)
+        p = path_of(name)
+        return System(
+            name,
+            run=lambda _: _create(kind, threads, p, n),
+            check=_check_fresh(name, n, p),
+            setup=lambda: remove(p),
+            limit=kind == "raw",
+            missing=_missing(kind),
+            output=[p],
         )
-        app, alloc, files = disk_usage([path])
-        rows.append(
-            Result(
-                "w3",
-                name,
-                "memmap_like",
-                "",
-                sec,
-                runs,
-                rss,
-                anon,
-                app,
-                alloc,
-                files,
-                kind == "raw",
-                note,
-            )
-        )
-    if threads != 0:
-        remove(path)
-        return rows
 
+    yield Comparison("memmap_like", "", [created(s) for s in names if s != "raw mmap-store"])
     gen = torch.Generator().manual_seed(3)
+    by_index = [s for s in names if s.endswith(" t0") or s.startswith("raw")]
+    last: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
     for count in write_counts:
         idx = torch.randperm(n, generator=gen)[:count].tolist()
         imgs = torch.randint(0, 256, (count, *IMG), dtype=torch.uint8, generator=gen)
         labels = torch.randint(0, 1000, (count,), dtype=torch.int64, generator=gen)
-        write = _writer(kind, path, idx, imgs, labels)
-        checks: list[str] = []
+        last = (idx, imgs, labels)
+        yield Comparison(f"write {count:,}", "", [_writing(s, path_of(s), n, idx, imgs, labels) for s in by_index])
+    assert last is not None
+    readers = [s for s in by_index if s != "raw mmap-store"]
+    yield Comparison(f"read batch {BATCH}", "", [_reading(s, path_of(s), n, batches, gen, last) for s in readers])
+    for s in names:
+        remove(path_of(s))
 
-        def setup() -> Any:
-            remove(path)
-            os.sync()
-            return _create(kind if kind != "raw mmap-store" else "raw", 0, path, n)
 
-        def check(data: Any, _: Any) -> None:
-            img, label = _leaves(kind, data)
-            if not (torch.equal(img[idx[-1]], imgs[-1]) and int(label[idx[-1]]) == int(labels[-1])):
-                checks.append("WRONG DATA read back")
+def _writing(name: str, path: str, n: int, idx: list[int], imgs: torch.Tensor, labels: torch.Tensor) -> System:
+    kind, _ = _kind(name)
+    write = _writer(kind, path, idx, imgs, labels)
 
-        # the larger count runs after the smaller one warmed the path up
-        s = settings if count == write_counts[0] else replace(settings, warmup=0)
-        sec, runs, rss, anon, note = measure(
-            s, lambda data: write(data), setup=setup, teardown=check
-        )
-        app, alloc, files = disk_usage([path])
-        note = "; ".join(x for x in [note, *sorted(set(checks))] if x)
-        rows.append(
-            Result(
-                "w3",
-                name,
-                f"write {count:,}",
-                "",
-                sec,
-                runs,
-                rss,
-                anon,
-                app,
-                alloc,
-                files,
-                kind == "raw",
-                note,
-            )
-        )
-
-    if kind == "raw mmap-store":
+    def setup() -> Any:  # the target reset: a fresh sparse tree
         remove(path)
-        return rows
-    remove(path)
-    data = _create(kind, 0, path, n)
-    batch_idx = [torch.randint(0, n, (BATCH,), generator=gen) for _ in range(batches)]
+        os.sync()
+        return _create(kind if kind != "raw mmap-store" else "raw", 0, path, n)
 
-    def read(_: Any) -> None:
+    def check(data: Any, _: Any) -> None:
+        img, label = _leaves(kind, data)
+        at = torch.tensor(idx)
+        expect_equal(img[at], imgs, f"{name}: the {len(idx):,} images written")
+        expect_equal(label[at], labels, f"{name}: the {len(idx):,} labels written")
+
+    return System(name, run=write, check=check, setup=setup, limit=kind == "raw",
+                  missing=_missing(kind.split()[0]), output=[path])
+
+
+def _reading(
+    name: str, path: str, n: int, batches: int, gen: torch.Generator,
+    written: tuple[list[int], torch.Tensor, torch.Tensor],
+) -> System:
+    """Random batches from a tree holding ``written`` (written here, untimed)."""
+    kind, _ = _kind(name)
+    batch_idx = [torch.randint(0, n, (BATCH,), generator=gen) for _ in range(batches)]
+    idx, imgs, labels = written
+    where = {i: j for j, i in enumerate(idx)}
+    missing = _missing(kind)
+    data: Any = None
+    if missing is None:
+        remove(path)
+        data = _create(kind, 0, path, n)
+        _writer(kind, path, idx, imgs, labels)(data)
+    expect_img, expect_label = [], []
+    for b in batch_idx:  # the written items, zeros elsewhere
+        ei = torch.zeros((BATCH, *IMG), dtype=torch.uint8)
+        el = torch.zeros(BATCH, dtype=torch.int64)
+        for row, i in enumerate(b.tolist()):
+            if i in where:
+                ei[row], el[row] = imgs[where[i]], labels[where[i]]
+        expect_img.append(ei)
+        expect_label.append(el)
+
+    def read(_: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
         for b in batch_idx:
             if kind == "raw":
-                out = (data.img[b], data.label[b])
+                out.append((data.img[b], data.label[b]))
             else:
-                out = data[b]
-            del out
+                got = data[b]
+                out.append((got["img"], got["label"]))
+        return out
 
-    sec, runs, rss, anon, note = measure(settings, read)
-    rows.append(
-        Result(
-            "w3",
-            name,
-            f"read batch {BATCH}",
-            "",
-            sec / batches,
-            [r / batches for r in runs],
-            rss,
-            anon,
-            limit=kind == "raw",
-            note=(note + "; " if note else "") + "seconds per batch",
-        )
-    )
-    del data
-    remove(path)
-    return rows
+    def check(_: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for k, (img, label) in enumerate(out):
+            expect_equal(img, expect_img[k], f"{name}: batch {k}")
+            expect_equal(label, expect_label[k], f"{name}: batch {k}")
+
+    return System(name, run=read, check=check, limit=kind == "raw", missing=missing)

@@ -1,32 +1,33 @@
-"""W4 model: time until a freshly built ~110M-parameter transformer is ready to run forward with
-the saved weights, its peak RSS, and its first forward (compared with the original's output).
+"""W4 model: a saved ~110M-parameter transformer made ready to run, up to its first output.
 
-Rows (``ready`` = build the module + bind the weights; meta/empty-init modules allocate nothing):
+Every system starts from the *same* model skeleton, built untimed before each run by the same
+construction (``memtree.empty_init()``: every parameter and buffer on the meta device, no
+initialisation; the rows that copy into existing tensors then allocate it with
+``to_empty(device="cpu")``, untimed too). Construction is left out everywhere: what differs
+between the systems, and what is timed, is loading, binding and the first forward pass, up to
+the output, which is compared bit for bit with the original model's after every run.
 
-* ``torch.load + load_state_dict``: an ordinary module (allocated, randomly initialised), then
-  ``load_state_dict(torch.load(ckpt))``;
-* ``torch.load(mmap) + assign``: a module built on the meta device, then
-  ``load_state_dict(torch.load(ckpt, mmap=True), assign=True)``;
-* ``safetensors + assign``: meta module, ``load_state_dict(load_file(f), assign=True)``;
-* ``tensordict to_module``: meta module, ``TensorDict.load_memmap(d).to_module(model)``;
-* ``tensorizer``: ``no_init_or_tensor`` module, ``TensorDeserializer(f).load_into_module``;
-* ``memtree to_module``: module built under ``memtree.empty_init()``, then
-  ``memtree.load_memmap(d).to_module(model)`` (N/A until memtree has them);
-* ``raw mmap + assign`` (the limit): meta module, one raw file mapped, ``torch.frombuffer``
-  views, ``load_state_dict(assign=True)``.
+Systems (``ROWS``):
 
-``ready, fresh process`` (rows in :data:`FRESH_ROWS`): the same ``ready`` in a new interpreter
-(spawned; it imports torch, and transformers for ``model="gpt2"``, before the clock starts),
-timing the row's library import + build + load + bind: what a process that starts, loads a
-model and serves pays once (``benchmarks/floors.py w4-ready-fresh`` also runs it in forked
-children of a process that imported every library: build + load + bind only). The first build of a module on the meta device runs its
-initialisers there, and the meta kernel of ``normal_`` (``nn.Embedding``) imports
-``torch._dynamo`` (about a second) unless something imported it before (``transformers``' GPT-2
-module does).
+* ``torch.load + load_state_dict``: allocated skeleton, ``load_state_dict(torch.load(f))``;
+* ``torch.load(mmap) + assign``: ``load_state_dict(torch.load(f, mmap=True), assign=True)``;
+* ``safetensors + assign``: ``load_state_dict(safetensors.torch.load_file(f), assign=True)``;
+* ``tensordict to_module``: ``TensorDict.load_memmap(d).to_module(model)``;
+* ``tensorizer``: allocated skeleton, ``TensorDeserializer(f).load_into_module(model)``;
+* ``memtree to_module``: ``memtree.load_memmap(d).to_module(model)``;
+* ``raw mmap + assign`` (the limit): one raw file mapped, ``torch.frombuffer`` views,
+  ``load_state_dict(assign=True)``.
 
-``cfg["model"] = "gpt2"`` (``benchmarks/floors.py w4-ready-fresh``) builds ``transformers``'
-``GPT2LMHeadModel(GPT2Config())`` (124M parameters, tied embeddings) instead of :class:`Model`;
-only :data:`FRESH_ROWS` and the raw limit are prepared for it.
+Comparisons: ``load+bind+forward`` (the model ready to run: its first output), warm and cold
+(cold: the files evicted and checked with ``mincore`` before every run); ``load+bind`` (without
+the forward: its peak RSS is what binding costs); ``first forward`` (the forward alone, after
+an untimed load + bind; warm only: the pages of a file a bound model maps cannot be evicted); and
+``fresh process
+load+bind+forward`` for W4's model and for ``transformers``' GPT-2 (124M parameters, tied
+embeddings; skipped where ``transformers`` is missing): each run in a new interpreter that
+imports torch, the model's module, memtree (for the construction) and the row's library
+untimed, builds the skeleton untimed, then times load + bind + first forward and reports the
+output's digest, which the parent checks.
 """
 
 from __future__ import annotations
@@ -34,22 +35,20 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import statistics
 import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import Result, Settings, disk_usage, measure
+from checks import CheckFailed, as_digest, digest, expect_equal
+from harness import Comparison, System, wanted
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: The rows also measured in a fresh process: the libraries that bind a meta model's weights.
-FRESH_ROWS = ["torch.load(mmap) + assign", "safetensors + assign", "memtree to_module"]
 ROWS = [
     "torch.load + load_state_dict",
     "torch.load(mmap) + assign",
@@ -59,6 +58,13 @@ ROWS = [
     "memtree to_module",
     "raw mmap + assign",
 ]
+#: The rows whose skeleton is allocated (they copy into existing tensors).
+ALLOCATED = ("torch.load + load_state_dict", "tensorizer")
+#: The rows of the fresh-process comparisons in a ``--quick`` run (a smoke test: each spawned
+#: interpreter imports torch and transformers), warm only.
+QUICK_FRESH = ("safetensors + assign", "memtree to_module")
+#: The library each row needs (``memtree`` rows need memtree; the raw limit nothing more).
+REQUIRES = {"safetensors + assign": "safetensors", "tensordict to_module": "tensordict", "tensorizer": "tensorizer"}
 
 
 class Block(nn.Module):
@@ -130,7 +136,7 @@ def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _assign(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+def _assign(model: nn.Module, sd: dict[str, torch.Tensor]) -> nn.Module:
     """``load_state_dict(sd, assign=True)``; a model that ties weights (``transformers``' GPT-2:
     the head is the embedding, stored once) is tied again with its ``tie_weights()``."""
     tie = getattr(model, "tie_weights", None)
@@ -139,28 +145,7 @@ def _assign(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
         tie()
         if result.unexpected_keys or any(p.is_meta for p in model.parameters()):
             raise RuntimeError(f"the checkpoint does not fit the model: {result}")
-
-
-def _memtree_module_api() -> str | None:
-    """None if memtree has from_module/to_module/empty_init, else why not."""
-    import memtree
-
-    missing = [n for n in ("from_module", "to_module") if not hasattr(memtree.TensorTree, n)]
-    if not hasattr(memtree, "empty_init"):
-        missing.append("empty_init")
-    return f"N/A: memtree has no {', '.join(missing)} yet" if missing else None
-
-
-def _wd(cfg: dict[str, Any]) -> str:
-    return os.path.join(cfg["workdir"], "w4")
-
-
-def systems(cfg: dict[str, Any]) -> list[str]:
-    return list(ROWS)
-
-
-def limit_of(row: Result) -> str | None:
-    return "raw mmap + assign"
+    return model
 
 
 def _raw_layout(sd: dict[str, torch.Tensor]) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
@@ -197,115 +182,108 @@ def prepare(cfg: dict[str, Any]) -> str:
         save_file(once, os.path.join(wd, "model.safetensors"))
     except ImportError:
         pass
-    if _gpt2(cfg):  # only FRESH_ROWS and the raw limit
-        from memtree import TensorTree
+    for what, write in (("td", _save_tensordict), ("model.tensors", _save_tensorizer)):
+        try:
+            write(model, os.path.join(wd, what))
+        except ImportError:
+            pass
+        except Exception as err:  # noqa: BLE001 - the row then says it cannot run
+            print(f"{what}: could not save this model ({type(err).__name__}: {err})", flush=True)
+    from memtree import TensorTree
 
-        TensorTree.from_module(model).memmap(os.path.join(wd, "memtree"))
-        return f"GPT-2: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
-    try:
-        from tensordict import TensorDict
-
-        TensorDict.from_module(model).memmap(os.path.join(wd, "td"))
-    except ImportError:
-        pass
-    try:
-        from tensorizer import TensorSerializer
-
-        ser = TensorSerializer(os.path.join(wd, "model.tensors"))
-        ser.write_module(model)
-        ser.close()
-    except ImportError:
-        pass
-    if _memtree_module_api() is None:
-        from memtree import TensorTree
-
-        TensorTree.from_module(model).memmap(os.path.join(wd, "memtree"))
+    TensorTree.from_module(model).memmap(os.path.join(wd, "memtree"))
+    name = "GPT-2" if _gpt2(cfg) else "W4"
     n = sum(t.numel() for t in sd.values())
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    return f"{n / 1e6:.1f}M parameters + buffers, {nbytes / 2**20:,.1f} MiB, {len(sd)} tensors"
+    return f"{name}: {n / 1e6:.1f}M parameters + buffers, {nbytes / 2**20:,.1f} MiB, {len(sd)} tensors"
 
 
-def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], list[str]]:
-    """How the row builds a ready model, and the files it reads."""
+def _save_tensordict(model: nn.Module, path: str) -> None:
+    from tensordict import TensorDict
+
+    TensorDict.from_module(model).memmap(path)
+
+
+def _save_tensorizer(model: nn.Module, path: str) -> None:
+    from tensorizer import TensorSerializer
+
+    ser = TensorSerializer(path)
+    ser.write_module(model)
+    ser.close()
+
+
+def _wd(cfg: dict[str, Any]) -> str:
+    return os.path.join(cfg["workdir"], "w4" if not _gpt2(cfg) else "w4-gpt2")
+
+
+def skeleton(cfg: dict[str, Any], allocated: bool) -> nn.Module:
+    """The model built the same way for every system: ``memtree.empty_init()`` (meta tensors, no
+    initialisation), allocated (uninitialised) when ``allocated``."""
+    import memtree
+
+    with memtree.empty_init():
+        model = _build(cfg)
+    if allocated:
+        model.to_empty(device="cpu")
+    return model
+
+
+def _binder(name: str, cfg: dict[str, Any]) -> tuple[Callable[[nn.Module], nn.Module], list[str]]:
+    """How the row loads the checkpoint into a skeleton, and the files it reads."""
     wd = _wd(cfg)
-    meta = torch.device("meta")
     if name == "torch.load + load_state_dict":
         p = os.path.join(wd, "ckpt.pt")
 
-        def ready() -> nn.Module:
-            model = _build(cfg)
+        def bind(model: nn.Module) -> nn.Module:
             model.load_state_dict(torch.load(p, weights_only=True))
             return model
 
-        return ready, [p]
+        return bind, [p]
     if name == "torch.load(mmap) + assign":
         p = os.path.join(wd, "ckpt.pt")
-
-        def ready() -> nn.Module:
-            with meta:
-                model = _build(cfg)
-            _assign(model, torch.load(p, weights_only=True, mmap=True))
-            return model
-
-        return ready, [p]
+        return (lambda model: _assign(model, torch.load(p, weights_only=True, mmap=True))), [p]
     if name == "safetensors + assign":
         from safetensors.torch import load_file
 
         p = os.path.join(wd, "model.safetensors")
-
-        def ready() -> nn.Module:
-            with meta:
-                model = _build(cfg)
-            _assign(model, load_file(p))
-            return model
-
-        return ready, [p]
+        return (lambda model: _assign(model, load_file(p))), [p]
     if name == "tensordict to_module":
         from tensordict import TensorDict
 
         p = os.path.join(wd, "td")
 
-        def ready() -> nn.Module:
-            with meta:
-                model = _build(cfg)
+        def bind_td(model: nn.Module) -> nn.Module:
             TensorDict.load_memmap(p).to_module(model)
             return model
 
-        return ready, [p]
+        return bind_td, [p]
     if name == "tensorizer":
         from tensorizer import TensorDeserializer
-        from tensorizer.utils import no_init_or_tensor
 
         p = os.path.join(wd, "model.tensors")
 
-        def ready() -> nn.Module:
-            model = no_init_or_tensor(lambda: _build(cfg))
+        def bind_tz(model: nn.Module) -> nn.Module:
             deser = TensorDeserializer(p, device="cpu")
             deser.load_into_module(model)
             deser.close()
             return model
 
-        return ready, [p]
+        return bind_tz, [p]
     if name == "memtree to_module":
         import memtree
 
         p = os.path.join(wd, "memtree")
 
-        def ready() -> nn.Module:
-            with memtree.empty_init():  # type: ignore[attr-defined]
-                model = _build(cfg)
-            memtree.load_memmap(p).to_module(model)  # type: ignore[attr-defined]
+        def bind_mt(model: nn.Module) -> nn.Module:
+            memtree.load_memmap(p).to_module(model)
             return model
 
-        return ready, [p]
+        return bind_mt, [p]
     if name == "raw mmap + assign":
         p = os.path.join(wd, "raw.bin")
-        with meta:
-            layout = _raw_layout(_build(cfg).state_dict())
+        layout = _raw_layout(skeleton(cfg, allocated=False).state_dict())
 
-        def ready() -> nn.Module:
-            with meta:
-                model = _build(cfg)
+        def bind_raw(model: nn.Module) -> nn.Module:
             fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
@@ -314,134 +292,171 @@ def _loader(name: str, cfg: dict[str, Any]) -> tuple[Callable[[], nn.Module], li
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sd = {
-                    k: torch.frombuffer(
-                        mm, dtype=dt, count=torch.Size(shape).numel(), offset=off
-                    ).view(shape)
+                    k: torch.frombuffer(mm, dtype=dt, count=torch.Size(shape).numel(), offset=off).view(shape)
                     for k, off, shape, dt in layout
                 }
-            _assign(model, sd)
-            return model
+            return _assign(model, sd)
 
-        return ready, [p]
+        return bind_raw, [p]
     raise ValueError(name)
 
 
-def fresh_ready(name: str, cfg: dict[str, Any], how: str = "spawn") -> dict[str, Any]:
-    """Time ``name``'s ``ready`` in a new process; see the module docstring.
+def _missing(name: str, cfg: dict[str, Any]) -> str | None:
+    """Why the row cannot run here, or None."""
+    needs = [REQUIRES.get(name, "memtree")] + (["transformers"] if _gpt2(cfg) else [])
+    for mod in needs:
+        try:
+            __import__(mod)
+        except Exception as err:  # noqa: BLE001 - any import failure means "not available"
+            return f"N/A: {mod} not importable ({type(err).__name__}: {err})"
+    if not os.path.exists(_binder_files(name, cfg)):
+        return f"N/A: {name} could not save this model"
+    return None
 
-    ``how="spawn"``: a new interpreter, which imports torch (and transformers' GPT-2 module)
-    untimed; the row's library import is timed. ``how="fork"``: a child of this process (whose
-    imports it inherits, so the library imports are not timed: call :func:`fork_parent_imports`
-    first); the child's intra-op threads are limited to one after the timed part, for the check.
+
+def _binder_files(name: str, cfg: dict[str, Any]) -> str:
+    files = {"torch.load + load_state_dict": "ckpt.pt", "torch.load(mmap) + assign": "ckpt.pt",
+             "safetensors + assign": "model.safetensors", "tensordict to_module": "td",
+             "tensorizer": "model.tensors", "memtree to_module": "memtree", "raw mmap + assign": "raw.bin"}
+    return os.path.join(_wd(cfg), files[name])
+
+
+def _forward_output(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return _forward(model.eval(), tokens)
+
+
+def describe(cfg: dict[str, Any]) -> str:
+    d = _dims(cfg)
+    return f"a GPT-like model, d {d['d']}, {d['layers']} blocks, vocab {d['vocab']}; and GPT-2 in fresh processes"
+
+
+def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
+    rows = [r for r in ROWS if wanted(r, cfg)]
+    print(prepare(cfg), flush=True)
+    ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
+    for cache in cfg["caches"]:
+        yield Comparison("load+bind+forward", cache, [_in_process(r, cfg, ref, "load+bind+forward") for r in rows])
+    if "warm" in cfg["caches"]:  # cold would need the pages a bound model maps evicted: impossible
+        for part in ("load+bind", "first forward"):
+            yield Comparison(part, "warm", [_in_process(r, cfg, ref, part) for r in rows])
+    fresh_rows = [r for r in rows if r != "raw mmap + assign" and (r in QUICK_FRESH or not cfg["quick"])]
+    fresh_caches = ["warm"] if cfg["quick"] else cfg["caches"]
+    for model in ("w4", "gpt2"):
+        mcfg = dict(cfg, model=model)
+        if model == "gpt2":
+            try:
+                import transformers  # noqa: F401
+            except ImportError as err:
+                why = f"N/A: transformers not importable ({err})"
+                yield Comparison("fresh process load+bind+forward (gpt2)", "warm",
+                                 [System(r, run=lambda _: None, check=lambda s, o: None, missing=why)
+                                  for r in fresh_rows])
+                continue
+            print(prepare(mcfg), flush=True)
+        mref = torch.load(os.path.join(_wd(mcfg), "ref.pt"))
+        for cache in fresh_caches:
+            yield Comparison(f"fresh process load+bind+forward ({model})", cache,
+                             [_fresh(r, mcfg, mref) for r in fresh_rows])
+    if wanted("memtree", cfg):
+        yield Comparison("fresh process import", "", [_import_memtree()])
+
+
+def _in_process(name: str, cfg: dict[str, Any], ref: dict[str, torch.Tensor], part: str) -> System:
+    """``part``: ``load+bind+forward`` (timed to the first output), ``load+bind`` (the output
+    computed after the timing, for the check) or ``first forward`` (load + bind untimed)."""
+    missing = _missing(name, cfg)
+    if missing is not None:
+        return System(name, run=lambda _: None, check=lambda s, o: None, missing=missing)
+    bind, files = _binder(name, cfg)
+    allocated = name in ALLOCATED
+    nbytes = os.path.getsize(os.path.join(_wd(cfg), "raw.bin"))  # the model's bytes
+    setup: Callable[[], Any] = lambda: skeleton(cfg, allocated)  # noqa: E731
+    if part == "first forward":
+        setup = lambda: bind(skeleton(cfg, allocated))  # noqa: E731
+        run: Callable[[Any], Any] = lambda model: _forward_output(model, ref["tokens"])  # noqa: E731
+    elif part == "load+bind":
+        run = bind
+    else:
+        run = lambda model: _forward_output(bind(model), ref["tokens"])  # noqa: E731
+
+    def check(_: Any, out: Any) -> dict[str, float]:
+        if part == "load+bind":
+            out = _forward_output(out, ref["tokens"])
+        expect_equal(out, ref["out"], f"{name}: the model's first output")
+        return {"model bytes": float(nbytes)}
+
+    return System(name, run=run, check=check, setup=setup, files=files, limit=name == "raw mmap + assign")
+
+
+def _fresh(name: str, cfg: dict[str, Any], ref: dict[str, torch.Tensor]) -> System:
+    missing = _missing(name, cfg)
+    if missing is not None:
+        return System(name, run=lambda _: None, check=lambda s, o: None, missing=missing)
+    _, files = _binder(name, cfg)
+    want = digest(ref["out"])
+
+    def check(_: Any, got: dict[str, Any]) -> dict[str, float]:
+        if as_digest(got["digest"]) != want:
+            raise CheckFailed(f"{name}: the first output in a fresh process differs from the original's")
+        return {"child import s": got["import_seconds"]}
+
+    return System(name, run=lambda _: fresh_run(name, cfg), check=check, files=files, own_time=True)
+
+
+def _import_memtree() -> System:
+    """``import memtree`` in a new interpreter that imported torch first (untimed)."""
+    code = ("import sys, time, torch; t0 = time.perf_counter(); import memtree; "
+            "print(time.perf_counter() - t0); print(memtree.__file__)")
+
+    def run(_: Any) -> tuple[float, str]:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              cwd=os.path.dirname(HERE))
+        if proc.returncode:
+            raise RuntimeError(f"import memtree failed:\n{proc.stderr[-3000:]}")
+        seconds, where = proc.stdout.split()[-2:]
+        return float(seconds), where
+
+    def check(_: Any, where: str) -> None:
+        import memtree
+
+        if os.path.realpath(where) != os.path.realpath(memtree.__file__):
+            raise CheckFailed(f"the child imported memtree from {where}, not {memtree.__file__}")
+
+    return System("memtree", run=run, check=check, own_time=True)
+
+
+def fresh_run(name: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Load + bind + first forward of row ``name`` in a new interpreter; see the module docstring.
 
     Returns:
-        ``{"seconds": .., "equal": the output equals the original's, "dynamo": torch._dynamo
-        was imported when the model was ready}``
+        (seconds, ``{"digest": the output's digest, "import_seconds": the untimed imports}``)
     """
     args = json.dumps({"name": name, "cfg": {k: cfg.get(k) for k in ("quick", "workdir", "model")}})
-    if how == "fork":
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            status = 1
-            try:
-                os.close(read)
-                with os.fdopen(write, "w") as out:
-                    out.write(_fresh_child(args, forked=True))
-                status = 0
-            finally:
-                os._exit(status)
-        os.close(write)
-        with os.fdopen(read) as got:
-            doc = got.read()
-        _, status = os.waitpid(pid, 0)
-        if status or not doc:
-            raise RuntimeError(f"{name}: the forked process failed (status {status})")
-        return json.loads(doc)
     code = f"import sys; sys.path.insert(0, {HERE!r}); import w4_model; print(w4_model._fresh_child({args!r}))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"{name}: the fresh process failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])
+    doc = json.loads(proc.stdout.splitlines()[-1])
+    return doc.pop("seconds"), doc
 
 
-def fork_parent_imports(cfg: dict[str, Any]) -> None:
-    """What a forked :func:`fresh_ready` child inherits: every row's library, imported."""
-    import memtree  # noqa: F401
-    import safetensors.torch  # noqa: F401
-
+def _fresh_child(args_json: str) -> str:
+    args = json.loads(args_json)
+    cfg, name = args["cfg"], args["name"]
+    t0 = time.perf_counter()
     if _gpt2(cfg):
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+    import memtree  # noqa: F401  (the construction's empty_init)
 
-
-def _fresh_child(args_json: str, forked: bool = False) -> str:
-    args = json.loads(args_json)
-    cfg = args["cfg"]
-    if _gpt2(cfg):
-        import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (every row imports it alike)
+    mod = REQUIRES.get(name)
+    if mod is not None:
+        __import__(mod)
+    bind, _ = _binder(name, cfg)
+    ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
+    model = skeleton(cfg, name in ALLOCATED)
+    imports = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ready, _ = _loader(args["name"], cfg)
-    model = ready()
+    out = _forward_output(bind(model), ref["tokens"])
     seconds = time.perf_counter() - t0
-    dynamo = "torch._dynamo" in sys.modules
-    if forked:
-        torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is gone
-    ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
-    with torch.no_grad():
-        equal = torch.equal(_forward(model.eval(), ref["tokens"]), ref["out"])
-    return json.dumps({"seconds": seconds, "equal": equal, "dynamo": dynamo})
-
-
-def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
-    if name == "memtree to_module" and _memtree_module_api() is not None:
-        return [Result("w4", name, "*", note=str(_memtree_module_api()))]
-    try:
-        ready, files = _loader(name, cfg)
-    except ImportError as err:
-        return [Result("w4", name, "*", note=f"N/A: {err}")]
-    settings = Settings(**cfg["settings"])
-    ref = torch.load(os.path.join(_wd(cfg), "ref.pt"))
-    rows: list[Result] = []
-    caches = ["warm"] if settings.cold == "none" else ["warm", "cold"]
-    app, alloc, n = disk_usage(files)
-    is_limit = name == "raw mmap + assign"
-    for cache in caches:
-        cold = (lambda: files) if cache == "cold" else None
-        sec, runs, rss, anon, note = measure(settings, lambda _: ready(), cold_paths=cold)
-        rows.append(
-            Result("w4", name, "ready", cache, sec, runs, rss, anon, app, alloc, n, is_limit, note)
-        )
-        verdicts: list[str] = []
-
-        def forward(model: nn.Module) -> torch.Tensor:
-            with torch.no_grad():
-                return _forward(model.eval(), ref["tokens"])
-
-        def check(_: Any, out: torch.Tensor) -> None:
-            if torch.equal(out, ref["out"]):
-                verdicts.append("output equal")
-            else:
-                verdicts.append(
-                    f"OUTPUT DIFFERS (max abs {float((out - ref['out']).abs().max()):.3g})"
-                )
-
-        sec, runs, rss, anon, note = measure(
-            settings, forward, setup=ready, teardown=check, cold_paths=cold
-        )
-        note = "; ".join(x for x in [note, *sorted(set(verdicts))] if x)
-        rows.append(
-            Result(
-                "w4", name, "first forward", cache, sec, runs, rss, anon, limit=is_limit, note=note
-            )
-        )
-    if name in FRESH_ROWS:
-        fresh = [fresh_ready(name, cfg) for _ in range(settings.warmup + settings.repeat)]
-        runs = [r["seconds"] for r in fresh[settings.warmup :]]
-        note = "; ".join(
-            sorted({"output equal" if r["equal"] else "OUTPUT DIFFERS" for r in fresh})
-            + sorted({"imported torch._dynamo" for r in fresh if r["dynamo"]})
-        )
-        rows.append(
-            Result("w4", name, "ready, fresh process", "warm", statistics.median(runs), runs, note=note)
-        )
-    return rows
+    return json.dumps({"seconds": seconds, "digest": list(digest(out)), "import_seconds": imports})

@@ -10,19 +10,23 @@ Rows:
   ``TensorDict``;
 * ``torch.load(mmap) + raw write`` (the limit): the mapped checkpoint's tensors written into
   one preallocated file with ``os.write``.
+
+Warm and cold (the checkpoint evicted and checked with ``mincore`` before every run), in
+interleaved rounds; each run writes to a fresh path (the previous output deleted and
+``os.sync()`` called, untimed), and its output is read back and compared with the data.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from harness import Result, Settings, disk_usage, measure, remove
-from stores import Store, flat_name, make_tensors, save
-from workloads import caches, w1_layout
+from checks import expect_digests
+from harness import Comparison, System, remove, slug, wanted
+from stores import Handle, Store, expected, flat_name, make_tensors, prepare_index, reading_store, save, w1_layout
 
 ROWS = [
     "memtree convert",
@@ -34,26 +38,63 @@ ROWS = [
 ]
 
 
-def systems(cfg: dict[str, Any]) -> list[str]:
-    return list(ROWS)
-
-
-def limit_of(row: Result) -> str | None:
-    return "torch.load(mmap) + raw write"
-
-
 def _ckpt(cfg: dict[str, Any]) -> str:
     return os.path.join(cfg["workdir"], "w5", "ckpt.pt")
 
 
-def prepare(cfg: dict[str, Any]) -> str:
-    """Write the checkpoint once."""
+def describe(cfg: dict[str, Any]) -> str:
+    return f"a torch.save checkpoint of W1's {len(w1_layout(cfg))} tensors"
+
+
+def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
+    """Write the checkpoint once, then convert it with every system, warm and cold."""
     os.makedirs(os.path.dirname(_ckpt(cfg)), exist_ok=True)
     layout = w1_layout(cfg)
+    prepare_index(layout)
     tensors = make_tensors(layout, seed=5)
     torch.save({flat_name(k): t for (k, _, _), t in zip(layout, tensors)}, _ckpt(cfg))
-    mib = os.path.getsize(_ckpt(cfg)) / 2**20
-    return f"torch.save checkpoint of {len(layout)} tensors, {mib:,.1f} MiB"
+    want = {flat_name(k): d for k, d in expected(layout, tensors).items()}
+    del tensors
+    for cache in cfg["caches"]:
+        yield Comparison("convert", cache, [_system(name, cfg, want) for name in ROWS if wanted(name, cfg)])
+
+
+def _kind(name: str) -> str:
+    return "memtree" if "memtree" in name else "tensordict" if "tensordict" in name else "raw"
+
+
+def _system(name: str, cfg: dict[str, Any], want: dict[str, Any]) -> System:
+    ckpt = _ckpt(cfg)
+    dst = os.path.join(os.path.dirname(ckpt), "out_" + slug(name))
+    missing = Store(name, _kind(name)).missing()
+    if name == "memtree convert" and missing is None:
+        fn, why = _memtree_convert()
+        missing = why if fn is None else None
+    convert = _converter(name, ckpt, dst) if missing is None else None
+    layout = w1_layout(cfg)
+
+    def setup() -> None:
+        remove(dst)
+        os.sync()
+
+    def check(_: Any, out: Any) -> None:
+        del out
+        h = Handle(reading_store(Store(name, _kind(name))), layout, dst)
+        try:
+            expect_digests(lambda k: h.get(tuple(k.split("."))), want, f"{name}: the converted files")
+        finally:
+            h.close()
+
+    return System(
+        name,
+        run=lambda _: convert() if convert is not None else None,
+        check=check,
+        setup=setup,
+        files=[ckpt],
+        limit="raw" in name,
+        missing=missing,
+        output=[dst],
+    )
 
 
 def _memtree_convert() -> tuple[Callable[[str, str], Any] | None, str]:
@@ -80,55 +121,5 @@ def _converter(name: str, ckpt: str, dst: str) -> Callable[[], Any]:
         layout = [(tuple(k.split(".")), tuple(t.shape), t.dtype) for k, t in sd.items()]
         return layout, list(sd.values())
 
-    kind = "memtree" if "memtree" in name else "tensordict" if "tensordict" in name else "raw"
-    store = Store(name, kind)
+    store = Store(name, _kind(name))
     return lambda: save(store, *load(), dst)
-
-
-def run_system(name: str, cfg: dict[str, Any]) -> list[Result]:
-    if name == "memtree convert":
-        fn, why = _memtree_convert()
-        if fn is None:
-            return [Result("w5", name, "*", note=why)]
-    if "tensordict" in name:
-        try:
-            import tensordict  # noqa: F401
-        except ImportError as err:
-            return [Result("w5", name, "*", note=f"N/A: {err}")]
-    settings = Settings(**cfg["settings"])
-    ckpt = _ckpt(cfg)
-    dst = os.path.join(os.path.dirname(ckpt), "out_" + name.replace(" ", "_").replace("/", "_"))
-    convert = _converter(name, ckpt, dst)
-    rows: list[Result] = []
-
-    def setup() -> None:
-        remove(dst)
-        os.sync()
-
-    for cache in caches(settings):
-        sec, runs, rss, anon, note = measure(
-            settings,
-            lambda _: convert(),
-            setup=setup,
-            cold_paths=(lambda: [ckpt]) if cache == "cold" else None,
-        )
-        app, alloc, files = disk_usage([dst])
-        rows.append(
-            Result(
-                "w5",
-                name,
-                "convert",
-                cache,
-                sec,
-                runs,
-                rss,
-                anon,
-                app,
-                alloc,
-                files,
-                "raw" in name,
-                note,
-            )
-        )
-    remove(dst)
-    return rows

@@ -1,7 +1,7 @@
 """What a fresh process imports to get a model ready, and the classes made cheap to import.
 
 ``memtree.load_memmap(d).to_module(m)`` after ``memtree.empty_init()`` is the fresh-process
-"ready" of issue 17 (``benchmarks/floors.py w4-ready-fresh``): its import must not pull in what
+"ready" of issue 17 (``benchmarks/run.py w4``, fresh process rows): its import must not pull in what
 that path never runs (writing, threaded fills, datasets, growth, conversions, checkpoints). The
 guard is the list of modules, asserted in a new interpreter; the time is the benchmark's claim.
 
