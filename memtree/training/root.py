@@ -39,22 +39,20 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from dataclasses import dataclass
 
 import orjson
 
-from ..errors import DecryptionError, MetaFormatError, UnsafePathError, UnsupportedVersionError
+from ..errors import DecryptionError, MetaFormatError, UnsupportedVersionError
 from ..format.names import ROOT_RECORD
 from ..format.schema import ENCRYPTION_ALGORITHM
 from ..store.commit import fsync_dir, write_small_file
 from ..store.crypto import EncryptionKey, derive_key, key_fingerprint
-from ..store.files import replacing_file, storage_error
+from ..store.files import replacing_file
 from ..store.steps import StepListing
-from ..store.storage import META_FLAGS
+from ..store.storage import read_small_file
 
 __all__ = ["RootRecord", "open_root", "read_record", "check_unchanged"]
 
@@ -134,30 +132,13 @@ def read_record(root: str) -> RootRecord | None:
 
     Raises:
         UnsafePathError: the record is a link, a FIFO, a directory...
-        MetaFormatError: it is damaged or foreign (``UnsupportedVersionError``: a newer version).
+        MetaFormatError: it is damaged or foreign (``LimitError``: too large;
+            ``UnsupportedVersionError``: a newer version).
     """
     path = os.path.join(root, ROOT_RECORD)
-    try:
-        fd = os.open(path, META_FLAGS)
-    except FileNotFoundError:
+    data = read_small_file(path, path, MAX_RECORD_BYTES, "a checkpoint root record (about 150 bytes)")
+    if data is None:
         return None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; a checkpoint root record never is") from None
-        raise storage_error(err, f"opening {path}") from err
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file; a checkpoint root record is one")
-        data = os.read(fd, MAX_RECORD_BYTES + 1)
-    except OSError as err:
-        if isinstance(err, UnsafePathError):
-            raise
-        raise storage_error(err, f"reading {path}") from err
-    finally:
-        os.close(fd)
-    if len(data) > MAX_RECORD_BYTES:
-        raise _damaged(path, f"more than {MAX_RECORD_BYTES} bytes")
     return _parse(data, path)
 
 
