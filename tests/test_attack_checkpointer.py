@@ -16,7 +16,6 @@ import glob
 import math
 import os
 import shutil
-import stat
 import threading
 import warnings
 
@@ -29,6 +28,7 @@ from hypothesis import strategies as st
 import memtree
 from memtree.training import checkpointer as ckpt_module
 from test_training import assert_same
+from treeutil import flip_bit, snapshot
 
 
 @pytest.fixture
@@ -41,16 +41,6 @@ def _leaf_file(ckpt, step, key="w"):
     return path
 
 
-def _flip_keep_mtime(path, offset=0):
-    st_ = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 1]))
-    os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns))  # bit rot: the mtime does not move
-
-
 # ---------------------------------------------------------------------------------------------
 # incremental dedup against hostile or changed previous steps
 
@@ -59,7 +49,7 @@ def _flip_keep_mtime(path, offset=0):
 def test_a_damaged_leaf_of_the_previous_step_is_never_linked(ckpt, blocking):
     w = torch.arange(64, dtype=torch.float32)
     ckpt.save(1, {"w": w})
-    _flip_keep_mtime(_leaf_file(ckpt, 1), 5)
+    flip_bit(_leaf_file(ckpt, 1), 5)
     out = ckpt.save(2, {"w": w}, blocking=blocking)
     if not blocking:
         out.result()
@@ -299,21 +289,6 @@ def _w(step):
     return {"model": {"w": torch.full((64,), float(step))}, "step": step}
 
 
-def _files(path):
-    """Every entry below ``path`` with its kind and bytes (links and FIFOs as such, unread)."""
-    out = {}
-    for d, dirs, names in os.walk(path):
-        for n in dirs + names:
-            p = os.path.join(d, n)
-            st_ = os.lstat(p)
-            if stat.S_ISREG(st_.st_mode):
-                with open(p, "rb") as f:
-                    out[p] = f.read()
-            else:
-                out[p] = stat.S_IFMT(st_.st_mode)
-    return out
-
-
 @pytest.mark.parametrize("blocking", [True, False])
 def test_a_roll_back_save_is_refused_naming_the_newer_steps_until_discard_newer(tmp_path, blocking):
     """The issue's order: steps 40 and 50, roll back to 40, save 41 (keep_last=1). The save is
@@ -322,10 +297,10 @@ def test_a_roll_back_save_is_refused_naming_the_newer_steps_until_discard_newer(
     ckpt.save(40, _w(40))
     ckpt.save(50, _w(50))
     assert ckpt.steps() == [50]
-    before = _files(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(memtree.StepOrderError, match=r"step 41 is below the newest step .*, 50 .*\[50\].*discard_newer=True") as info:
         ckpt.save(41, _w(41), blocking=blocking)
-    assert isinstance(info.value, ValueError) and _files(tmp_path) == before
+    assert isinstance(info.value, ValueError) and snapshot(tmp_path) == before
     assert_same(ckpt.restore(), _w(50))
     out = ckpt.save(41, _w(41), blocking=blocking, discard_newer=True)
     assert (out if blocking else out.result(timeout=60)) == ckpt.path(41)
@@ -456,6 +431,11 @@ def _plant(root, name, kind, outside):
     return path
 
 
+def _entry(root, name):
+    """``snapshot`` of one entry of ``root`` (and what is below it)."""
+    return {k: v for k, v in snapshot(root).items() if k == name or k.startswith(name + os.sep)}
+
+
 STRAYS = ["empty_dir", "empty_meta", "garbage_meta", "truncated_meta", "foreign_meta", "fifo_meta",
           "symlink_meta", "dir_meta", "symlink_out", "symlink_in", "fifo", "file"]
 
@@ -472,7 +452,7 @@ def test_an_entry_named_like_a_step_that_is_not_one_is_ignored_by_every_reader(t
     ckpt = memtree.Checkpointer(root, keep_last=1)
     ckpt.save(1, _w(1))
     stray = _plant(root, "7", kind, str(tmp_path / "outside"))
-    stray_before = _files(stray) if os.path.isdir(stray) and not os.path.islink(stray) else os.lstat(stray).st_mode
+    stray_before = _entry(root, "7")
     assert ckpt.save(2, _w(2)) == ckpt.path(2)
     assert ckpt.steps() == [2] and ckpt.latest() == 2
     assert_same(ckpt.restore(), _w(2))
@@ -481,8 +461,7 @@ def test_an_entry_named_like_a_step_that_is_not_one_is_ignored_by_every_reader(t
     assert [i["name"] for i in info["ignored"]] == ["7"] and info["ignored"][0]["reason"]
     assert [s.name for s in disk_usage(root).steps] == ["2"]
     assert disk_usage(root).apparent_bytes == disk_usage(ckpt.path(2)).apparent_bytes  # nothing of 7 counted
-    after = _files(stray) if os.path.isdir(stray) and not os.path.islink(stray) else os.lstat(stray).st_mode
-    assert after == stray_before  # never deleted, followed, or written
+    assert _entry(root, "7") == stray_before  # never deleted, followed, or written
     with pytest.raises(memtree.StepOrderError, match="newest step .*, 2 "):
         ckpt.save(1, _w(1))  # 7 is not a newer step, 2 is
 
@@ -494,10 +473,10 @@ def test_saving_onto_an_entry_that_is_not_a_step_is_refused_and_it_is_left_alone
     ckpt.save(1, _w(1))
     for kind in ("empty_meta", "symlink_out"):
         stray = _plant(root, "7", kind, str(tmp_path / "outside"))
-        before = _files(str(tmp_path))
+        before = snapshot(tmp_path)
         with pytest.raises(memtree.DestinationExistsError, match=r"/7 exists but is not a step \(.*never replaces it"):
             ckpt.save(7, _w(7), overwrite=overwrite)
-        assert _files(str(tmp_path)) == before
+        assert snapshot(tmp_path) == before
         if os.path.islink(stray):
             os.unlink(stray)
         else:
@@ -601,11 +580,11 @@ def key():
 @pytest.mark.parametrize("opener", ["no key", "another key"])
 def test_an_encrypted_root_refuses_a_checkpointer_without_its_key_before_any_write(tmp_path, key, opener):
     memtree.Checkpointer(tmp_path, keep_last=1, encryption=key).save(1, _w(1))
-    before = _files(str(tmp_path))
+    before = snapshot(tmp_path)
     other = None if opener == "no key" else memtree.EncryptionKey.generate()
     with pytest.raises(memtree.DecryptionError, match="Pass the key"):
         memtree.Checkpointer(tmp_path, keep_last=1, encryption=other)
-    assert _files(str(tmp_path)) == before  # no plain step, no step of another key, none deleted
+    assert snapshot(tmp_path) == before  # no plain step, no step of another key, none deleted
     assert_same(memtree.Checkpointer(tmp_path, encryption=key).restore(), _w(1))
 
 

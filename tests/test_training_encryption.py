@@ -136,3 +136,28 @@ def test_encryption_is_always_full_saves_and_incremental_true_is_refused(tmp_pat
     for bad in ("secret", b"x" * 32, 1):
         with pytest.raises(InvalidArgumentError, match="EncryptionKey"):
             memtree.Checkpointer(tmp_path, encryption=bad)
+
+
+def test_the_root_record_and_the_step_keys_are_as_the_format_says(tmp_path):
+    """docs/format.md, "Checkpoint roots": the record's fields, and step N's key derived from
+    the key, the root id and N (so that its key_check binds both)."""
+    import orjson
+
+    from memtree.format.schema import parse_level
+    from memtree.store.crypto import derive_key, key_fingerprint, key_matches
+
+    key = memtree.EncryptionKey.generate()
+    ckpt = memtree.Checkpointer(tmp_path, encryption=key)
+    ckpt.save(7, {"w": torch.ones(3)})
+    record = orjson.loads((tmp_path / ".memtree-root.json").read_bytes())
+    assert list(record) == ["format", "version", "root_id", "encryption"]
+    assert (record["format"], record["version"], list(record["encryption"])) == (
+        "memtree-checkpoints", 1, ["algorithm", "key_check"])
+    root_id = bytes.fromhex(record["root_id"])
+    assert len(root_id) == 16 and record["encryption"]["algorithm"] == "aes-256-gcm"
+    assert record["encryption"]["key_check"] == key_fingerprint(key, root_id)
+    step_meta = parse_level((tmp_path / "7" / "meta.json").read_bytes(), "7/meta.json").encryption
+    assert key_matches(derive_key(key, root_id, "checkpoint step 7"), step_meta)
+    for other in (derive_key(key, root_id, "checkpoint step 8"), key,
+                  derive_key(key, os.urandom(16), "checkpoint step 7")):
+        assert not key_matches(other, step_meta)

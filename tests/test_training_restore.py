@@ -16,6 +16,7 @@ from torch import nn
 import memtree
 from memtree.training import RestoreReport
 from test_training import assert_same
+from treeutil import flip_bit
 
 
 @pytest.fixture
@@ -36,17 +37,6 @@ def _trained_state():
     return model, opt, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}
 
 
-def _flip(path: str, offset: int = 0, *, keep_mtime: bool = True) -> None:
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 1]))
-    if keep_mtime:  # bit rot: the mtime does not move
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 # ---------------------------------------------------------------------------------------------
 # verify=True by default
 
@@ -55,7 +45,7 @@ def test_a_flipped_bit_in_a_leaf_is_refused_and_verify_false_reads_it(ckpt):
     w = torch.arange(256, dtype=torch.float32)
     ckpt.save(1, {"model": {"w": w}})
     (leaf,) = glob.glob(os.path.join(ckpt.path(1), "model", "w*.memmap"))
-    _flip(leaf, 9)
+    flip_bit(leaf, 9)
     with pytest.raises(memtree.IntegrityError, match=r"leaf .*w.* is damaged: its meta.json records checksum"):
         ckpt.restore()
     with pytest.raises(memtree.IntegrityError):
