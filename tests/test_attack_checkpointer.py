@@ -704,3 +704,39 @@ def test_a_plain_step_planted_in_an_encrypted_root_is_refused_on_restore(tmp_pat
     with pytest.raises(memtree.StepOrderError, match=r"\[9\]"):
         ckpt.save(2, _w(2))  # the planted step is a step: the order rule names it
     assert_same(ckpt.restore(1), _w(1))
+
+
+def test_two_checkpointers_making_the_record_of_an_empty_root_at_once(tmp_path, key, monkeypatch):
+    """Both read "no record", one writes it first: the other reads the winner's and is refused
+    with another key (accepted with the same one); a record is never written over another."""
+    from memtree.store.steps import list_steps
+    from memtree.training import root as root_module
+
+    memtree.Checkpointer(tmp_path, encryption=key)  # the winner
+    winner = (tmp_path / ".memtree-root.json").read_bytes()
+    real = root_module.read_record
+    calls = []
+
+    def stale_first(path):
+        calls.append(path)
+        return None if len(calls) == 1 else real(path)
+
+    monkeypatch.setattr(root_module, "read_record", stale_first)
+    with pytest.raises(memtree.DecryptionError, match="another key"):
+        root_module.open_root(str(tmp_path), memtree.EncryptionKey.generate(), list_steps(str(tmp_path)), fsync=False)
+    calls.clear()
+    record = root_module.open_root(str(tmp_path), key, list_steps(str(tmp_path)), fsync=False)
+    assert len(calls) == 2 and record == real(str(tmp_path))
+    assert (tmp_path / ".memtree-root.json").read_bytes() == winner
+    assert [n for n in os.listdir(tmp_path) if "memtree-tmp" in n] == []
+
+
+def test_a_root_record_replaced_after_opening_stops_the_next_save(tmp_path, key):
+    ckpt = memtree.Checkpointer(tmp_path / "a", encryption=key)
+    ckpt.save(1, _w(1))
+    memtree.Checkpointer(tmp_path / "b", encryption=key)
+    shutil.copyfile(tmp_path / "b" / ".memtree-root.json", tmp_path / "a" / ".memtree-root.json")
+    before = snapshot(tmp_path / "a")
+    with pytest.raises(memtree.DecryptionError, match="has another record than when it was opened.*nothing was written"):
+        ckpt.save(2, _w(2))
+    assert snapshot(tmp_path / "a") == before

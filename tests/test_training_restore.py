@@ -111,6 +111,16 @@ def test_verify_false_and_true_return_the_same_state_of_a_sound_step(ckpt):
             ckpt.restore(verify=bad)
 
 
+def test_a_step_saved_without_checksums_is_reported_unverified(ckpt):
+    from memtree.store.options import WriteOptions
+    from memtree.store.write import write_tree
+    from memtree.training.state import state_to_level
+
+    write_tree(ckpt.path(3), state_to_level({"w": torch.ones(2)}), WriteOptions.of(checksum=None))
+    assert_same(ckpt.restore(), {"w": torch.ones(2)})
+    assert ckpt.last_restore.step == 3 and ckpt.last_restore.verified is False  # nothing to check
+
+
 # ---------------------------------------------------------------------------------------------
 # partial restore: keys=, into= with strict=False, prefix=, ignore_mismatched=
 

@@ -487,7 +487,7 @@ class Checkpointer:
                     "and the next save tries again: remove what blocks them (the file named above), "
                     "or delete those step directories yourself"
                 ),
-                stacklevel=2,
+                stacklevel=4,  # a blocking save: the caller's save(); a background one: its thread
             )
 
     def _delete(self, step: int, *, busy_ok: bool) -> None:
@@ -624,16 +624,17 @@ class Checkpointer:
         options = ReadOptions.of(keys=keys, mode="r", mmap=False, verify=verify)
         with self._lock:
             self._join()  # the save in flight is part of what can be restored
-            found, state = self._read(None if step is None else _check_step(step), options)
-        report = RestoreReport(found, self.path(found), verify)
+            found, state, verified = self._read(None if step is None else _check_step(step), options)
+        report = RestoreReport(found, self.path(found), verified)
         if into is not None:
             state, filled = fill_into(into, state, strict=strict, prefix=prefix, ignore_mismatched=ignore_mismatched)
             report = dataclasses.replace(report, loaded=filled.loaded, missing=filled.missing, modules=filled.modules)
         self.last_restore = report
         return state
 
-    def _read(self, wanted: int | None, options: ReadOptions) -> tuple[int, Any]:
-        """The step read and its state (``wanted``; ``None``: the newest), read into memory.
+    def _read(self, wanted: int | None, options: ReadOptions) -> tuple[int, Any, bool]:
+        """The step read, its state (``wanted``; ``None``: the newest), read into memory, and
+        whether it was verified (``options.verify`` and the step records a tree hash).
 
         Another process may retire the step (retention) or replace it (``overwrite=True``) while
         it is read. Its files are never changed in place, so what is read is right, but the read
@@ -666,7 +667,7 @@ class Checkpointer:
                 self._authenticate(step, key)
                 root = open_tree(path, dataclasses.replace(options, encryption=key))
                 _check_selection(root, options.selection, ())
-                return step, level_to_state(root)
+                return step, level_to_state(root), options.verify and root.meta.tree_hash is not None
             except (MemtreeError, OSError) as err:
                 if _dir_identity(path) == opened:
                     raise  # the same step is still there: the error is its own

@@ -55,7 +55,8 @@ class RestoreReport:
     Attributes:
         step: the step restored (the newest, with ``step=None``).
         path: its directory.
-        verified: its checksums and tree hash were checked (``verify=True``).
+        verified: its checksums and tree hash were checked (``verify=True``, and the step
+            records them: a tree written with ``checksum=None`` has nothing to check).
         loaded: the places of ``into`` that were filled (modules and ``load_state_dict`` objects).
         missing: the places of ``into`` that the restored state does not hold (skipped with
             ``strict=False``; with ``strict=True`` they raise before anything is filled).
