@@ -78,6 +78,18 @@ def _digest(path: str, size: int) -> str:
     return h.hexdigest()
 
 
+def flip_bit(path, offset: int = 0) -> None:
+    """Damage like bit rot: one bit of the file flipped, its modification time kept (a later
+    one would mean a write in place, which memtree reports as a stale checksum instead)."""
+    times = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
 def snapshot(root) -> dict:
     """Everything under ``root`` without following links, by relative path: kind, size, mtime
     and content hash of files, mtime of directories (an entry added and removed again shows),
