@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import queue
 import stat
@@ -57,7 +56,7 @@ import torch
 from ..errors import InvalidArgumentError, MemtreeError, StorageError
 from ..format.dtypes import itemsize
 from .files import FileRange, storage_error
-from .checksums import crc32, file_checksum, tensor_checksum
+from .checksums import crc32, crc_combine, file_checksum, tensor_checksum
 from .memory import byte_view, is_plain_memory, writable_view
 
 __all__ = [
@@ -360,48 +359,6 @@ def fill(
         _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK)
 
 
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _zeros_operators() -> list[list[int]]:
-    """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a CRC-32 (zlib's)."""
-    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
-    op = one_bit
-    for _ in range(3):  # 8 bits: one byte
-        op = [_gf2_times(op, op[n]) for n in range(32)]
-    ops = [op]
-    for _ in range(63):
-        op = [_gf2_times(op, op[n]) for n in range(32)]
-        ops.append(op)
-    return ops
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
-
-    Example:
-        >>> import zlib
-        >>> crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
-        True
-    """
-    zeros = _zeros_operators()
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(zeros[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
 class _Sums:
     """The checksums of the jobs that carry one, made as their pieces are read.
 
@@ -438,7 +395,7 @@ class _Sums:
         if algorithm == "crc32":
             crc = 0
             for _, part, nbytes in sorted(parts):
-                crc = crc32_combine(crc, part, nbytes)
+                crc = crc_combine("crc32", crc, part, nbytes)
             found = f"crc32:{crc:08x}"
         elif not staged:
             found = tensor_checksum(job.dest, algorithm)
