@@ -127,12 +127,17 @@ class FillJob:
         dtype: the dtype of the bytes, when it differs from ``dest.dtype`` (they are cast).
         checksum: ``(algorithm, check)``: ``check("<algorithm>:<hex>")`` is called with the
             checksum of the bytes once they are read (it raises on a mismatch).
+        max_gap: most bytes of the file between the end of the previous range and this one
+            that a read may span to read both at once (the gap read and dropped): at most
+            :data:`READ_GAP`; a rank reading one range per row of a column shard passes a
+            fraction of the row, which bounds what it reads beyond its own bytes.
     """
 
     dest: torch.Tensor
     source: FileRange
     dtype: torch.dtype | None = None
     checksum: _Check | None = None
+    max_gap: int = READ_GAP
 
     @property
     def src_dtype(self) -> torch.dtype:
@@ -436,21 +441,24 @@ class _Read:
 
 def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
     """The reads of ``jobs``: each destination cut in pieces of at most :data:`READ_CHUNK`
-    bytes, sorted by file and offset, and neighbours merged into one read of at most
-    :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a gap's bytes land in scratch)."""
+    bytes, sorted by file (in the order the jobs first name them) and offset, and neighbours
+    merged into one read of at most :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a
+    gap of at most the job's ``max_gap`` bytes lands in scratch)."""
     pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
+    order: dict[int, int] = {}  # fd -> place of the file in the jobs
     for job in jobs:
         view, src = writable_view(job.dest), job.source  # direct jobs: plain memory
+        order.setdefault(src.fd, len(order))
         for s in range(0, len(view), READ_CHUNK):
             pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
-    pieces.sort(key=lambda p: (p[0], p[1]))
+    pieces.sort(key=lambda p: (order[p[0]], p[1]))
     reads: list[_Read] = []
     last: _Read | None = None
     for fd, offset, job, start, piece in pieces:
         if last is not None and fd == last.fd:
             gap = offset - last.offset - last.nbytes  # < 0: overlaps (views of one storage)
             if (
-                0 <= gap <= READ_GAP
+                0 <= gap <= min(READ_GAP, job.max_gap)
                 and last.nbytes + gap + len(piece) <= READ_CHUNK
                 and len(last.views) + 2 <= _IOV_MAX
             ):
