@@ -26,6 +26,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+# What the ranks import on first use, imported once here so that each forked rank has it
+# (distribute_tensor alone imports torch._dynamo: seconds per rank otherwise).
+import torch._dynamo  # noqa: E402,F401
+import torch.distributed.checkpoint.state_dict  # noqa: E402,F401
+import torch.distributed.fsdp  # noqa: E402,F401
+import torch.distributed.tensor  # noqa: E402,F401
+import torch.distributed.tensor.parallel  # noqa: E402,F401
+
+import memtree.dist.read  # noqa: E402,F401
+import memtree.dist.write  # noqa: E402,F401
+
 FORK = mp.get_context("fork")
 #: How long a collective waits for the other ranks (a killed rank is noticed at once; this bounds
 #: a hung one). Generous: the CI machine may be loaded.

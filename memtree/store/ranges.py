@@ -36,7 +36,7 @@ __all__ = ["SPAN_BYTES", "read_ranges", "check_leaf"]
 
 #: Most bytes read into memory at once to check them (whole chunks; a chunk larger than this is
 #: read alone).
-SPAN_BYTES = 64 * 1024 * 1024
+SPAN_BYTES = 8 * 1024 * 1024
 
 
 def _damaged(what: str, part: str, found: str, recorded: str) -> IntegrityError:
