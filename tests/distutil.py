@@ -54,14 +54,13 @@ class RankError(AssertionError):
         self.results, self.errors, self.codes = results, errors, codes
 
 
-def _child(rank: int, world: int, rendezvous: str, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _report(out: str, work: Callable[[], Any]) -> None:
+    """Run ``work`` in a rank and report what it returned (or its traceback) in the file ``out``;
+    leave with ``os._exit``."""
     code = 0
     try:
         torch.set_num_threads(1)  # several ranks on 2 cores: no oversubscribed intra-op threads
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
-        result = ("ok", fn(rank, world, *args))
+        result: tuple[str, Any] = ("ok", work())
     except BaseException:  # noqa: BLE001 - reported to the parent
         result, code = ("error", traceback.format_exc()), 1
     try:
@@ -74,17 +73,35 @@ def _child(rank: int, world: int, rendezvous: str, out: str, fn: Callable[..., A
         os._exit(code)
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's return value, in rank order.
+def _child(rank: int, world: int, rendezvous: str, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def work() -> Any:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
+        return fn(rank, world, *args)
+
+    _report(out, work)
+
+
+def _script_child(rank: int, world: int, port: int, cwd: str, code: Any, out: str) -> None:
+    def work() -> None:
+        os.chdir(cwd)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        exec(code, {"__name__": "__main__"})
+
+    _report(out, work)
+
+
+def _run(world: int, target: Callable[..., None], args: Callable[[int, str], tuple[Any, ...]], timeout: float) -> list[Any]:
+    """Fork ``world`` ranks running ``target(*args(rank, result file))`` and wait for them (a rank
+    still running at the deadline is killed); every rank's result, in rank order.
 
     Raises:
         RankError: a rank raised, died or hung (what the others returned is in it).
     """
     work = tempfile.mkdtemp(prefix="memtree-ranks-")
-    procs = [
-        FORK.Process(target=_child, args=(r, world, f"{work}/pg", f"{work}/result-{r}", fn, args), daemon=True)
-        for r in range(world)
-    ]
+    procs = [FORK.Process(target=target, args=args(r, f"{work}/result-{r}"), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -107,10 +124,34 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = R
             results[r] = value
         else:
             errors[r] = value
-    codes = {r: p.exitcode for r, p in enumerate(procs)}
-    if errors or hung:
-        raise RankError(
-            "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items())) or "ranks hung",
-            results, errors, codes,
-        )
+    if errors:
+        raise RankError("\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items())),
+                        results, errors, {r: p.exitcode for r, p in enumerate(procs)})
     return [results[r] for r in range(world)]
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's return value, in rank order.
+
+    Raises:
+        RankError: a rank raised, died or hung (what the others returned is in it).
+    """
+    rendezvous = tempfile.mkdtemp(prefix="memtree-pg-")
+    return _run(world, _child, lambda r, out: (r, world, f"{rendezvous}/pg", out, fn, args), timeout)
+
+
+def run_script(world: int, source: str, filename: str, cwd: str, timeout: float = RUN_TIMEOUT) -> None:
+    """Run the Python script ``source`` on ``world`` ranks as ``torchrun`` would start it (the
+    environment variables ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: the script
+    calls ``init_process_group`` itself), each a forked process in ``cwd``.
+
+    Raises:
+        RankError: a rank raised, died or hung.
+    """
+    import socket
+
+    code = compile(source, filename, "exec")
+    with socket.socket() as s:  # a free port for the script's TCP store (rank 0 binds it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _run(world, _script_child, lambda r, out: (r, world, port, cwd, code, out), timeout)

@@ -34,6 +34,7 @@ from ..interop.sharded import find_checkpoint
 from ..dist.dtensor import is_dtensor
 from ..dist.read import ShardSource, fill_dtensors
 from ..store.files import FileRange, gc_paused
+from ..store.mapped import MemoryMappedTensor
 from ..store.options import check_device
 from ..store.fill import FillJob, fill, mapped_range
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
@@ -450,8 +451,9 @@ def _shard_sources(
     owned: list[int],
 ) -> list[ShardSource]:
     """Where each ``DTensor`` of ``pairs`` is filled from: a kept leaf of a memtree directory, a
-    checkpoint file's range, a mapped leaf's file (its descriptor added to ``owned``), or a
-    tensor in memory."""
+    checkpoint file's range, a mapped leaf's file (its descriptor added to ``owned``), a
+    ``DTensor`` of the source (redistributed to the module's placements on the same mesh, else
+    gathered), or a tensor in memory."""
     kept = root.source.reader.kept if root is not None else None
     paths = {id(v): path for path, v in leaves if isinstance(v, torch.Tensor)} if kept is not None else {}
     locate = _locator(source, src) if kept is None else None
@@ -475,9 +477,19 @@ def _shard_sources(
                 f"load_into_module: the source's {name!r} is on the meta device (no data) and the "
                 "module's is a DTensor to fill; nothing was changed"
             )
-        if is_dtensor(value):
-            value = value.full_tensor()  # every rank takes this step in the same order
-        out.append(ShardSource(group.tensor, name, stored, tensor=value))
+        span = mapped_range(value) if isinstance(value, MemoryMappedTensor) else None
+        if span is not None:  # a mapped leaf: read this rank's ranges of its file
+            owned.append(span.fd)
+            out.append(ShardSource(group.tensor, name, stored, span=span))
+        elif is_dtensor(value):  # every rank takes this step in the same order
+            target = group.tensor
+            if value.device_mesh == target.device_mesh:
+                shard = value.redistribute(target.device_mesh, target.placements).to_local()
+                out.append(ShardSource(group.tensor, name, stored, local=shard))
+            else:
+                out.append(ShardSource(group.tensor, name, stored, tensor=value.full_tensor()))
+        else:
+            out.append(ShardSource(group.tensor, name, stored, tensor=value))
     return out
 
 
