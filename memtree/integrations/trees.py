@@ -40,12 +40,12 @@ from typing import Any
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, InvalidArgumentError, LockError
 from ..format.names import META_NAME, lock_path, staging_path
 from ..store.commit import LOCK_TIMEOUT, WriterLock
-from ..store.options import ReadOptions, WriteOptions
+from ..store.options import ReadOptions, WriteOptions, normalize_keys
 from ..store.read import open_tree
 from ..store.storage import local_path
 from ..store.write import WriteStats, write_tree
 from ..training.state import level_to_state, state_to_level
-from .values import decode, encode
+from .values import RECORD_KEY, decode, encode
 
 #: Times a write waits the writer lock's timeout (:data:`~memtree.store.commit.LOCK_TIMEOUT`)
 #: for another process writing the same path, before the ``LockError`` is raised.
@@ -157,12 +157,18 @@ def write_level(path: str, level: Any, *, link_from: str | None, fsync: bool) ->
 
 
 def load_tree(
-    path: str, *, allow_pickle: bool = False, verify: bool = True, pickle_hint: str = "pass allow_pickle=True"
+    path: str,
+    *,
+    keys: list[str] | None = None,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    pickle_hint: str = "pass allow_pickle=True",
 ) -> dict[str, Any]:
     """The checkpoint dict saved at ``path`` by :func:`save_tree`, tensors in memory (CPU).
 
     Args:
         path: the checkpoint's directory.
+        keys: read only these top-level keys (the others are not opened); ``None``: all.
         allow_pickle: unpickle values saved pickled; else such a checkpoint is refused.
         verify: check every leaf against its recorded checksum before it is used.
         pickle_hint: how the user turns ``allow_pickle`` on, for the refusal message.
@@ -176,13 +182,21 @@ def load_tree(
     """
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
-    state = level_to_state(open_tree(path, ReadOptions(mode="r", mmap=False, verify=verify)))
+    options = ReadOptions(mode="r", mmap=False, verify=verify)
+    level = open_tree(path, options)
+    if keys is not None:  # those of them the checkpoint holds (a scaler, say, may be absent)
+        present = {e.key for e in level.meta.entries}
+        wanted = [k for k in (*keys, RECORD_KEY) if k in present]
+        if not wanted:
+            return {}
+        level = open_tree(path, ReadOptions(normalize_keys(wanted), mode="r", mmap=False, verify=verify))
+    state = level_to_state(level)
     if type(state) is not dict:
         raise CheckpointFormatError(
             f"{path} holds a {type(state).__name__}, not a checkpoint dict: it was not written as a "
             "checkpoint (load it with memtree.load_memmap)"
         )
-    return decode(state, allow_pickle=allow_pickle, pickle_hint=pickle_hint)
+    return decode(state, allow_pickle=allow_pickle, pickle_hint=pickle_hint, partial=keys is not None)
 
 
 def remove_tree(path: str, *, replaceable: Callable[[str], bool] = is_tree) -> None:

@@ -184,13 +184,21 @@ def encode(
     return out
 
 
-def decode(state: dict[str, Any], *, allow_pickle: bool, pickle_hint: str = "pass allow_pickle=True") -> dict[str, Any]:
+def decode(
+    state: dict[str, Any],
+    *,
+    allow_pickle: bool,
+    pickle_hint: str = "pass allow_pickle=True",
+    partial: bool = False,
+) -> dict[str, Any]:
     """The checkpoint :func:`encode` made ``state`` from, each value with its type.
 
     Args:
         state: what the tree held (its :data:`RECORD_KEY` is removed and applied).
         allow_pickle: unpickle the values stored pickled; else refuse them.
         pickle_hint: how the caller's user turns ``allow_pickle`` on (ends the refusal message).
+        partial: ``state`` holds some top-level keys only (a load with ``keys=``): the record's
+            entries under the others are left out.
 
     Raises:
         CheckpointFormatError: a record that does not fit the values (a damaged or edited file).
@@ -204,6 +212,8 @@ def decode(state: dict[str, Any], *, allow_pickle: bool, pickle_hint: str = "pas
     if record is None:
         return state
     wanted = _parse_record(record)
+    if partial:
+        wanted = {p: k for p, k in wanted.items() if p and p[0] in state}
     prefixes = {path[:i] for path in wanted for i in range(len(path))}
     applied: set[_Path] = set()
 
