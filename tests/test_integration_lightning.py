@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from memtree.errors import (  # noqa: E402
 )
 from memtree.integrations import lightning as mt_lightning  # noqa: E402
 from memtree.integrations.lightning import MemtreeCheckpointIO  # noqa: E402
+from treeutil import assert_identical, run_children  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -103,31 +103,6 @@ def fit(root: Path, epochs: int, *, io: Any = None, ckpt_path: str | None = None
     return module, trainer
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
-    """Equal values of equal types all the way down; tensors bit for bit; NaN equals NaN."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, where
-        assert torch.equal(as_bytes(a), as_bytes(b)), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{where}._metadata"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def training_state(module: TinyModule, trainer: L.Trainer) -> dict[str, Any]:
     return {
         "model": dict(module.state_dict()),
@@ -141,9 +116,9 @@ def assert_resumed_exactly(reference: dict[str, Any], module: TinyModule, traine
     optimizer, bit for bit), and exactly where Lightning's own resume (``TorchCheckpointIO``)
     ends (everything: Lightning steps ``ReduceLROnPlateau`` once less around a resume)."""
     ours = training_state(module, trainer)
-    assert_same(reference["uninterrupted"]["model"], ours["model"], "model")
-    assert_same(reference["uninterrupted"]["optimizer"], ours["optimizer"], "optimizer")
-    assert_same(reference["resumed"], ours, "resumed")
+    assert_identical(reference["uninterrupted"]["model"], ours["model"], "model")
+    assert_identical(reference["uninterrupted"]["optimizer"], ours["optimizer"], "optimizer")
+    assert_identical(reference["resumed"], ours, "resumed")
 
 
 def checkpoints(root: Path) -> list[str]:
@@ -195,7 +170,7 @@ def test_the_asynchronous_form_trains_the_same_and_keeps_the_same_checkpoints(tm
     io = MemtreeCheckpointIO(blocking=False)
     assert io.fsync  # durable before committed, by default
     module, trainer = fit(tmp_path, 4, io=io)
-    assert_same(reference["uninterrupted"], training_state(module, trainer))
+    assert_identical(reference["uninterrupted"], training_state(module, trainer))
     assert checkpoints(tmp_path) == ["epoch=3-step=16.ckpt", "last.ckpt"]
     again, trainer2 = fit(tmp_path, 5, io=MemtreeCheckpointIO(blocking=False), ckpt_path="last")
     assert trainer2.global_step == 20
@@ -249,14 +224,14 @@ def test_load_checkpoint_returns_what_torch_load_returns(tmp_path):
     ours = MemtreeCheckpointIO().load_checkpoint(tmp_path / "memtree.ckpt")
     array = ours["extra"].pop("array")
     assert array.tolist() == [0, 1, 2] and array.dtype == theirs["extra"].pop("array").dtype
-    assert_same(theirs, ours)
+    assert_identical(theirs, ours)
     assert type(ours["state_dict"]) is collections.OrderedDict and ours["state_dict"]._metadata["bn"] == {"version": 2}
 
 
 def test_a_torch_save_checkpoint_of_an_earlier_run_still_loads(tmp_path):
     ckpt = {"state_dict": collections.OrderedDict(w=torch.arange(4.0)), "epoch": 3}
     TorchCheckpointIO().save_checkpoint(ckpt, tmp_path / "old.ckpt")
-    assert_same(ckpt, MemtreeCheckpointIO().load_checkpoint(tmp_path / "old.ckpt"))
+    assert_identical(ckpt, MemtreeCheckpointIO().load_checkpoint(tmp_path / "old.ckpt"))
 
 
 def test_unchanged_tensors_are_hard_links_to_the_previous_checkpoint(tmp_path):
@@ -441,18 +416,9 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoints_whole(tm
     assert_resumed_exactly(reference, module, trainer)
 
 
-def _trainer_child(report: Any, root: str, barrier: Any, lr: float) -> None:
+def _trainer_child(root: str, barrier: Any, lr: float) -> None:
     barrier.wait(TIMEOUT)
     fit(Path(root), 3, top_k=-1, lr=lr)
-
-
-def _child(target: Any, report: Any, *args: Any) -> None:
-    try:
-        target(report, *args)
-    except BaseException:  # noqa: BLE001 - everything reaches the parent
-        report.send(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 @pytest.mark.slow
@@ -460,16 +426,7 @@ def test_two_trainers_saving_into_one_directory_leave_only_whole_checkpoints(tmp
     """Two runs (different learning rates) write the same names at once: each name ends up one
     run's checkpoint, whole (its hyper-parameters and optimizer agree, every checksum holds)."""
     barrier = FORK.Barrier(2)
-    procs = []
-    for lr in (0.05, 0.01):
-        recv, send = FORK.Pipe(duplex=False)
-        p = FORK.Process(target=_child, args=(_trainer_child, send, str(tmp_path), barrier, lr))
-        p.start()
-        send.close()
-        procs.append((p, recv))
-    for p, recv in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, recv.recv() if recv.poll(1) else p.exitcode
+    run_children(FORK, _trainer_child, (str(tmp_path), barrier, 0.05), (str(tmp_path), barrier, 0.01))
     names = checkpoints(tmp_path)  # the second run to a name takes the next (-v1): Lightning's rule
     assert "last.ckpt" in names and len(names) >= 4, names
     assert all(re.fullmatch(r"(epoch=\d-step=\d+|last)(-v\d)?\.ckpt", n) for n in names), names

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from memtree.errors import (  # noqa: E402
 )
 from memtree.integrations.torchrl import MemtreeStorage, MemtreeStorageCheckpointer  # noqa: E402
 from memtree.store.linking import WriteStats  # noqa: E402
+from treeutil import run_children  # noqa: E402
 
 FORK = mp.get_context("fork")
 TIMEOUT = 300.0
@@ -240,32 +240,10 @@ def test_a_damaged_dump_is_refused_before_anything_is_loaded(tmp_path):
 # -- processes ---------------------------------------------------------------------------------
 
 
-def _fill(report: Any, storage: MemtreeStorage, start: int, barrier: Any) -> None:
+def _fill(storage: MemtreeStorage, start: int, barrier: Any) -> None:
     barrier.wait(TIMEOUT)
     for i in range(start, 40, 2):  # this writer's batches, interleaved with the other's
         storage.set(torch.arange(3 * i, 3 * i + 3), batch(i), set_cursor=False)
-
-
-def _child(target: Any, report: Any, *args: Any) -> None:
-    try:
-        target(report, *args)
-    except BaseException:  # noqa: BLE001 - everything reaches the parent
-        report.send(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
-
-
-def _run(context: Any, target: Any, *args_per_child: tuple[Any, ...]) -> None:
-    procs = []
-    for args in args_per_child:
-        recv, send = context.Pipe(duplex=False)
-        p = context.Process(target=_child, args=(target, send, *args))
-        p.start()
-        send.close()
-        procs.append((p, recv))
-    for p, recv in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, recv.recv() if recv.poll(1) else p.exitcode
 
 
 @pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
@@ -274,7 +252,7 @@ def test_two_processes_fill_one_buffer_by_index_while_it_grows(tmp_path, start_m
     storage = MemtreeStorage(120, tmp_path / "buf")
     storage.set(torch.arange(3), batch(0), set_cursor=False)  # the tree exists; both grow it
     barrier = context.Barrier(2)
-    _run(context, _fill, (storage, 0, barrier), (storage, 1, barrier))
+    run_children(context, _fill, (storage, 0, barrier), (storage, 1, barrier))
     storage._len = 120
     expected = torch.cat([batch(i) for i in range(40)])
     assert_same_rows(storage.get(slice(0, 120)), expected)  # the parent reloads what they grew
@@ -288,20 +266,14 @@ def _as_td(tree: memtree.TensorTree) -> TensorDict:
     return td
 
 
-def _dump(report: Any, rb: ReplayBuffer, path: str) -> None:
-    rb.storage.dumps(path)
-
-
 def test_kill_9_in_the_middle_of_a_dump_leaves_the_previous_dump_whole(tmp_path, monkeypatch):
     rb = ReplayBuffer(storage=MemtreeStorage(20, tmp_path / "buf"))
     rb.extend(batch(0, 10))
     rb.storage.dumps(tmp_path / "dump")
     rb.extend(batch(1, 10))
     monkeypatch.setenv("MEMTREE_FAULT", "after_leaf:2")
-    recv, send = FORK.Pipe(duplex=False)
-    p = FORK.Process(target=_reloaded_dump, args=(send, rb, str(tmp_path / "dump")))
+    p = FORK.Process(target=_killed_dump, args=(rb, str(tmp_path / "dump")))
     p.start()
-    send.close()
     p.join(TIMEOUT)
     assert p.exitcode == 137
     monkeypatch.delenv("MEMTREE_FAULT")
@@ -312,8 +284,9 @@ def test_kill_9_in_the_middle_of_a_dump_leaves_the_previous_dump_whole(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["buf", "dump"]
 
 
-def _reloaded_dump(report: Any, rb: ReplayBuffer, path: str) -> None:
+def _killed_dump(rb: ReplayBuffer, path: str) -> None:
     from memtree.store import faults
 
-    faults.reload()
-    _child(_dump, report, rb, path)
+    faults.reload()  # MEMTREE_FAULT was set after the import
+    rb.storage.dumps(path)
+    os._exit(0)  # not reached: the fault kills the process first

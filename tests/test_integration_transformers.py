@@ -40,6 +40,7 @@ from memtree.integrations.transformers import (  # noqa: E402
     export_pretrained,
     is_checkpoint,
 )
+from treeutil import assert_identical  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -94,22 +95,6 @@ def outcome(trainer: Any) -> dict[str, Any]:
     }
 
 
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Ten steps in one go with the plain Trainer (dropout on: the RNG matters)."""
@@ -123,7 +108,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_resume_is_bit_exact(tmp_path, uninterrupted, stop, resume):
     run(tmp_path, stop=stop)
     trainer = run(tmp_path, resume=resume if resume is True else str(tmp_path / resume))
-    assert_same(uninterrupted, outcome(trainer))
+    assert_identical(uninterrupted, outcome(trainer))
 
 
 def test_a_checkpoint_is_a_directory_of_json_files_and_a_memtree_tree(tmp_path):
@@ -197,7 +182,7 @@ def test_install_gives_an_existing_trainer_the_mixin_and_its_options(tmp_path, u
     assert is_checkpoint(tmp_path / "checkpoint-6")
     resumed = MemtreeCallback().install(make(tmp_path, cls=Trainer))
     resumed.train(resume_from_checkpoint=True)
-    assert_same(uninterrupted, outcome(resumed))
+    assert_identical(uninterrupted, outcome(resumed))
 
 
 # -- refusals and damage -----------------------------------------------------------------------
@@ -260,4 +245,4 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoints_whole(tm
     visible = sorted(n for n in os.listdir(tmp_path / "out") if not n.startswith("."))
     assert visible == ["checkpoint-2", "checkpoint-4"], visible
     trainer = run(tmp_path / "out", resume=True)  # from checkpoint-4; the leftovers are cleaned
-    assert_same(uninterrupted, outcome(trainer))
+    assert_identical(uninterrupted, outcome(trainer))

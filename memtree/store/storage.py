@@ -77,6 +77,7 @@ __all__ = [
     "local_path",
     "open_dir",
     "read_meta_bytes",
+    "read_small_file",
     "read_meta",
     "META_FLAGS",
 ]
@@ -174,22 +175,23 @@ def open_dir(name: str, where: str, dir_fd: int | None) -> int:
         raise storage_error(err, f"opening {where}") from err
 
 
-def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
-    """The bytes of the ``meta.json`` in an open directory, and its path.
+def read_small_file(dir_fd: int, name: str, path: str, *, limit: int, advice: str) -> bytes | None:
+    """The bytes of the file ``name`` in an open directory, or ``None`` if there is none.
 
-    Opened without following links, refused unless it is a regular file of at most
-    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
+    Opened without following links, refused unless it is a regular file of at most ``limit``
+    bytes (checked with ``fstat`` before reading; a file that grows meanwhile is read up to
+    ``limit + 1`` bytes, for the parser to refuse). ``path`` names the file in messages;
+    ``advice`` ends the message for a larger file (``"for a meta.json; ..."``).
+
+    Raises:
+        UnsafePathError: a symbolic link, or not a regular file (a FIFO, a device...).
+        LimitError: more than ``limit`` bytes.
+        StorageError: the filesystem refused to open it.
     """
-    path = os.path.join(where, META_NAME)
     try:
-        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, META_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        if root:
-            raise NotAMemtreeError(
-                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
-                "finished)"
-            ) from None
-        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
+        return None
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
@@ -198,16 +200,13 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
-                "a meta.json; it was not written by memtree (or tensordict)"
-            )
+        if st.st_size > limit:
+            raise LimitError(f"{path} has {st.st_size:,} bytes, more than the {limit:,} allowed {advice}")
         want = st.st_size + 1  # one byte more: a short read is the end of the file
         data = os.read(fd, want)
         if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
             parts = [data]
-            left = MAX_META_BYTES + 1 - len(data)
+            left = limit + 1 - len(data)
             while left > 0:
                 part = os.read(fd, min(left, 1 << 20))
                 if not part:
@@ -217,6 +216,27 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
             data = b"".join(parts)
     finally:
         os.close(fd)
+    return data
+
+
+def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]:
+    """The bytes of the ``meta.json`` in an open directory, and its path.
+
+    Opened without following links, refused unless it is a regular file of at most
+    :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
+    """
+    path = os.path.join(where, META_NAME)
+    data = read_small_file(
+        dir_fd, META_NAME, path, limit=MAX_META_BYTES,
+        advice="for a meta.json; it was not written by memtree (or tensordict)",
+    )
+    if data is None:
+        if root:
+            raise NotAMemtreeError(
+                f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
+                "finished)"
+            )
+        raise MissingLeafError(f"{path} is missing; the tree is damaged")
     return data, path
 
 

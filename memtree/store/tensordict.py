@@ -67,10 +67,8 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from collections.abc import Callable, Iterable
 from math import prod
 from typing import Any
@@ -106,7 +104,7 @@ from .mapped import map_leaf
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_depth
 from .options import KeySelection, ReadOptions
 from .read import open_dir, read_meta_bytes
-from .storage import META_FLAGS
+from .storage import read_small_file
 
 __all__ = ["check_tensordict_dir", "is_tensordict_dir", "read_tensordict_dir", "valid_rows"]
 
@@ -283,26 +281,12 @@ def valid_rows(prefix: str | os.PathLike[str]) -> int | None:
 def _storage_len(dir_fd: int, where: str) -> int | None:
     """``len`` from the ``storage_metadata.json`` in an open directory (``None``: no such file)."""
     path = os.path.join(where, STORAGE_METADATA)
-    try:
-        fd = os.open(STORAGE_METADATA, META_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
+    data = read_small_file(
+        dir_fd, STORAGE_METADATA, path, limit=MAX_STORAGE_METADATA_BYTES,
+        advice="for a torchrl storage_metadata.json; delete it to load every row of the storage",
+    )
+    if data is None:
         return None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
-        raise storage_error(err, f"opening {path}") from err
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_STORAGE_METADATA_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_STORAGE_METADATA_BYTES:,} a torchrl "
-                "storage_metadata.json may have; delete it to load every row of the storage"
-            )
-        data = os.read(fd, MAX_STORAGE_METADATA_BYTES + 1)
-    finally:
-        os.close(fd)
     doc = _parse_json(data, path)
     length = doc.get("len") if type(doc) is dict else None
     if type(length) is not int or not 0 <= length <= MAX_DIM:
