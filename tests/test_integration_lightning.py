@@ -437,3 +437,32 @@ def test_two_trainers_saving_into_one_directory_leave_only_whole_checkpoints(tmp
         lr = state["hyper_parameters"]["lr"]
         current = state["optimizer_states"][0]["param_groups"][0]["lr"]  # lr, or reduced by 10x
         assert lr in (0.05, 0.01) and any(math.isclose(current, lr * 0.1**k) for k in range(4)), (lr, current)
+
+
+def test_an_async_save_waits_when_two_are_already_queued(tmp_path, monkeypatch):
+    """At most two copies of the state wait for the writer thread: the third save blocks."""
+    import threading
+
+    release, began = threading.Event(), threading.Event()
+    started: list[str] = []
+    real = mt_lightning.write_level
+
+    def slow(path: str, *args: Any, **kwargs: Any) -> Any:
+        started.append(os.path.basename(path))
+        began.set()
+        assert release.wait(TIMEOUT)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(mt_lightning, "write_level", slow)
+    io = MemtreeCheckpointIO(blocking=False, fsync=False)
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b")  # queued: returns at once
+    assert began.wait(TIMEOUT)  # the writer thread is in "a"
+    third = threading.Thread(target=io.save_checkpoint, args=({"w": torch.full((2,), 2.0)}, tmp_path / "c"))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and started == ["a"]  # still waiting for "a" to be written
+    release.set()
+    third.join(TIMEOUT)
+    io.teardown()
+    assert [io.load_checkpoint(tmp_path / n)["w"][0].item() for n in "abc"] == [0.0, 1.0, 2.0]

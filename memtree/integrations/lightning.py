@@ -29,7 +29,8 @@ removes the tree at once for every reader. ``load_checkpoint`` returns the dict 
 the switch to memtree is read by Lightning's own ``TorchCheckpointIO``.
 
 ``blocking=False`` is the asynchronous form (Lightning's ``AsyncCheckpointIO``, made safe):
-``save_checkpoint`` copies the tensors and returns; one background thread writes each
+``save_checkpoint`` copies the tensors and returns (after waiting for the oldest save when two
+are already queued: at most two copies of the state exist); one background thread writes each
 checkpoint, fsynced before it is committed (``fsync=True`` unless told otherwise), then runs
 the removals Lightning asked for meanwhile, in order: a checkpoint is removed only once the one
 saved before that removal is durable, and never when that save failed. A failure is raised by
@@ -52,6 +53,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -77,6 +79,9 @@ _PICKLE_HINT = "pass MemtreeCheckpointIO(allow_pickle=True) to store it pickled"
 _UNPICKLE_HINT = "build the plugin with MemtreeCheckpointIO(allow_pickle=True)"
 #: Paths remembered as link sources (the newest existing one is used).
 _REMEMBERED = 8
+#: Background saves queued or running at most: a save waits for the oldest beyond this (each
+#: holds a copy of the state; ModelCheckpoint saves twice a time with save_last).
+_MAX_PENDING_SAVES = 2
 
 
 class MemtreeCheckpointIO(CheckpointIO):
@@ -117,7 +122,8 @@ class MemtreeCheckpointIO(CheckpointIO):
         self._recent: list[str] = []  # paths saved or loaded, newest first: the link sources
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[Future[None]] = []
+        self._pending: list[Future[None]] = []  # saves and removals
+        self._saves: list[Future[None]] = []
         self._failed: BaseException | None = None  # a background failure, raised once
         #: Work submitted in one epoch is skipped after a failure in that epoch; an epoch ends
         #: when the failure is raised to the training thread (later work runs again).
@@ -147,11 +153,12 @@ class MemtreeCheckpointIO(CheckpointIO):
                 "does not support (as Lightning's TorchCheckpointIO); leave them out"
             )
         dest = local_checkpoint_path(path, "MemtreeCheckpointIO")
+        self._wait_below(_MAX_PENDING_SAVES)  # bounded memory: so many copies of the state at most
         self._raise_failure()
         level = state_to_level(
             encode(checkpoint, allow_pickle=self.allow_pickle, snapshot=not self.blocking, pickle_hint=_PICKLE_HINT)
         )
-        self._run(lambda: self._write(dest, level))
+        self._run(lambda: self._write(dest, level), save=True)
 
     def _write(self, dest: str, level: Any) -> None:
         link_from = newest_tree(p for p in self._recent if p != dest) if self.incremental else None
@@ -215,7 +222,7 @@ class MemtreeCheckpointIO(CheckpointIO):
 
     # -- background saves ---------------------------------------------------------------------
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], None], *, save: bool = False) -> None:
         if self.blocking:
             work()
             return
@@ -223,7 +230,19 @@ class MemtreeCheckpointIO(CheckpointIO):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtree-lightning")
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._executor.submit(self._guarded, work, self._epoch))
+            future = self._executor.submit(self._guarded, work, self._epoch)
+            self._pending.append(future)
+            if save:
+                self._saves = [f for f in self._saves if not f.done()] + [future]
+
+    def _wait_below(self, count: int) -> None:
+        """Wait until fewer than ``count`` background saves are queued or running."""
+        while True:
+            with self._lock:
+                saves = self._saves = [f for f in self._saves if not f.done()]
+            if len(saves) < count:
+                return
+            futures_wait(saves[:1])
 
     def _guarded(self, work: Callable[[], None], epoch: int) -> None:
         with self._lock:
