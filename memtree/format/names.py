@@ -5,8 +5,9 @@ non-tensor values, opt-in only, ``<key>.pickle``); and the hidden siblings a wri
 ``<parent>/<name>`` uses: the staging directory ``.<name>.memtree-tmp-<32 hex>/``, the old copy
 ``.<name>.memtree-old-<32 hex>/`` (fallback overwrite), the writer lock ``.<name>.memtree.lock``
 (which holds the journal of a writer that died); inside a tree, a growth's temporary
-``.meta.json.memtree-tmp-<32 hex>``; in a remote cache directory, the download scratch
-``.<entry>.memtree-download-<32 hex>/``.
+``.meta.json.memtree-tmp-<32 hex>`` and the name ``.memtree-copy-<32 hex>`` a leaf's own copy
+(:mod:`memtree.store.unshare`) has for an instant before it is renamed over the leaf; in a
+remote cache directory, the download scratch ``.<entry>.memtree-download-<32 hex>/``.
 
 A tree key may be any non-empty ``str``. On disk, a key becomes a file or directory name only
 through :func:`encode_level`, which escapes everything that is not portable and safe (see
@@ -37,6 +38,7 @@ __all__ = [
     "OLD_MARK",
     "LOCK_SUFFIX",
     "SCRATCH_MARK",
+    "COPY_MARK",
     "META_TMP",
     "SIBLING",
     "TIED_KEY",
@@ -45,6 +47,7 @@ __all__ = [
     "lock_path",
     "scratch_path",
     "meta_tmp_name",
+    "copy_name",
     "is_uncommitted_name",
     "ROUTED_SUFFIX",
     "ROUTED_ENTRY",
@@ -71,6 +74,8 @@ OLD_MARK = ".memtree-old-"
 LOCK_SUFFIX = ".memtree.lock"
 #: Marker in the name of a remote download's scratch directory, inside a cache directory.
 SCRATCH_MARK = ".memtree-download-"
+#: Prefix of the name a leaf's own copy has, inside its level, before it is renamed over the leaf.
+COPY_MARK = ".memtree-copy-"
 
 #: Suffix of the directory ``memtree.saving()`` puts beside a ``torch.save`` file (``ckpt.pt.memtree``).
 ROUTED_SUFFIX = ".memtree"
@@ -106,6 +111,16 @@ def scratch_path(parent: str, name: str) -> str:
 def meta_tmp_name() -> str:
     """A fresh name for a growth's temporary ``meta.json`` (matches :data:`META_TMP`)."""
     return f".{META_NAME}{STAGING_MARK}{uuid.uuid4().hex}"
+
+
+def copy_name() -> str:
+    """A fresh name for a leaf's own copy in the leaf's directory (``.memtree-copy-<32 hex>``).
+
+    Example:
+        >>> copy_name().startswith(COPY_MARK), len(copy_name())
+        (True, 46)
+    """
+    return f"{COPY_MARK}{uuid.uuid4().hex}"
 
 
 def routed_entry_name(tag: str) -> str:
