@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide/numpy.md", "guide/routing.md"]
+PAGES = ["guide/numpy.md", "guide/routing.md", "guide/checkpoints.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 
 
