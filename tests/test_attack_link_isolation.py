@@ -563,6 +563,24 @@ def test_no_link_where_a_lease_cannot_see_every_writer(tmp_path, monkeypatch):
     assert "0x6969" in stats.link_error and "mode='r+'" in stats.link_error
 
 
+def test_no_link_where_leases_are_disabled(tmp_path, monkeypatch):
+    import builtins
+    import io
+
+    write_tree(tmp_path / "a", _level())
+    real_open = builtins.open
+
+    def sysctl(path, *args, **kwargs):
+        if path == "/proc/sys/fs/leases-enable":
+            return io.BytesIO(b"0\n")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", sysctl)
+    stats = WriteStats()
+    write_tree(tmp_path / "b", _level(), WriteOptions.of(link_from=tmp_path / "a"), stats=stats)
+    assert stats.files_linked == 0 and "fs.leases-enable" in stats.link_error
+
+
 def test_no_link_in_a_process_that_handles_sigurg(tmp_path):
     write_tree(tmp_path / "a", _level())
     old = signal.signal(signal.SIGURG, lambda *a: None)

@@ -59,6 +59,7 @@ LEASE_FILESYSTEMS = {
     0x9123683E: "btrfs",
     0x01021994: "tmpfs",
     0xF2F52010: "f2fs",
+    0x2FC12FC1: "zfs",
 }
 # Linux fcntl commands (Python names them only on some versions).
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
@@ -98,6 +99,12 @@ def lease_refusal(fd: int) -> str | None:
         )
     if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
         return "this process handles SIGURG, the signal a file lease would be taken with"
+    try:
+        with open("/proc/sys/fs/leases-enable", "rb") as f:
+            if f.read().strip() == b"0":
+                return "file leases are disabled on this machine (sysctl fs.leases-enable = 0)"
+    except OSError:
+        pass
     return None
 
 

@@ -193,7 +193,9 @@ def _copy_beside(fd: int, st: os.stat_result, name: str, dir_fd: int | None, whe
         if isinstance(err, MemtreeError):
             raise
         raise storage_error(
-            err, f"copying {where}, which shares its bytes with another tree by a hard link, before writing it"
+            err,
+            f"copying {where}, which shares its bytes with another tree by a hard link, before "
+            "mapping it read-write (to only read the tree, load it with mode='r': nothing is copied)",
         ) from err
     return new
 
