@@ -86,8 +86,9 @@ def _routed(tmp: Path) -> tuple[Path, Path, str]:
 SOURCES = {"checkpointer": _checkpointer, "link_from": _link_from, "routed": _routed}
 
 
-def _leaf(tree: Path, key: str) -> Path:
-    return tree / f"{key}.memmap"
+def _leaf(tree: Path, key: str | tuple[str, ...]) -> Path:
+    *dirs, name = (key,) if isinstance(key, str) else key
+    return tree.joinpath(*dirs, f"{name}.memmap")
 
 
 def _assert_untouched(other: Path, before: dict) -> None:
@@ -101,7 +102,7 @@ def _assert_untouched(other: Path, before: dict) -> None:
 def _assert_written(written: Path, keys: set, problems_allowed: bool) -> None:
     """The written tree: its written leaves no longer share a file; only they may have checksums
     made stale by a write in place."""
-    for (key,) in keys:
+    for key in keys:
         assert os.stat(_leaf(written, key)).st_nlink == 1
     problems = memtree.verify_tree(written).problems
     if not problems_allowed:
@@ -200,6 +201,11 @@ def _load_into_bound_module(path: Path, key: str) -> None:
     assert torch.equal(t["weight"], -WEIGHT)
 
 
+def _tree_rows(path: Path, key: str) -> None:
+    t = memtree.load_memmap(path)
+    t[2:4] = t[5:7].clone()  # every leaf of every level, row by row
+
+
 def _append(path: Path, key: str) -> None:
     t = memtree.load_memmap(path)
     t.append_(t[0].clone())
@@ -228,14 +234,17 @@ WRITERS = {
     "sent to a process": _sent_to_a_process,
     "to_module + optimizer": _to_module_and_train,
     "load_into_module": _load_into_bound_module,
+    "tree rows": _tree_rows,
     "append_": _append,
     "extend_": _extend,
     "resize_ down and up": _shrink_and_grow,
 }
 #: Writers that commit a new tree (checksums stay right) rather than writing files in place.
 RECOMMIT = {"append_", "extend_", "resize_ down and up"}
-#: Writers that need the tree to have a batch dim (``write_tree`` pairs only).
+#: Writers that grow the tree (they drop the checksums of the leaves they grow).
 GROWTH = {"append_", "extend_", "resize_ down and up"}
+#: Writers that need the tree to have a batch dim (``write_tree`` pairs only).
+BATCHED = GROWTH | {"tree rows"}
 #: Writers that need a ``weight``/``bias`` tree (not the routed pair's storages).
 MODULES = {"to_module + optimizer", "load_into_module"}
 
@@ -243,7 +252,7 @@ MODULES = {"to_module + optimizer", "load_into_module"}
 def _cases():
     for source in SOURCES:
         for writer in WRITERS:
-            if writer in GROWTH and source != "link_from":
+            if writer in BATCHED and source != "link_from":
                 continue
             if writer in MODULES and source == "routed":
                 continue
@@ -257,7 +266,11 @@ def test_a_write_into_one_linked_tree_never_changes_the_other(tmp_path, source, 
     WRITERS[writer](written, key)
     _assert_untouched(other, before)
     if writer not in GROWTH:  # (growth drops the checksums of the leaves it grows)
-        keys = {("weight",), ("bias",)} if writer in MODULES else {(key,)}
+        keys = {(key,)}
+        if writer in MODULES:
+            keys = {("weight",), ("bias",)}
+        elif writer == "tree rows":
+            keys = {("weight",), ("bias",), ("sub", "x")}
         _assert_written(written, keys, problems_allowed=writer not in RECOMMIT)
 
 
