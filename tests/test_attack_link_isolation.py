@@ -539,6 +539,21 @@ def test_a_level_of_a_tree_replaced_since_it_was_opened_is_not_copied_into(tmp_p
     assert snapshot(replaced) == before
 
 
+def test_a_write_over_a_tree_maps_its_pending_shared_levels_under_its_own_lock(tmp_path):
+    """Re-saving a prefix loads this process's lazily opened trees of it first, under the
+    writer's lock: their shared leaves are copied without taking that lock again."""
+    other, written, key = _link_from(tmp_path)
+    before = snapshot(other)
+    pending = memtree.load_memmap(written)  # nothing loaded yet
+    start = time.monotonic()
+    write_tree(written, Level((8,), {"weight": torch.zeros(8, 4)}))
+    assert time.monotonic() - start < 60  # (waiting for its own lock would take LOCK_TIMEOUT)
+    assert torch.equal(pending[key], WEIGHT)  # the old tree, mapped before it was replaced
+    pending[key].add_(1)
+    _assert_untouched(other, before)
+    assert torch.equal(memtree.load_memmap(written, mode="r")[key], torch.zeros(8, 4))
+
+
 def test_a_thread_loading_a_tree_another_thread_writes_gets_a_lock_error_not_a_deadlock(tmp_path):
     from memtree.format.names import lock_path
     from memtree.store.commit import WriterLock
