@@ -116,10 +116,10 @@ def test_the_pinned_ring_is_allocated_by_torch_never_registered_by_hand(monkeypa
         monkeypatch.setattr(torch.cuda, "Stream", _Stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     copier = fill_mod.CudaCopier(torch.device("cuda"))
-    buf = copier.buffer(4096)
+    (buf,) = copier.buffers(4096, 1)
     assert buf.dtype == torch.uint8 and buf.shape == (4096,) and buf.device.type == "cpu"
     assert buf.is_pinned() == torch.cuda.is_available()  # without CUDA: pageable, still correct
-    copier.release(buf)
+    copier.release([buf], True)
     assert cudart.calls == []
 
 
@@ -138,7 +138,7 @@ def test_a_load_onto_cuda_leaves_no_cuda_error_pending_for_the_next_kernel(tmp_p
 def test_a_ring_buffer_that_cannot_be_pinned_leaves_no_cuda_error_pending():
     copier = fill_mod.CudaCopier(torch.device("cuda"))
     try:
-        copier.buffer(1 << 42)  # 4 TiB: more than a host can pin (its pageable fallback may fail too)
+        copier.buffers(1 << 42, 1)  # 4 TiB: more than a host can pin (its pageable fallback may fail too)
     except RuntimeError:
         pass
     assert (torch.ones(8, device="cuda") * 2).sum().item() == 16

@@ -90,18 +90,20 @@ class FakeCopier:
         self.allocated = 0
         self.lock = threading.Lock()
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
         with self.lock:
-            self.live[buf.data_ptr()] = nbytes
-            self.allocated += 1
+            for buf in bufs:
+                self.live[buf.data_ptr()] = nbytes
+            self.allocated += count
             self.most = max(self.most, sum(self.live.values()))
-        return buf
+        return bufs
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
         with self.lock:
-            del self.live[buffer.data_ptr()]
-            self.released += 1
+            for buf in buffers:
+                del self.live[buf.data_ptr()]
+                self.released += 1
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         self.copies += 1
