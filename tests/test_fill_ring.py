@@ -294,6 +294,23 @@ def test_release_frees_the_idle_buffers_now_and_the_lent_ones_when_given_back() 
     assert ring.release() == 0 and alloc.unpins == 2  # what the load still held is unpinned now
 
 
+@pytest.mark.parametrize("emptied", ["released", "dropped"])
+def test_an_emptied_ring_pins_buffers_of_the_next_loads_size(emptied: str) -> None:
+    """Regression: after a release (or once a failed copy dropped every buffer) the ring kept
+    its old, larger size, so smaller loads found no buffer and staged through pageable memory."""
+    alloc = Allocator()
+    ring = ring_of(alloc)
+    slots = ring.take(1 << 16, 2)
+    if emptied == "released":
+        ring.give(slots, reuse=True)
+        ring.release()
+    else:
+        ring.give(slots, reuse=False)
+    del slots
+    assert ring.held == 0
+    assert [len(s) for s in ring.take(1024, 2)] == [1024, 1024] and ring.held == 2048 and alloc.made == 4
+
+
 def test_release_pinned_memory_empties_the_process_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     alloc = Allocator()
     monkeypatch.setattr(fill_mod, "PINNED", ring_of(alloc))

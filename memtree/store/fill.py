@@ -385,7 +385,7 @@ class PinnedRing:
         if want > cap:  # never pinned: the ring keeps its buffers
             return _pageable(want, count)
         with self._lock:
-            if want > self._size or self._size > cap:  # larger buffers, or a cap now below them
+            if want > self._size or self._size > cap or not self.held:  # larger, a cap below them, or none
                 self._drop(len(self._idle))
                 self._size = want
             while self._idle and self.held > cap:  # a cap lowered since: trim
