@@ -487,14 +487,18 @@ def load_into_module(
       load), hooks and ties keep working. From a file (memtree directory, safetensors,
       ``torch.save``, shards) the bytes are read with threaded ``preadv`` straight into the
       tensors' memory (no mapping, no second copy; :mod:`memtree.store.fill`), CUDA tensors
-      through a bounded ring of pinned buffers; from tensors in memory, ``p.copy_(source)``;
+      through a ring of pinned buffers; from tensors in memory, ``p.copy_(source)`` (into
+      CUDA tensors through the same ring; the shared ``mode="r+"`` mappings of a tree are
+      read from their files);
     * **meta** (a module built under :func:`empty_init`): there is nothing to fill, so the
       source tensor is *bound*, zero-copy: with a memtree directory the weights become
       read-only copy-on-write mappings of the files (no data is read until used, and the files
-      never change); build the optimizer after loading;
+      never change); build the optimizer after loading. With ``device="cuda"`` each tensor is
+      allocated on the device, filled through the pinned ring (from the file, or the source's
+      memory; never copied from a mapping), then bound;
     * ``assign=True`` binds every tensor, live or not (like
       ``nn.Module.load_state_dict(assign=True)``): parameters are then new objects, which an
-      optimizer built before the load does not hold.
+      optimizer built before the load does not hold (onto CUDA: read through the ring too).
 
     Module tensors the source does not provide are reported in ``missing`` and keep their
     current value. In a module built under :func:`empty_init` they stay on the meta device, so
@@ -519,8 +523,9 @@ def load_into_module(
         keys: load only names under these dotted prefixes or tuples (``"encoder"``,
             ``("encoder", "0")``) of the module's names; ``missing``/``unexpected`` are then
             computed within them.
-        device: where bound tensors go (a copy, unless they are there already); ``None``
-            binds them where the source has them. Tensors filled in place stay on their own
+        device: where bound tensors go (a copy, unless they are there already; onto CUDA,
+            new tensors read through the pinned ring); ``None`` binds them where the source
+            has them. Tensors filled in place stay on their own
             device: a live tensor elsewhere than ``device`` raises (move the module first).
         prefix: a dotted prefix (``"model."``, ``"transformer"``; the final dot is optional)
             that the names of one side have and the other's lack, as between a task model
