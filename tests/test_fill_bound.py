@@ -188,6 +188,17 @@ def test_a_live_model_filled_from_a_shared_tree_reads_the_files(tmp_path: Any, m
     assert calls == [len(src.state_dict())]
 
 
+def test_a_shared_tree_whose_file_was_truncated_raises_instead_of_faulting(tmp_path: Any) -> None:
+    """Regression: copying from the mapping of a truncated file killed the process (SIGBUS)."""
+    tree = load_memmap(save(trained(), "memtree", tmp_path))
+    net = Net()
+    before = {k: raw(v) for k, v in net.state_dict().items()}
+    os.truncate(tree["fc", "weight"].filename, 100)
+    with pytest.raises(StorageError, match=r"weight\.memmap.*truncated.*Nothing was written"):
+        load_into_module(net, tree)
+    assert {k: raw(v) for k, v in net.state_dict().items()} == before
+
+
 def test_to_module_inplace_fills_through_the_ring_and_shared_storages_in_order(cpu_ring: list[list[FillJob]]) -> None:
     class Fused(nn.Module):
         def __init__(self) -> None:
