@@ -169,8 +169,7 @@ def test_loading_onto_another_device_this_process_lacks_raises_a_typed_error(tmp
 # Run on a GPU machine: python -m pytest -q tests/test_cuda.py (about ten seconds). Each test
 # checks bit-exact values on the device, that every tensor went through the ring (the
 # destinations of the CUDA copier's staged jobs), and what the ring holds afterwards.
-import errno  # noqa: E402 - the section's own imports
-import os  # noqa: E402
+import os  # noqa: E402 - the section's own imports
 import threading  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -179,15 +178,13 @@ from memtree import StorageError, TensorTree, load_into_module, load_memmap  # n
 from memtree.store.files import FileRange  # noqa: E402
 from memtree.store.fill import FillJob, fill, memory_job  # noqa: E402
 
+from test_fill import fail_preadv_at, no_reader_threads  # noqa: E402
+from test_fill_bound import assert_written_privately, written_privately  # noqa: E402
 from test_fill_loading import Net, _tree, raw, save, trained  # noqa: E402
 
 
 def host(t: torch.Tensor) -> bytes:
     return raw(t.detach().cpu())
-
-
-def no_reader_threads() -> bool:
-    return not any(t.name.startswith("memtree-read") for t in threading.enumerate())
 
 
 def cuda_usable() -> bool:
@@ -306,23 +303,16 @@ def test_every_other_cuda_load_of_a_module_goes_through_the_ring(tmp_path, ring,
 
 @needs_cuda
 def test_a_read_only_tree_with_private_writes_loads_its_pages_onto_cuda(tmp_path, ring):
-    src = trained()
-    tree = load_memmap(save(src, "memtree", tmp_path), mode="r")
-    tree["fc", "weight"].as_subclass(torch.Tensor)[0, 0] = 42.0
+    src, tree = written_privately(tmp_path)
     with memtree.empty_init():
         net = Net()
     load_into_module(net, tree, device="cuda")
-    assert net.fc.weight[0, 0].item() == 42.0 and host(net.fc.weight[1:]) == raw(src.fc.weight[1:])
+    assert_written_privately(net, src)
 
 
 @needs_cuda
 def test_tied_weights_load_onto_cuda_tied_and_read_once(tmp_path, ring):
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(50, 8)
-            self.head = nn.Linear(8, 50, bias=False)
-            self.head.weight = self.emb.weight
+    from test_attack_models import Tied
 
     src = Tied()
     TensorTree.from_module(src).memmap(tmp_path / "t")
@@ -381,29 +371,16 @@ def test_an_error_mid_load_joins_the_threads_drains_the_ring_and_leaves_cuda_usa
     monkeypatch.setattr(fill_mod, "PINNED_CHUNK", 1 << 12)
     src = trained()
     path = save(src, "safetensors", tmp_path)
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def failing_now() -> bool:
-        with lock:
-            calls["n"] += 1
-            return calls["n"] == 6
-
     if fail == "read":
-        real_preadv = os.preadv
-
-        def preadv(fd: int, buffers: Any, offset: int) -> int:
-            if failing_now():
-                raise OSError(errno.EIO, "Input/output error")
-            return real_preadv(fd, buffers, offset)
-
-        monkeypatch.setattr(os, "preadv", preadv)
+        calls = fail_preadv_at(monkeypatch, 6)
         error: Any = StorageError
     else:
+        calls = {"n": 0}
         real_copy = fill_mod.CudaCopier.copy
 
         def copy(self: Any, dst: torch.Tensor, src_: torch.Tensor) -> Any:
-            if failing_now():
+            calls["n"] += 1  # copies are made by the calling thread only
+            if calls["n"] == 6:
                 raise RuntimeError("CUDA copy failed")
             return real_copy(self, dst, src_)
 

@@ -11,9 +11,7 @@ errors) is the same; tests/test_cuda.py runs them on a GPU.
 
 from __future__ import annotations
 
-import errno
 import os
-import threading
 from typing import Any
 
 import pytest
@@ -28,6 +26,8 @@ from memtree import MemoryMappedTensor, StorageError, TensorTree, load_into_modu
 from memtree.store.files import FileRange
 from memtree.store.fill import FillJob, MemoryRange
 
+from test_attack_models import Tied
+from test_fill import fail_preadv_at, no_reader_threads
 from test_fill_loading import KINDS, Net, _open_fds, raw, save, trained
 
 
@@ -68,14 +68,6 @@ def assert_read_not_mapped(net: nn.Module, calls: list[list[FillJob]], source: t
         assert not isinstance(t, MemoryMappedTensor) and not t.is_meta, name
         if t.numel():
             assert isinstance(jobs[t.data_ptr()].source, source), name
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 8)
-        self.head = nn.Linear(8, 50, bias=False)
-        self.head.weight = self.emb.weight
 
 
 # -- every entry point --------------------------------------------------------------------------------
@@ -143,18 +135,30 @@ def test_a_tree_whose_mappings_are_shared_is_read_from_its_files(tmp_path: Any, 
     assert_read_not_mapped(net, cpu_ring, FileRange)
 
 
+def written_privately(tmp_path: Any) -> tuple[Net, TensorTree]:
+    """A model, and its tree loaded read-only with ``fc.weight[0, 0] = 42`` written through a
+    plain alias: into this process's copy-on-write pages, not the file."""
+    src = trained()
+    tree = load_memmap(save(src, "memtree", tmp_path), mode="r")
+    tree["fc", "weight"].as_subclass(torch.Tensor)[0, 0] = 42.0
+    return src, tree
+
+
+def assert_written_privately(net: nn.Module, src: nn.Module) -> None:
+    w = net.fc.weight.detach().cpu()
+    assert w[0, 0].item() == 42.0 and raw(w[1:]) == raw(src.fc.weight[1:])
+
+
 def test_a_read_only_tree_is_copied_from_its_memory_which_may_differ_from_its_files(
     tmp_path: Any, cpu_ring: list[list[FillJob]]
 ) -> None:
     """A read-only tree is mapped copy-on-write: a write through a plain alias (a module bound
     to it and trained) changes this process's pages, not the files. The load takes the pages."""
-    src = trained()
-    tree = load_memmap(save(src, "memtree", tmp_path), mode="r")
-    tree["fc", "weight"].as_subclass(torch.Tensor)[0, 0] = 42.0
+    src, tree = written_privately(tmp_path)
     with memtree.empty_init():
         net = Net()
     load_into_module(net, tree, device="cpu")
-    assert net.fc.weight[0, 0].item() == 42.0 and raw(net.fc.weight[1:]) == raw(src.fc.weight[1:])
+    assert_written_privately(net, src)
     assert_read_not_mapped(net, cpu_ring, MemoryRange)
     live = Net()  # filled in place: the same pages
     load_into_module(live, tree)
@@ -223,19 +227,7 @@ def test_a_read_failing_mid_load_binds_nothing_and_leaves_no_thread_or_descripto
 ) -> None:
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 64)
     path = save(trained(), "memtree", tmp_path)
-    real = os.preadv
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def failing(fd: int, buffers: list[Any], offset: int) -> int:
-        with lock:
-            calls["n"] += 1
-            n = calls["n"]
-        if n == fail_at:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", failing)
+    fail_preadv_at(monkeypatch, fail_at)
     with memtree.empty_init():
         net = Net()
     before = _open_fds()
@@ -244,4 +236,4 @@ def test_a_read_failing_mid_load_binds_nothing_and_leaves_no_thread_or_descripto
     del info
     assert _open_fds() == before
     assert all(t.is_meta for t in net.state_dict().values())  # nothing bound
-    assert not any(t.name.startswith("memtree-read") for t in threading.enumerate())
+    assert no_reader_threads()

@@ -10,7 +10,6 @@ CUDA-only parts (page-locked buffers, streams) are in tests/test_cuda.py.
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from typing import Any
@@ -25,7 +24,7 @@ from memtree import InvalidArgumentError, StorageError
 from memtree.store.files import FileRange
 from memtree.store.fill import FillJob, MemoryRange, PinnedRing, fill, memory_job
 
-from test_fill import DTYPES, FakeCopier, no_reader_threads, raw, sample, write_file
+from test_fill import MIXED, Case, FakeCopier, fail_preadv_at, no_reader_threads, raw, sample, write_file
 
 
 class Allocator:
@@ -404,18 +403,7 @@ def test_a_failed_read_gives_every_buffer_back_for_the_next_load(
     alloc = Allocator()
     ring = ring_of(alloc)
     fd, src, job = cast_job(tmp_path, 30_000)
-    real = os.preadv
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def failing(fd_: int, buffers: list[Any], offset: int) -> int:
-        with lock:
-            calls["n"] += 1
-            if calls["n"] == 5:
-                raise OSError(errno.EIO, "Input/output error")
-        return real(fd_, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", failing)
+    calls = fail_preadv_at(monkeypatch, 5)
     copier = RingCopier(ring)
     try:
         with pytest.raises(StorageError, match="reading w"):
@@ -423,6 +411,7 @@ def test_a_failed_read_gives_every_buffer_back_for_the_next_load(
         assert no_reader_threads() and copier.in_use == {}
         held, made = ring.held, alloc.made
         assert held > 0  # every copy was waited for: the buffers are reusable
+        calls["n"] = -(10**9)
         load(job, RingCopier(ring), ring_bytes=1 << 14, num_threads=4)
     finally:
         os.close(fd)
@@ -431,34 +420,18 @@ def test_a_failed_read_gives_every_buffer_back_for_the_next_load(
 
 # -- memory sources --------------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1, max_size=5),
-    dtypes=st.lists(st.sampled_from(DTYPES), min_size=5, max_size=5),
-    cast=st.lists(st.booleans(), min_size=5, max_size=5),
-    strided=st.lists(st.booleans(), min_size=5, max_size=5),
-    threads=st.sampled_from([0, 2, 4]),
-    ring=st.sampled_from([2, 40, 1 << 20]),
-)
+@given(cases=MIXED, threads=st.sampled_from([0, 2, 4]), ring=st.sampled_from([2, 40, 1 << 20]))
 def test_property_memory_sources_fill_bit_exact_through_the_ring(
-    monkeypatch: pytest.MonkeyPatch,
-    shapes: list[list[int]],
-    dtypes: list[torch.dtype],
-    cast: list[bool],
-    strided: list[bool],
-    threads: int,
-    ring: int,
+    monkeypatch: pytest.MonkeyPatch, cases: list[Case], threads: int, ring: int
 ) -> None:
     """Tensors in memory, into cast and strided destinations: exactly what copy_ gives."""
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)
     jobs, wants = [], []
-    for i, shape in enumerate(shapes):
-        s = sample(tuple(shape), dtypes[i], i)
-        to = torch.float64 if cast[i] and s.is_floating_point() else s.dtype
-        d = torch.zeros(tuple(reversed(s.shape)), dtype=to).t() if strided[i] and s.dim() == 2 else torch.zeros(s.shape, dtype=to)
+    for i, (s, d, want) in enumerate(cases):
         job = memory_job(d, s, f"t{i}")
         assert job is not None and not job.direct and isinstance(job.source, MemoryRange)
         jobs.append(job)
-        wants.append(s.to(to))
+        wants.append(want)
     fake = FakeCopier()
     fill(jobs, num_threads=threads, copier=lambda _d: fake, ring_bytes=ring)
     for job, w in zip(jobs, wants):
