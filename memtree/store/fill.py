@@ -19,11 +19,12 @@ copy in memory:
   its place in the destination (``copy_``, casting on the way) and hands the buffer back once
   its copy is done. For CPU destinations the ring holds a few :data:`BOUNCE_BYTES` buffers,
   allocated for the call. For CUDA it is :class:`PinnedRing`: page-locked buffers allocated
-  once and lent to every load, sized to the load (never more than its bytes, nor than
-  :data:`PINNED_RING_BYTES`), whose host-to-device copies run on a CUDA stream, ordered by
-  events, while the next reads go on; :func:`release_pinned_memory` frees them. Any error in a
-  reader thread or in a copy stops the others, joins every thread, waits for every copy in
-  flight and is raised; the buffers go back to their ring whatever happened.
+  once and lent to every load, sized to the load (a load never pins more than its bytes, all
+  loads together never more than :data:`PINNED_RING_BYTES`), whose host-to-device copies run
+  on a CUDA stream, ordered by events, while the next reads go on;
+  :func:`release_pinned_memory` frees them. Any error in a reader thread or in a copy stops the
+  others, joins every thread, waits for every copy in flight and is raised; the buffers go
+  back to their ring whatever happened.
 
 Every range is checked against its file's size first (``fstat``): a file already too short
 raises before anything is written. A file that shrinks during the read raises the same error,
@@ -116,8 +117,8 @@ BOUNCE_BYTES = 8 * 1024 * 1024
 #: bytes of :class:`PinnedRing`, whose buffers the reads fill while earlier buffers are copied
 #: to the device. A module setting, read at each load: assign
 #: ``memtree.store.fill.PINNED_RING_BYTES = 128 << 20`` to pin less (a ring already larger is
-#: cut down to it by the next load). One load uses at most ``2 * READ_THREADS + 2`` buffers of
-#: up to :data:`PINNED_CHUNK` bytes, and never more than its own bytes.
+#: cut down to it by the next load). One load asks for at most ``2 * READ_THREADS + 2``
+#: buffers of up to :data:`PINNED_CHUNK` bytes, and never for more than its own bytes.
 PINNED_RING_BYTES = 512 * 1024 * 1024
 #: Most bytes of one buffer of the pinned ring.
 PINNED_CHUNK = 32 * 1024 * 1024
