@@ -532,6 +532,22 @@ def test_the_calls_weights_only_allows_refuse_hostile_arguments(tmp_path: Path) 
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cls", ["OrderedDict", "Counter"])
+@pytest.mark.parametrize("attribute", [NONE, b"K\x05", glob("torch", "device"), glob("builtins", "set")])
+def test_attributes_a_build_sets_do_not_change_how_a_dict_is_walked(tmp_path: Path, cls: str, attribute: bytes) -> None:
+    """A BUILD may set any attribute on an OrderedDict (a Counter), "items" and "keys" too, as
+    torch.load(weights_only=True) allows: the walk uses dict's own methods, never the object's
+    (an int there once escaped as a TypeError)."""
+    state = EMPTY_DICT + MARK + b"".join(ustr(n) + attribute for n in ("items", "keys", "values")) + b"u"
+    value = _call("collections", cls) + state + BUILD + ustr("k") + b"K\x01" + SETITEM
+    path = write_ckpt(tmp_path / "attrs.pt", PROTO + EMPTY_DICT + ustr("a") + value + SETITEM + b".")
+    assert torch.load(path, weights_only=True)["a"]["k"] == 1
+    with memtree.open_checkpoint(path) as ckpt:
+        assert ckpt.non_tensors == {"a.k": 1}
+    assert memtree.convert(path, tmp_path / "out").dropped == []
+    assert memtree.load_memmap(tmp_path / "out")["a", "k"] == 1
+
+
 METADATA = {  # metadata: (the error's type and what it says, or the values torch.load gives)
     "conj-not-bool": ({"conj": "yes"}, False, memtree.CheckpointFormatError, "malformed metadata"),
     # torch.save writes set bits only; torch.load would set this one: neither reading is sure

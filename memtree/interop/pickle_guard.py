@@ -549,9 +549,10 @@ def _items(obj: Any) -> Iterator[tuple[Any, Any]]:
     keyed, its keys too), a sequence's or set's items."""
     if not isinstance(obj, dict):
         return enumerate(obj)
+    # dict.items, not obj.items: a BUILD may have set an attribute "items" on an OrderedDict
     if _keyable(obj):
-        return iter(obj.items())
-    return itertools.chain(obj.items(), ((f"<key {short(k)}>", k) for k in obj))
+        return iter(dict.items(obj))
+    return itertools.chain(dict.items(obj), ((f"<key {short(k)}>", k) for k in obj))
 
 
 def _show(parts: list[Any] | tuple[Any, ...]) -> str:
@@ -743,7 +744,7 @@ def flatten_pickled(
 def _dict_items(
     obj: dict[Any, Any], path: tuple[str, ...], out: Flattened, where: str
 ) -> Iterator[tuple[str, Any]]:
-    for key, value in obj.items():
+    for key, value in dict.items(obj):  # (not obj.items: see _items)
         if type(key) is int:
             out.containers[path] = "int keys"
             key = str(key)
