@@ -466,6 +466,17 @@ def test_conjugate_and_negative_views_are_read_and_resolved_never_copied_as_they
         assert as_bytes(tree[key]) == as_bytes(expected.resolve_conj().resolve_neg()), key
 
 
+def test_a_value_with_more_tuples_than_a_meta_json_records_is_dropped(tmp_path: Path) -> None:
+    """format version 2 records at most 100,000 tuple paths a value: one more would be written
+    and then refused by every reader of the tree."""
+    pt = tmp_path / "c.pt"
+    many = [(i,) for i in range(100_001)]
+    torch.save({"w": torch.ones(1), "many": many, "enough": many[:100_000]}, pt)
+    result = memtree.convert(pt, tmp_path / "tree")
+    assert result.dropped == ["many"]
+    assert memtree.load_memmap(tmp_path / "tree")["enough"][-1] == (99_999,)
+
+
 def test_tuples_are_dropped_going_to_tensordict(tmp_path: Path) -> None:
     """tensordict keeps a value as JSON, which gives a tuple back as a list: never altered."""
     from tensordict import TensorDict
