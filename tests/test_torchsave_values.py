@@ -301,3 +301,5 @@ def test_a_sharded_checkpoint_skips_what_its_shards_skip(tmp_path: Path) -> None
         open_checkpoint(tmp_path)
     with open_checkpoint(tmp_path, skip_unsupported=True) as ckpt:
         assert sorted(ckpt) == ["a", "b"] and ckpt.skipped == {"q": "a quantized tensor"}
+        with pytest.raises(memtree.MemtreeKeyError, match="left out .* a quantized tensor"):
+            ckpt["q"]

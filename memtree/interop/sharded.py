@@ -71,7 +71,7 @@ from ..store.commit import write_small_file
 from ..store.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
-from .torchsave import TorchSaveReader
+from .torchsave import TorchSaveReader, skipped_error
 
 __all__ = [
     "DIRECTORY_FILES",
@@ -267,6 +267,8 @@ class ShardedReader(Closing):
         try:
             return self._shard_of[key]
         except KeyError:
+            if key in self.skipped:
+                raise skipped_error(self.path, key, self.skipped[key]) from None
             raise MemtreeKeyError(
                 f"{key!r} is not a tensor of {self.path} (tensors: {list(self._shard_of)[:_LIST_MAX]})"
             ) from None

@@ -101,6 +101,7 @@ __all__ = [
     "TorchSaveReader",
     "is_torch_zip",
     "legacy_message",
+    "skipped_error",
 ]
 
 _READ_CHUNK = 1 << 20  # data.pkl is read (and inflated) and scanned this much at a time
@@ -121,6 +122,11 @@ def legacy_message(path: str) -> str:
 def is_torch_zip(head: bytes) -> bool:
     """True if ``head`` (a file's first bytes) starts a zip archive."""
     return head[:4] == _ZIP_MAGIC
+
+
+def skipped_error(path: str, key: str, what: str) -> MemtreeKeyError:
+    """The error for reading ``key``, which ``skip_unsupported=True`` left out (``what`` it is)."""
+    return MemtreeKeyError(f"{key!r} of {path} was left out (skip_unsupported=True): it is {what}")
 
 
 # -- the reader --------------------------------------------------------------------------------
@@ -393,10 +399,7 @@ class TorchSaveReader(Closing):
             return self._refs[key]
         except KeyError:
             if key in self.skipped:
-                raise MemtreeKeyError(
-                    f"{key!r} of {self.path} was left out (skip_unsupported=True): it is "
-                    f"{self.skipped[key]}"
-                ) from None
+                raise skipped_error(self.path, key, self.skipped[key]) from None
             raise MemtreeKeyError(
                 f"{key!r} is not a tensor of {self.path} (tensors: {list(self._refs)[:10]})"
             ) from None
