@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -88,9 +89,10 @@ class Tensor4:
     ``metadata`` (the 7th argument of ``_rebuild_tensor_v2``: ``{"conj": True}``...) if given;
     ``complex``: as a complex64 tensor of 2 elements (the same 16 bytes)."""
 
-    def __init__(self, metadata: Any = None, complex: bool = False) -> None:
+    def __init__(self, metadata: Any = None, complex: bool = False, layout: Any = None) -> None:
         self.metadata = metadata
         self.complex = complex
+        self.layout = layout  # (size, stride) instead of the whole storage
 
 
 class _Pickler(pickle.Pickler):
@@ -103,7 +105,8 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor4):
             n = 2 if obj.complex else 4
-            args: tuple[Any, ...] = ((_STORAGE, obj.complex), 0, (n,), (1,), False, OrderedDict())
+            size, stride = obj.layout or ((n,), (1,))
+            args: tuple[Any, ...] = ((_STORAGE, obj.complex), 0, size, stride, False, OrderedDict())
             return torch._utils._rebuild_tensor_v2, args + ((obj.metadata,) if obj.metadata is not None else ())
         return NotImplemented
 
@@ -546,6 +549,32 @@ def test_attributes_a_build_sets_do_not_change_how_a_dict_is_walked(tmp_path: Pa
         assert ckpt.non_tensors == {"a.k": 1}
     assert memtree.convert(path, tmp_path / "out").dropped == []
     assert memtree.load_memmap(tmp_path / "out")["a", "k"] == 1
+
+
+LAYOUTS = {  # (size, stride): the error's type and what it says
+    "zero-element, 2**124 elements once zeros count as 1": (((0, 2**62, 2**62), (1, 1, 1)), memtree.DtypeError, "beyond 2**62 bytes"),
+    "zero-element, an int64 dim": (((0, 2**63 - 1), (2**63 - 1, 1)), memtree.DtypeError, "beyond 2**62 bytes"),
+    "a stride beyond int64": (((0,), (2**63,)), memtree.CheckpointFormatError, "malformed size"),
+    "a dim beyond int64": (((2**64, 0), (1, 1)), memtree.CheckpointFormatError, "malformed size"),
+    "past the storage": (((5,), (1,)), memtree.CheckpointFormatError, "reaches past the end"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_torch_cannot_make_or_memtree_cannot_hold_are_refused(tmp_path: Path, name: str) -> None:
+    """Sizes and strides beyond int64, or a zero-element shape spanning more than the format's
+    2**62 bytes once its zeros count as 1 (torch overflows computing its strides): a MemtreeError
+    from every reader, never a TypeError or RuntimeError out of torch."""
+    layout, error, fragment = LAYOUTS[name]
+    path = write_ckpt(tmp_path / "l.pt", dumps({"ok": Tensor4(), "t": Tensor4(layout=layout)}))
+    for read in (
+        lambda: memtree.open_checkpoint(path)["t"],
+        lambda: memtree.convert(path, tmp_path / "out"),
+        lambda: memtree.load_into_module(torch.nn.Linear(2, 2), path, strict=False),
+    ):
+        with pytest.raises(error, match=re.escape(fragment)):
+            read()
+    assert not (tmp_path / "out").exists()
 
 
 METADATA = {  # metadata: (the error's type and what it says, or the values torch.load gives)

@@ -67,6 +67,7 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsafePickleError
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.schema import MAX_DIM, MAX_NBYTES, extent_bytes
 from .pickle_guard import Budget, SafeCall, current_limits, short
 
 __all__ = ["StorageRef", "TensorRef", "UnreadableTensor", "RestrictedUnpickler"]
@@ -278,10 +279,12 @@ def _tensor_ref(
             f"a tensor has a malformed layout: offset {short(offset)}, size {short(size)}"
         )
     size, stride = tuple(size), tuple(stride)
-    if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
+    if not all(_int(n) and n <= MAX_DIM for n in size + stride):  # torch's are int64
         raise CheckpointFormatError(
             f"a tensor has a malformed size {short(size)} or stride {short(stride)}"
         )
+    if extent_bytes(size, dtype) > MAX_NBYTES:  # as the format bounds every leaf
+        return UnreadableTensor(f"a tensor of shape {short(list(size))}, beyond 2**62 bytes")
     bits = _bits(metadata, dtype)
     if isinstance(bits, UnreadableTensor):
         return bits
