@@ -1015,7 +1015,9 @@ def test_property_mutated_checkpoints_raise_only_memtree_errors(tmp_path: Path) 
     of a checkpoint's pickle or of its whole zip, opened and read in a bounded child."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     base = tmp_path / "base.pt"
-    torch.save({"model": model.state_dict(), "step": 3, "cfg": {"betas": (0.9, 0.99)}}, base)
+    views = {"conj": torch.ones(2, dtype=torch.complex64).conj(), "neg": torch._neg_view(torch.ones(3))}
+    extras = {"seen": {1, 2}, "device": torch.device("cpu"), "raw": bytearray(b"ab"), "cfg": {"betas": (0.9, 0.99)}}
+    torch.save({"model": model.state_dict(), "step": 3, "views": views, **extras}, base)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", _FUZZ, str(base), str(tmp_path / "mutant.pt"), "400"],
