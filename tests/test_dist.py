@@ -481,3 +481,33 @@ def test_the_distributed_guide_runs_on_2_ranks(tmp_path):
     run_script(2, "\n".join(blocks), page, str(tmp_path))
     exported = memtree.interop.open_checkpoint(str(tmp_path / "model.safetensors"))  # convert's, rank 0
     assert exported["model.0.weight"].shape == (63, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpointer: a state holding DTensors is saved by every rank at once
+
+
+def _checkpointer(rank: int, world: int, root: str) -> list[int]:
+    import memtree
+
+    model, opt, _ = parallel("fsdp", world, seed=0)
+    steps(model, opt, rank, 0, 1, "fsdp")
+    ckpt = memtree.Checkpointer(root, keep_last=1)
+    for step in (1, 2):
+        assert ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": step}) == ckpt.path(step)
+    with pytest.raises(memtree.InvalidArgumentError, match="blocking=True"):
+        ckpt.save(3, {"model": model.state_dict()}, blocking=False)
+    dist.barrier()  # rank 0 applies the retention: wait for it before listing
+    return ckpt.steps()
+
+
+def test_a_checkpointer_saves_a_sharded_state_from_every_rank(tmp_path):
+    """Checkpointer.save of an FSDP2 state (model and optimizer: DTensors under int keys) on 2
+    ranks: one step directory, committed once, with the retention applied by rank 0; restored
+    whole by one process."""
+    root = str(tmp_path / "root")
+    assert run_ranks(2, _checkpointer, root) == [[2], [2]]
+    state = memtree.Checkpointer(root).restore()
+    assert state["epoch"] == 2 and state["model"]["up.weight"].shape == (10, 6)
+    assert set(state["optim"]["state"]) == {0, 1, 2, 3}
+    assert state["optim"]["state"][0]["exp_avg"].shape == (10, 6)
