@@ -511,3 +511,43 @@ def test_a_checkpointer_saves_a_sharded_state_from_every_rank(tmp_path):
     assert state["epoch"] == 2 and state["model"]["up.weight"].shape == (10, 6)
     assert set(state["optim"]["state"]) == {0, 1, 2, 3}
     assert state["optim"]["state"][0]["exp_avg"].shape == (10, 6)
+
+
+def _wrong_uses(rank: int, world: int, d: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    tree = memtree.TensorTree({"w": distribute(torch.ones(4, 2), mesh, [Shard(0)])})
+    messages = []
+    for call in (
+        lambda: tree.memmap(d, checksum="xxh3"),  # rank 0 cannot combine xxh3 from the pieces
+        lambda: tree.memmap(None),  # shared memory is this process's
+        lambda: tree.memmap(d, encryption=memtree.EncryptionKey.generate()),
+    ):
+        with pytest.raises(memtree.MemtreeError) as info:
+            call()
+        messages.append(str(info.value))
+    tree.memmap(d)
+    mesh2 = init_device_mesh("cpu", (world, 1))
+    for kwargs, error in (
+        ({"placements": {"w": [Shard(0)]}}, memtree.InvalidArgumentError),  # no mesh
+        ({"mesh": mesh, "placements": [Shard(0)]}, memtree.InvalidArgumentError),  # a list: for which key?
+        ({"mesh": mesh2}, memtree.PlacementError),  # saved on a 1-d mesh
+        ({"mesh": mesh, "placements": {"w": [Shard(2)]}}, memtree.PlacementError),
+    ):
+        with pytest.raises(error) as info:
+            memtree.load_memmap(d, **kwargs)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_wrong_uses_are_refused_with_the_fix(tmp_path):
+    xxh3, shared, encrypted, no_mesh, a_list, mesh_dims, bad_dim = run_ranks(1, _wrong_uses, str(tmp_path / "t"))[0]
+    assert "records crc32c or crc32" in xxh3 and "checksum='auto'" in xxh3
+    assert "pass a prefix" in shared
+    assert "encryption=" in encrypted
+    assert "placements= needs mesh=" in no_mesh
+    assert "a mapping from keys to placements" in a_list
+    assert "mesh of shape [1]" in mesh_dims and "Pass placements=" in mesh_dims
+    assert "shards dim 2" in bad_dim

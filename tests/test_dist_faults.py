@@ -167,3 +167,67 @@ def test_trees_that_differ_between_ranks_are_refused_by_name(tmp_path):
         assert "Partial" in partial and "redistribute" in partial
         assert "preparing the staging directory failed" in exists and "exists" in exists
     assert same_as(d, 1) and leftovers(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged trees: what a rank reads is checked, and a damaged file never half-fills a model
+
+
+def _save_big(rank: int, world: int, d: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB: 4 chunks
+    mesh = init_device_mesh("cpu", (world,))
+    memtree.TensorTree({"a": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)}).memmap(d)
+
+
+def _verified(rank: int, world: int, d: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        tree = memtree.load_memmap(d, mesh=mesh, verify=True)
+    except memtree.IntegrityError as err:
+        return str(err)
+    assert torch.equal(tree["a"].to_local().reshape(-1)[:3], torch.arange(3.0) + rank * 512 * 1024)
+    return "ok"
+
+
+def test_a_rank_checks_the_chunks_it_reads_and_only_those(tmp_path):
+    """A bit flipped in the last chunk of a leaf: the rank whose shard lies there raises
+    IntegrityError naming the chunk; the rank whose shard is intact loads it (it never reads the
+    damaged chunk); a whole-tree verify finds it too."""
+    d = str(tmp_path / "t")
+    run_ranks(2, _save_big, d)
+    path = os.path.join(d, "a.memmap")
+    with open(path, "r+b") as f:
+        f.seek((3 << 20) + 12345)
+        byte = f.read(1)[0]
+        f.seek((3 << 20) + 12345)
+        f.write(bytes([byte ^ 4]))
+    first, second = run_ranks(2, _verified, d)
+    assert first == "ok"
+    assert "chunk 3 (bytes 3,145,728 to 4,194,304)" in second and "damaged" in second
+    assert not memtree.verify_tree(d).ok
+
+
+def _fill_truncated(rank: int, world: int, d: str) -> str:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    holder = nn.Module()
+    holder.register_buffer("a", distribute_tensor(torch.full((1024, 1024), 7.0), mesh, [Shard(0)], src_data_rank=None))
+    with pytest.raises(memtree.MemtreeError) as info:
+        memtree.load_into_module(holder, d)
+    assert bool((holder.a.to_local() == 7.0).all())  # nothing was filled
+    return type(info.value).__name__
+
+
+def test_a_truncated_leaf_is_refused_by_every_rank_before_any_shard_is_filled(tmp_path):
+    d = str(tmp_path / "t")
+    run_ranks(2, _save_big, d)
+    os.truncate(os.path.join(d, "a.memmap"), (4 << 20) - 4)  # only rank 1's range is cut
+    assert run_ranks(2, _fill_truncated, d) == ["LeafSizeError", "LeafSizeError"]
