@@ -196,7 +196,7 @@ def test_a_collective_save_is_one_plain_tree(saved, n):
     assert sorted(os.listdir(os.path.dirname(d))) == ["n1", "n2", "n3", "n4", "plain"]  # no staging, no lock
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_saved_on_n_ranks_loads_on_m_ranks_bit_exact(saved, m):
     """Every N -> M: each of M ranks gets exactly the shard DTensor would give it, for every target
     placement, through load_memmap(mesh=, placements=) and load_into_module."""
@@ -300,6 +300,7 @@ def _cross_load(rank: int, world: int, kind: str, d: str) -> dict:
     return full_params(model)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_one_parallelism_loads_into_another(tmp_path):
     """Saved from FSDP2 on 2 ranks; loaded into a tensor-parallel model on 3 ranks, FSDP2 on 4,
     and a plain model in this process: the same weights, bit for bit."""
@@ -420,7 +421,7 @@ def big(tmp_path_factory) -> str:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("key", ["row", "col"])
 def test_each_rank_reads_its_own_bytes_in_little_more_memory(big, world, key):
     """The targets: a rank asks for Shard(0) <= 1/N + 1% of the tree's bytes, Shard(1) <= 1.25/N
@@ -457,7 +458,7 @@ def _load_file(rank: int, world: int, path: str) -> dict[str, int]:
     return {"bytes": counted.nbytes}
 
 
-@pytest.mark.parametrize("layout", ["model.safetensors", "shards"])
+@pytest.mark.parametrize("layout", ["model.safetensors", pytest.param("shards", marks=pytest.mark.slow)])
 def test_dtensors_load_from_safetensors_files_and_shards_reading_their_own_bytes(big, tmp_path, layout):
     """The same rank-aware reads from a .safetensors file and from a Hugging Face directory of
     shards (the tensors' ranges in those files): no rank reads the whole checkpoint."""
