@@ -552,3 +552,50 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     assert "a mapping from keys to placements" in a_list
     assert "mesh of shape [1]" in mesh_dims and "Pass placements=" in mesh_dims
     assert "shards dim 2" in bad_dim
+
+
+def remote_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(6)  # 4 MiB each: 4 checksummed chunks; 16 rows of columns
+    return {"row": torch.randn(1024, 1024, generator=g), "col": torch.randn(16, 65536, generator=g)}
+
+
+def _save_remote(rank: int, world: int, d: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = remote_tensors()
+    memtree.TensorTree({"row": distribute(full["row"], mesh, [Shard(0)]),
+                        "col": distribute(full["col"], mesh, [Shard(1)])}).memmap(d)
+
+
+def _remote(rank: int, world: int, url: str, verify: bool) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    tree = memtree.load_memmap(url, mesh=mesh, verify=verify)
+    full = remote_tensors()
+    for key, placement in (("row", Shard(0)), ("col", Shard(1))):
+        assert list(tree[key].placements) == [placement]
+        assert same(tree[key].to_local(), distribute(full[key], mesh, [placement]).to_local()), key
+    return rank
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_ranks_read_only_their_ranges_of_a_remote_tree(tmp_path, verify):
+    """load_memmap(url, mesh=): each rank's ranges are ranged HTTP requests, so the server sends
+    the tree about once for 2 ranks (not twice); with verify=True each rank reads the chunks its
+    ranges touch whole and checks them (a column shard touches every chunk of its leaf)."""
+    import remote_server
+
+    d = str(tmp_path / "t")
+    run_ranks(2, _save_remote, d)
+    srv, _ = remote_server.start()
+    try:
+        srv.publish(d, "t")
+        assert run_ranks(2, _remote, f"{srv.url}/t", verify) == [0, 1]
+        row, col = (t.nbytes for t in remote_tensors().values())
+        assert srv.leaf_bytes() <= (row + col if not verify else row + 2 * col) * 1.01
+    finally:
+        remote_server.stop(srv)

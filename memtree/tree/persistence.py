@@ -266,7 +266,8 @@ class Persistence(ShapeOps):
                 calls it. A shard that is one range of its file is mapped (zero-copy), a strided one
                 (``Shard(1)``) read into memory; ``verify=True`` reads and checks the chunks its
                 ranges touch. The mesh's size need not be the saver's; its number of dims must be
-                (else give ``placements``).
+                (else give ``placements``). From a URL, each rank's ranges are ranged requests
+                (other leaves are downloaded whole); ``storage_options`` is the one remote option.
             placements: with ``mesh``, the placements of some leaves (a mapping from keys, ``"w"``
                 or ``("a", "w")``, to a list of placements, one per mesh dim), or a function of
                 ``(key path, shape)`` returning one (or ``None``: the recorded placements, or
@@ -283,15 +284,21 @@ class Persistence(ShapeOps):
             ['b', ('b', 'c')]
         """
         if mesh is not None or placements is not None:
-            from ..dist.read import load_sharded, targets_for
+            from ..dist.read import load_sharded, load_sharded_remote, targets_for
+            from ..store.storage import is_url, local_path
 
-            if device is not None or encryption is not None or remote or allow_pickle:
+            where = local_path(prefix)
+            if device is not None or encryption is not None or allow_pickle or set(remote) - {"storage_options"}:
                 raise InvalidArgumentError(
-                    "mesh=/placements= load local memtree directories: device=, encryption=, "
-                    "allow_pickle= and URLs are not supported with them"
+                    "mesh=/placements= load memtree directories and URLs (storage_options= for "
+                    "those): device=, encryption=, allow_pickle= and other remote options are not "
+                    "supported with them"
                 )
             target = targets_for(mesh, placements)
-            level = load_sharded(prefix, target, mode=mode, mmap=mmap, verify=verify, keys=keys)
+            if is_url(where):
+                level = load_sharded_remote(str(where), target, verify=verify, keys=keys, **remote)
+            else:
+                level = load_sharded(where, target, mode=mode, mmap=mmap, verify=verify, keys=keys)
             return cls._from_level(level, None, unknown_classes)
         options = ReadOptions.of(
             keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify,
