@@ -178,6 +178,7 @@ def test_layout_json_round_trip(layout):
     ({"mesh": [0], "placements": ["R"]}, "mesh dims are ints"),
     ({"mesh": [True], "placements": ["R"]}, "mesh dims are ints"),
     ({"mesh": [2], "placements": ["S(01)"]}, "not a placement"),
+    ({"mesh": [2], "placements": ["_S(0, 999999999)"]}, "split factor beyond"),
     ({"mesh": [2], "placements": [" S(0)"]}, "not a placement"),
     ({"mesh": [2], "placements": [0]}, "not a placement"),
     ({"mesh": [2], "placements": ["R"], "dim_names": ["a", "b"]}, "one per mesh dim"),

@@ -159,9 +159,11 @@ def check_layout(layout: Layout, ndim: int) -> None:
         if type(n) is not int or not 0 < n <= MAX_MESH_SIZE:
             raise ValueError(f"mesh dims are ints in [1, {MAX_MESH_SIZE}], got {list(layout.mesh)!r:.60}")
     for text in layout.placements:
-        kind, dim, _ = parse_placement(text)
+        kind, dim, split = parse_placement(text)
         if kind != "R" and dim >= ndim:
             raise ValueError(f"placement {text!r} shards dim {dim} of a tensor of {ndim} dims")
+        if split > MAX_MESH_SIZE:
+            raise ValueError(f"placement {text!r} has a split factor beyond {MAX_MESH_SIZE}")
     names = layout.dim_names
     if names is not None and (
         len(names) != len(layout.mesh)
@@ -231,6 +233,8 @@ def _strided_positions(size: int, chunks: int, index: int, split: int) -> list[t
     out: list[tuple[int, int]] = []
     for part in range(split):
         start, length = chunk_span(size, split, part)
+        if not length:  # every later part is empty too: at most ``size`` parts are looked at
+            break
         sub, sublen = chunk_span(length, chunks, index)
         if sublen:
             out.append((start + sub, start + sub + sublen))
