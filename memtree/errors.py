@@ -53,6 +53,7 @@ __all__ = [
     "RemoteRangeError",
     "RemoteChangedError",
     "DistributedCheckpointError",
+    "PlacementError",
     "TensorclassError",
     "UnknownClassError",
     "NotGrowableError",
@@ -220,6 +221,11 @@ class DistributedCheckpointError(MemtreeError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
         super().__init__(message)
         self.failures: dict[int, BaseException] = dict(failures or {})
+
+
+class PlacementError(MemtreeError, ValueError):
+    """A distributed tensor's placement memtree cannot store or read (``Partial``, a mesh that
+    differs from the one recorded, ranks whose trees differ)."""
 
 
 class TensorclassError(MemtreeError, TypeError):

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import zlib
 from pathlib import Path
 
 import orjson
@@ -40,6 +41,9 @@ LOAD_VARIANTS = [{}, {"mode": "r"}, {"mmap": False}]
 LOAD_IDS = ["default", "mode_r", "no_mmap"]
 
 A_BYTES = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # leaf "a": float32 [2, 3]
+A_CRC = f"crc32:{zlib.crc32(A_BYTES):08x}"
+PLACEMENT = {"mesh": [2], "placements": ["S(0)"]}
+CHUNKS = {"bytes": 4096, "sums": [A_CRC[6:]]}
 C_BYTES = torch.tensor([7, -8], dtype=torch.int64).numpy().tobytes()  # leaf "b/c": int64 [2]
 
 
@@ -297,6 +301,16 @@ def test_meta_just_over_16_mib_is_refused(tree_dir):
 # ----------------------------------------------------------------------------- row 6, 7, 27: schema
 
 
+def _v3(fn):
+    """:func:`_mut` of the root meta as a version 3 level (where chunks and placement may be)."""
+
+    def edit(m):
+        m["version"] = 3
+        return fn(m)
+
+    return _mut(edit)
+
+
 def _mut(fn):
     """fn edits the meta dict in place (returns None), or returns a replacement (_replace)."""
 
@@ -373,6 +387,27 @@ SCHEMA_MUTATIONS = {
     "two_entries_one_dir": _mut(lambda m: m["entries"].append({"key": "b2", "kind": "tree", "dir": "b"})),
     "tensor_file_without_memmap_suffix": _mut(lambda m: _entry(m, "a").update(file="a.bin")),
     "tensor_file_is_meta_json": _mut(lambda m: _entry(m, "a").update(file="meta.json")),
+    # version 3 fields (a distributed leaf's placement, per-chunk checksums)
+    "placement_in_version_1": _mut(lambda m: _entry(m, "a").update(placement=PLACEMENT)),
+    "chunks_in_version_1": _mut(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks=CHUNKS)),
+    "v3_placement_partial": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["P(sum)"]})),
+    "v3_placement_dim_beyond_shape": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["S(2)"]})),
+    "v3_placement_mesh_mismatch": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2, 2], "placements": ["R"]})),
+    "v3_placement_empty_mesh": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [], "placements": []})),
+    "v3_placement_zero_mesh": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [0], "placements": ["R"]})),
+    "v3_placement_string": _v3(lambda m: _entry(m, "a").update(placement="S(0)")),
+    "v3_placement_names_repeat": _v3(lambda m: _entry(m, "a").update(
+        placement={"mesh": [1, 1], "placements": ["R", "R"], "dim_names": ["x", "x"]})),
+    "v3_placement_class_path": _v3(lambda m: _entry(m, "a").update(
+        placement={"mesh": [2], "placements": ["torch.distributed.tensor.Shard(0)"]})),
+    "v3_chunks_without_checksum": _v3(lambda m: _entry(m, "a").update(chunks=CHUNKS)),
+    "v3_chunks_count": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["0" * 8] * 2})),
+    "v3_chunks_bad_hex": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["XYZ" * 3]})),
+    "v3_chunks_digits_of_another_algorithm": _v3(lambda m: _entry(m, "a").update(
+        checksum=A_CRC, chunks={"bytes": 4096, "sums": ["0" * 16]})),
+    "v3_chunks_tiny": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 16, "sums": ["0" * 8] * 2})),
+    "v3_chunks_huge": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 2**41, "sums": ["0" * 8]})),
+    "v3_chunks_extra_field": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={**CHUNKS, "algorithm": "crc32"})),
 }
 
 
@@ -382,6 +417,15 @@ def test_schema_violation_in_root_meta(tree_dir, name, kw):
     (tree_dir / "a.bin").write_bytes(A_BYTES)
     set_root(tree_dir, SCHEMA_MUTATIONS[name](root_meta()))
     expect_error(tree_dir, memtree.MetaFormatError, **kw)
+
+
+def test_version_3_fields_that_fit_load(tree_dir):
+    """The control of the v3 mutations above: a valid placement and chunk checksums load."""
+    m = root_meta()
+    m["version"] = 3
+    _entry(m, "a").update(placement=PLACEMENT, checksum=A_CRC, chunks=CHUNKS)
+    set_root(tree_dir, m)
+    assert memtree.load_memmap(str(tree_dir), verify=True)["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
 def test_case_insensitive_duplicate_file_names(tree_dir):
@@ -442,7 +486,7 @@ def test_meta_naming_a_module_imports_nothing(tree_dir):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("version", 3), ("version", 0), ("version", 999), ("version", -1),
+    [("version", 4), ("version", 0), ("version", 999), ("version", -1),
      ("format", "tensordict"), ("format", "memtree2"), ("format", "MEMTREE")],
 )
 def test_unknown_format_or_version(tree_dir, field, value):
@@ -474,7 +518,7 @@ def test_missing_format_or_version(tree_dir, field):
 
 def test_unknown_version_in_child(tree_dir):
     m = child_meta()
-    m["version"] = 3
+    m["version"] = 4
     set_child(tree_dir, m)
     expect_error(tree_dir, memtree.UnsupportedVersionError)
 

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memtree
+from memtree.format.chunks import ChunkSums
+from memtree.format.placement import Layout
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 from memtree.store.options import ReadOptions, WriteOptions
 from memtree.store.checksums import default_checksum
@@ -124,6 +126,8 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     capacity: int | None = None
     chunk_bytes: int | None = None
     int_key: bool = False
+    chunks: Any = None
+    placement: Any = None
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
@@ -136,6 +140,8 @@ _leaves = st.tuples(
     st.none() | st.integers(0, 9),
     st.none() | st.integers(4096, 8192),
     st.booleans(),
+    st.none() | st.just(ChunkSums(4096, ("00000000", "00000001"))),
+    st.none() | st.just(Layout((2,), ("S(0)",))),
 )
 
 

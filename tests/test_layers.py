@@ -1,7 +1,7 @@
 """The package's import graph keeps its layers: no import circle, and no import from a lower layer
 to a higher one (``docs/architecture.md``).
 
-Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
+Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/``, ``dcp/`` and ``dist/`` <
 ``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
 ``memtree.routing`` and its modules) < ``cli/`` < ``integrations/``.
 Every ``import`` of a ``memtree`` module counts, at module level or inside a function; only
@@ -24,6 +24,7 @@ LAYERS = {
     "store": 2,
     "interop": 3,
     "dcp": 3,
+    "dist": 3,
     "tree": 4,
     "nn": 5,
     "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface

@@ -31,6 +31,9 @@ from .dtypes import dtype_name as name_of_dtype
 if TYPE_CHECKING:
     import torch
 
+    from .chunks import ChunkSums
+    from .placement import Layout
+
 __all__ = [
     "TREE_TYPE",
     "TAG_BYTES",
@@ -76,6 +79,9 @@ class LeafMeta(Record):
     constructor is turned into its name), so that metadata is parsed without torch; the
     ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
     of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
+    Version 3: ``chunks`` (:class:`~memtree.format.chunks.ChunkSums`), the checksum of each
+    chunk of the file; ``placement`` (:class:`~memtree.format.placement.Layout`), how a
+    distributed tensor stored whole in the file was split over its device mesh.
     """
 
     key: str
@@ -87,6 +93,8 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    chunks: ChunkSums | None = None
+    placement: Layout | None = None
 
     def __init__(
         self,
@@ -98,6 +106,8 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        chunks: ChunkSums | None = None,
+        placement: Layout | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -107,6 +117,8 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "chunks", chunks)
+        _set(self, "placement", placement)
 
     @property
     def dtype(self) -> torch.dtype:

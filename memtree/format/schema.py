@@ -1,4 +1,4 @@
-"""The ``meta.json`` schema (format versions 1 and 2): data classes, serialisation, validation.
+"""The ``meta.json`` schema (format versions 1 to 3): data classes, serialisation, validation.
 
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
@@ -44,6 +44,8 @@ from .entries import (
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
+from .chunks import chunks_from_json, chunks_to_json
+from .placement import layout_from_json, layout_to_json
 from .values import MAX_JSON_DEPTH, json_depth
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "VERSION",
+    "VERSION_3",
     "READ_VERSIONS",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
@@ -85,8 +88,12 @@ FORMAT = "memtree"
 #: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
 #: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
+#: The version of a level that uses a field of version 3 (a leaf's ``chunks`` or ``placement``;
+#: ``docs/format.md``, "Version 3"); other levels keep :data:`VERSION`, so that a tree without
+#: them stays readable by memtree releases that read versions 1 and 2.
+VERSION_3 = 3
 #: The versions memtree reads.
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
 CONTAINER_TYPES = frozenset({"dict", "list", "tuple"})
@@ -167,6 +174,10 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
+        if e.chunks is not None:
+            d["chunks"] = chunks_to_json(e.chunks)
+        if e.placement is not None:
+            d["placement"] = layout_to_json(e.placement)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -177,6 +188,10 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
 
+def _is_version_3(e: Entry) -> bool:
+    return type(e) is LeafMeta and (e.chunks is not None or e.placement is not None)
+
+
 def dump_level(meta: LevelMeta) -> bytes:
     """Serialise one level's ``meta.json`` (compact orjson bytes).
 
@@ -184,7 +199,7 @@ def dump_level(meta: LevelMeta) -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION_3 if any(_is_version_3(e) for e in meta.entries) else VERSION,
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -374,6 +389,8 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         entry: Entry | None = _plain_entry(raw, batch_size)
         if entry is None:  # anything unusual: the full checks, and their messages
             entry = _parse_entry(c, raw, f"entries[{i}]", batch_size)
+            if doc["version"] < VERSION_3 and _is_version_3(entry):
+                raise c.fail(f"entries[{i}]", "has chunks or placement, which only a version 3 level has")
         if entry.key in keys:
             raise c.fail(f"entries[{i}].key", f"repeats the key {entry.key!r:.80}")
         keys.add(entry.key)
@@ -418,7 +435,8 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
     """``meta`` as a level of an encrypted tree: its leaves know the chunk size.
 
     Raises:
-        MetaFormatError: a pickle or a growable leaf, which an encrypted level never holds.
+        MetaFormatError: a pickle, a growable leaf or chunk checksums, which an encrypted level
+            never holds.
 
     Example:
         >>> import torch
@@ -435,6 +453,8 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
         if isinstance(e, LeafMeta):
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
+            if e.chunks is not None:
+                raise c.fail(f"entries[{i}].chunks", "is set, but an encrypted leaf's chunks are authenticated instead")
             e = replace(e, chunk_bytes=encryption.chunk_bytes)
         entries.append(e)
     return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
@@ -553,7 +573,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks", "placement"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -703,4 +723,18 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
-    return LeafMeta(key, file, dtype, shape, checksum, capacity)
+    chunks = placement = None
+    if "chunks" in raw:
+        if checksum is None or capacity is not None:
+            raise c.fail(f"{p}.chunks", "needs the leaf's checksum (whose algorithm it uses) and no capacity")
+        try:
+            nbytes = prod(shape) * DTYPE_ITEMSIZES[dtype]
+            chunks = chunks_from_json(raw["chunks"], nbytes, CHECKSUM_ALGORITHMS[checksum.partition(":")[0]])
+        except ValueError as err:
+            raise c.fail(f"{p}.chunks", str(err)) from None
+    if "placement" in raw:
+        try:
+            placement = layout_from_json(raw["placement"], len(shape))
+        except ValueError as err:
+            raise c.fail(f"{p}.placement", str(err)) from None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks, placement=placement)

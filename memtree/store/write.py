@@ -91,6 +91,7 @@ __all__ = [
     "WritePlan",
     "plan_write",
     "write_tree",
+    "write_levels",
     "share_tree",
     "wait_for_removals",
 ]
@@ -134,6 +135,12 @@ class WritePlan:
     def total_bytes(self) -> int:
         """Bytes of leaf data the write needs on disk."""
         return sum(j.nbytes for j in self.leaves)
+
+    def make_dirs(self, staging: str) -> None:
+        """Create the directory of every level below the root in ``staging``, parents first."""
+        for lp in reversed(self.levels):  # deepest last
+            if lp.rel:
+                os.mkdir(f"{staging}/{lp.rel}")
 
     @property
     def total_files(self) -> int:
@@ -420,15 +427,11 @@ def _write_staging(
     directory relative to the root."""
     like, num_threads, fsync = options.like, options.num_threads, options.fsync
     checksum = None if like else options.checksum
-    for lp in reversed(plan.levels):  # root first: parents before children
-        if lp.rel:
-            os.mkdir(f"{staging}/{lp.rel}")
+    plan.make_dirs(staging)
     point("before_leaves")
     sums: dict[str, str] = {}
-    written: dict[str, LevelMeta] = {}
     key = options.encryption  # encryption at rest: store/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
-    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
@@ -468,6 +471,44 @@ def _write_staging(
         point("after_leaf")
         return j.nbytes
 
+    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
+    total = plan.total_bytes
+    with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
+        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+    return write_levels(staging, plan, checksum=checksum, sums=sums, fsync=fsync, num_threads=num_threads,
+                        cipher=cipher)
+
+
+def write_levels(
+    staging: str,
+    plan: WritePlan,
+    *,
+    checksum: str | None,
+    sums: dict[str, str],
+    fsync: bool,
+    num_threads: int = 0,
+    cipher: TreeCipher | None = None,
+) -> dict[str, LevelMeta]:
+    """Write the plan's pickle files, then each level's ``meta.json`` into ``staging``, deepest
+    first and the root's last (with a new ``save_id`` and, with ``checksum``, the ``tree_hash``),
+    once every leaf file is written.
+
+    Args:
+        staging: the staging directory of the write.
+        plan: what :func:`plan_write` planned (its levels' entries as they are to be written).
+        checksum: the algorithm of the leaves' checksums and of the tree hash, or ``None``.
+        sums: each leaf's checksum (``"<algorithm>:<hex>"``), by file path relative to the root.
+        fsync: fsync each file and directory.
+        num_threads: threads for the levels below the root.
+        cipher: seals each level of an encrypted tree.
+
+    Returns:
+        Each level's metadata as written, by directory relative to the root.
+    """
+    written: dict[str, LevelMeta] = {}
+    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
+    pickle_sums: dict[str, str] = {}
+
     def write_meta(lp: LevelPlan) -> int:
         directory = f"{staging}/{lp.rel}" if lp.rel else staging
         meta = lp.meta
@@ -492,11 +533,6 @@ def _write_staging(
         written[lp.rel] = meta
         return 0
 
-    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
-    total = plan.total_bytes
-    with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
-        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
-    pickle_sums: dict[str, str] = {}
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
         if checksum is not None:
