@@ -90,7 +90,18 @@ from .write import plan_write
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load", "upload", "fetch_tree", "RemoteKeywords", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+__all__ = [
+    "load",
+    "upload",
+    "fetch_tree",
+    "RemoteKeywords",
+    "RemoteLeaf",
+    "check_size",
+    "final_checks",
+    "build_level",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_NUM_THREADS",
+]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -98,7 +109,9 @@ _UPLOAD_PART_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
-class _Leaf:
+class RemoteLeaf:
+    """A leaf of a remote tree being read: its file, entry, key (for messages) and ``stat``."""
+
     rel: str  # the leaf's file, relative to the root: "b/c.memmap"
     meta: LeafMeta
     label: str  # the key, for messages
@@ -259,11 +272,11 @@ def fetch_tree(
             return read_tree(hit, options)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
         levels = list(walk(storage, selection=selection, pool=pool, root=root_meta))
-        leaves = [_Leaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)))
+        leaves = [RemoteLeaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)))
                   for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
-            return _build(storage, levels, {}, {}, dev)
+            return build_level(storage, levels, {}, {}, dev)
         if pickles and not options.allow_pickle:
             rel, entry = pickles[0]
             raise PickleNotAllowedError(
@@ -273,7 +286,7 @@ def fetch_tree(
         pickled = {rel: _read_whole(storage, rel) for rel, _ in pickles}
         if cache_dir is None:
             tensors = _load_memory(storage, pool, leaves, chunk_bytes, root_info, progress)
-            return _build(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
+            return build_level(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
         name = entry_name(cache_key, root_bytes, selection)
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
@@ -290,11 +303,11 @@ def _read_whole(storage: Storage, rel: str) -> bytes:
 def _fetch(
     storage: Storage,
     pool: ThreadPoolExecutor,
-    leaves: list[_Leaf],
+    leaves: list[RemoteLeaf],
     chunk_bytes: int,
-    allocate: Callable[[list[_Leaf]], None],
-    read: Callable[[_Leaf, int, int], None],
-    finished: Callable[[_Leaf], None] = lambda leaf: None,
+    allocate: Callable[[list[RemoteLeaf]], None],
+    read: Callable[[RemoteLeaf, int, int], None],
+    finished: Callable[[RemoteLeaf], None] = lambda leaf: None,
     progress: bool | None = None,
 ) -> None:
     """Stat every leaf and check its size (a damaged tree fails before any leaf byte is read or
@@ -304,10 +317,10 @@ def _fetch(
     read is shown as :mod:`memtree.store.progress` decides for ``progress``."""
     for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
         leaf.info = info
-        _check_size(storage, leaf)
+        check_size(storage, leaf)
     allocate(leaves)
     left = {leaf.rel: len(range(0, leaf.meta.nbytes, chunk_bytes)) for leaf in leaves}
-    futures: dict[Future[None], tuple[_Leaf, int]] = {}
+    futures: dict[Future[None], tuple[RemoteLeaf, int]] = {}
     try:
         for leaf in leaves:
             n = leaf.meta.nbytes
@@ -331,7 +344,12 @@ def _fetch(
         raise
 
 
-def _check_size(storage: Storage, leaf: _Leaf) -> None:
+def check_size(storage: Storage, leaf: RemoteLeaf) -> None:
+    """Refuse a leaf whose object (``leaf.info``, its ``stat``) is not the size its entry promises.
+
+    Raises:
+        LeafSizeError: naming the leaf, before anything is allocated for it.
+    """
     assert leaf.info is not None
     if leaf.info.size != leaf.meta.file_nbytes:  # a growable leaf's file holds its whole capacity
         raise LeafSizeError(
@@ -341,7 +359,7 @@ def _check_size(storage: Storage, leaf: _Leaf) -> None:
         )
 
 
-def _final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], root_info: FileInfo) -> None:
+def final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], root_info: FileInfo) -> None:
     """Re-stat what could not be pinned (unpinned leaves, the root ``meta.json``): unchanged?"""
 
     def same(job: tuple[str, FileInfo, str]) -> None:
@@ -358,7 +376,7 @@ def _final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf
     same((META_NAME, root_info, "the root meta.json"))
 
 
-def _check_digest(storage: Storage, leaf: _Leaf, compute: Callable[[str], str]) -> None:
+def _check_digest(storage: Storage, leaf: RemoteLeaf, compute: Callable[[str], str]) -> None:
     checksum = leaf.meta.checksum
     if checksum is None:
         return
@@ -370,34 +388,34 @@ def _check_digest(storage: Storage, leaf: _Leaf, compute: Callable[[str], str]) 
         )
 
 
-def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], chunk_bytes: int,
+def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], chunk_bytes: int,
                  root_info: FileInfo, progress: bool | None) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     views: dict[str, memoryview] = {}
 
-    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+    def allocate(checked: list[RemoteLeaf]) -> None:  # after every size was confirmed by the server
         for leaf in checked:
             tensors[leaf.rel] = t = torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype)
             views[leaf.rel] = byte_view(t)
 
-    def read(leaf: _Leaf, a: int, b: int) -> None:
+    def read(leaf: RemoteLeaf, a: int, b: int) -> None:
         storage.read_into(leaf.rel, a, views[leaf.rel][a:b], leaf.info)
 
     _fetch(storage, pool, leaves, chunk_bytes, allocate, read, progress=progress)
-    _final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
+    final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
     map_all(pool, lambda leaf: _check_digest(
         storage, leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
     return tensors
 
 
 def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
-              leaves: list[_Leaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo,
+              leaves: list[RemoteLeaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo,
               progress: bool | None) -> str:
     """Fetch the selection into the download's scratch directory, verify it, write its
     ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry."""
     buffers = threading.local()
 
-    def read(leaf: _Leaf, a: int, b: int) -> None:
+    def read(leaf: RemoteLeaf, a: int, b: int) -> None:
         buf = getattr(buffers, "buf", None)
         if buf is None or len(buf) < b - a:
             buf = buffers.buf = bytearray(min(chunk_bytes, max(b - a, 1 << 16)))
@@ -405,13 +423,13 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         storage.read_into(leaf.rel, a, view, leaf.info)
         download.write(leaf.rel, a, view)
 
-    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+    def allocate(checked: list[RemoteLeaf]) -> None:  # after every size was confirmed by the server
         check_free_space(download.parent, sum(leaf.meta.nbytes for leaf in checked),
                          f"the cache entry {download.dest} of {storage.describe('')}")
         for leaf in checked:
             download.create_file(leaf.rel, leaf.meta.nbytes)
 
-    def digest(leaf: _Leaf) -> str:
+    def digest(leaf: RemoteLeaf) -> str:
         algo = leaf.meta.checksum.partition(":")[0] if leaf.meta.checksum else "crc32"
         fd = download.open_read(leaf.rel)
         try:
@@ -425,7 +443,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         for lvl in levels[1:]:  # breadth first: parents before children
             download.make_dir(lvl.rel)
         _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"), progress)
-        _final_checks(storage, pool, leaves, root_info)
+        final_checks(storage, pool, leaves, root_info)
         sums = dict(zip((leaf.rel for leaf in leaves), map_all(pool, digest, leaves)))
         for rel, data in pickled.items():
             download.write_file(rel, data)
@@ -443,8 +461,11 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         raise storage_error(err, f"downloading {storage.describe('')} into the cache entry {download.dest}") from err
 
 
-def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
-           pickled: Mapping[str, Any], device: torch.device) -> Level:
+def build_level(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
+                pickled: Mapping[str, Any], device: torch.device) -> Level:
+    """The :class:`Level` of walked ``levels`` (root first): each leaf the tensor of its file in
+    ``tensors`` (moved to ``device``; meta tensors for ``device="meta"``), each pickle its value
+    in ``pickled``, JSON values as they are."""
     by_keys = {lvl.keys: lvl for lvl in levels}
 
     def build(lvl: WalkedLevel) -> Level:
