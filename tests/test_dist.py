@@ -554,6 +554,53 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     assert "shards dim 2" in bad_dim
 
 
+def _other_calls(rank: int, world: int, d: str) -> dict:
+    """memmap_like and checksum=None from every rank; placements= as a function, a key the tree
+    lacks, a Shard(-1); options that differ between ranks; a tree saved while a rank holds a
+    mapped shard of the tree it replaces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(40.0).reshape(10, 4)
+    tree = memtree.TensorTree({"w": distribute(full, mesh, [Shard(1)]), "n": torch.tensor(3)})
+    out: dict = {}
+    like = tree.memmap_like(d + "/like")
+    out["like"] = (type(like["w"]).__name__, list(like["w"].placements), bool((like["w"].to_local() == 0).all()))
+    plain = tree.memmap(d + "/plain", checksum=None)
+    out["plain"] = same(plain["w"].to_local(), tree["w"].to_local())
+    pick = memtree.load_memmap(d + "/plain", mesh=mesh, mmap=False,
+                               placements=lambda key, shape: [Replicate()] if key == ("n",) else None)
+    out["pick"] = (list(pick["n"].placements), pick["n"].to_local().item(), list(pick["w"].placements))
+    negative = memtree.load_memmap(d + "/plain", mesh=mesh, placements={"w": [Shard(-1)]})
+    out["negative"] = list(negative["w"].placements) == [Shard(1)]
+    with pytest.raises(memtree.MemtreeKeyError) as info:
+        memtree.load_memmap(d + "/plain", mesh=mesh, placements={"nope": [Shard(0)]})
+    out["unknown"] = str(info.value)
+    with pytest.raises(memtree.PlacementError) as info:
+        tree.memmap(d + "/plain", fsync=rank == 1)
+    out["options"] = str(info.value)
+    held = memtree.load_memmap(d + "/plain", mesh=mesh, placements={"w": [Shard(0)]}, mode="r")
+    tree["w"] = distribute(full + 1, mesh, [Shard(1)])
+    tree.memmap(d + "/plain")  # replaces the tree whose shard this rank maps
+    out["held"] = same(held["w"].to_local(), distribute(full, mesh, [Shard(0)]).to_local())
+    return out
+
+
+def test_memmap_like_checksum_none_and_placement_choices_from_every_rank(tmp_path):
+    from torch.distributed.tensor import Replicate, Shard
+
+    for out in run_ranks(2, _other_calls, str(tmp_path)):
+        assert out["like"] == ("DTensor", [Shard(1)], True)
+        assert out["plain"] and out["negative"] and out["held"]
+        assert out["pick"] == ([Replicate()], 3, [Shard(1)])
+        assert "'nope'" in out["unknown"] and "not a tensor leaf" in out["unknown"]
+        assert "different options" in out["options"] and "'fsync': True" in out["options"]
+    meta = orjson.loads(open(tmp_path / "like" / "meta.json", "rb").read())
+    assert all("checksum" not in e for e in meta["entries"] if e["kind"] == "tensor")
+    assert memtree.load_memmap(str(tmp_path / "like"))["w"].shape == (10, 4)
+
+
 def remote_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(6)  # 4 MiB each: 4 checksummed chunks; 16 rows of columns
     return {"row": torch.randn(1024, 1024, generator=g), "col": torch.randn(16, 65536, generator=g)}

@@ -42,9 +42,13 @@ def combine_pieces(
     crc = end = 0
     for offset, length, piece in sorted(pieces):
         if offset != end or length <= 0 or (offset + length - 1) // chunk != offset // chunk:
+            problem = (
+                f"bytes {end:,} to {offset:,} were written by no rank" if offset > end else
+                f"bytes {offset:,} to {end:,} were written twice" if offset < end else
+                f"the piece of bytes {offset:,} to {offset + length:,} crosses a chunk boundary"
+            )
             raise DistributedCheckpointError(
-                f"{what}: the pieces the ranks wrote do not tile the file (a piece at byte "
-                f"{offset:,} of {length:,} bytes, where byte {end:,} was expected); nothing was committed"
+                f"{what}: the pieces the ranks wrote do not tile its file ({problem}); nothing was committed"
             )
         if offset % chunk == 0 and offset:
             sums.append(crc)
@@ -53,7 +57,8 @@ def combine_pieces(
         end += length
     if end != nbytes:
         raise DistributedCheckpointError(
-            f"{what}: the pieces the ranks wrote end at byte {end:,} of {nbytes:,}; nothing was committed"
+            f"{what}: the pieces the ranks wrote do not tile its file (bytes {end:,} to {nbytes:,} "
+            "were written by no rank); nothing was committed"
         )
     sums.append(crc)
     whole = 0

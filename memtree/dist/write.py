@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -153,7 +154,7 @@ def write_collective(prefix: str | os.PathLike[str], level: Level, options: Writ
                            lambda: _prepare(stack, staged, dest, plan, options) if comm.rank == 0 else None)
         staging = _staging_dir(dest, names[0])
         mine = [(i, leaf, shard) for i, leaf in enumerate(plan.leaves)
-                for shard, writer in zip(leaf.shards, writers[i]) if writer == comm.rank]
+                for shard, writer in zip(leaf.shards, writers[i]) if writer == comm.rank and not options.like]
         pieces: list[list[int]] = []
         comm.agree("writing the shards", lambda: pieces.extend(_write_shards(staging, mine, checksum, options)))
         gathered = comm.gather("sending the checksums to rank 0", pieces) if checksum is not None else None
@@ -191,12 +192,16 @@ def _host_bytes(tensor: torch.Tensor, where: str) -> torch.Tensor:
     return plain
 
 
-def _placed(entry: Entry, rel: str, layouts: dict[str, Layout]) -> Entry:
-    if isinstance(entry, LeafMeta):
-        layout = layouts.get(f"{rel}/{entry.file}" if rel else entry.file)
-        if layout is not None:
-            return replace(entry, placement=layout)
-    return entry
+def _set_leaf_field(write: WritePlan, name: str, values: dict[str, Any]) -> None:
+    """Set the field ``name`` (``placement``, ``chunks``) of each planned leaf entry whose file
+    (relative to the root) ``values`` names."""
+
+    def updated(entry: Entry, rel: str) -> Entry:
+        value = values.get(f"{rel}/{entry.file}" if rel else entry.file) if isinstance(entry, LeafMeta) else None
+        return entry if value is None else replace(entry, **{name: value})
+
+    for lp in write.levels:
+        lp.meta = replace(lp.meta, entries=tuple(updated(e, lp.rel) for e in lp.meta.entries))
 
 
 def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, world: int, out: list[_Plan]) -> str:
@@ -221,8 +226,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
             found = [Shard(full_box(shape), tuple(range(world)), job.nbytes)] if job.nbytes else []
             tensors[job.rel] = (None, None if data is None else crc32(byte_view(data)))
         leaves.append(_Leaf(job.rel, where, shape, size, job.nbytes, chunk_bytes_for(job.nbytes), found, dist, data))
-    for lp in write.levels:
-        lp.meta = replace(lp.meta, entries=tuple(_placed(e, lp.rel, layouts) for e in lp.meta.entries))
+    _set_leaf_field(write, "placement", layouts)
     settings = {"dest": dest, "existsok": options.existsok, "checksum": checksum, "fsync": options.fsync,
                 "like": options.like, "reserve": options.reserve}
     summary = tree_summary({lp.rel: lp.meta for lp in write.levels}, tensors,
@@ -235,29 +239,39 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
 # 2. preparing (rank 0)
 
 
+@contextmanager
+def _leaf_file(path: str, what: str, *, create: bool, fsync: bool) -> Iterator[int]:
+    """A leaf file of the staging directory, new (``create``) or made by rank 0, open for
+    writing during the block (no link followed), then fsynced (``fsync``) and closed; an
+    ``OSError`` is raised as a :class:`~memtree.errors.StorageError` saying ``what`` failed."""
+    try:
+        fd = new_file(path) if create else os.open(path, _OPEN_WRITE)
+        try:
+            yield fd
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if isinstance(err, MemtreeError):
+            raise
+        raise storage_error(err, what) from err
+
+
 def _prepare(stack: ExitStack, out: list[Staging], dest: str, plan: _Plan, options: WriteOptions) -> str:
     """Take the lock, create the staging directory (kept in ``out``, held by ``stack``), its
     directories and every leaf file at its full size; returns the staging directory's name."""
     staging = stack.enter_context(staged_commit(dest, existsok=options.existsok, nbytes=plan.write.total_bytes))
     out.append(staging)
-    try:
-        plan.write.make_dirs(staging.path)
-        for job in plan.write.leaves:
-            fd = new_file(f"{staging.path}/{job.rel}")
-            try:
-                if options.like:
-                    allocate_fd(fd, job.nbytes, reserve=options.reserve)
-                else:
-                    preallocate_fd(fd, job.nbytes)  # a full disk fails here, before any rank writes
-                    os.ftruncate(fd, job.nbytes)
-                if options.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-    except OSError as err:
-        if isinstance(err, MemtreeError):
-            raise
-        raise storage_error(err, f"creating the leaf files of {dest}") from err
+    plan.write.make_dirs(staging.path)
+    for job in plan.write.leaves:
+        with _leaf_file(f"{staging.path}/{job.rel}", f"creating the leaf files of {dest}", create=True,
+                        fsync=options.fsync) as fd:
+            if options.like:
+                allocate_fd(fd, job.nbytes, reserve=options.reserve)
+            else:
+                preallocate_fd(fd, job.nbytes)  # a full disk fails here, before any rank writes
+                os.ftruncate(fd, job.nbytes)
     return os.path.basename(staging.path)
 
 
@@ -300,24 +314,14 @@ def _write_shards(
         runs = box_runs(leaf.shape, leaf.itemsize, shard.box)
         path = f"{staging}/{leaf.rel}"
         out = [i]
-        try:
-            fd = os.open(path, _OPEN_WRITE)
-            try:
-                base, done = data.data_ptr(), 0
-                for offset, nbytes in runs if checksum is None else split_runs(runs, leaf.chunk):
-                    digest = new_digest(checksum) if checksum is not None else None
-                    pwrite_from(fd, base + done, nbytes, offset, digest)
-                    if digest is not None:
-                        out += [offset, nbytes, int(digest.hexdigest(), 16)]
-                    done += nbytes
-                if options.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as err:
-            if isinstance(err, MemtreeError):
-                raise
-            raise storage_error(err, f"writing the shard of {leaf.where} into {path}") from err
+        with _leaf_file(path, f"writing the shard of {leaf.where} into {path}", create=False, fsync=options.fsync) as fd:
+            base, done = data.data_ptr(), 0
+            for offset, nbytes in runs if checksum is None else split_runs(runs, leaf.chunk):
+                digest = new_digest(checksum) if checksum is not None else None
+                pwrite_from(fd, base + done, nbytes, offset, digest)
+                if digest is not None:
+                    out += [offset, nbytes, int(digest.hexdigest(), 16)]
+                done += nbytes
         return out
 
     threads = min(options.num_threads, len(mine))
@@ -329,14 +333,6 @@ def _write_shards(
 
 # ---------------------------------------------------------------------------------------------
 # 4. committing (rank 0)
-
-
-def _with_chunks(entry: Entry, rel: str, chunks: dict[str, ChunkSums]) -> Entry:
-    if isinstance(entry, LeafMeta):
-        found = chunks.get(f"{rel}/{entry.file}" if rel else entry.file)
-        if found is not None:
-            return replace(entry, chunks=found)
-    return entry
 
 
 def _commit(staging: Staging, plan: _Plan, checksum: str | None, gathered: list[Any] | None, options: WriteOptions) -> None:
@@ -353,8 +349,7 @@ def _commit(staging: Staging, plan: _Plan, checksum: str | None, gathered: list[
             sums[leaf.rel], leaf_chunks = combine_pieces(checksum, leaf.nbytes, leaf.chunk, found, leaf.where)
             if leaf_chunks is not None:
                 chunks[leaf.rel] = leaf_chunks
-        for lp in plan.write.levels:
-            lp.meta = replace(lp.meta, entries=tuple(_with_chunks(e, lp.rel, chunks) for e in lp.meta.entries))
+        _set_leaf_field(plan.write, "chunks", chunks)
     write_levels(staging.path, plan.write, checksum=checksum, sums=sums, fsync=options.fsync,
                  num_threads=options.num_threads)
     staging.publish(fsync=options.fsync, background_removal=plan.write.total_files >= BACKGROUND_REMOVAL_FILES)

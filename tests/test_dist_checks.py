@@ -1,0 +1,106 @@
+"""The pure parts of a collective write (memtree.dist): a leaf's checksums combined from the pieces
+the ranks wrote, and the first difference between the ranks' trees; no process group.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memtree.dist.compare import first_difference, summary_digest, tree_summary
+from memtree.dist.sums import combine_pieces
+from memtree.errors import DistributedCheckpointError
+from memtree.format.chunks import chunks_from_json, chunks_to_json
+from memtree.format.placement import split_runs
+from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta
+from memtree.store import checksums
+
+
+def _crc(algorithm: str, data: bytes) -> int:
+    digest = checksums.new_digest(algorithm)
+    digest.update(data)
+    return int(digest.hexdigest(), 16)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=12),
+    chunk=st.sampled_from([64, 500, 4096]),
+    algorithm=st.sampled_from([a for a in checksums.COMBINABLE if a in checksums.available_checksums()]),
+    order=st.randoms(use_true_random=False),
+)
+def test_pieces_in_any_order_make_the_leafs_and_its_chunks_checksums(data, cuts, chunk, algorithm, order):
+    """However the ranks cut the file (pieces cut again at chunk boundaries, sent in any order),
+    rank 0's checksum is the file's, and each chunk's is that chunk's."""
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    runs = [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+    pieces = [(o, n, _crc(algorithm, data[o : o + n])) for o, n in split_runs(iter(runs), chunk)]
+    order.shuffle(pieces)
+    checksum, chunks = combine_pieces(algorithm, len(data), chunk, pieces, "leaf 'w'")
+    assert checksum == f"{algorithm}:{_crc(algorithm, data):08x}"
+    count = max(1, -(-len(data) // chunk))
+    if count == 1:
+        assert chunks is None
+    else:
+        assert chunks is not None and chunks.nbytes == chunk
+        assert list(chunks.sums) == [f"{_crc(algorithm, data[i * chunk : (i + 1) * chunk]):08x}" for i in range(count)]
+        if chunk >= 4096:  # what a reader accepts
+            assert chunks_from_json(chunks_to_json(chunks), len(data), 8) == chunks
+
+
+@pytest.mark.parametrize("pieces, problem", [
+    ([(0, 4, 1)], "bytes 4 to 10 were written by no rank"),  # a rank's bytes missing at the end
+    ([(0, 4, 1), (6, 2, 1), (8, 2, 1)], "bytes 4 to 6 were written by no rank"),  # a hole
+    ([(0, 6, 1), (4, 2, 1)], "bytes 4 to 6 were written twice"),
+    ([(0, 10, 1)], "bytes 0 to 10 crosses a chunk boundary"),  # chunks of 8
+])
+def test_pieces_that_do_not_tile_the_leaf_are_refused(pieces, problem):
+    with pytest.raises(DistributedCheckpointError, match=problem):
+        combine_pieces("crc32", 10, 8, pieces, "leaf 'w'")
+
+
+def test_an_empty_leaf_has_the_checksum_of_no_bytes():
+    assert combine_pieces("crc32", 0, 4096, [], "leaf 'w'") == (f"crc32:{zlib.crc32(b''):08x}", None)
+
+
+def _summary(**change):
+    """A planned tree: 'w' (a DTensor), 'step' (a plain tensor), 'cfg' (a value), 'sub' (a level)."""
+    from memtree.format.placement import Layout
+
+    leaves = {"w": LeafMeta("w", "w.memmap", "float32", (4, 2), placement=Layout((2,), ("S(0)",))),
+              "step": LeafMeta("step", "step.memmap", "int64", ())}
+    leaves.update({k: v for k, v in change.items() if isinstance(v, LeafMeta)})
+    entries = [*leaves.values(), JsonMeta("cfg", change.get("cfg", {"lr": 0.5})), ChildMeta("sub", "sub")]
+    levels = {"": LevelMeta((), tuple(entries)), "sub": LevelMeta((), ())}
+    tensors = {"w.memmap": ([0, 1], None), "step.memmap": (None, change.get("crc", 7)), "x.memmap": (None, 1)}
+    return tree_summary(levels, tensors, {}, {"dest": "/t", "existsok": change.get("existsok", True)})
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"x": LeafMeta("x", "x.memmap", "int8", (1,))}, "'x' is in the tree of rank 1 only"),
+    ({"w": LeafMeta("w", "w.memmap", "float32", (5, 2))}, "'w' is a DTensor of float32 [4, 2]"),
+    ({"crc": 8}, "the plain tensor 'step' holds different values on rank 0 and rank 1"),
+    ({"cfg": {"lr": 0.1}}, "'cfg' is the value {\"lr\":0.5} on rank 0 and the value {\"lr\":0.1} on rank 1"),
+    ({"existsok": False}, "different options or destinations"),
+])
+def test_the_first_difference_between_two_ranks_is_named(change, problem):
+    same, other = _summary(), _summary(**change)
+    assert summary_digest(same) == summary_digest(_summary()) != summary_digest(other)
+    assert problem in first_difference([same, other])
+
+
+def test_a_key_only_rank_0_has_names_rank_0():
+    assert "'x' is in the tree of ranks 0 and 2 only" in first_difference(
+        [_summary(x=LeafMeta("x", "x.memmap", "int8", (1,))), _summary(), _summary(x=LeafMeta("x", "x.memmap", "int8", (1,)))]
+    )
+
+
+def test_the_same_keys_in_another_order_are_refused():
+    a = _summary()
+    b = [a[0], *reversed(a[1:])]
+    assert summary_digest(a) != summary_digest(b)
+    assert "different orders" in first_difference([a, b])
