@@ -13,6 +13,6 @@ Example:
 
 from __future__ import annotations
 
-from .store.remote import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_THREADS, load, upload
+from .store.urls.remote import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_THREADS, load, upload
 
 __all__ = ["load", "upload", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]

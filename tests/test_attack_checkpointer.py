@@ -89,7 +89,7 @@ def test_the_previous_step_deleted_by_the_user_mid_save(ckpt, monkeypatch):
     """The link source disappears between choosing it and linking: the leaf is written."""
     import shutil
 
-    from memtree.store import linking
+    from memtree.store.writing import linking
 
     w = torch.arange(32.0)
     ckpt.save(1, {"w": w})

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memtree
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.fill as fill_mod
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

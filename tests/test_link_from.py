@@ -11,9 +11,9 @@ import torch
 import memtree
 from memtree import InvalidArgumentError, verify_tree
 from memtree.format.level import Level
-from memtree.store import linking
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.writing import linking
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 from treeutil import raw_bytes
 
 
@@ -202,7 +202,7 @@ def test_growth_of_a_linked_tree_leaves_the_other_tree_alone(tmp_path):
 
 def test_file_range_leaves_are_hashed_and_linked(tmp_path):
     from memtree.interop.lazy import LazyLeaf
-    from memtree.store.files import FileRange
+    from memtree.store.primitives.files import FileRange
 
     data = torch.arange(100.0)
     raw = tmp_path / "raw.bin"

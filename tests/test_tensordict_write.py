@@ -19,7 +19,7 @@ from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.format.level import Level
 from memtree.format.values import NonTensor
 from memtree.interop import save_tensordict
-from memtree.store.tensordict_write import TENSORDICT_DTYPES, write_tensordict_dir
+from memtree.store.foreign.tensordict_write import TENSORDICT_DTYPES, write_tensordict_dir
 from treeutil import random_tensor
 from treeutil import raw_bytes as as_bytes
 

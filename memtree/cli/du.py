@@ -28,8 +28,8 @@ from typing import Any
 
 from ..errors import NotAMemtreeError, StorageError
 from ..format.names import META_NAME
-from ..store.files import regular_files
-from ..store.storage import local_path
+from ..store.primitives.files import regular_files
+from ..store.reading.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage", "is_step_name"]
@@ -113,8 +113,8 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.options import WriteOptions
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.reading.options import WriteOptions
+        >>> from memtree.store.writing.write import write_tree
         >>> root = tempfile.mkdtemp()
         >>> _ = write_tree(root + "/1", Level((), {"w": torch.ones(1024)}))
         >>> _ = write_tree(root + "/2", Level((), {"w": torch.ones(1024)}), WriteOptions.of(link_from=root + "/1"))

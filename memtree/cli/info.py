@@ -46,8 +46,8 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..store.storage import LocalStorage, Storage, is_url, local_path
-from ..store.walk import WalkedLevel, walk
+from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
+from ..store.reading.walk import WalkedLevel, walk
 from .du import disk_usage, is_step_name
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
@@ -183,7 +183,7 @@ def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], to
 
 
 def _describe_tensordict(root: str) -> dict[str, Any]:
-    from ..store.tensordict import read_tensordict_dir
+    from ..store.foreign.tensordict import read_tensordict_dir
 
     level = read_tensordict_dir(root, device="meta")
     entries: list[dict[str, Any]] = []
@@ -268,7 +268,7 @@ def describe(
     """
     source = local_path(source)  # file:///path is the local path
     if is_url(source):
-        from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+        from ..store.urls.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
         url = str(source)
         remote = FsspecStorage(url, storage_options=storage_options,
@@ -285,7 +285,7 @@ def describe(
     except FileNotFoundError:
         raise NotAMemtreeError(f"{path} does not exist; check the path") from None
     except OSError as err:
-        from ..store.files import storage_error
+        from ..store.primitives.files import storage_error
 
         raise storage_error(err, f"reading {path}") from err
     if not stat.S_ISDIR(mode):  # a checkpoint file or a shard index
@@ -302,7 +302,7 @@ def describe(
                 return _describe_checkpoint(path, allow_pickle)
             raise
         if not data.startswith(b'{"format":"memtree"'):  # tensordict's, or something else
-            from ..store.tensordict import is_tensordict_dir
+            from ..store.foreign.tensordict import is_tensordict_dir
 
             if is_tensordict_dir(path):
                 return _describe_tensordict(path)

@@ -26,8 +26,8 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .conversion import ConvertResult, convert
 from .pickle_guard import PickleLimits, pickle_limits
 from .safetensors_file import SafetensorsReader, save_safetensors
-from ..store.tensordict import read_tensordict_dir
-from ..store.tensordict_write import save_tensordict
+from ..store.foreign.tensordict import read_tensordict_dir
+from ..store.foreign.tensordict_write import save_tensordict
 from .torchsave import TorchSaveReader
 
 __all__ = [

@@ -37,7 +37,7 @@ from typing import Any, Union
 import torch
 
 from ..errors import CheckpointFormatError, LegacyCheckpointError
-from ..store.storage import local_path
+from ..store.reading.storage import local_path
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
 from .sharded import DIRECTORY_FILES, ShardedReader, find_checkpoint, is_index

@@ -70,18 +70,18 @@ from ..errors import (
     KeyCollisionError,
     NotAMemtreeError,
 )
-from ..store.files import FileRange, open_checked, read_fd
+from ..store.primitives.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
 from ..format.schema import MAX_META_BYTES
-from ..store.mapped import MemoryMappedTensor
+from ..store.reading.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
-from ..store.progress import Progress
-from ..store.read import read_tree
-from ..store.options import ReadOptions, WriteOptions
-from ..store.storage import local_path
-from ..store.write import write_tree
-from ..store.tensordict_write import write_tensordict_dir
+from ..store.primitives.progress import Progress
+from ..store.reading.read import read_tree
+from ..store.reading.options import ReadOptions, WriteOptions
+from ..store.reading.storage import local_path
+from ..store.writing.write import write_tree
+from ..store.foreign.tensordict_write import write_tensordict_dir
 from .checkpoint import Checkpoint, checkpoint_kind
 from .lazy import LazyLeaf
 from .pickle_guard import PickleLimits, short
@@ -94,7 +94,7 @@ from .sharded import (
     parse_shard_size,
     write_model_directory,
 )
-from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
+from ..store.foreign.tensordict import is_tensordict_dir, read_tensordict_dir
 from .torchsave import TorchSaveReader
 
 __all__ = ["ConvertResult", "FORMATS", "convert", "source_kind", "parse_dtype"]

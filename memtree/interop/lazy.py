@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import CheckpointFormatError
-from ..store.files import FileRange
+from ..store.primitives.files import FileRange
 
 __all__ = ["LazyLeaf"]
 

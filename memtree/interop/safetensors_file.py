@@ -59,9 +59,9 @@ from ..errors import (
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..store.files import FileRange, replacing_file, write_fd
-from ..store.mapped import to_storable
-from ..store.storage import local_path
+from ..store.primitives.files import FileRange, replacing_file, write_fd
+from ..store.reading.mapped import to_storable
+from ..store.reading.storage import local_path
 from ..format.level import as_level
 from .checkpoint_file import CheckpointFile, Closing
 

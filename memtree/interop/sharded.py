@@ -67,8 +67,8 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.dtypes import itemsize
-from ..store.commit import write_small_file
-from ..store.staged import staged_directory
+from ..store.primitives.commit import write_small_file
+from ..store.writing.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
 from .torchsave import TorchSaveReader

@@ -80,8 +80,8 @@ from ..errors import (
     MemtreeKeyError,
     UnsafePickleError,
 )
-from ..store.files import FileRange, storage_error
-from ..store.checksums import crc32, file_checksum
+from ..store.primitives.files import FileRange, storage_error
+from ..store.primitives.checksums import crc32, file_checksum
 from .checkpoint_file import CheckpointFile, Closing
 from .pickle_guard import (
     Budget,

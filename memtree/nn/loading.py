@@ -31,12 +31,12 @@ from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, Source
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
-from ..store.files import gc_paused
-from ..store.options import check_device
-from ..store.fill import FillJob, fill, mapped_range
-from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
-from ..store.storage import local_path
-from ..store.tensordict import is_tensordict_dir
+from ..store.primitives.files import gc_paused
+from ..store.reading.options import check_device
+from ..store.primitives.fill import FillJob, fill, mapped_range
+from ..store.reading.read import PendingLevel, fill_tree, open_for_fill, release_leaves
+from ..store.reading.storage import local_path
+from ..store.foreign.tensordict import is_tensordict_dir
 from ..tree.bind import (
     TIED_KEY,
     Group,

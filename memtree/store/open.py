@@ -12,10 +12,10 @@ The one place that chooses the backend for :func:`memtree.load_memmap` (and the 
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
-    >>> from memtree.store.options import ReadOptions
+    >>> from memtree.store.reading.options import ReadOptions
     >>> type(open_prefix(d, ReadOptions())).__name__
     'PendingLevel'
 """
@@ -28,10 +28,10 @@ from typing import Any
 
 from ..format.level import Level
 from ..errors import InvalidArgumentError
-from .options import ReadOptions
-from .read import PendingLevel, open_tree
-from .storage import is_url, local_path
-from .tensordict import is_tensordict_dir, read_tensordict_level
+from .reading.options import ReadOptions
+from .reading.read import PendingLevel, open_tree
+from .reading.storage import is_url, local_path
+from .foreign.tensordict import is_tensordict_dir, read_tensordict_level
 
 __all__ = ["is_url", "open_prefix"]
 
@@ -49,7 +49,7 @@ def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: 
     """
     prefix = local_path(prefix)  # file:///path is the local path
     if is_url(prefix):
-        from .remote import load_url  # optional extra: fsspec
+        from .urls.remote import load_url  # optional extra: fsspec
 
         return load_url(str(prefix), options, **remote)
     if remote:

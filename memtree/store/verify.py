@@ -53,11 +53,11 @@ from ..errors import (
 )
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
-from .files import leaf_size_error
-from .integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
-from .progress import Progress
-from .storage import LocalStorage, Storage, is_url, local_path
-from .walk import NestingError, WalkedLevel, walk
+from .primitives.files import leaf_size_error
+from .reading.integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
+from .primitives.progress import Progress
+from .reading.storage import LocalStorage, Storage, is_url, local_path
+from .reading.walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
 
@@ -404,7 +404,7 @@ def verify_tree(
     report = VerifyReport(root)
     walker = _Walker(report, checksums)
     if not remote:
-        from .tensordict import check_tensordict_dir, is_tensordict_dir
+        from .foreign.tensordict import check_tensordict_dir, is_tensordict_dir
 
         if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
             report.layout = "tensordict"
@@ -432,7 +432,7 @@ def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | Non
                   timeout: float | None) -> Storage:
     if not remote:
         return LocalStorage(root)
-    from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+    from .urls.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
     return FsspecStorage(root, storage_options=storage_options,
                          timeout=DEFAULT_TIMEOUT if timeout is None else timeout)

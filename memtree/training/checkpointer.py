@@ -54,14 +54,14 @@ from ..errors import (
 )
 from ..format.level import Level
 from ..format.names import META_NAME, lock_path, staging_path
-from ..store.commit import WriterLock, make_dirs
-from ..store.crypto import EncryptionKey
-from ..store.files import storage_error
-from ..store.options import ReadOptions, WriteOptions
-from ..store.read import open_tree
-from ..store.recovery import recover
-from ..store.storage import local_path
-from ..store.write import WriteStats, write_tree
+from ..store.primitives.commit import WriterLock, make_dirs
+from ..store.primitives.crypto import EncryptionKey
+from ..store.primitives.files import storage_error
+from ..store.reading.options import ReadOptions, WriteOptions
+from ..store.reading.read import open_tree
+from ..store.writing.recovery import recover
+from ..store.reading.storage import local_path
+from ..store.writing.write import WriteStats, write_tree
 from ..nn.loading import load_into_module
 from .snapshot import Fence, StagingBuffer
 from .state import copy_values, level_to_state, state_to_level

@@ -84,7 +84,7 @@ from torch import nn
 from ..errors import MemtreeKeyError, ShapeMismatchError, SourceError
 from ..format.names import TIED_KEY
 from ..format.values import NonTensor
-from ..store.mapped import MemoryMappedTensor
+from ..store.reading.mapped import MemoryMappedTensor
 
 __all__ = [
     "TIED_KEY",

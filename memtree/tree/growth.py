@@ -16,7 +16,7 @@ import torch
 
 from ..errors import BatchSizeError, ShapeMismatchError
 from ..format.level import Level
-from ..store.grow import check_growable, extend_level, resize_level
+from ..store.writing.grow import check_growable, extend_level, resize_level
 
 if TYPE_CHECKING:
     from .core import TreeCore

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..format.values import NonTensor
-from ..store.mapped import MemoryMappedTensor
+from ..store.reading.mapped import MemoryMappedTensor
 from .core import TreeCore
 
 __all__ = ["TreeRepr"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import (
+from ...errors import (
     InvalidArgumentError,
     LimitError,
     MemtreeError,
@@ -35,9 +35,9 @@ from ..errors import (
     RemoteRangeError,
     UnsafePathError,
 )
-from ..format.names import META_NAME, is_uncommitted_name
-from ..format.schema import MAX_META_BYTES
-from .storage import FileInfo, ShortReadError, identity_of, join_rel, split_rel, with_retries
+from ...format.names import META_NAME, is_uncommitted_name
+from ...format.schema import MAX_META_BYTES
+from ..reading.storage import FileInfo, ShortReadError, identity_of, join_rel, split_rel, with_retries
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem

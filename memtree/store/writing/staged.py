@@ -36,15 +36,15 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..errors import DestinationExistsError, MemtreeError
-from ..format.names import lock_path, staging_path
-from . import commit
-from .commit import WriterLock, destination_state, fsync_dir, publish
-from .faults import point
-from .files import check_free_space, storage_error
-from .read import load_pending_at
+from ...errors import DestinationExistsError, MemtreeError
+from ...format.names import lock_path, staging_path
+from ..primitives import commit
+from ..primitives.commit import WriterLock, destination_state, fsync_dir, publish
+from ..primitives.faults import point
+from ..primitives.files import check_free_space, storage_error
+from ..reading.read import load_pending_at
 from .recovery import recover_locked
-from .storage import local_path
+from ..reading.storage import local_path
 
 __all__ = ["Staging", "staged_commit", "staged_directory"]
 

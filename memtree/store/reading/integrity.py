@@ -44,10 +44,10 @@ from dataclasses import replace
 
 import orjson
 
-from ..errors import IntegrityError
-from ..format.names import META_NAME
-from ..format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
-from .checksums import new_digest
+from ...errors import IntegrityError
+from ...format.names import META_NAME
+from ...format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
+from ..primitives.checksums import new_digest
 from .storage import FileInfo, Storage
 from .walk import WalkedLevel, walk
 
@@ -160,7 +160,7 @@ def storage_checksum(
 
     Example:
         >>> import os, tempfile
-        >>> from memtree.store.storage import LocalStorage
+        >>> from memtree.store.reading.storage import LocalStorage
         >>> d = tempfile.mkdtemp()
         >>> _ = open(os.path.join(d, "p.pickle"), "wb").write(b"abc")
         >>> with LocalStorage(d) as s:
@@ -211,9 +211,9 @@ def stored_tree_hash(
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
-        >>> from memtree.store.storage import LocalStorage
-        >>> from memtree.store.options import WriteOptions
+        >>> from memtree.store.writing.write import write_tree
+        >>> from memtree.store.reading.storage import LocalStorage
+        >>> from memtree.store.reading.options import WriteOptions
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.ones(2)}), WriteOptions.of(checksum="crc32"))
         >>> with LocalStorage(d) as s:
@@ -272,8 +272,8 @@ def check_tree_hash(
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
-        >>> from memtree.store.storage import LocalStorage
+        >>> from memtree.store.writing.write import write_tree
+        >>> from memtree.store.reading.storage import LocalStorage
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.ones(2)}))
         >>> with LocalStorage(d) as s:

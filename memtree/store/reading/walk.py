@@ -18,8 +18,8 @@
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
-    >>> from memtree.store.storage import LocalStorage
+    >>> from memtree.store.writing.write import write_tree
+    >>> from memtree.store.reading.storage import LocalStorage
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.ones(1), "b": Level((), {"c": torch.ones(2)})}))
     >>> with LocalStorage(d) as s:
@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from typing import Any, TypeVar
 
-from ..errors import InvalidArgumentError, MemtreeError, MetaFormatError
-from ..format.names import META_NAME
-from ..format.schema import ChildMeta, LevelMeta, parse_level, starts_with_batch
+from ...errors import InvalidArgumentError, MemtreeError, MetaFormatError
+from ...format.names import META_NAME
+from ...format.schema import ChildMeta, LevelMeta, parse_level, starts_with_batch
 from .options import Selection, select_entries
 from .storage import Storage, join_rel
 

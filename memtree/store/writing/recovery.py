@@ -47,14 +47,14 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LockError, MemtreeError, UnsafePathError
-from ..format.schema import LeafMeta, LevelMeta
+from ...errors import LockError, MemtreeError, UnsafePathError
+from ...format.schema import LeafMeta, LevelMeta
 from .cache import remove_stale_downloads
-from .commit import WriterLock, rename_noreplace
-from .files import open_leaf
-from .read import open_dir, read_meta, walk_levels
-from .storage import local_path
-from ..format.names import META_TMP, SIBLING, lock_path
+from ..primitives.commit import WriterLock, rename_noreplace
+from ..primitives.files import open_leaf
+from ..reading.read import open_dir, read_meta, walk_levels
+from ..reading.storage import local_path
+from ...format.names import META_TMP, SIBLING, lock_path
 
 __all__ = ["GROWTH_JOURNAL", "recover_locked", "recover"]
 

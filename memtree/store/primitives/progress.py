@@ -13,7 +13,7 @@ The bars come from `tqdm <https://tqdm.github.io>`_, an optional dependency
 (``pip install "memtree[progress]"``). Without tqdm nothing is printed and nothing fails.
 
 Example:
-    >>> from memtree.store.progress import Progress, track
+    >>> from memtree.store.primitives.progress import Progress, track
     >>> total = 0
     >>> for n in track(range(3), desc="adding", progress=False):
     ...     total += n

@@ -19,7 +19,7 @@ in :mod:`memtree.store.commit`.
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.store.files import write_file_replace, open_checked, map_fd
+    >>> from memtree.store.primitives.files import write_file_replace, open_checked, map_fd
     >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
     >>> write_file_replace(path, torch.arange(4, dtype=torch.int32), 16, existsok=False)
     >>> fd = open_checked(path, 16, "x")
@@ -41,10 +41,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..format.dtypes import itemsize
-from ..format.record import Record
-from ..format.names import staging_path
-from ..errors import (
+from ...format.dtypes import itemsize
+from ...format.record import Record
+from ...format.names import staging_path
+from ...errors import (
     DestinationExistsError,
     InsufficientSpaceError,
     LeafSizeError,

@@ -27,7 +27,7 @@ Any failure before the rename removes the staging directory and leaves the desti
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> out = write_tree(tempfile.mkdtemp() + "/t", Level((), {"x": torch.ones(2)}))
     >>> out.load()["x"].filename.endswith("x.memmap")
     True
@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..format.dtypes import dtype_name
-from ..errors import (
+from ...format.dtypes import dtype_name
+from ...errors import (
     DtypeError,
     ExistingMemmapError,
     InvalidArgumentError,
@@ -54,15 +54,15 @@ from ..errors import (
     LimitError,
     MemtreeError,
 )
-from .crypto import TreeCipher, hide_names
-from .faults import point
-from .files import FileRange, create_leaf, gc_paused, storage_error
-from .checksums import file_checksum, tensor_checksum
-from .memory import is_plain_memory
-from .integrity import bytes_checksum, tree_hash
+from ..primitives.crypto import TreeCipher, hide_names
+from ..primitives.faults import point
+from ..primitives.files import FileRange, create_leaf, gc_paused, storage_error
+from ..primitives.checksums import file_checksum, tensor_checksum
+from ..primitives.memory import is_plain_memory
+from ..reading.integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
-from .commit import fsync_dir, wait_for_removals, write_small_file
-from ..format.schema import (
+from ..primitives.commit import fsync_dir, wait_for_removals, write_small_file
+from ...format.schema import (
     MAX_NBYTES,
     ChildMeta,
     Entry,
@@ -73,16 +73,16 @@ from ..format.schema import (
     dump_level,
     extent_bytes,
 )
-from ..format.names import META_NAME, encode_level
-from ..format.level import Level, as_level, fmt_key
-from .mapped import MemoryMappedTensor, to_storable
-from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
-from .progress import Progress
-from .options import ReadOptions, WriteOptions, check_mode
-from .read import PendingLevel, open_tree
-from ..format.names import LEAF_SUFFIX, PICKLE_SUFFIX
+from ...format.names import META_NAME, encode_level
+from ...format.level import Level, as_level, fmt_key
+from ..reading.mapped import MemoryMappedTensor, to_storable
+from ...format.values import NonTensor, check_json, json_problem, tuples_to_lists
+from ..primitives.progress import Progress
+from ..reading.options import ReadOptions, WriteOptions, check_mode
+from ..reading.read import PendingLevel, open_tree
+from ...format.names import LEAF_SUFFIX, PICKLE_SUFFIX
 from .staged import staged_commit
-from .storage import local_path
+from ..reading.storage import local_path
 
 __all__ = [
     "LeafJob",

@@ -75,8 +75,8 @@ from typing import Any
 
 import torch
 
-from ..format.dtypes import itemsize
-from ..errors import (
+from ...format.dtypes import itemsize
+from ...errors import (
     InvalidArgumentError,
     LeafSizeError,
     MemtreeError,
@@ -86,7 +86,7 @@ from ..errors import (
     ReadOnlyError,
     ShapeMismatchError,
 )
-from .files import (
+from ..primitives.files import (
     check_free_space,
     copy_range,
     new_file,
@@ -95,13 +95,13 @@ from .files import (
     storage_error,
     write_fd,
 )
-from .commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
-from ..format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
-from ..format.names import META_NAME, lock_path, meta_tmp_name, staging_path
-from ..format.level import Level, fmt_key
-from .mapped import MemoryMappedTensor, map_leaf, to_storable
-from ..format.values import NonTensor
-from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
+from ..primitives.commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
+from ...format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
+from ...format.names import META_NAME, lock_path, meta_tmp_name, staging_path
+from ...format.level import Level, fmt_key
+from ..reading.mapped import MemoryMappedTensor, map_leaf, to_storable
+from ...format.values import NonTensor
+from ..reading.read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
 
 __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]

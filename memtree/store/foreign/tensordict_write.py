@@ -26,7 +26,7 @@ reported, never written differently.
 Example:
     >>> import os, tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.tensordict import read_tensordict_dir
+    >>> from memtree.store.foreign.tensordict import read_tensordict_dir
     >>> d = os.path.join(tempfile.mkdtemp(), "td")
     >>> _ = write_tensordict_dir(d, Level((2,), {"x": torch.arange(2)}))
     >>> read_tensordict_dir(d).entries["x"].tolist()
@@ -42,17 +42,17 @@ from typing import Any
 import orjson
 import torch
 
-from ..errors import DtypeError, InvalidArgumentError, InvalidKeyError
-from ..format.dtypes import itemsize
-from ..format.level import Level, as_level
-from ..format.names import META_NAME
-from ..format.schema import TREE_TYPE
-from ..format.values import NonTensor, json_problem
-from .commit import write_small_file
-from .files import create_leaf
-from .staged import staged_directory
+from ...errors import DtypeError, InvalidArgumentError, InvalidKeyError
+from ...format.dtypes import itemsize
+from ...format.level import Level, as_level
+from ...format.names import META_NAME
+from ...format.schema import TREE_TYPE
+from ...format.values import NonTensor, json_problem
+from ..primitives.commit import write_small_file
+from ..primitives.files import create_leaf
+from ..writing.staged import staged_directory
 from .tensordict import _NAME_MAX, _encode, is_tensordict_dir
-from .write import LeafJob, _storable
+from ..writing.write import LeafJob, _storable
 
 __all__ = ["TensordictWrite", "save_tensordict", "write_tensordict_dir"]
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from ..errors import (
+from ...errors import (
     SourceError,
     InvalidArgumentError,
     DestinationExistsError,
@@ -67,25 +67,25 @@ from ..errors import (
     PickleNotAllowedError,
     RemoteChangedError,
 )
-from ..format.level import Level, as_level, fmt_key
-from ..format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
-from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
-from ..format.values import NonTensor, UnloadedPickle, lists_to_tuples
-from . import faults
-from .cache import Download, entry_name, find_entry
-from .files import check_free_space, storage_error
-from .checksums import check_checksum_option, file_checksum, tensor_checksum
-from .memory import byte_view
-from .mapped import to_storable
-from .options import ReadOptions, WriteOptions
-from .progress import Progress
-from .read import read_tree
+from ...format.level import Level, as_level, fmt_key
+from ...format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
+from ...format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
+from ...format.values import NonTensor, UnloadedPickle, lists_to_tuples
+from ..primitives import faults
+from ..writing.cache import Download, entry_name, find_entry
+from ..primitives.files import check_free_space, storage_error
+from ..primitives.checksums import check_checksum_option, file_checksum, tensor_checksum
+from ..primitives.memory import byte_view
+from ..reading.mapped import to_storable
+from ..reading.options import ReadOptions, WriteOptions
+from ..primitives.progress import Progress
+from ..reading.read import read_tree
 from .fsspec_storage import FsspecStorage
-from .integrity import bytes_checksum, check_tree_hash, tree_hash
-from .storage import FileInfo, Storage, http_status, with_retries
-from .options import KeySelection
-from .walk import WalkedLevel, map_all, walk
-from .write import plan_write
+from ..reading.integrity import bytes_checksum, check_tree_hash, tree_hash
+from ..reading.storage import FileInfo, Storage, http_status, with_retries
+from ..reading.options import KeySelection
+from ..reading.walk import WalkedLevel, map_all, walk
+from ..writing.write import plan_write
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -227,11 +227,11 @@ def fetch_tree(
 
     Example:
         >>> import tempfile, torch
-        >>> from memtree.store.write import write_tree
-        >>> from memtree.store.storage import LocalStorage
+        >>> from memtree.store.writing.write import write_tree
+        >>> from memtree.store.reading.storage import LocalStorage
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
-        >>> from memtree.store.options import ReadOptions
+        >>> from memtree.store.reading.options import ReadOptions
         >>> fetch_tree(LocalStorage(d), ReadOptions(), cache_key=d, chunk_bytes=8).entries["x"].tolist()
         [0, 1, 2]
     """

@@ -45,7 +45,7 @@ What memtree does with it:
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.store.tensordict import is_tensordict_dir, read_tensordict_dir
+    >>> from memtree.store.foreign.tensordict import is_tensordict_dir, read_tensordict_dir
     >>> d = tempfile.mkdtemp()
     >>> with open(os.path.join(d, "meta.json"), "w") as f:
     ...     _ = f.write('{"x": {"dtype": "torch.int32", "shape": [2], "device": "cpu", '
@@ -66,8 +66,8 @@ from typing import Any
 
 import torch
 
-from ..format.dtypes import dtype_from_name, itemsize
-from ..errors import (
+from ...format.dtypes import dtype_from_name, itemsize
+from ...errors import (
     DtypeError,
     LimitError,
     MemtreeError,
@@ -78,8 +78,8 @@ from ..errors import (
     UnsafePathError,
     UnsupportedVersionError,
 )
-from .files import open_checked, read_fd, storage_error
-from ..format.schema import (
+from ..primitives.files import open_checked, read_fd, storage_error
+from ...format.schema import (
     starts_with_batch,
     MAX_DEPTH,
     MAX_DIM,
@@ -89,12 +89,12 @@ from ..format.schema import (
     MAX_NDIM,
     extent_bytes,
 )
-from ..format.names import META_NAME
-from ..format.level import Level
-from .mapped import map_leaf
-from ..format.values import MAX_JSON_DEPTH, NonTensor, json_depth
-from .options import KeySelection, ReadOptions
-from .read import open_dir, read_meta_bytes
+from ...format.names import META_NAME
+from ...format.level import Level
+from ..reading.mapped import map_leaf
+from ...format.values import MAX_JSON_DEPTH, NonTensor, json_depth
+from ..reading.options import KeySelection, ReadOptions
+from ..reading.read import open_dir, read_meta_bytes
 
 __all__ = ["check_tensordict_dir", "is_tensordict_dir", "read_tensordict_dir"]
 

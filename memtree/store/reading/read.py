@@ -27,8 +27,8 @@ loaded).
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
-    >>> from memtree.store.read import read_tree
+    >>> from memtree.store.writing.write import write_tree
+    >>> from memtree.store.reading.read import read_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
     >>> read_tree(d).entries["x"].tolist()
@@ -48,21 +48,21 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..errors import (
+from ...errors import (
     MemtreeKeyError,
     MetaFormatError,
     MissingLeafError,
     NotCommittedError,
     SourceError,
 )
-from .files import FileRange
+from ..primitives.files import FileRange
 from .storage import META_FLAGS, LocalStorage, open_dir, read_meta, read_meta_bytes
-from ..format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, starts_with_batch
-from ..format.names import META_NAME
-from ..format.level import Level, Value
+from ...format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, starts_with_batch
+from ...format.names import META_NAME
+from ...format.level import Level, Value
 from .integrity import check_tree_hash as check_stored_tree_hash
-from ..format.values import NonTensor, lists_to_tuples
-from ..format.names import is_uncommitted_name
+from ...format.values import NonTensor, lists_to_tuples
+from ...format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
 from .leaf_reader import LeafReader
 
@@ -102,7 +102,7 @@ def walk_levels(
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.writing.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"a": Level((), {"b": Level((), {})})}))
         >>> fd, seen = open_dir(d, d, None), []
@@ -207,7 +207,7 @@ def fill_tree(
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.writing.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"a": Level((), {"x": torch.arange(3.0)})}))
         >>> root = open_for_fill(d); _ = root.load_all()
@@ -219,7 +219,7 @@ def fill_tree(
     kept = root.source.reader.kept
     if kept is None:
         return False
-    from .fill import FillJob, fill  # only here and for reads (mmap=False, devices): not on a mapping load
+    from ..primitives.fill import FillJob, fill  # only here and for reads (mmap=False, devices): not on a mapping load
 
     jobs: list[FillJob] = []
     for key, dests in targets.items():
@@ -263,7 +263,7 @@ def open_tree(
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.writing.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3), "sub": Level((), {})}))
         >>> root = open_tree(d)
@@ -285,7 +285,7 @@ def open_tree(
     source = _Source(root, open_dir(root, root, None), LeafReader(options), written)
     meta = source.meta((), root, source.fd)
     if meta.encryption is not None or options.encryption is not None:  # else no cipher: crypto not imported
-        from .crypto import open_cipher
+        from ..primitives.crypto import open_cipher
 
         source.reader.cipher, meta = open_cipher(meta, options.encryption, root, structure_only=source.reader.on_meta)
     if options.verify and meta.tree_hash is not None:
@@ -375,7 +375,7 @@ def load_pending_at(prefix: str | os.PathLike[str]) -> None:
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.writing.write import write_tree
         >>> d = tempfile.mkdtemp() + "/t"
         >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
         >>> root = open_tree(d)

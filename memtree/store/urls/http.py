@@ -41,8 +41,8 @@ import yarl
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
-from ..errors import InvalidArgumentError, LimitError, MissingLeafError, RemoteChangedError, RemoteError, RemoteRangeError
-from .storage import FileInfo, ShortReadError, TransientError, identity_of, split_rel
+from ...errors import InvalidArgumentError, LimitError, MissingLeafError, RemoteChangedError, RemoteError, RemoteRangeError
+from ..reading.storage import FileInfo, ShortReadError, TransientError, identity_of, split_rel
 
 __all__ = ["HttpTransport", "MAX_REDIRECTS"]
 

@@ -12,7 +12,7 @@ The variable is read at import; a process that changes it afterwards (a forked t
 
 Example:
     >>> import os
-    >>> from memtree.store import faults as _faults
+    >>> from memtree.store.primitives import faults as _faults
     >>> os.environ["MEMTREE_FAULT"] = "after_leaf:3"
     >>> _faults.reload()
     >>> _faults.armed()

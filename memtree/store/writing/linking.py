@@ -24,9 +24,9 @@ saves"):
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> d = tempfile.mkdtemp()
-    >>> from memtree.store.options import WriteOptions
+    >>> from memtree.store.reading.options import WriteOptions
     >>> _ = write_tree(d + "/old", Level((), {"w": torch.ones(2)}), WriteOptions.of(checksum="crc32"))
     >>> with LinkSource.open(d + "/old", "crc32", d, True) as links:
     ...     links.candidate(("w",), torch.ones(2)) is not None
@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import MemtreeError
-from ..format.names import META_NAME
-from ..format.schema import ChildMeta, LeafMeta, LevelMeta
-from .files import _unlink_quiet, open_leaf
-from .checksums import file_checksum
-from .read import open_dir, walk_levels
+from ...errors import MemtreeError
+from ...format.names import META_NAME
+from ...format.schema import ChildMeta, LeafMeta, LevelMeta
+from ..primitives.files import _unlink_quiet, open_leaf
+from ..primitives.checksums import file_checksum
+from ..reading.read import open_dir, walk_levels
 
 __all__ = ["MAX_LINKS", "LinkSource", "WriteStats"]
 
@@ -74,8 +74,8 @@ class WriteStats:
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.options import WriteOptions
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.reading.options import WriteOptions
+        >>> from memtree.store.writing.write import write_tree
         >>> d = tempfile.mkdtemp()
         >>> _ = write_tree(d + "/1", Level((), {"w": torch.ones(4)}))
         >>> stats = WriteStats()

@@ -24,15 +24,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-from ..errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
-from ..format.record import Record
-from ..format.schema import ChildMeta, LevelMeta
-from .checksums import check_checksum_option, default_checksum
+from ...errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
+from ...format.record import Record
+from ...format.schema import ChildMeta, LevelMeta
+from ..primitives.checksums import check_checksum_option, default_checksum
 
 if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
     import torch
 
-    from .crypto import EncryptionKey  # imported where a key is given: plain loads need no crypto
+    from ..primitives.crypto import EncryptionKey  # imported where a key is given: plain loads need no crypto
 
 __all__ = [
     "MODES",
@@ -178,7 +178,7 @@ def _flag(name: str, value: object) -> bool:
 def _key(key: object) -> EncryptionKey | None:
     if key is None:
         return None
-    from .crypto import EncryptionKey, require_backend
+    from ..primitives.crypto import EncryptionKey, require_backend
 
     if not isinstance(key, EncryptionKey):
         raise InvalidArgumentError(

@@ -29,9 +29,9 @@ from typing import Any
 
 import orjson
 
-from ..errors import DestinationExistsError, LockError, UnsafePathError
-from ..format.names import META_NAME, old_path
-from ..format.schema import FORMAT
+from ...errors import DestinationExistsError, LockError, UnsafePathError
+from ...format.names import META_NAME, old_path
+from ...format.schema import FORMAT
 from .faults import point
 from .files import RW_FLAGS, libc_function, new_file, storage_error
 

@@ -28,9 +28,9 @@ decrypted by a pool of threads (``cryptography`` releases the GIL).
 Example:
     >>> import os, tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.options import ReadOptions, WriteOptions
-    >>> from memtree.store.read import read_tree
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.reading.options import ReadOptions, WriteOptions
+    >>> from memtree.store.reading.read import read_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> key, d = EncryptionKey.generate(), tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}), WriteOptions.of(encryption=key))
     >>> read_tree(d, ReadOptions.of(encryption=key)).entries["x"].tolist()
@@ -54,11 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..errors import DecryptionError, InvalidArgumentError, MissingDependencyError, StorageError
-from ..format.dtypes import dtype_name
-from ..format.level import fmt_key
-from ..format.names import LEAF_SUFFIX
-from ..format.schema import (
+from ...errors import DecryptionError, InvalidArgumentError, MissingDependencyError, StorageError
+from ...format.dtypes import dtype_name
+from ...format.level import fmt_key
+from ...format.names import LEAF_SUFFIX
+from ...format.schema import (
     ENCRYPTION_ALGORITHM,
     TAG_BYTES,
     TREE_TYPE,

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 from .memory import byte_view
 
 if TYPE_CHECKING:

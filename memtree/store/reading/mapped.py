@@ -38,9 +38,9 @@ from typing import Any, Callable, cast
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ..format.dtypes import dtype_name, itemsize
-from ..errors import DtypeError, MissingLeafError, ReadOnlyError
-from .files import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
+from ...format.dtypes import dtype_name, itemsize
+from ...errors import DtypeError, MissingLeafError, ReadOnlyError
+from ..primitives.files import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
 from .options import check_mode
 from .mapped_files import WRITERS, FileId, MappedFile
 

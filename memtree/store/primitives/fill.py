@@ -29,7 +29,7 @@ and says that destinations may then be partly overwritten. A job may carry a che
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.store.files import FileRange
+    >>> from memtree.store.primitives.files import FileRange
     >>> path = os.path.join(tempfile.mkdtemp(), "w.bin")
     >>> _ = open(path, "wb").write(torch.arange(6, dtype=torch.float32).numpy().tobytes())
     >>> fd = os.open(path, os.O_RDONLY)
@@ -54,8 +54,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import InvalidArgumentError, MemtreeError, StorageError
-from ..format.dtypes import itemsize
+from ...errors import InvalidArgumentError, MemtreeError, StorageError
+from ...format.dtypes import itemsize
 from .files import FileRange, storage_error
 from .checksums import crc32, file_checksum, tensor_checksum
 from .memory import byte_view, is_plain_memory, writable_view

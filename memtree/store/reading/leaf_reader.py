@@ -11,8 +11,8 @@ each leaf entry to the tree's one reader.
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.options import ReadOptions
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.reading.options import ReadOptions
+    >>> from memtree.store.writing.write import write_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> meta = write_tree(d, Level((), {"x": torch.arange(3)})).meta
     >>> fd = os.open(d, os.O_RDONLY)
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import (
+from ...errors import (
     DecryptionError,
     IntegrityError,
     LeafSizeError,
@@ -43,18 +43,18 @@ from ..errors import (
     PickleNotAllowedError,
     UnsafePathError,
 )
-from ..format.schema import LeafMeta, PickleMeta
-from ..format.values import UnloadedPickle
-from .checksums import file_checksum
-from .files import FileRange, open_checked, open_leaf, storage_error
+from ...format.schema import LeafMeta, PickleMeta
+from ...format.values import UnloadedPickle
+from ..primitives.checksums import file_checksum
+from ..primitives.files import FileRange, open_checked, open_leaf, storage_error
 from .integrity import changed_after_meta
 from .mapped import map_leaf
 from .options import ReadOptions
 from .storage import META_FLAGS, read_meta
 
 if TYPE_CHECKING:
-    from .crypto import TreeCipher
-    from .fill import FillJob
+    from ..primitives.crypto import TreeCipher
+    from ..primitives.fill import FillJob
     from .read import PendingLevel
 
 __all__ = ["LeafReader", "MAX_PENDING_READS"]
@@ -131,7 +131,7 @@ class LeafReader:
             if self.verify and entry.checksum is not None:  # whether the file is newer than its
                 stale = changed_after_meta(fd, dir_fd)  # meta.json, known now (dir_fd closes before the read)
                 checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
-            from .fill import FillJob
+            from ..primitives.fill import FillJob
 
             cast = entry.dtype if entry.dtype != dest.dtype else None
             job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
@@ -188,7 +188,7 @@ class LeafReader:
         jobs, self.pending = self.pending, []
         if not jobs:
             return
-        from .fill import fill
+        from ..primitives.fill import fill
 
         try:
             fill([job for job, _ in jobs])

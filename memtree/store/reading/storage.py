@@ -23,7 +23,7 @@ Two implementations:
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
     >>> with LocalStorage(d) as s:
@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ..errors import (
+from ...errors import (
     InvalidArgumentError,
     LimitError,
     MemtreeError,
@@ -57,10 +57,10 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..format.record import Record
-from ..format.names import META_NAME, is_safe_name, is_uncommitted_name
-from ..format.schema import MAX_META_BYTES, LevelMeta, parse_level
-from .files import open_leaf, storage_error
+from ...format.record import Record
+from ...format.names import META_NAME, is_safe_name, is_uncommitted_name
+from ...format.schema import MAX_META_BYTES, LevelMeta, parse_level
+from ..primitives.files import open_leaf, storage_error
 
 __all__ = [
     "FileInfo",

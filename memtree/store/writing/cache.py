@@ -37,12 +37,12 @@ from typing import Any
 
 import orjson
 
-from ..errors import LockError, MemtreeError
-from ..format.names import META_NAME, SCRATCH_MARK, scratch_path
-from . import faults
-from .files import create_leaf, storage_error
-from .commit import WriterLock, fsync_dir, rename_noreplace, write_small_file
-from .storage import split_rel
+from ...errors import LockError, MemtreeError
+from ...format.names import META_NAME, SCRATCH_MARK, scratch_path
+from ..primitives import faults
+from ..primitives.files import create_leaf, storage_error
+from ..primitives.commit import WriterLock, fsync_dir, rename_noreplace, write_small_file
+from ..reading.storage import split_rel
 
 __all__ = ["entry_name", "find_entry", "Download", "remove_stale_downloads", "SCRATCH"]
 
