@@ -46,7 +46,7 @@ NOT_ON_THE_READY_PATH = (
     "memtree.store.writing.linking",
     "memtree.tree.dataset",
     "memtree.tree.ops",
-    "memtree.tree.growth",
+    "memtree.tree.parts.growth",
     "memtree.tree.records",
     "memtree.interop",
     "memtree.nn.loading",

@@ -171,7 +171,7 @@ def test_tensordict_tensorclass_loads_as_the_registered_memtree_tensorclass(tmp_
 
 
 def test_an_unregistered_tensorclass_loads_as_a_plain_tree(tmp_path: Path) -> None:
-    from memtree.tree import registry
+    from memtree.tree.parts import registry
 
     saved = registry._CLASSES.pop("TDStep")
     try:
@@ -183,7 +183,7 @@ def test_an_unregistered_tensorclass_loads_as_a_plain_tree(tmp_path: Path) -> No
 
 
 def test_longest_registered_suffix_wins() -> None:
-    from memtree.tree.registry import class_for_foreign
+    from memtree.tree.parts.registry import class_for_foreign
 
     @memtree.tensorclass(name="test_tensordict_write.TDStep")
     class FullPath:

@@ -37,7 +37,7 @@ from ..store.primitives.fill import FillJob, fill, mapped_range
 from ..store.reading.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.reading.storage import local_path
 from ..store.foreign.tensordict import is_tensordict_dir
-from ..tree.bind import (
+from ..tree.parts.bind import (
     TIED_KEY,
     Group,
     KeyPrefix,

@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_map
 from ..errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError
 from ..store.primitives.files import map_fd
 from ..store.reading.mapped import MemoryMappedTensor
-from ..tree.bind import bind, module_groups, names_list, plan
+from ..tree.parts.bind import bind, module_groups, names_list, plan
 from .loading import LoadResult, as_source
 
 __all__ = ["OffloadedTensor", "offload", "DISK"]

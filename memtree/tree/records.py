@@ -46,7 +46,7 @@ from typing import Any, TypeVar, overload
 from ..errors import TensorclassError
 from ..format.level import Level
 from ..format.values import NonTensor
-from .registry import register
+from .parts.registry import register
 from .tensortree import TensorTree
 
 __all__ = ["tensorclass"]

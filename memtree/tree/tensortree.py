@@ -23,9 +23,9 @@ import os
 from typing import Any
 
 
-from .args import Key
-from .persistence import Persistence
-from .repr import TreeRepr
+from .parts.args import Key
+from .parts.persistence import Persistence
+from .parts.repr import TreeRepr
 
 __all__ = ["TensorTree", "load_memmap", "Key"]
 

@@ -12,9 +12,9 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ..errors import BatchSizeError, KeyTypeError
-from ..format.level import fmt_key
-from ..format.schema import MAX_DIM, MAX_NDIM
+from ...errors import BatchSizeError, KeyTypeError
+from ...format.level import fmt_key
+from ...format.schema import MAX_DIM, MAX_NDIM
 
 __all__ = ["Key", "is_str_key", "key_tuple", "fmt_key", "as_size", "check_batch_index", "expand_ellipsis"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..format.values import NonTensor
-from ..store.reading.mapped import MemoryMappedTensor
+from ...format.values import NonTensor
+from ...store.reading.mapped import MemoryMappedTensor
 from .core import TreeCore
 
 __all__ = ["TreeRepr"]

@@ -20,7 +20,7 @@ from typing_extensions import Self
 import numpy as np
 import torch
 
-from ..errors import (
+from ...errors import (
     BatchSizeError,
     KeyCollisionError,
     LockedError,
@@ -31,11 +31,11 @@ from ..errors import (
     UnsizedTreeError,
     AmbiguousTruthError,
 )
-from ..format.names import validate_key
-from ..format.schema import starts_with_batch
-from ..format.level import Level
-from ..format.values import NonTensor, check_nesting
-from ..store.reading.read import PendingLevel, loading_lock
+from ...format.names import validate_key
+from ...format.schema import starts_with_batch
+from ...format.level import Level
+from ...format.values import NonTensor, check_nesting
+from ...store.reading.read import PendingLevel, loading_lock
 from . import bind
 from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
 from .numpy_view import numpy_value

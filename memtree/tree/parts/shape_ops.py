@@ -20,8 +20,8 @@ from typing_extensions import Self
 
 import torch
 
-from ..errors import InvalidIndexError
-from ..format.values import NonTensor
+from ...errors import InvalidIndexError
+from ...format.values import NonTensor
 from .args import as_size
 from .core import TreeCore
 from .numpy_view import tree_numpy

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DtypeError
-from ..format.values import NonTensor
+from ...errors import DtypeError
+from ...format.values import NonTensor
 
 __all__ = ["tree_numpy", "leaf_numpy", "numpy_value"]
 

@@ -23,18 +23,18 @@ from typing_extensions import Self
 
 import torch
 
-from ..format.level import Level
-from ..errors import InvalidArgumentError
-from ..store.reading.mapped import MemoryMappedTensor
-from ..store.open import open_prefix
-from ..store.reading.options import KeySelection, ReadOptions, WriteOptions
-from ..store.reading.read import PendingLevel
+from ...format.level import Level
+from ...errors import InvalidArgumentError
+from ...store.reading.mapped import MemoryMappedTensor
+from ...store.open import open_prefix
+from ...store.reading.options import KeySelection, ReadOptions, WriteOptions
+from ...store.reading.read import PendingLevel
 from . import bind
 from .core import TreeCore
 from .shape_ops import ShapeOps
 
 if TYPE_CHECKING:
-    from ..store.primitives.crypto import EncryptionKey
+    from ...store.primitives.crypto import EncryptionKey
 
 # Imported on first use, so that a process that only loads never imports them:
 # ..store.write (writing), .growth (append_, extend_, resize_).
@@ -173,7 +173,7 @@ class Persistence(ShapeOps):
 
     def _write(self, prefix: str | os.PathLike[str] | None, options: WriteOptions) -> Level | PendingLevel:
         """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
-        from ..store.writing.write import share_tree, write_tree
+        from ...store.writing.write import share_tree, write_tree
 
         if prefix is None:
             return share_tree(self._to_level(), like=options.like)

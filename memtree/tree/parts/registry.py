@@ -11,7 +11,7 @@ This module sits below :mod:`memtree.tree.tensortree` (which resolves names whil
 :mod:`memtree.tree.records` (which registers classes); it holds no tree logic.
 
 Example:
-    >>> from memtree.tree.registry import class_for, register
+    >>> from memtree.tree.parts.registry import class_for, register
     >>> class Point: ...
     >>> register("docs.Point", Point)
     >>> class_for("docs.Point", "error", ()) is Point, class_for("TensorTree", "error", ())
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InvalidArgumentError, TensorclassError, UnknownClassError
-from ..format.schema import CONTAINER_TYPES, TREE_TYPE, TYPE_NAME_MAX, is_type_name
+from ...errors import InvalidArgumentError, TensorclassError, UnknownClassError
+from ...format.schema import CONTAINER_TYPES, TREE_TYPE, TYPE_NAME_MAX, is_type_name
 
 __all__ = ["RESERVED_PREFIX", "UNKNOWN_CLASSES", "register", "class_for", "class_for_foreign"]
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import BatchSizeError, ShapeMismatchError
-from ..format.level import Level
-from ..store.writing.grow import check_growable, extend_level, resize_level
+from ...errors import BatchSizeError, ShapeMismatchError
+from ...format.level import Level
+from ...store.writing.grow import check_growable, extend_level, resize_level
 
 if TYPE_CHECKING:
     from .core import TreeCore

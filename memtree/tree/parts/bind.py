@@ -81,10 +81,10 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ..errors import MemtreeKeyError, ShapeMismatchError, SourceError
-from ..format.names import TIED_KEY
-from ..format.values import NonTensor
-from ..store.reading.mapped import MemoryMappedTensor
+from ...errors import MemtreeKeyError, ShapeMismatchError, SourceError
+from ...format.names import TIED_KEY
+from ...format.values import NonTensor
+from ...store.reading.mapped import MemoryMappedTensor
 
 __all__ = [
     "TIED_KEY",
