@@ -1,6 +1,6 @@
 """Remote trees over fsspec (the optional extra ``memtree[remote]``): :func:`upload` and :func:`load`.
 
-The implementation is the remote store, :mod:`memtree.store.remote`; ``memtree.load_memmap(url)``
+The implementation is the remote store, :mod:`memtree.store.urls.remote`; ``memtree.load_memmap(url)``
 reads through it too. This module is the public name for its two entry points.
 
 Example:

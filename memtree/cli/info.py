@@ -3,8 +3,8 @@
 SOURCE may be:
 
 * a memtree directory, or a URL of one (``https://``, ``s3://``, any fsspec URL; the optional
-  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.storage`) by
-  the level walker (:mod:`memtree.store.walk`): every ``meta.json`` validated by the same
+  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.reading.storage`) by
+  the level walker (:mod:`memtree.store.reading.walk`): every ``meta.json`` validated by the same
   parser as ``load_memmap``, no leaf file opened, no torch imported (``memtree info DIR`` answers
   in well under a second);
 * a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);

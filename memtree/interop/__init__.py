@@ -5,7 +5,7 @@
   :func:`pickle_limits` bounds how much a pickle may build);
 * :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
 * tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
-  :mod:`memtree.store.tensordict`);
+  :mod:`memtree.store.foreign.tensordict`);
 * :func:`save_tensordict` writes a tree as a directory tensordict's ``load_memmap`` reads;
 * :func:`convert` (the ``memtree convert`` command) streams any of these (and Hugging Face
   shard indexes and model directories) into a memtree directory, a ``.safetensors`` file, a

@@ -129,7 +129,7 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
 
     def fill_range(self, key: str) -> Any:
         """Where ``key``'s bytes lie in the open file and the check to run on them, for the
-        in-place loader (:func:`memtree.store.fill.fill`); ``None`` when they do not lie as
+        in-place loader (:func:`memtree.store.primitives.fill.fill`); ``None`` when they do not lie as
         they are (a strided view): then :meth:`read` it."""
         return self._reader.fill_range(key)
 

@@ -15,7 +15,7 @@ tensor at all; its record's CRC-32 is not checked, as with ``torch.load(mmap=Tru
 other leaf reads its bytes with ``pread`` into a new tensor (never through a mapping, whose
 pages would stay resident), is cast if asked, and is dropped once its file is written:
 
-* to a memtree directory, the Level goes through :func:`memtree.store.write.write_tree` unchanged:
+* to a memtree directory, the Level goes through :func:`memtree.store.writing.write.write_tree` unchanged:
   the same plan, staging directory and atomic commit as ``TensorTree.memmap`` (no second commit
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`
@@ -24,9 +24,9 @@ pages would stay resident), is cast if asked, and is dropped once its file is wr
 * to a model directory, :func:`~memtree.interop.sharded.write_model_directory` splits the
   tensors as ``huggingface_hub`` does and writes each file with the same ``write_safetensors``,
   in a staging directory published by the commit of ``write_tree``
-  (:func:`~memtree.store.staged.staged_directory`); tied ``torch.save`` tensors (the same view
+  (:func:`~memtree.store.writing.staged.staged_directory`); tied ``torch.save`` tensors (the same view
   of one storage) are written once, under the first name, as ``save_pretrained`` does;
-* to a tensordict directory, :func:`~memtree.store.tensordict_write.write_tensordict_dir`
+* to a tensordict directory, :func:`~memtree.store.foreign.tensordict_write.write_tensordict_dir`
   writes tensordict's layout, published the same way.
 
 Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"`` ->

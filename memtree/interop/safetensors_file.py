@@ -320,7 +320,7 @@ class SafetensorsReader(Closing):
         return out
 
     def fill_range(self, key: str) -> tuple[FileRange, None]:
-        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.fill.fill`
+        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.primitives.fill.fill`
         (valid while the reader is open; no checksum to check)."""
         e = self.entry(key)
         return FileRange(self._file.fd, e.begin, e.end - e.begin, f"tensor {key!r} of {self.path}"), None

@@ -3,9 +3,9 @@
 A source is a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``, a
 checkpoint file (``torch.save``, ``.safetensors``) or a Hugging Face model directory or shard
 index (read lazily through :mod:`memtree.interop`); it is seen as flat dotted names
-(:class:`memtree.tree.bind.Source`), optionally renamed by ``prefix=``, matched to the module's
+(:class:`memtree.tree.parts.bind.Source`), optionally renamed by ``prefix=``, matched to the module's
 slots and loaded: live tensors are filled in place, meta tensors are bound (see
-:mod:`memtree.tree.bind`).
+:mod:`memtree.tree.parts.bind`).
 
 Example:
     >>> import tempfile, torch, memtree
@@ -125,7 +125,7 @@ def _source_from_file(path: str) -> Source:
 
 
 def as_source(source: Any, *, mode: str = "r") -> Source:
-    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.bind.Source`."""
+    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.parts.bind.Source`."""
     if isinstance(source, Source):
         return source
     if isinstance(source, TensorTree):
@@ -261,7 +261,7 @@ def _locator(source: Any, src: Source) -> Callable[[str], Any] | None:
 
 def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
     """Read the file bytes of every live tensor that has them straight into it (threaded
-    ``preadv``, see :mod:`memtree.store.fill`); the plan of what is left to :func:`bind`."""
+    ``preadv``, see :mod:`memtree.store.primitives.fill`); the plan of what is left to :func:`bind`."""
     jobs: list[FillJob] = []
     rest: list[tuple[Group, str]] = []
     owned: list[int] = []  # descriptors opened for mapped leaves
@@ -288,7 +288,7 @@ def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
 
 def _structure(source: Any) -> PendingLevel | None:
     """``source`` opened as a plain memtree directory by
-    :func:`~memtree.store.read.open_for_fill` (its structure, each leaf opened once as its level
+    :func:`~memtree.store.reading.read.open_for_fill` (its structure, each leaf opened once as its level
     loads, none mapped); ``None`` for any other source."""
     if not isinstance(source, (str, os.PathLike)):
         return None
@@ -302,7 +302,7 @@ def _structure(source: Any) -> PendingLevel | None:
 def _leaf_targets(
     found: Plan, src: Source, leaves: list[tuple[tuple[str, ...], Any]]
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
-    """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
+    """What :func:`~memtree.store.reading.read.fill_tree` reads into the live tensors of ``found``, by
     key path of the tree whose ``leaves`` (on the meta device) ``src`` was made from; ``None``
     if a pair has no key path, or if the tree holds several names of one tied tensor (whose
     values are compared on the data)."""
@@ -439,7 +439,7 @@ def load_into_module(
       so an optimizer built before the load (the usual resume order: model, optimizer, then
       load), hooks and ties keep working. From a file (memtree directory, safetensors,
       ``torch.save``, shards) the bytes are read with threaded ``preadv`` straight into the
-      tensors' memory (no mapping, no second copy; :mod:`memtree.store.fill`), CUDA tensors
+      tensors' memory (no mapping, no second copy; :mod:`memtree.store.primitives.fill`), CUDA tensors
       through a bounded ring of pinned buffers; from tensors in memory, ``p.copy_(source)``;
     * **meta** (a module built under :func:`empty_init`): there is nothing to fill, so the
       source tensor is *bound*, zero-copy: with a memtree directory the weights become

@@ -2,12 +2,12 @@
 
 The one place that chooses the backend for :func:`memtree.load_memmap` (and the CLI):
 
-* a ``file://`` URL is the local path it names (:func:`memtree.store.storage.local_path`);
+* a ``file://`` URL is the local path it names (:func:`memtree.store.reading.storage.local_path`);
 * a URL with a scheme other than ``file://`` (``s3://``, ``https://``, ``memory://``...) is read
-  with :mod:`memtree.store.remote` (the optional fsspec extra), always loaded whole;
+  with :mod:`memtree.store.urls.remote` (the optional fsspec extra), always loaded whole;
 * a directory whose root ``meta.json`` is tensordict's (``_type``, no ``format``) is read with
-  :mod:`memtree.store.tensordict`, loaded whole;
-* anything else is a memtree directory, opened lazily by :func:`memtree.store.read.open_tree`.
+  :mod:`memtree.store.foreign.tensordict`, loaded whole;
+* anything else is a memtree directory, opened lazily by :func:`memtree.store.reading.read.open_tree`.
 
 Example:
     >>> import tempfile, torch
@@ -39,7 +39,7 @@ __all__ = ["is_url", "open_prefix"]
 def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: Any) -> Level | PendingLevel:
     """Open ``prefix`` with the reader its kind needs (see the module docstring).
 
-    Returns a :class:`~memtree.store.read.PendingLevel` (loaded level by level on use) for a
+    Returns a :class:`~memtree.store.reading.read.PendingLevel` (loaded level by level on use) for a
     memtree directory, a fully loaded :class:`~memtree.format.level.Level` otherwise.
 
     Raises:

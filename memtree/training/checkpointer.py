@@ -1,7 +1,7 @@
 """``memtree.Checkpointer``: training checkpoints, atomic, async, incremental, with retention.
 
 A root directory holds one complete memtree tree per step, ``root/<step>/`` (the decimal step, no
-padding), each committed by :func:`memtree.store.write.write_tree`'s atomic rename under the
+padding), each committed by :func:`memtree.store.writing.write.write_tree`'s atomic rename under the
 step's writer lock; anything else in the root (staging directories, lock files) is ignored by
 :meth:`Checkpointer.steps` and cleaned up by :func:`memtree.recover` when a checkpointer opens the
 root. What a save does (``docs/guide/training.md``):
@@ -173,7 +173,7 @@ class Checkpointer:
         self._pending: Future[str] | None = None
         self._failed: tuple[int, BaseException] | None = None
         self._staging = StagingBuffer()
-        #: What the most recent save wrote and hard-linked (:class:`~memtree.store.write.WriteStats`).
+        #: What the most recent save wrote and hard-linked (:class:`~memtree.store.writing.write.WriteStats`).
         self.last_stats: WriteStats | None = None
 
     def __repr__(self) -> str:

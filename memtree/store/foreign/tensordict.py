@@ -19,7 +19,7 @@ imported)::
 A tensorclass level keeps its ``_type`` (as text, in ``Level.foreign_type``): loaded as a tree,
 it becomes the memtree ``@tensorclass`` registered under the longest dotted suffix of the class
 path (``<class 'pkg.mod.Step'>`` -> ``pkg.mod.Step``, ``mod.Step`` or ``Step``:
-:func:`memtree.tree.registry.class_for_foreign`), or a plain tree when none is registered.
+:func:`memtree.tree.parts.registry.class_for_foreign`), or a plain tree when none is registered.
 
 What memtree does with it:
 
@@ -38,7 +38,7 @@ What memtree does with it:
 * non-tensor data comes from the JSON ``"data"`` field; pickle sidecars are **never** executed,
   even with ``allow_pickle=True``: such a key raises
   :class:`~memtree.errors.PickleNotAllowedError` (load the other keys with ``keys=``);
-* :mod:`memtree.store.tensordict_write` writes this layout (``memtree convert --format
+* :mod:`memtree.store.foreign.tensordict_write` writes this layout (``memtree convert --format
   tensordict``, :func:`memtree.interop.save_tensordict`);
 * :func:`check_tensordict_dir` walks a directory the same way without mapping anything and
   reports every problem instead of raising the first (``memtree verify``).
@@ -181,7 +181,7 @@ def is_tensordict_dir(prefix: str | os.PathLike[str]) -> bool:
     """True if ``prefix/meta.json`` looks like tensordict's (a ``_type`` field, no memtree format).
 
     Never raises: anything unreadable is left to memtree's own loader to report. The file is
-    opened as the loaders open it (:func:`~memtree.store.read.read_meta_bytes`: no symbolic
+    opened as the loaders open it (:func:`~memtree.store.reading.read.read_meta_bytes`: no symbolic
     link followed, a regular file of at most 16 MiB, checked before reading).
     """
     try:

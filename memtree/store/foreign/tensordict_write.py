@@ -1,6 +1,6 @@
 """Writing tensordict's ``memmap`` layout, so that ``tensordict.TensorDict.load_memmap`` reads it.
 
-The layout is the one :mod:`memtree.store.tensordict` reads (tensordict 0.15, ``_format_version``
+The layout is the one :mod:`memtree.store.foreign.tensordict` reads (tensordict 0.15, ``_format_version``
 1), written the way tensordict's own ``memmap`` writes it:
 
 * each level is a directory with a ``meta.json``: one entry per key in the level's order (a
@@ -18,7 +18,7 @@ The layout is the one :mod:`memtree.store.tensordict` reads (tensordict 0.15, ``
   plain TensorDict (tensordict cannot import a memtree class), and reported.
 
 The directory is published atomically through
-:func:`~memtree.store.staged.staged_directory` (the commit of ``write_tree``); an existing
+:func:`~memtree.store.writing.staged.staged_directory` (the commit of ``write_tree``); an existing
 destination is replaced only with ``existsok`` and only if it is itself a tensordict directory.
 Values the layout cannot hold (a pickled value, a value JSON would change) are left out and
 reported, never written differently.

@@ -52,7 +52,7 @@ _AUTO_ORDER = ("xxh3", "crc32c", "crc32")
 
 
 class Digest(Protocol):
-    """What :func:`~memtree.store.files.write_fd` needs from a running checksum (``hashlib``
+    """What :func:`~memtree.store.primitives.files.write_fd` needs from a running checksum (``hashlib``
     objects qualify)."""
 
     def update(self, data: Any, /) -> None:

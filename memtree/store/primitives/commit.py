@@ -2,10 +2,10 @@
 
 ``renameat2`` exchange and no-replace renames, directory ``fsync``, small new files (a
 ``meta.json``), :class:`WriterLock`: the per-destination writer lock, whose file holds the
-journal of a writer that died (``memtree.store.recovery`` replays it), and the two steps every
+journal of a writer that died (``memtree.store.writing.recovery`` replays it), and the two steps every
 directory commit takes under that lock: :func:`destination_state` (what may be replaced) and
 :func:`publish` (the rename of a complete staging directory onto the destination, and the
-removal of the old copy). :func:`memtree.store.staged.staged_commit` runs them in order.
+removal of the old copy). :func:`memtree.store.writing.staged.staged_commit` runs them in order.
 
 Example:
     >>> import os, tempfile

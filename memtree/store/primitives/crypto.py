@@ -450,7 +450,7 @@ def open_cipher(
 def hide_names(plan: Any) -> None:
     """Give every file and directory of a write plan a random name (``encrypt_names=True``).
 
-    ``plan`` is a :class:`memtree.store.write.WritePlan`: its levels' directories, their
+    ``plan`` is a :class:`memtree.store.writing.write.WritePlan`: its levels' directories, their
     entries' ``file``/``dir`` names and its leaves' paths are renamed consistently, in place.
     The real names (keys) then exist only inside the sealed ``meta.json`` files.
     """

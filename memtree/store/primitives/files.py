@@ -15,7 +15,7 @@ The rules every function here follows (see ``../shared/RELIABILITY.md`` §0):
   right after ``pwrite``, while it is still in the CPU cache), never by reading the file back.
 
 The directory-level primitives of the commit (renames, directory fsync, the writer lock) are
-in :mod:`memtree.store.commit`.
+in :mod:`memtree.store.primitives.commit`.
 
 Example:
     >>> import os, tempfile, torch
@@ -204,7 +204,7 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
     With ``digest``, each slice is hashed right after it is written (one pass over the data).
     A plain tensor's memory is written as it is (:func:`pwrite_from`: about 1 µs of overhead,
     which matters for 20,000 small leaves); other tensors go through
-    :func:`~memtree.store.memory.byte_view`, which also serves subclasses whose ``data_ptr()``
+    :func:`~memtree.store.primitives.memory.byte_view`, which also serves subclasses whose ``data_ptr()``
     is no real memory (wrapper subclasses such as
     :class:`~memtree.nn.offloading.OffloadedTensor` produce their data on demand).
     """
@@ -361,7 +361,7 @@ def create_leaf(
             bytes to copy file to file (:func:`copy_range`); or ``None`` for a file of zeros
             (sparse unless ``reserve``).
         nbytes: the file's size.
-        checksum: one of :data:`~memtree.store.checksums.CHECKSUMS` to hash the bytes while writing them (needs
+        checksum: one of :data:`~memtree.store.primitives.checksums.CHECKSUMS` to hash the bytes while writing them (needs
             ``tensor``).
 
     Returns:

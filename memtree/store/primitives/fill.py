@@ -1,7 +1,7 @@
 """Filling existing tensors from byte ranges of files: threaded ``preadv`` into their own memory.
 
 :func:`fill` takes a list of :class:`FillJob` (a destination tensor and the
-:class:`~memtree.store.files.FileRange` that holds its bytes) and reads every range once, with
+:class:`~memtree.store.primitives.files.FileRange` that holds its bytes) and reads every range once, with
 no mapping of the file and no second copy in memory:
 
 * **direct** (a contiguous CPU tensor of the source's dtype, the usual case): the bytes are read
@@ -105,7 +105,7 @@ _SCRATCH = bytearray(READ_GAP)  # where gap bytes land (never read; threads shar
 BOUNCE_BYTES = 8 * 1024 * 1024
 #: Most page-locked host memory a load onto a CUDA device holds at once (the ring of buffers the
 #: reads fill while earlier buffers are copied to the device). A module setting: assign
-#: ``memtree.store.fill.PINNED_RING_BYTES = 256 << 20`` to use less. The ring uses at most
+#: ``memtree.store.primitives.fill.PINNED_RING_BYTES = 256 << 20`` to use less. The ring uses at most
 #: ``2 * READ_THREADS + 2`` buffers of up to :data:`PINNED_CHUNK` bytes, and never more than
 #: the load needs; it is released before the load returns (into torch's pinned-memory cache,
 #: which reuses it for the next pinned allocation).

@@ -1,7 +1,7 @@
 """Tensor memory as bytes, without copying: the views that writes and checksums read from.
 
-A leaf's bytes are written (:mod:`memtree.store.files`) and hashed
-(:mod:`memtree.store.checksums`) straight from a CPU tensor's memory: :func:`byte_view` for any
+A leaf's bytes are written (:mod:`memtree.store.primitives.files`) and hashed
+(:mod:`memtree.store.primitives.checksums`) straight from a CPU tensor's memory: :func:`byte_view` for any
 contiguous CPU tensor, :func:`writable_view` and :data:`view_of_memory` for plain memory
 (:func:`is_plain_memory`), where wrapping an address is about five times cheaper.
 

@@ -20,7 +20,7 @@ leaf's bytes) changes it. The writer hashes the bytes it has just written: no ex
 leaf.
 
 :func:`check_tree_hash` is the one check of a recorded ``tree_hash`` against a tree as it is
-stored, over the storage seam (:class:`~memtree.store.storage.Storage`: a local directory or a
+stored, over the storage seam (:class:`~memtree.store.reading.storage.Storage`: a local directory or a
 URL): ``load_memmap(..., verify=True)`` runs it for a local tree and a remote one, and
 ``memtree verify`` computes the same hash (:func:`stored_tree_hash`) over what it has read.
 
@@ -62,7 +62,7 @@ __all__ = [
     "changed_after_meta",
 ]
 
-#: Bytes read at a time to hash a file through a :class:`~memtree.store.storage.Storage`.
+#: Bytes read at a time to hash a file through a :class:`~memtree.store.reading.storage.Storage`.
 HASH_CHUNK = 8 * 1024 * 1024
 
 _HEADER = "memtree-tree-hash"
@@ -149,8 +149,8 @@ def storage_checksum(
     Args:
         storage: where the file is.
         rel: its path relative to the root.
-        algorithm: one of :data:`~memtree.store.checksums.CHECKSUMS`.
-        info: its :meth:`~memtree.store.storage.Storage.stat`, if already taken (else taken here).
+        algorithm: one of :data:`~memtree.store.primitives.checksums.CHECKSUMS`.
+        info: its :meth:`~memtree.store.reading.storage.Storage.stat`, if already taken (else taken here).
         nbytes: hash the first ``nbytes`` bytes only (default: the whole file).
         advance: called with the number of bytes of each chunk hashed (a progress bar).
 
@@ -197,7 +197,7 @@ def stored_tree_hash(
     Args:
         storage: where the tree is.
         root: the root's ``meta.json`` as already read (it records the ``tree_hash``).
-        levels: every level of the tree, as :func:`~memtree.store.walk.walk` yields them (read
+        levels: every level of the tree, as :func:`~memtree.store.reading.walk.walk` yields them (read
             here when not given: the whole tree, whatever a load selects).
         pickle_sums: each pickle file's checksum in that algorithm, by path relative to the
             root (computed here when not given).

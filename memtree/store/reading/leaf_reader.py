@@ -1,11 +1,11 @@
 """How a lazily opened tree reads each of its leaves (:class:`LeafReader`), as
-:class:`~memtree.store.options.ReadOptions` say: opened without following links, checked (a
+:class:`~memtree.store.reading.options.ReadOptions` say: opened without following links, checked (a
 regular file of exactly its size; with ``verify=True`` its checksum), then mapped, or queued and
 read by threads (``mmap=False``, devices), or kept open for
-:func:`~memtree.store.read.fill_tree`; an encrypted leaf decrypted, a pickled one unpickled only
+:func:`~memtree.store.reading.read.fill_tree`; an encrypted leaf decrypted, a pickled one unpickled only
 when allowed.
 
-:mod:`memtree.store.read` walks the levels (:class:`~memtree.store.read.PendingLevel`) and hands
+:mod:`memtree.store.reading.read` walks the levels (:class:`~memtree.store.reading.read.PendingLevel`) and hands
 each leaf entry to the tree's one reader.
 
 Example:
@@ -64,7 +64,7 @@ MAX_PENDING_READS = 64
 
 
 class LeafReader:
-    """Reads leaves as :class:`~memtree.store.options.ReadOptions` say (device kind decided once)."""
+    """Reads leaves as :class:`~memtree.store.reading.options.ReadOptions` say (device kind decided once)."""
 
     def __init__(self, options: ReadOptions) -> None:
         self.readonly = options.readonly
@@ -78,7 +78,7 @@ class LeafReader:
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.levels: list[PendingLevel] = []  # the levels of the open batch
-        #: :func:`~memtree.store.read.open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
+        #: :func:`~memtree.store.reading.read.open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
         #: none kept (a plain load, or too many leaves)
         self.kept: dict[tuple[str, ...], tuple[int, LeafMeta, str]] | None = None
         self.keep_most = 0  # most leaves kept open (a quarter of RLIMIT_NOFILE)
@@ -143,7 +143,7 @@ class LeafReader:
             self.flush()
 
     def keep(self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...]) -> None:
-        """Open and check a leaf for :func:`~memtree.store.read.fill_tree`, and keep it open (see :func:`~memtree.store.read.open_for_fill`)."""
+        """Open and check a leaf for :func:`~memtree.store.reading.read.fill_tree`, and keep it open (see :func:`~memtree.store.reading.read.open_for_fill`)."""
         assert self.kept is not None
         if len(self.kept) >= self.keep_most:
             kept, self.kept = self.kept, None  # too many to keep open: keep none
@@ -163,7 +163,7 @@ class LeafReader:
     def batch(self, level: PendingLevel | None) -> Iterator[None]:
         """Loading ``level`` (and, when it is the outermost, the levels it loads meanwhile):
         leaves to read are queued and read together, by threads, when the outermost load ends
-        (:func:`memtree.store.fill.fill`). If that fails, no level of the batch stays loaded."""
+        (:func:`memtree.store.primitives.fill.fill`). If that fails, no level of the batch stays loaded."""
         outer = self.depth == 0
         self.depth += 1
         if level is not None:
@@ -204,7 +204,7 @@ class LeafReader:
     def sealed_leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
     ) -> torch.Tensor:
-        """An encrypted leaf, decrypted into memory (:mod:`memtree.store.crypto`)."""
+        """An encrypted leaf, decrypted into memory (:mod:`memtree.store.primitives.crypto`)."""
         path = os.path.join(where, entry.file)
         if self.cipher is None:  # only a damaged tree has an encrypted level below a plain root
             raise DecryptionError(f"leaf {entry.key!r} at {path} is encrypted, but the tree's root is not")

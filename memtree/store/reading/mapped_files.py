@@ -2,7 +2,7 @@
 
 Row writes into a :class:`~memtree.MemoryMappedTensor` go to its file with ``pwrite`` through a
 descriptor of that very file (checked by identity), never through whatever the path names now;
-see :mod:`memtree.store.mapped`.
+see :mod:`memtree.store.reading.mapped`.
 
 Example:
     >>> import os, tempfile
@@ -48,7 +48,7 @@ class MappedFile:
     """The file a :class:`~memtree.MemoryMappedTensor` was mapped from, shared by all views of it.
 
     ``file_id`` is the file's identity ``(st_dev, st_ino)``, read from the descriptor it was
-    mapped from: row writes go to that very file with ``pwrite`` (see :mod:`memtree.store.mapped`),
+    mapped from: row writes go to that very file with ``pwrite`` (see :mod:`memtree.store.reading.mapped`),
     never to whatever file the path names now. Recently written files keep a write descriptor
     (``writer``); it closes with the last view of the mapping, or earlier when more than
     ``WRITERS.size`` files are being written (the least recently written closes first).

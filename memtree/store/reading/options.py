@@ -190,7 +190,7 @@ def _key(key: object) -> EncryptionKey | None:
 
 
 _set = object.__setattr__
-#: ``WriteOptions(checksum=...)`` not given: :func:`~memtree.store.checksums.default_checksum`.
+#: ``WriteOptions(checksum=...)`` not given: :func:`~memtree.store.primitives.checksums.default_checksum`.
 _DEFAULT_CHECKSUM: Any = object()
 
 
@@ -280,7 +280,7 @@ class ReadOptions(Record):
 
 @dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
 class WriteOptions(Record):
-    """How a tree is written (:func:`memtree.store.write.write_tree`), checked by :meth:`of`.
+    """How a tree is written (:func:`memtree.store.writing.write.write_tree`), checked by :meth:`of`.
 
     Attributes:
         like: create zero-filled (sparse) files instead of copying data (``memmap_like``).
@@ -291,8 +291,8 @@ class WriteOptions(Record):
         allow_pickle: pickle non-tensor values JSON cannot hold.
         copy_existing: copy leaves already memory-mapped from another prefix.
         checksum: the algorithm of the checksum recorded for each leaf (and of the root's
-            ``tree_hash``): one of :data:`~memtree.store.checksums.CHECKSUMS`, ``"auto"`` (the default:
-            the fastest installed, :func:`~memtree.store.checksums.default_checksum`) or ``None``
+            ``tree_hash``): one of :data:`~memtree.store.primitives.checksums.CHECKSUMS`, ``"auto"`` (the default:
+            the fastest installed, :func:`~memtree.store.primitives.checksums.default_checksum`) or ``None``
             (none). ``like`` records none.
         progress: a progress bar of the bytes written: ``None`` on a terminal only.
         encryption: encrypt the leaves with this key (``docs/guide/encryption.md``).
@@ -301,7 +301,7 @@ class WriteOptions(Record):
         link_from: a committed tree (e.g. the previous checkpoint): each tensor leaf whose key
             path there has the same dtype and shape, no capacity, and a recorded checksum equal
             to the new bytes' checksum (same algorithm) becomes a hard link to that file instead
-            of a copy (see :func:`memtree.store.write.write_tree`).
+            of a copy (see :func:`memtree.store.writing.write.write_tree`).
         link_verify: with ``link_from``, hash the old file too before linking it (default): a
             leaf damaged since its checksum was recorded is written, never linked. ``False``
             trusts the recorded checksum of an old file that has the expected size and was not

@@ -18,7 +18,7 @@ What loading does, level by level from the root:
    ``numel × itemsize`` bytes, and only then map it (or read it, with ``mmap=False``; or skip
    the file entirely, with ``device="meta"``). With ``verify=True``, a leaf whose ``meta.json``
    entry records a checksum is hashed first and refused on a mismatch (``IntegrityError``). Each
-   leaf is read by the tree's :class:`~memtree.store.leaf_reader.LeafReader`.
+   leaf is read by the tree's :class:`~memtree.store.reading.leaf_reader.LeafReader`.
 
 Reading never writes: a damaged tree raises a :class:`~memtree.errors.MemtreeError` naming the
 file and leaves every file as it was (with a lazily opened tree, when the damaged level is first
@@ -147,7 +147,7 @@ def walk_levels(
 
 def check_tree_hash(root_fd: int, root: str, meta: LevelMeta) -> None:
     """Compare the root's ``tree_hash`` with the hash of every ``meta.json`` (and pickle file)
-    of the tree open at ``root_fd`` (:func:`memtree.store.integrity.check_tree_hash`); no leaf
+    of the tree open at ``root_fd`` (:func:`memtree.store.reading.integrity.check_tree_hash`); no leaf
     data is read.
 
     Raises:
@@ -196,7 +196,7 @@ def fill_tree(
 
     ``root`` comes from :func:`open_for_fill`, its levels loaded: each ``(tensor, stored
     dtype)`` of ``targets[key path]`` is filled from that leaf's kept descriptor, cast when the
-    dtypes differ, by threaded ``preadv`` (:func:`memtree.store.fill.fill`: every range checked
+    dtypes differ, by threaded ``preadv`` (:func:`memtree.store.primitives.fill.fill`: every range checked
     against its file's size before the first byte is read). Returns ``False``, reading nothing,
     when the tree had too many leaves to keep them open.
 
@@ -365,7 +365,7 @@ def loading_lock() -> AbstractContextManager[bool]:
 def load_pending_at(prefix: str | os.PathLike[str]) -> None:
     """Load every still-pending level of the trees this process opened from ``prefix``.
 
-    :func:`memtree.store.write.write_tree` calls it (under the destination's writer lock) before it
+    :func:`memtree.store.writing.write.write_tree` calls it (under the destination's writer lock) before it
     replaces ``prefix``: an opened tree's levels load on first
     use, relative to the old directory, which the save deletes. Loaded levels map their files,
     and mappings keep the old data readable after the deletion, as with an eager load. (Trees

@@ -2,7 +2,7 @@
 
 Everything that reads a tree's files goes through a :class:`Storage` (in the spirit of zarr
 v3's ``Store`` and ``torch.distributed.checkpoint``'s ``FileSystemBase``): the level walker
-(:mod:`memtree.store.walk`) and the remote loader today, and in time read, verify, grow,
+(:mod:`memtree.store.reading.walk`) and the remote loader today, and in time read, verify, grow,
 recovery and convert. A storage reads, never writes. Paths are ``rel`` strings: ``/``-separated
 names below the tree's root (``""`` is the root, ``"b/c.memmap"`` a leaf of sub-tree ``b``),
 each name a safe one-component name as :func:`memtree.format.names.is_safe_name` defines
@@ -12,9 +12,9 @@ Two implementations:
 
 * :class:`LocalStorage`: a directory, held open by descriptor; every name is opened relative
   to its parent's descriptor without following links (``O_NOFOLLOW``), files must be regular
-  (:func:`open_dir`, :func:`read_meta_bytes` here, and :func:`memtree.store.files.open_leaf`);
-* :class:`~memtree.store.fsspec_storage.FsspecStorage` (its own module: it needs the optional
-  fsspec extra): any fsspec URL. HTTP(S) goes through :class:`memtree.store.http.HttpTransport`
+  (:func:`open_dir`, :func:`read_meta_bytes` here, and :func:`memtree.store.primitives.files.open_leaf`);
+* :class:`~memtree.store.urls.fsspec_storage.FsspecStorage` (its own module: it needs the optional
+  fsspec extra): any fsspec URL. HTTP(S) goes through :class:`memtree.store.urls.http.HttpTransport`
   (quoted names, same-origin redirects, streamed bodies with caps, per-request timeouts); other
   filesystems through fsspec's ranged reads, with per-request timeouts on asynchronous ones.
   Transient failures are retried a bounded number of times with backoff
@@ -144,7 +144,7 @@ def local_path(location: str | os.PathLike[str], *, remote: str | None = None) -
 
 
 # The openers of a local tree's directories and meta.json files (LocalStorage and the fd-based
-# readers of store/read.py, recovery, grow use them): no link followed, regular files only.
+# readers of store/reading/read.py, recovery, grow use them): no link followed, regular files only.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 META_FLAGS = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)

@@ -1,4 +1,4 @@
-"""The one walker of a tree's ``meta.json`` levels, over any :class:`~memtree.store.storage.Storage`.
+"""The one walker of a tree's ``meta.json`` levels, over any :class:`~memtree.store.reading.storage.Storage`.
 
 :func:`walk` yields every level a read needs, each one validated by
 :func:`memtree.format.schema.parse_level` (the same checks for a local directory and a URL):
@@ -169,7 +169,7 @@ def walk(
 
     Args:
         storage: where the tree is.
-        selection: the levels on the path to these keys (:func:`~memtree.store.options.normalize_keys`);
+        selection: the levels on the path to these keys (:func:`~memtree.store.reading.options.normalize_keys`);
             ``None`` walks every level.
         order: ``"breadth"`` (generation by generation) or ``"depth"`` (pre-order).
         pool: with ``order="breadth"``, read the sub-levels of a generation concurrently.

@@ -1,13 +1,13 @@
 """The storage seam over any fsspec URL (``s3://``, ``https://``, ``memory://``...).
 
-:class:`FsspecStorage` is the :class:`~memtree.store.storage.Storage` of a remote tree (the
+:class:`FsspecStorage` is the :class:`~memtree.store.reading.storage.Storage` of a remote tree (the
 optional extra ``memtree[remote]``: fsspec, aiohttp; s3fs for ``s3://``). HTTP(S) goes through
-:class:`~memtree.store.http.HttpTransport`: names quoted into URLs, redirects within the URL's
+:class:`~memtree.store.urls.http.HttpTransport`: names quoted into URLs, redirects within the URL's
 origin only (unless ``allow_redirects="any"``), bodies streamed with caps, a deadline per
 request. Other filesystems go through fsspec's ranged reads (``cat_file`` with ``start``/``end``,
 a ``meta.json`` read as one range of at most the size limit plus one byte), with the same
 deadline on asynchronous filesystems (S3, GCS...). Every request is retried on transient
-failures (:func:`~memtree.store.storage.with_retries`) and every answer is checked for its exact
+failures (:func:`~memtree.store.reading.storage.with_retries`) and every answer is checked for its exact
 length.
 
 Example:

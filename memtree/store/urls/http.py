@@ -1,4 +1,4 @@
-"""HTTP(S) reads for :class:`~memtree.store.storage.FsspecStorage`, on fsspec's aiohttp session.
+"""HTTP(S) reads for :class:`~memtree.store.reading.storage.FsspecStorage`, on fsspec's aiohttp session.
 
 fsspec's own HTTP calls read every body whole, follow any redirect, decompress whatever the
 server compresses and put recorded names into URLs as they are. A hostile or broken server can
@@ -9,7 +9,7 @@ body that inflates, a ``Range`` ignored), or stall for many minutes (a body that
 * **names are quoted**: each recorded name is one path segment, percent-encoded with nothing
   left unescaped (``%`` included), so a server that decodes the path once gets exactly the
   recorded name, inside the tree's prefix. Names are first checked by
-  :func:`~memtree.store.storage.split_rel` (no ``/``, ``\\``, ``..``, hidden names);
+  :func:`~memtree.store.reading.storage.split_rel` (no ``/``, ``\\``, ``..``, hidden names);
 * **redirects** are followed only to the tree URL's own origin (scheme, host, port) unless
   ``allow_redirects="any"``, at most 10 in a row, and credentials (``Authorization``,
   ``Cookie``) are never sent to another origin;

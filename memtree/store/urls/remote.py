@@ -2,8 +2,8 @@
 
 Optional extra: ``pip install 'memtree[remote]'`` (fsspec, aiohttp; s3fs for ``s3://``).
 
-A remote tree is read through the storage seam (:class:`~memtree.store.storage.FsspecStorage`)
-and the level walker (:func:`~memtree.store.walk.walk`), exactly as any reader reads a tree.
+A remote tree is read through the storage seam (:class:`~memtree.store.reading.storage.FsspecStorage`)
+and the level walker (:func:`~memtree.store.reading.walk.walk`), exactly as any reader reads a tree.
 What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
 
 1. ``stat`` the root ``meta.json`` (its identity, the ETag or version, is kept), read it (at
@@ -24,7 +24,7 @@ What :func:`load` (``memtree.load_memmap("s3://bucket/tree", ...)``) does:
    (:class:`~memtree.errors.RemoteChangedError` if the tree changed while it was read), then
    verify the checksums ``meta.json`` records (:class:`~memtree.errors.IntegrityError`);
 5. return ordinary tensors, or with ``cache_dir=`` map a local cache entry
-   (:mod:`memtree.store.cache`): the download is built in a locked scratch directory and
+   (:mod:`memtree.store.writing.cache`): the download is built in a locked scratch directory and
    committed by one rename, so an entry is complete or absent, and a later load of the same
    save (or of any selection of it, from a whole-tree entry) fetches no leaf.
 
@@ -109,7 +109,7 @@ class RemoteKeywords(TypedDict, total=False):
     """The keywords of a remote load besides the reading options (:func:`load`, and
     ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list of
     them. Each is described in :func:`load`; a keyword left out takes the default of the
-    function it is for (:class:`~memtree.store.fsspec_storage.FsspecStorage` for the first four,
+    function it is for (:class:`~memtree.store.urls.fsspec_storage.FsspecStorage` for the first four,
     :func:`fetch_tree` for the others).
 
     Example:
@@ -173,7 +173,7 @@ def load(
             * ``allow_redirects``: HTTP(S): ``"same-origin"`` (default: redirects within the URL's
               scheme, host and port), ``"any"`` or ``"none"``.
             * ``fsync``: fsync the cache entry before its commit (default False).
-            * ``progress``: a progress bar of the bytes downloaded (:mod:`memtree.store.progress`):
+            * ``progress``: a progress bar of the bytes downloaded (:mod:`memtree.store.primitives.progress`):
               ``None`` (default) on a terminal outside CI only, ``True``/``False`` forced.
 
     Raises:
@@ -220,7 +220,7 @@ def fetch_tree(
     fsync: bool = False,
     progress: bool | None = None,
 ) -> Level:
-    """Copy a tree out of any :class:`~memtree.store.storage.Storage` into memory, or into a
+    """Copy a tree out of any :class:`~memtree.store.reading.storage.Storage` into memory, or into a
     cache entry that is then mapped (steps 1-5 of the module docstring); :func:`load` is this
     over an fsspec URL. ``cache_key`` names the source in cache entry names (the URL);
     ``progress`` shows a bar of the bytes downloaded (see :func:`load`).
@@ -301,7 +301,7 @@ def _fetch(
     any destination allocated), ``allocate`` the destinations, then ``read`` each leaf's ranges
     of ``chunk_bytes`` in the pool, calling ``finished`` after a leaf's last range. The first
     failure cancels what has not started, waits for what has, and is raised. A bar of the bytes
-    read is shown as :mod:`memtree.store.progress` decides for ``progress``."""
+    read is shown as :mod:`memtree.store.primitives.progress` decides for ``progress``."""
     for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
         leaf.info = info
         _check_size(storage, leaf)

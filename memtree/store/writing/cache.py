@@ -9,7 +9,7 @@ A **download** (:class:`Download`) builds the entry in a scratch directory
 ``<cache_dir>/.<entry>.memtree-download-<32 hex>/`` with the entry's final layout, and commits
 it with one ``rename`` (never replacing an entry: a concurrent download of the same save that
 committed first wins, and this one's scratch is dropped). The scratch directory is held by an
-exclusive ``flock`` on its sibling ``<scratch>.lock`` (:class:`~memtree.store.files.WriterLock`),
+exclusive ``flock`` on its sibling ``<scratch>.lock`` (:class:`~memtree.store.primitives.files.WriterLock`),
 taken before the directory exists and dropped after it is renamed away. A process killed
 mid-download (even by ``kill -9``) loses its lock; the next download into the same cache
 directory and :func:`memtree.recover` on it then remove the scratch directory and its lock

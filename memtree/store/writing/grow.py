@@ -407,7 +407,7 @@ class _Growth:
         It does on a shrink (the dropped rows stay mapped by earlier readers, and would be
         written over by a later growth) and when the file has another hard link (its bytes
         are shared with a name that may lie outside the tree). A tree with many leaves (more
-        than :func:`~memtree.store.read.held_dirs_budget`) has each file opened when used and
+        than :func:`~memtree.store.reading.read.held_dirs_budget`) has each file opened when used and
         closed at once, so it grows with a few descriptors; a smaller one keeps them open.
         """
         try:
@@ -696,7 +696,7 @@ def _map_rows(path: str, entry: LeafMeta) -> MemoryMappedTensor:
     """Map a leaf's whole file (all its capacity) and return its first ``shape[0]`` rows.
 
     Mapping the capacity lets the tensor travel to other processes as a reference to a file of
-    exactly its storage's size (see :mod:`memtree.store.mapped`).
+    exactly its storage's size (see :mod:`memtree.store.reading.mapped`).
     """
     rows = entry.capacity if entry.capacity is not None else entry.shape[0]
     fd = open_checked(path, entry.file_nbytes, path)

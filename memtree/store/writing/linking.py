@@ -1,6 +1,6 @@
 """Incremental saves: hard-link the unchanged leaves of a write from a previous committed tree.
 
-:func:`memtree.store.write.write_tree` with ``WriteOptions(link_from=old)`` asks a
+:func:`memtree.store.writing.write.write_tree` with ``WriteOptions(link_from=old)`` asks a
 :class:`LinkSource` for each tensor leaf. The trust model (``docs/format.md``, "Incremental
 saves"):
 

@@ -281,5 +281,5 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     if _is_real_dir(real):
         for child, left in sorted(_scan(real).items()):
             actions += _recover_name(real, child, left)
-        actions += remove_stale_downloads(real)  # a remote cache directory (memtree.store.cache)
+        actions += remove_stale_downloads(real)  # a remote cache directory (memtree.store.writing.cache)
     return actions

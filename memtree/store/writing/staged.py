@@ -2,16 +2,16 @@
 
 :func:`staged_commit` is the one definition of the steps around a directory write (``docs/format.md``,
 "How a write is committed"): create the parent, take the destination's writer lock
-``.<name>.memtree.lock`` (cleaning up after a writer that crashed, :mod:`memtree.store.recovery`),
-decide what an existing destination is (:func:`~memtree.store.commit.destination_state`), let the
-trees this process opened from it keep their data (:func:`~memtree.store.read.load_pending_at`),
+``.<name>.memtree.lock`` (cleaning up after a writer that crashed, :mod:`memtree.store.writing.recovery`),
+decide what an existing destination is (:func:`~memtree.store.primitives.commit.destination_state`), let the
+trees this process opened from it keep their data (:func:`~memtree.store.reading.read.load_pending_at`),
 check the free space, record the staging directory ``.<name>.memtree-tmp-<hex>`` in the lock's
 journal and create it. The caller fills it and calls :meth:`Staging.publish`
-(:func:`~memtree.store.commit.publish`: ``RENAME_NOREPLACE``, or ``RENAME_EXCHANGE`` over an old
+(:func:`~memtree.store.primitives.commit.publish`: ``RENAME_NOREPLACE``, or ``RENAME_EXCHANGE`` over an old
 copy), still under the lock. Any failure before the publish removes the staging directory and
 leaves the destination as it was.
 
-:func:`~memtree.store.write.write_tree` writes a memtree tree this way.
+:func:`~memtree.store.writing.write.write_tree` writes a memtree tree this way.
 :func:`staged_directory` publishes directories of other layouts (Hugging Face shards and their
 index, tensordict's ``memmap`` layout) by the very same steps: the caller fills the staging
 directory it is given, and the destination appears complete, or not at all.
@@ -55,7 +55,7 @@ class Staging:
     Attributes:
         path: the staging directory (``.<name>.memtree-tmp-<hex>`` next to ``dest``).
         dest: the destination it becomes.
-        state: what ``dest`` was (:func:`~memtree.store.commit.destination_state`).
+        state: what ``dest`` was (:func:`~memtree.store.primitives.commit.destination_state`).
         published: :meth:`publish` has made it ``dest``.
     """
 
@@ -67,7 +67,7 @@ class Staging:
         self._lock = lock
 
     def publish(self, *, fsync: bool, background_removal: bool = False) -> None:
-        """Make the complete staging directory the destination (:func:`~memtree.store.commit.publish`).
+        """Make the complete staging directory the destination (:func:`~memtree.store.primitives.commit.publish`).
 
         Args:
             fsync: fsync the parent directory after the rename.

@@ -8,7 +8,7 @@ committed"):
    can cause (bad dtype, non-JSON value, foreign memmap...) is raised here, before any file
    exists.
 2. :func:`write_tree` takes the destination's writer lock ``.<name>.memtree.lock`` (cleaning up
-   after a writer that crashed, see :mod:`memtree.store.recovery`), creates ``.<name>.memtree-tmp-<hex>``
+   after a writer that crashed, see :mod:`memtree.store.writing.recovery`), creates ``.<name>.memtree-tmp-<hex>``
    next to the destination, writes the leaves (each file opened once, filled with ``pwrite``
    straight from the tensor's memory, hashed on the way with ``checksum=``; by ``num_threads``
    threads when there is enough work for them; a leaf whose bytes lie in another file, such as a
@@ -17,7 +17,7 @@ committed"):
    destination, an atomic ``RENAME_EXCHANGE`` when it replaces an older tree (two journaled
    renames where the filesystem lacks it). The old tree is then deleted; for a large tree in a
    background thread (:func:`wait_for_removals`), so that the caller need not wait for it.
-3. The new tree is returned opened lazily (:class:`~memtree.store.read.PendingLevel`) from the
+3. The new tree is returned opened lazily (:class:`~memtree.store.reading.read.PendingLevel`) from the
    metadata just written, still under the lock: no ``meta.json`` is read back and no leaf
    file is opened until a level is used.
 
@@ -292,7 +292,7 @@ def write_tree(
 ) -> PendingLevel:
     """Write ``level`` under ``prefix`` atomically and return the new tree, opened lazily.
 
-    The returned :class:`~memtree.store.read.PendingLevel` maps each level's files when it is loaded
+    The returned :class:`~memtree.store.reading.read.PendingLevel` maps each level's files when it is loaded
     (``TensorTree.memmap`` wraps it in a tree whose levels load on first use), with ``mode``.
 
     Args:
@@ -300,7 +300,7 @@ def write_tree(
             is its local path, other URLs are refused (:func:`memtree.remote.upload` writes them).
         level: the tree to write (a :class:`~memtree.format.level.Level`, or a
             :class:`~memtree.TensorTree`: anything :func:`~memtree.format.level.as_level` takes).
-        options: how (:class:`~memtree.store.options.WriteOptions`: sparse files or data,
+        options: how (:class:`~memtree.store.reading.options.WriteOptions`: sparse files or data,
             threads, replace, fsync, pickles, checksums, progress); defaults: a copy of the data,
             in this thread, replacing an existing tree, no fsync. ``num_threads`` is an upper
             bound: fewer when the tree is too small to keep them busy (:data:`THREAD_MIN_WORK`
@@ -425,7 +425,7 @@ def _write_staging(
     point("before_leaves")
     sums: dict[str, str] = {}
     written: dict[str, LevelMeta] = {}
-    key = options.encryption  # encryption at rest: store/crypto.py
+    key = options.encryption  # encryption at rest: store/primitives/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
     dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
 
@@ -509,12 +509,12 @@ def _write_staging(
 
 def _storable(job: LeafJob) -> torch.Tensor | FileRange:
     """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
-    tensor; the :class:`~memtree.store.files.FileRange` its ``file_range()`` method names, for a
+    tensor; the :class:`~memtree.store.primitives.files.FileRange` its ``file_range()`` method names, for a
     leaf whose bytes lie in another file as they are (a
     :class:`~memtree.interop.lazy.LazyLeaf` of a checkpoint: copied file to file); else a copy.
 
     :func:`plan_write` has checked dtype, layout and device; only the copy, when one is needed,
-    is left to :func:`~memtree.store.mapped.to_storable`.
+    is left to :func:`~memtree.store.reading.mapped.to_storable`.
     """
     tensor = job.tensor
     if is_plain_memory(tensor):

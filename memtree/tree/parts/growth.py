@@ -1,4 +1,4 @@
-"""The tree side of growth: normalise the rows to append, then grow on disk with :mod:`memtree.store.grow`.
+"""The tree side of growth: normalise the rows to append, then grow on disk with :mod:`memtree.store.writing.grow`.
 
 Example:
     >>> import tempfile, torch, memtree

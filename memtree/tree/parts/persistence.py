@@ -1,8 +1,8 @@
 """A tree on disk and in modules: ``memmap``/``memmap_like``/``load_memmap``, growth, module binding.
 
-A mixin of :class:`~memtree.TensorTree`. What a write does is :func:`memtree.store.write.write_tree`;
-what a load checks is :mod:`memtree.store.read` (chosen by :func:`memtree.store.open.open_prefix`);
-growth is :mod:`memtree.store.grow`; binding into modules is :mod:`memtree.tree.bind`.
+A mixin of :class:`~memtree.TensorTree`. What a write does is :func:`memtree.store.writing.write.write_tree`;
+what a load checks is :mod:`memtree.store.reading.read` (chosen by :func:`memtree.store.open.open_prefix`);
+growth is :mod:`memtree.store.writing.grow`; binding into modules is :mod:`memtree.tree.parts.bind`.
 
 Example:
     >>> import torch, memtree
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ...store.primitives.crypto import EncryptionKey
 
 # Imported on first use, so that a process that only loads never imports them:
-# ..store.write (writing), .growth (append_, extend_, resize_).
+# ...store.writing.write (writing), .growth (append_, extend_, resize_).
 
 __all__ = ["Persistence"]
 
@@ -172,7 +172,7 @@ class Persistence(ShapeOps):
         return type(self)._from_level(level, self._device)
 
     def _write(self, prefix: str | os.PathLike[str] | None, options: WriteOptions) -> Level | PendingLevel:
-        """Write through :func:`memtree.store.write.write_tree` (or share memory when no prefix)."""
+        """Write through :func:`memtree.store.writing.write.write_tree` (or share memory when no prefix)."""
         from ...store.writing.write import share_tree, write_tree
 
         if prefix is None:
@@ -264,7 +264,7 @@ class Persistence(ShapeOps):
 
         The leaves are the module's own tensors (parameters stay ``nn.Parameter``): nothing is
         copied until the tree is written with ``memmap``. Tied tensors are stored once; the other
-        names are recorded in ``tree["__tied__"]`` (see :mod:`memtree.tree.bind`). A module on
+        names are recorded in ``tree["__tied__"]`` (see :mod:`memtree.tree.parts.bind`). A module on
         the meta device gives a tree of meta tensors, which ``memmap_like`` can allocate on disk.
 
         Args:
@@ -298,7 +298,7 @@ class Persistence(ShapeOps):
         parameter slot as it is, as ``torch.func.functional_call`` does, so that gradients of a
         forward pass reach the tree's tensors. Two names of one module tensor (a tie) that the
         tree gives different tensors each get their own; the tie record (``"__tied__"``) ties
-        names again. See :mod:`memtree.tree.bind`.
+        names again. See :mod:`memtree.tree.parts.bind`.
 
         Every leaf must match a parameter, buffer or extra state of the module by its path
         (shapes and dtypes must agree), and every parameter and persistent buffer of the module
@@ -392,7 +392,7 @@ class Persistence(ShapeOps):
         The tree must be mapped from a prefix (``memmap(prefix)``, ``memmap_like(prefix)`` or
         ``load_memmap``). Files grow in place, their capacity at least doubling (amortised O(1)
         per item), existing rows are never rewritten, and the new length is committed like a
-        write; see :mod:`memtree.store.grow`.
+        write; see :mod:`memtree.store.writing.grow`.
 
         Args:
             item: a tree (or nested mapping) of batch size ``batch_size[1:]``.
@@ -431,7 +431,7 @@ class Persistence(ShapeOps):
         New rows are zeros (sparse: no data written past the old capacity). A smaller length
         writes a new generation of each leaf file holding the rows kept (a copy of them): a
         tree loaded before, in any process, keeps seeing its rows unchanged, and files are never
-        truncated (see :mod:`memtree.store.grow`).
+        truncated (see :mod:`memtree.store.writing.grow`).
 
         Example:
             >>> import tempfile, torch, memtree

@@ -157,7 +157,7 @@ class ShapeOps(TreeCore):
         Arrays of a tree loaded with ``mode="r"`` are read-only; leaves on another device are
         copied to the host; non-tensor leaves are their values. ``bfloat16``, ``float8_*`` and
         ``complex32`` leaves raise :class:`~memtree.errors.DtypeError` (numpy has no such
-        dtype): convert them first. See :mod:`memtree.tree.numpy_view`.
+        dtype): convert them first. See :mod:`memtree.tree.parts.numpy_view`.
 
         Example:
             >>> import torch, memtree
