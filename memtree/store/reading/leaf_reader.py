@@ -55,7 +55,6 @@ from .storage import META_FLAGS, read_meta
 if TYPE_CHECKING:
     from ..primitives.crypto import TreeCipher
     from ..primitives.fill import FillJob
-    from .read import PendingLevel
 
 __all__ = ["LeafReader", "MAX_PENDING_READS"]
 
@@ -77,7 +76,7 @@ class LeafReader:
         self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
-        self.levels: list[PendingLevel] = []  # the levels of the open batch
+        self.unloads: list[Callable[[], None]] = []  # how to unload each level of the open batch
         #: :func:`~memtree.store.reading.read.open_for_fill`'s open leaves: key path -> (descriptor, entry, path); ``None``:
         #: none kept (a plain load, or too many leaves)
         self.kept: dict[tuple[str, ...], tuple[int, LeafMeta, str]] | None = None
@@ -160,14 +159,16 @@ class LeafReader:
             self.fd_room = _make_fd_room(fd)
 
     @contextmanager
-    def batch(self, level: PendingLevel | None) -> Iterator[None]:
-        """Loading ``level`` (and, when it is the outermost, the levels it loads meanwhile):
-        leaves to read are queued and read together, by threads, when the outermost load ends
-        (:func:`memtree.store.primitives.fill.fill`). If that fails, no level of the batch stays loaded."""
+    def batch(self, unload: Callable[[], None] | None) -> Iterator[None]:
+        """Loading a level (and, when it is the outermost, the levels it loads meanwhile): leaves
+        to read are queued and read together, by threads, when the outermost load ends
+        (:func:`memtree.store.primitives.fill.fill`). If that fails, no level of the batch stays
+        loaded: each level's ``unload`` (:meth:`~memtree.store.reading.read.PendingLevel.unload`)
+        is called."""
         outer = self.depth == 0
         self.depth += 1
-        if level is not None:
-            self.levels.append(level)
+        if unload is not None:
+            self.unloads.append(unload)
         try:
             yield
             if outer:
@@ -175,13 +176,13 @@ class LeafReader:
         except BaseException:
             if outer:
                 self.discard()
-                for loaded in self.levels:
-                    loaded._loaded = None
+                for level_unload in self.unloads:
+                    level_unload()
             raise
         finally:
             self.depth -= 1
             if outer:
-                self.levels.clear()
+                self.unloads.clear()
 
     def flush(self) -> None:
         """Read every queued leaf now (threaded ``preadv``) and close their files."""

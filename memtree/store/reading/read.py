@@ -507,9 +507,14 @@ class PendingLevel:
         """
         with _LOCK:
             if self._loaded is None:
-                with self.source.reader.batch(self):
+                with self.source.reader.batch(self.unload):
                     self._loaded = self._open_and_load()
             return self._loaded
+
+    def unload(self) -> None:
+        """Forget the loaded entries: the read of a batch of levels failed (see
+        :meth:`~memtree.store.reading.leaf_reader.LeafReader.batch`), so none of them stays loaded."""
+        self._loaded = None
 
     def _open_and_load(self) -> dict[str, Value | PendingLevel]:
         try:
