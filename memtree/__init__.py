@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import *  # noqa: F401,F403
+from .errors import RetentionWarning  # a warning: not in errors.__all__ (its errors)
 from .errors import __all__ as _errors_all
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
@@ -99,6 +100,7 @@ __all__ = [
     "loading",
     "EncryptionKey",
     "Checkpointer",
+    "RetentionWarning",
     *_errors_all,
 ]
 

@@ -62,6 +62,7 @@ __all__ = [
     "AmbiguousTruthError",
     "CheckpointSaveError",
     "CheckpointNotFoundError",
+    "StepOrderError",
 ]
 
 
@@ -250,8 +251,21 @@ class AmbiguousTruthError(MemtreeError, ValueError):
 
 
 class CheckpointSaveError(MemtreeError, RuntimeError):
-    """A background save of :class:`memtree.Checkpointer` failed (its cause is chained)."""
+    """A save of :class:`memtree.Checkpointer` failed: a background save, or the deletion of the
+    newer steps that ``discard_newer=True`` asked for (its cause is chained; the message says what
+    was and was not committed)."""
 
 
 class CheckpointNotFoundError(MemtreeError, FileNotFoundError):
     """A :class:`memtree.Checkpointer` root has no (such) committed step."""
+
+
+class StepOrderError(MemtreeError, ValueError):
+    """A :class:`memtree.Checkpointer` save of a step below the newest step of its root (a roll
+    back): refused unless ``discard_newer=True`` deletes the newer steps."""
+
+
+class RetentionWarning(UserWarning):  # a warning, not an error: memtree.RetentionWarning, not in __all__
+    """A :class:`memtree.Checkpointer` save committed its step, but retention could not delete an
+    old step (it is kept; the next save tries again). A warning, not an error: the save itself
+    succeeded. ``warnings.simplefilter("error", memtree.RetentionWarning)`` makes it one."""

@@ -140,7 +140,11 @@ def test_du_of_a_sparse_tree_and_of_junk(tmp_path, capsys):
     assert "neither a memtree tree" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, is_step", [("0", True), ("12", True), ("012", False), ("1a", False), ("٣", False)])
+@pytest.mark.parametrize(
+    "name, is_step",
+    [("0", True), ("12", True), ("012", False), ("1a", False), ("٣", False), ("-1", False),
+     (str(2**63 - 1), True), (str(2**63), False)],  # Checkpointer's steps: the same rule
+)
 def test_du_step_names(tmp_path, name, is_step):
     write_tree(tmp_path / name, _level(torch.zeros(2)))
     if is_step:

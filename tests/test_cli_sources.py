@@ -224,17 +224,17 @@ def test_info_checkpoint_root(tmp_path: Path) -> None:
     (root / "007").mkdir()  # padded: not a step
     (root / ".staging-300").mkdir()  # a staging directory: not a step
     (root / "LOCK").write_text("")
-    (root / "400").mkdir()  # a damaged step (no meta.json): listed, not latest
+    (root / "400").mkdir()  # no meta.json: not a step (Checkpointer.steps()'s rule), listed as ignored
     doc = cli_json("info", str(root))
     assert doc["kind"] == "checkpoint-root" and doc["latest"] == 100
     assert [(s["step"], s["ok"], s["bytes"]) for s in doc["steps"]] == [
-        (3, True, 12), (20, True, 80), (100, True, 400), (400, False, None)]
-    assert "meta.json" in doc["steps"][-1]["error"]
+        (3, True, 12), (20, True, 80), (100, True, 400)]
+    assert [i["name"] for i in doc["ignored"]] == ["400"] and "meta.json" in doc["ignored"][0]["reason"]
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["info", str(root)]) == 0
     text = out.getvalue()
-    assert "checkpoint root, 4 steps, latest 100" in text and "(latest)" in text and "damaged:" in text
+    assert "checkpoint root, 3 steps, latest 100, 1 ignored" in text and "(latest)" in text and "ignored 400:" in text
 
 
 def test_info_checkpoint_root_counts_what_hard_links_share(tmp_path: Path) -> None:

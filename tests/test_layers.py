@@ -3,11 +3,11 @@ lower layer or room to a higher one (``docs/architecture.md``).
 
 Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
 ``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
-``routing/``) < ``cli/``. Inside a layer, its rooms (sub-folders) are ordered the same way:
-``store/``: ``primitives/`` < ``reading/`` < ``writing/`` < ``urls/`` and ``foreign/`` < the
-layer's own modules (``store/open.py``, ``store/verify.py``); ``tree/``: ``parts/`` < its own
-modules. A module imports from its own room and lower ones only; two rooms of one rank (``urls/``
-and ``foreign/``, ``interop/`` and ``dcp/``) import neither from the other.
+``routing/``) < ``cli/`` < ``integrations/``. Inside a layer, its rooms (sub-folders) are ordered
+the same way: ``store/``: ``primitives/`` < ``reading/`` < ``writing/`` < ``urls/`` and
+``foreign/`` < the layer's own modules (``store/open.py``, ``store/verify.py``); ``tree/``:
+``parts/`` < its own modules. A module imports from its own room and lower ones only; two rooms of
+one rank (``urls/`` and ``foreign/``, ``interop/`` and ``dcp/``) import neither from the other.
 
 Every ``import`` of a ``memtree`` module counts: at module level, inside a function, and under
 ``if TYPE_CHECKING:`` (an annotation that names a module is a dependency on it, and a circle of
@@ -36,6 +36,7 @@ LAYERS = {
     "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface
     "": 6,  # memtree/__init__.py, remote.py and routing/ (TOP_FOLDERS): the public surface
     "cli": 7,
+    "integrations": 8,  # Lightning, transformers, torchrl: may import any layer; none imports it
 }
 
 #: folders that belong to the public surface (layer ""): memtree.saving / memtree.loading.

@@ -265,7 +265,7 @@ def test_steps_ignore_everything_but_committed_step_directories(ckpt):
 def test_out_of_order_steps_and_restore_errors(ckpt):
     with pytest.raises(memtree.CheckpointNotFoundError, match="no committed checkpoint"):
         ckpt.restore()
-    for step in (10, 3, 7):
+    for step in (3, 7, 10):
         ckpt.save(step, {"step": step})
     assert ckpt.steps() == [3, 7, 10] and ckpt.latest() == 10
     assert ckpt.restore() == {"step": 10} and ckpt.restore(3) == {"step": 3}
@@ -293,7 +293,8 @@ def test_keep_last_and_keep_every(tmp_path):
 def test_retention_never_deletes_the_newest_step(tmp_path):
     ckpt = memtree.Checkpointer(tmp_path, keep_last=1)
     ckpt.save(10, {"x": 10})
-    ckpt.save(3, {"x": 3})  # out of order: ranked by number, 3 goes, 10 stays
+    with pytest.raises(memtree.StepOrderError, match="discard_newer"):
+        ckpt.save(3, {"x": 3})  # below the newest: refused (test_attack_checkpointer.py has the rest)
     assert ckpt.steps() == [10]
 
 

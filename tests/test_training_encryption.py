@@ -1,6 +1,8 @@
 """``memtree.Checkpointer(root, encryption=key)``: encrypted steps, saved blocking or in the
-background, restored with the key; the wrong key, no key, or a key for plain steps raise
-``DecryptionError``; encrypted steps are always written whole (no hard links).
+background, restored with the key; the wrong key, no key, or a key for a root of plain steps
+raise ``DecryptionError`` when the root is opened, before anything is written; encrypted steps
+are always written whole (no hard links). The attacks on encrypted roots (steps copied or
+renamed, hostile root records) are in ``test_attack_checkpointer.py``.
 
 The write path is the unencrypted one (``write_tree``'s staging directory and atomic commit,
 with ``WriteOptions(encryption=key)``), so the kill -9 tests of ``test_training_kill.py`` cover
@@ -17,7 +19,7 @@ import torch
 pytest.importorskip("cryptography")
 
 import memtree  # noqa: E402
-from memtree.errors import DecryptionError, InvalidArgumentError  # noqa: E402
+from memtree.errors import DecryptionError, IntegrityError, InvalidArgumentError  # noqa: E402
 
 MARK = torch.arange(4096, dtype=torch.int64) * 7919 + 0x5EC2E7  # easy to find in a file
 
@@ -82,19 +84,23 @@ def test_encrypted_steps_round_trip_bit_exact_with_their_types(tmp_path, blockin
     assert back["model"] is fresh and all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
 
 
-def test_the_wrong_key_no_key_or_a_key_for_plain_steps_is_a_decryption_error(tmp_path):
+def test_the_wrong_key_no_key_or_a_key_for_plain_steps_is_refused_when_the_root_is_opened(tmp_path):
+    """Checked before anything is written: nothing of another key, or plain, enters the root,
+    and no retention of such a checkpointer deletes the steps the right key reads."""
     key = memtree.EncryptionKey.generate()
     _, _, state = _model_and_state()
-    memtree.Checkpointer(tmp_path / "enc", encryption=key).save(5, state)
-    other = memtree.Checkpointer(tmp_path / "enc", encryption=memtree.EncryptionKey.generate())
-    assert other.latest() == 5  # listing needs no key
-    with pytest.raises(DecryptionError, match="another key"):
-        other.restore()
-    with pytest.raises(DecryptionError, match="pass its key"):
-        memtree.Checkpointer(tmp_path / "enc").restore(5)
+    memtree.Checkpointer(tmp_path / "enc", keep_last=1, encryption=key).save(5, state)
+    before = _files_below(tmp_path / "enc")
+    with pytest.raises(DecryptionError, match="another key.*nothing was written"):
+        memtree.Checkpointer(tmp_path / "enc", keep_last=1, encryption=memtree.EncryptionKey.generate())
+    with pytest.raises(DecryptionError, match="encrypted checkpoint root.*Pass the key"):
+        memtree.Checkpointer(tmp_path / "enc", keep_last=1)
+    assert _files_below(tmp_path / "enc") == before
     memtree.Checkpointer(tmp_path / "plain").save(5, state)
-    with pytest.raises(DecryptionError):
-        memtree.Checkpointer(tmp_path / "plain", encryption=key).restore()
+    with pytest.raises(DecryptionError, match=r"plain \(unencrypted\) steps \[5\]"):
+        memtree.Checkpointer(tmp_path / "plain", encryption=key)
+    assert os.listdir(tmp_path / "plain") == ["5"]
+    _assert_same(state, memtree.Checkpointer(tmp_path / "enc", encryption=key).restore())
 
 
 def test_a_changed_byte_of_an_encrypted_step_is_refused_on_restore(tmp_path):
@@ -107,8 +113,10 @@ def test_a_changed_byte_of_an_encrypted_step_is_refused_on_restore(tmp_path):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(DecryptionError):
+    with pytest.raises(IntegrityError, match="checksum"):  # the ciphertext's checksum, first
         ckpt.restore()
+    with pytest.raises(DecryptionError, match="fails authentication"):  # and its tag, without it
+        ckpt.restore(verify=False)
 
 
 def test_encryption_is_always_full_saves_and_incremental_true_is_refused(tmp_path):
@@ -116,27 +124,40 @@ def test_encryption_is_always_full_saves_and_incremental_true_is_refused(tmp_pat
     with pytest.raises(InvalidArgumentError, match="incremental=True cannot be combined with encryption"):
         memtree.Checkpointer(tmp_path, encryption=key, incremental=True)
     ckpt = memtree.Checkpointer(tmp_path, encryption=key)
-    assert ckpt.incremental is False and memtree.Checkpointer(tmp_path).incremental is True
+    assert ckpt.incremental is False and memtree.Checkpointer(tmp_path / "plain").incremental is True
     assert memtree.Checkpointer(tmp_path, encryption=key, incremental=False).incremental is False
     state = {"frozen": torch.randn(256, 256)}
     ckpt.save(1, state)
     ckpt.save(2, state)
     assert ckpt.last_stats.files_linked == 0 and ckpt.last_stats.bytes_written >= 256 * 256 * 4
     assert os.stat(os.path.join(ckpt.path(2), "frozen.memmap")).st_nlink == 1
+    assert sorted(os.listdir(tmp_path)) == [".memtree-root.json", "1", "2", "plain"]
     assert key.to_bytes().hex() not in repr(ckpt) and "encryption=EncryptionKey(<hidden>)" in repr(ckpt)
     for bad in ("secret", b"x" * 32, 1):
         with pytest.raises(InvalidArgumentError, match="EncryptionKey"):
             memtree.Checkpointer(tmp_path, encryption=bad)
 
 
-def test_a_plain_checkpointer_after_encrypted_steps_links_nothing_from_them(tmp_path):
-    """Mixing in one root: a plain save after an encrypted one compares its checksums with the
-    ciphertext's, so nothing is linked, and each step restores with its own key (or none)."""
+def test_the_root_record_and_the_step_keys_are_as_the_format_says(tmp_path):
+    """docs/format.md, "Checkpoint roots": the record's fields, and step N's key derived from
+    the key, the root id and N (so that its key_check binds both)."""
+    import orjson
+
+    from memtree.format.schema import parse_level
+    from memtree.store.primitives.crypto import derive_key, key_fingerprint, key_matches
+
     key = memtree.EncryptionKey.generate()
-    state = {"w": torch.randn(64, 64)}
-    memtree.Checkpointer(tmp_path, encryption=key).save(1, state)
-    plain = memtree.Checkpointer(tmp_path)
-    plain.save(2, state)
-    assert plain.last_stats.files_linked == 0
-    _assert_same(state, plain.restore(2))
-    _assert_same(state, memtree.Checkpointer(tmp_path, encryption=key).restore(1))
+    ckpt = memtree.Checkpointer(tmp_path, encryption=key)
+    ckpt.save(7, {"w": torch.ones(3)})
+    record = orjson.loads((tmp_path / ".memtree-root.json").read_bytes())
+    assert list(record) == ["format", "version", "root_id", "encryption"]
+    assert (record["format"], record["version"], list(record["encryption"])) == (
+        "memtree-checkpoints", 1, ["algorithm", "key_check"])
+    root_id = bytes.fromhex(record["root_id"])
+    assert len(root_id) == 16 and record["encryption"]["algorithm"] == "aes-256-gcm"
+    assert record["encryption"]["key_check"] == key_fingerprint(key, root_id)
+    step_meta = parse_level((tmp_path / "7" / "meta.json").read_bytes(), "7/meta.json").encryption
+    assert key_matches(derive_key(key, root_id, "checkpoint step 7"), step_meta)
+    for other in (derive_key(key, root_id, "checkpoint step 8"), key,
+                  derive_key(key, os.urandom(16), "checkpoint step 7")):
+        assert not key_matches(other, step_meta)

@@ -62,12 +62,17 @@ def _trainer(root: str, fault: str | None, blocking: bool, report) -> None:
     report.close()
 
 
-def run_trainer(root: str, *, fault: str | None = None, blocking: bool = False):
+def start(target, *args):
+    """A forked ``target(*args, report)``, and the end of the pipe it reports through."""
     recv, send = FORK.Pipe(duplex=False)
-    p = FORK.Process(target=_trainer, args=(root, fault, blocking, send))
+    p = FORK.Process(target=target, args=(*args, send))
     p.start()
     send.close()
     return p, recv
+
+
+def run_trainer(root: str, *, fault: str | None = None, blocking: bool = False):
+    return start(_trainer, root, fault, blocking)
 
 
 def drain(recv, committed: list[int]) -> None:
@@ -76,6 +81,20 @@ def drain(recv, committed: list[int]) -> None:
             committed.append(recv.recv())
     except (EOFError, OSError):
         pass
+
+
+def kill_after(p, recv, reports: list, count: int, pause: float) -> None:
+    """SIGKILL ``p`` ``pause`` seconds after its ``count``-th report (all kept in ``reports``)."""
+    try:
+        for _ in range(count):
+            assert recv.poll(300), "the child reported nothing"
+            reports.append(recv.recv())
+        time.sleep(pause)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(60)
+    assert p.exitcode == -signal.SIGKILL  # killed while saving, not after all its saves
+    drain(recv, reports)
 
 
 def check_root(root: str, committed: list[int]) -> None:
@@ -134,14 +153,59 @@ def test_killed_at_random_moments(tmp_path, seed):
     committed: list[int] = []
     for run in range(2):
         p, recv = run_trainer(root, blocking=(seed + run) % 3 == 0)
-        try:
-            for _ in range(rng.randint(1, 3)):
-                assert recv.poll(300), "the trainer reported no committed step"
-                committed.append(recv.recv())
-            time.sleep(rng.uniform(0, 0.15))
-        finally:
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(60)
-        assert p.exitcode == -signal.SIGKILL  # killed while saving, not after its 300 saves
-        drain(recv, committed)
+        kill_after(p, recv, committed, rng.randint(1, 3), rng.uniform(0, 0.15))
         check_root(root, committed)
+
+
+# -- roll backs (save(..., discard_newer=True)) killed at random moments ---------------------------
+
+
+def rollback_state(step: int, run: int) -> dict:
+    state = expected_state(step)
+    state["run"] = run
+    state["adapter"] = torch.full((4096,), float(step * 1000 + run))
+    return state
+
+
+def _roll_backs(root: str, run: int, report) -> None:
+    """Saves 5 steps, rolls back over the last 3 (discard_newer), and again, forever."""
+    ckpt = memtree.Checkpointer(root, keep_last=4)
+    step = (ckpt.latest() or 0) + 1
+    while True:
+        for _ in range(5):
+            ckpt.save(step, rollback_state(step, run), blocking=step % 2 == 0)
+            ckpt.wait()
+            report.send(("saved", step))
+            step += 1
+        step -= 3
+        ckpt.save(step, rollback_state(step, run), discard_newer=True, overwrite=True)
+        report.send(("rolled back", step))
+        step += 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_roll_backs_killed_at_random_moments(tmp_path, seed):
+    """Whatever the moment: every step listed afterwards is whole and exactly one save's state,
+    nothing but steps is left in the root, and a roll back reported done left no step above it
+    but the ones saved after it (those reported, and the one in flight when it was killed)."""
+    rng = random.Random(seed)
+    root = str(tmp_path / "ckpts")
+    for run in range(2):
+        p, recv = start(_roll_backs, root, run)
+        events: list = []
+        kill_after(p, recv, events, rng.randint(3, 9), rng.uniform(0, 0.1))
+        ckpt = memtree.Checkpointer(root)  # opening the root recovers it
+        names = sorted(os.listdir(root))
+        assert all(n.isdigit() for n in names), names
+        steps = ckpt.steps()
+        assert [str(s) for s in steps] == sorted(names, key=int)
+        for step in steps:
+            state = ckpt.restore(step)  # verified: whole
+            assert_same(state, rollback_state(step, state["run"]))
+        done = [s for kind, s in events if kind == "rolled back"]
+        if done:
+            after = events[len(events) - events[::-1].index(("rolled back", done[-1])):]
+            newest = max([s for kind, s in after if kind == "saved"], default=done[-1])
+            for step in steps:
+                if step > done[-1]:
+                    assert step <= newest + 1 and ckpt.restore(step)["run"] == run, (step, events)

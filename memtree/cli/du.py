@@ -1,8 +1,9 @@
 """``memtree du PATH``: the disk a tree, or a checkpoint root, uses, and what hard links share.
 
-``PATH`` is a tree (a directory with a ``meta.json``) or a checkpoint root: a directory whose
-steps are sub-directories named by a decimal int (``root/<step>/``, each a tree; other entries,
-such as staging directories and lock files, are left out). Every file below is counted once per
+``PATH`` is a tree (a directory with a ``meta.json``) or a checkpoint root: a directory of steps
+``root/<step>/``, each a tree, by the one rule of :mod:`memtree.store.steps` that
+``Checkpointer.steps()`` applies (other entries, such as staging directories, lock files, stray
+directories and links named like steps, are left out). Every file below is counted once per
 name for the *apparent* bytes (their sizes), and once per file (inode) for the *allocated* bytes
 (``st_blocks``: what the disk really holds; sparse files hold less). Files with several names in
 the scope (hard links made by ``WriteOptions(link_from=...)`` between checkpoints, say) are
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,26 +29,14 @@ from typing import Any
 from ..errors import NotAMemtreeError, StorageError
 from ..format.names import META_NAME
 from ..store.primitives.files import regular_files
+from ..store.steps import list_steps
 from ..store.reading.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage", "is_step_name"]
+__all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
 
 NAME = "du"
 HELP = "disk use of a tree or a checkpoint root: apparent, allocated, and shared by hard links"
-
-_STEP = re.compile(r"0|[1-9][0-9]{0,17}")
-
-
-def is_step_name(name: str) -> bool:
-    """True for the name of a checkpoint root's step directory: a decimal int, no padding.
-
-    Example:
-        >>> is_step_name("1200"), is_step_name("0"), is_step_name("007"), is_step_name("best")
-        (True, True, False, False)
-    """
-    return _STEP.fullmatch(name) is not None
-
 
 @dataclass
 class StepUsage:
@@ -132,9 +120,7 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     if os.path.isfile(os.path.join(top, META_NAME)):
         report, steps = DuReport(top, "tree"), [("", top)]
     else:
-        with os.scandir(top) as it:
-            names = sorted((e.name for e in it if is_step_name(e.name) and e.is_dir(follow_symlinks=False)), key=int)
-        steps = [(n, os.path.join(top, n)) for n in names if os.path.isfile(os.path.join(top, n, META_NAME))]
+        steps = [(str(s), os.path.join(top, str(s))) for s in list_steps(top).steps]
         if not steps:
             raise NotAMemtreeError(
                 f"{top} is neither a memtree tree (no {META_NAME}) nor a checkpoint root (no "

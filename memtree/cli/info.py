@@ -9,7 +9,9 @@ SOURCE may be:
   in well under a second);
 * a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);
 * a checkpoint root of :class:`memtree.Checkpointer` (sub-directories named by decimal step
-  numbers, each a memtree tree): its steps, their sizes, and which is the latest;
+  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.steps` (the
+  rule of ``Checkpointer.steps()``), their sizes, which is the latest, and the entries named like
+  steps that are not (ignored, with the reason);
 * a ``torch.save`` file, a ``.safetensors`` file, a shard index
   (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) or a Hugging Face model
   directory, read by :func:`memtree.interop.open_checkpoint`: a safetensors header is parsed
@@ -44,11 +46,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..errors import MemtreeError, NotAMemtreeError
-from ..format.names import META_NAME
+from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
+from ..store.steps import list_steps
 from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
 from ..store.reading.walk import WalkedLevel, walk
-from .du import disk_usage, is_step_name
+from .du import disk_usage
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
 if TYPE_CHECKING:
@@ -310,21 +313,25 @@ def describe(
 
 
 def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe a checkpoint root: its steps (sub-directories named by decimal step numbers,
-    each a memtree tree), their sizes, and the latest one. Anything else in the root (staging
-    directories, lock files) is not a step and is left out.
+    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.steps`, which
+    ``Checkpointer.steps()`` applies: a directory, not a link, named by its decimal step, whose
+    root ``meta.json`` parses), their sizes, and the latest one. Staging directories and lock
+    files are left out; entries named like steps that are not steps are listed as ignored.
 
     Returns:
-        ``{"kind": "checkpoint-root", "path", "latest", "disk", "steps": [...]}``: ``steps`` in
-        increasing order, each ``{"step", "path", "ok", "tensors", "bytes", "save_id",
-        "error", "disk"}`` (``ok`` is False and ``error`` says why when the step's ``meta.json``
-        files cannot be read or are damaged; the sizes are then ``None``); ``latest`` is the
-        highest step that is ``ok`` (``None`` if none is); a step whose names are encrypted
-        has ``"sealed": True`` and sizes ``None`` (hidden, not empty). ``disk`` is what ``memtree du``
-        counts (:mod:`memtree.cli.du`): for the root ``apparent_bytes``, ``allocated_bytes`` and
-        ``linked_bytes`` (what hard links between steps save), for a step ``apparent_bytes``,
-        ``allocated_bytes``, ``shared_bytes`` (of files another step names too) and
-        ``exclusive_bytes`` (about what deleting the step frees); ``None`` where no tree is.
+        ``{"kind": "checkpoint-root", "path", "latest", "disk", "steps": [...], "ignored":
+        [...]}``: ``steps`` in increasing order, each ``{"step", "path", "ok", "tensors",
+        "bytes", "save_id", "error", "disk"}`` (``ok`` is False and ``error`` says why when a
+        deeper ``meta.json`` of the step cannot be read or is damaged: ``restore`` of it would
+        raise; the sizes are then ``None``); ``latest`` is the highest step, as
+        ``Checkpointer.latest()`` (``None`` if there is none); a step whose names are encrypted
+        has ``"sealed": True`` and sizes ``None`` (hidden, not empty). ``ignored``: each
+        ``{"name", "reason"}`` named like a step but not one (no ``meta.json``, a damaged one, a
+        link, a FIFO...). ``disk`` is what ``memtree du`` counts (:mod:`memtree.cli.du`): for the
+        root ``apparent_bytes``, ``allocated_bytes`` and ``linked_bytes`` (what hard links
+        between steps save), for a step ``apparent_bytes``, ``allocated_bytes``, ``shared_bytes``
+        (of files another step names too) and ``exclusive_bytes`` (about what deleting the step
+        frees); ``None`` where no tree is.
 
     Raises:
         NotAMemtreeError: ``root`` does not exist or is not a directory.
@@ -334,21 +341,17 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         >>> root = tempfile.mkdtemp()
         >>> for step in (100, 200):
         ...     _ = memtree.TensorTree({"w": torch.zeros(step)}).memmap(os.path.join(root, str(step)))
+        >>> os.mkdir(os.path.join(root, "300"))   # no meta.json: not a step
         >>> info = describe_root(root)
-        >>> info["latest"], [(s["step"], s["bytes"]) for s in info["steps"]]
-        (200, [(100, 400), (200, 800)])
+        >>> info["latest"], [(s["step"], s["bytes"]) for s in info["steps"]], [i["name"] for i in info["ignored"]]
+        (200, [(100, 400), (200, 800)], ['300'])
     """
     path = os.path.abspath(os.fspath(root))
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        raise NotAMemtreeError(f"{path} does not exist; check the path") from None
-    except NotADirectoryError:
-        raise NotAMemtreeError(f"{path} is not a directory; a checkpoint root is a directory") from None
+    listing = list_steps(path)
     steps: list[dict[str, Any]] = []
-    for name in sorted((n for n in names if is_step_name(n)), key=int):
-        where = os.path.join(path, name)
-        item: dict[str, Any] = {"step": int(name), "path": where, "ok": False, "tensors": None,
+    for step in listing.steps:
+        where = os.path.join(path, str(step))
+        item: dict[str, Any] = {"step": step, "path": where, "ok": False, "tensors": None,
                                 "bytes": None, "save_id": None, "error": None}
         try:
             with LocalStorage(where) as storage:
@@ -361,9 +364,11 @@ def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
             if tree["encryption"] is not None and tree["encryption"]["names_sealed"]:
                 item.update(tensors=None, bytes=None, error=None, sealed=True)  # hidden, not empty
         steps.append(item)
-    latest = max((s["step"] for s in steps if s["ok"]), default=None)
+    ignored = [{"name": n, "reason": r} for n, r in sorted(listing.ignored.items(), key=lambda i: int(i[0]))]
+    latest = steps[-1]["step"] if steps else None
     disk = _root_disk(path, steps)
-    return {"kind": "checkpoint-root", "path": path, "latest": latest, "disk": disk, "steps": steps}
+    return {"kind": "checkpoint-root", "path": path, "latest": latest, "disk": disk, "steps": steps,
+            "ignored": ignored}
 
 
 def _root_disk(path: str, steps: list[dict[str, Any]]) -> dict[str, int] | None:
@@ -511,7 +516,8 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
 
 
 def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
-    """Render :func:`describe_root`'s result: one line per step, the latest marked.
+    """Render :func:`describe_root`'s result: one line per step, the latest marked, then one
+    per ignored entry.
 
     Example:
         >>> print(render_root({"path": "ckpts", "latest": 200, "steps": [
@@ -526,12 +532,15 @@ def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
     head = label if label is not None else info["path"]
     latest = info["latest"]
     disk = info.get("disk")
+    ignored = info.get("ignored") or []
     out = [f"{head}: checkpoint root, {_plural(len(steps), 'step')}, "
-           + (f"latest {latest}" if latest is not None else "no complete step")
+           + (f"latest {latest}" if latest is not None else "no step")
+           + (f", {len(ignored)} ignored" if ignored else "")
            + (f"; {format_bytes(disk['allocated_bytes'])} on disk, {format_bytes(disk['linked_bytes'])} "
               "shared by hard links between steps" if disk else "")]
+    ignored_lines = [f"  ignored {i['name']}: {i['reason']}" for i in ignored]
     if not steps:
-        return out[0]
+        return "\n".join(out + ignored_lines)
     width = max(4, *(len(str(s["step"])) for s in steps))
     out.append(f"  {'step'.rjust(width)}  tensors       size" + ("     shared  exclusive" if disk else ""))
     for s in steps:
@@ -545,8 +554,9 @@ def render_root(info: dict[str, Any], *, label: str | None = None) -> str:
                 line += f"  {format_bytes(s['disk']['shared_bytes']):>9}  {format_bytes(s['disk']['exclusive_bytes']):>9}"
             out.append(line + ("  (latest)" if s["step"] == latest else ""))
         else:
-            out.append(f"  {str(s['step']).rjust(width)}  damaged: {s['error']}")
-    return "\n".join(out)
+            out.append(f"  {str(s['step']).rjust(width)}  damaged: {s['error']}"
+                       + ("  (latest)" if s["step"] == latest else ""))
+    return "\n".join(out + ignored_lines)
 
 
 def _positive_int(text: str) -> int:

@@ -6,7 +6,8 @@ non-tensor values, opt-in only, ``<key>.pickle``); and the hidden siblings a wri
 ``.<name>.memtree-old-<32 hex>/`` (fallback overwrite), the writer lock ``.<name>.memtree.lock``
 (which holds the journal of a writer that died); inside a tree, a growth's temporary
 ``.meta.json.memtree-tmp-<32 hex>``; in a remote cache directory, the download scratch
-``.<entry>.memtree-download-<32 hex>/``.
+``.<entry>.memtree-download-<32 hex>/``; in a checkpoint root, the step directories ``<step>/``
+(:func:`is_step_name`) and the root record ``.memtree-root.json`` of an encrypted root.
 
 A tree key may be any non-empty ``str``. On disk, a key becomes a file or directory name only
 through :func:`encode_level`, which escapes everything that is not portable and safe (see
@@ -46,6 +47,9 @@ __all__ = [
     "scratch_path",
     "meta_tmp_name",
     "is_uncommitted_name",
+    "MAX_STEP",
+    "ROOT_RECORD",
+    "is_step_name",
     "ROUTED_SUFFIX",
     "ROUTED_ENTRY",
     "routed_entry_name",
@@ -71,6 +75,12 @@ OLD_MARK = ".memtree-old-"
 LOCK_SUFFIX = ".memtree.lock"
 #: Marker in the name of a remote download's scratch directory, inside a cache directory.
 SCRATCH_MARK = ".memtree-download-"
+
+#: Largest step of a checkpoint root (a step is an int64, its directory the decimal number).
+MAX_STEP = 2**63 - 1
+_STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
+#: The record of an encrypted checkpoint root (its identity and key check), in the root.
+ROOT_RECORD = ".memtree-root.json"
 
 #: Suffix of the directory ``memtree.saving()`` puts beside a ``torch.save`` file (``ckpt.pt.memtree``).
 ROUTED_SUFFIX = ".memtree"
@@ -116,6 +126,17 @@ def routed_entry_name(tag: str) -> str:
         True
     """
     return f"{tag}-{uuid.uuid4().hex[:16]}"
+
+
+def is_step_name(name: str) -> bool:
+    """True for the name of a checkpoint root's step directory: the decimal step, from ``0`` to
+    :data:`MAX_STEP`, with no sign and no padding.
+
+    Example:
+        >>> [is_step_name(n) for n in ("1200", "0", "007", "best", str(2**63))]
+        [True, True, False, False, False]
+    """
+    return _STEP_NAME.fullmatch(name) is not None and int(name) <= MAX_STEP
 
 
 def is_uncommitted_name(basename: str) -> bool:

@@ -8,5 +8,6 @@ Example:
 """
 
 from .checkpointer import Checkpointer
+from .filling import RestoreReport
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "RestoreReport"]

@@ -78,7 +78,17 @@ from .memory import byte_view
 if TYPE_CHECKING:  # torch is imported by the functions that handle tensors (memtree info imports none)
     import torch
 
-__all__ = ["EncryptionKey", "TreeCipher", "CHUNK_BYTES", "require_backend", "open_cipher", "hide_names"]
+__all__ = [
+    "EncryptionKey",
+    "TreeCipher",
+    "CHUNK_BYTES",
+    "require_backend",
+    "open_cipher",
+    "hide_names",
+    "derive_key",
+    "key_fingerprint",
+    "key_matches",
+]
 
 #: Plaintext bytes per encrypted chunk that writers use (readers take the tree's ``chunk_bytes``):
 #: small enough to spread one leaf over the decrypting threads, large enough that the per-chunk
@@ -171,6 +181,45 @@ def _hkdf(key: bytes, salt: bytes, info: bytes, length: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=_INFO + info).derive(key)
 
 
+def derive_key(key: EncryptionKey, salt: bytes, label: str) -> EncryptionKey:
+    """A key of its own for one use of ``key``: HKDF-SHA256 of ``key`` with ``salt`` and an info
+    naming ``label`` (``docs/format.md``, "Checkpoint roots"). Keys derived with another salt or
+    label are unrelated, and none reveals ``key``.
+
+    Example:
+        >>> key = EncryptionKey(bytes(32))
+        >>> derive_key(key, b"root", "step 1") == derive_key(key, b"root", "step 2")
+        False
+    """
+    require_backend()
+    return EncryptionKey(_hkdf(key.to_bytes(), salt, b" derive\0" + label.encode(), KEY_BYTES))
+
+
+def key_fingerprint(key: EncryptionKey, salt: bytes) -> str:
+    """A 16-byte check of ``key`` (hex), as a tree's ``key_check``: a wrong key is told without
+    writing or revealing the key.
+
+    Example:
+        >>> len(key_fingerprint(EncryptionKey(bytes(32)), b"salt"))
+        32
+    """
+    require_backend()
+    return _hkdf(key.to_bytes(), salt, b" key check", _CHECK_BYTES).hex()
+
+
+def key_matches(key: EncryptionKey, meta: EncryptionMeta) -> bool:
+    """Whether ``key`` is the key of the tree whose root ``encryption`` is ``meta`` (its
+    ``key_check``; constant-time comparison).
+
+    Example:
+        >>> key = EncryptionKey.generate()
+        >>> cipher = TreeCipher.new(key)
+        >>> key_matches(key, cipher.meta), key_matches(EncryptionKey.generate(), cipher.meta)
+        (True, False)
+    """
+    return hmac.compare_digest(key_fingerprint(key, bytes.fromhex(meta.salt)), meta.key_check)
+
+
 @dataclass(frozen=True, eq=False)
 class TreeCipher:
     """The keys of one encrypted tree (derived from an :class:`EncryptionKey` and its salt)."""
@@ -191,11 +240,10 @@ class TreeCipher:
             >>> TreeCipher.new(EncryptionKey.generate()).meta.chunk_bytes == CHUNK_BYTES
             True
         """
-        require_backend()
         salt = os.urandom(_SALT_BYTES)
-        check = _hkdf(key.to_bytes(), salt, b" key check", _CHECK_BYTES)
+        check = key_fingerprint(key, salt)
         chunk = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
-        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, salt.hex(), check.hex(), names))
+        return cls._derive(key, EncryptionMeta(ENCRYPTION_ALGORITHM, chunk, salt.hex(), check, names))
 
     @classmethod
     def open(cls, key: EncryptionKey, meta: EncryptionMeta, where: str) -> TreeCipher:
@@ -204,10 +252,7 @@ class TreeCipher:
         Raises:
             DecryptionError: ``key`` is not the key the tree was written with.
         """
-        require_backend()
-        salt = bytes.fromhex(meta.salt)
-        check = _hkdf(key.to_bytes(), salt, b" key check", _CHECK_BYTES)
-        if not hmac.compare_digest(check.hex(), meta.key_check):
+        if not key_matches(key, meta):
             raise DecryptionError(
                 f"{where} was encrypted with another key: the key given does not match its "
                 "key_check (or the salt or key_check in its meta.json were changed); pass the "

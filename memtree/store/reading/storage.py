@@ -77,6 +77,7 @@ __all__ = [
     "local_path",
     "open_dir",
     "read_meta_bytes",
+    "read_small_file",
     "read_meta",
     "META_FLAGS",
 ]
@@ -181,15 +182,34 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
     :data:`~memtree.format.MAX_META_BYTES` (checked with ``fstat`` before reading).
     """
     path = os.path.join(where, META_NAME)
-    try:
-        fd = os.open(META_NAME, META_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
+    data = read_small_file(
+        META_NAME, path, MAX_META_BYTES, "a meta.json; it was not written by memtree (or tensordict)", dir_fd=dir_fd
+    )
+    if data is None:
         if root:
             raise NotAMemtreeError(
                 f"{where} has no {META_NAME}: it is not a memtree directory (or its write never "
                 "finished)"
-            ) from None
-        raise MissingLeafError(f"{path} is missing; the tree is damaged") from None
+            )
+        raise MissingLeafError(f"{path} is missing; the tree is damaged")
+    return data, path
+
+
+def read_small_file(name: str, path: str, limit: int, what: str, *, dir_fd: int | None = None) -> bytes | None:
+    """The bytes of a small file (``name``, relative to ``dir_fd`` if given; ``path`` for
+    messages), ``None`` when there is none: opened without following links, refused unless a
+    regular file of at most ``limit`` bytes, checked with ``fstat`` before reading; a file that
+    grew since is read on to ``limit + 1`` bytes, for the caller's parser to refuse.
+
+    Raises:
+        UnsafePathError: a symbolic link, or not a regular file (a FIFO, a directory, a device).
+        LimitError: larger than ``limit`` (``what`` names the kind of file in the message).
+        StorageError: the file cannot be opened or read.
+    """
+    try:
+        fd = os.open(name, META_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise UnsafePathError(f"{path} is a symbolic link; refusing to follow it") from None
@@ -198,16 +218,13 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path} is not a regular file")
-        if st.st_size > MAX_META_BYTES:
-            raise LimitError(
-                f"{path} has {st.st_size:,} bytes, more than the {MAX_META_BYTES:,} allowed for "
-                "a meta.json; it was not written by memtree (or tensordict)"
-            )
+        if st.st_size > limit:
+            raise LimitError(f"{path} has {st.st_size:,} bytes, more than the {limit:,} allowed for {what}")
         want = st.st_size + 1  # one byte more: a short read is the end of the file
         data = os.read(fd, want)
         if len(data) == want:  # it grew since fstat: read on to its end (the parser checks)
             parts = [data]
-            left = MAX_META_BYTES + 1 - len(data)
+            left = limit + 1 - len(data)
             while left > 0:
                 part = os.read(fd, min(left, 1 << 20))
                 if not part:
@@ -215,9 +232,13 @@ def read_meta_bytes(dir_fd: int, where: str, *, root: bool) -> tuple[bytes, str]
                 parts.append(part)
                 left -= len(part)
             data = b"".join(parts)
+    except OSError as err:
+        if isinstance(err, MemtreeError):
+            raise
+        raise storage_error(err, f"reading {path}") from err
     finally:
         os.close(fd)
-    return data, path
+    return data
 
 
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
