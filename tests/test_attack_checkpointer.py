@@ -709,7 +709,7 @@ def test_a_plain_step_planted_in_an_encrypted_root_is_refused_on_restore(tmp_pat
 def test_two_checkpointers_making_the_record_of_an_empty_root_at_once(tmp_path, key, monkeypatch):
     """Both read "no record", one writes it first: the other reads the winner's and is refused
     with another key (accepted with the same one); a record is never written over another."""
-    from memtree.store.steps import list_steps
+    from memtree.store.reading.steps import list_steps
     from memtree.training import root as root_module
 
     memtree.Checkpointer(tmp_path, encryption=key)  # the winner

@@ -1,7 +1,7 @@
 """``memtree du PATH``: the disk a tree, or a checkpoint root, uses, and what hard links share.
 
 ``PATH`` is a tree (a directory with a ``meta.json``) or a checkpoint root: a directory of steps
-``root/<step>/``, each a tree, by the one rule of :mod:`memtree.store.steps` that
+``root/<step>/``, each a tree, by the one rule of :mod:`memtree.store.reading.steps` that
 ``Checkpointer.steps()`` applies (other entries, such as staging directories, lock files, stray
 directories and links named like steps, are left out). Every file below is counted once per
 name for the *apparent* bytes (their sizes), and once per file (inode) for the *allocated* bytes
@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import NotAMemtreeError, StorageError
 from ..format.names import META_NAME
 from ..store.primitives.files import regular_files
-from ..store.steps import list_steps
+from ..store.reading.steps import list_steps
 from ..store.reading.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 

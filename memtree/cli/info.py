@@ -9,7 +9,7 @@ SOURCE may be:
   in well under a second);
 * a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);
 * a checkpoint root of :class:`memtree.Checkpointer` (sub-directories named by decimal step
-  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.steps` (the
+  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.reading.steps` (the
   rule of ``Checkpointer.steps()``), their sizes, which is the latest, and the entries named like
   steps that are not (ignored, with the reason);
 * a ``torch.save`` file, a ``.safetensors`` file, a shard index
@@ -48,7 +48,7 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..store.steps import list_steps
+from ..store.reading.steps import list_steps
 from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
 from ..store.reading.walk import WalkedLevel, walk
 from .du import disk_usage
@@ -313,7 +313,7 @@ def describe(
 
 
 def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.steps`, which
+    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.reading.steps`, which
     ``Checkpointer.steps()`` applies: a directory, not a link, named by its decimal step, whose
     root ``meta.json`` parses), their sizes, and the latest one. Staging directories and lock
     files are left out; entries named like steps that are not steps are listed as ignored.

@@ -28,7 +28,7 @@ its record deleted) is refused: a root holds steps of one kind and one key.
 Example:
     >>> import tempfile
     >>> from memtree.store.primitives.crypto import EncryptionKey
-    >>> from memtree.store.steps import list_steps
+    >>> from memtree.store.reading.steps import list_steps
     >>> root, key = tempfile.mkdtemp(), EncryptionKey.generate()
     >>> record = open_root(root, key, list_steps(root), fsync=False)
     >>> open_root(root, key, list_steps(root), fsync=False) == record
@@ -51,7 +51,7 @@ from ..format.schema import ENCRYPTION_ALGORITHM
 from ..store.primitives.commit import fsync_dir, write_small_file
 from ..store.primitives.crypto import EncryptionKey, derive_key, key_fingerprint
 from ..store.primitives.files import replacing_file
-from ..store.steps import StepListing
+from ..store.reading.steps import StepListing
 from ..store.reading.storage import read_small_file
 
 __all__ = ["RootRecord", "open_root", "read_record", "check_unchanged"]

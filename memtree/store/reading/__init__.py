@@ -1,7 +1,8 @@
 """Reading a tree: the ``Storage`` seam (:mod:`~memtree.store.reading.storage`, a local directory),
 the keyword arguments of loads and writes (:mod:`~memtree.store.reading.options`), the level walker
 and the tree hash, ``open_tree`` (:mod:`~memtree.store.reading.read`), each leaf's checks
-(:mod:`~memtree.store.reading.leaf_reader`) and :class:`~memtree.MemoryMappedTensor`.
+(:mod:`~memtree.store.reading.leaf_reader`), :class:`~memtree.MemoryMappedTensor`, and what a
+step of a checkpoint root is (:mod:`~memtree.store.reading.steps`).
 
 Above ``primitives/``; below ``writing/`` (``docs/architecture.md``).
 """

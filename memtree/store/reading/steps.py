@@ -37,10 +37,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..errors import MemtreeError, MissingLeafError
-from ..format.names import is_step_name
-from ..format.schema import LevelMeta
-from .reading.storage import open_dir, read_meta
+from ...errors import MemtreeError, MissingLeafError
+from ...format.names import is_step_name
+from ...format.schema import LevelMeta
+from .storage import open_dir, read_meta
 
 __all__ = ["StepListing", "list_steps", "read_step"]
 
