@@ -37,7 +37,8 @@ from torch import nn
 import memtree
 from memtree.cli.main import main as cli
 from memtree.format.level import Level
-from memtree.store import lease, unshare
+from memtree.store.primitives import lease
+from memtree.store.reading import unshare
 from memtree.store.writing import linking
 from memtree.store.reading.options import WriteOptions
 from memtree.store.writing.write import WriteStats, write_tree

@@ -44,8 +44,8 @@ NOT_ON_THE_READY_PATH = (
     "memtree.store.verify",
     "memtree.store.urls.remote",
     "memtree.store.writing.linking",
-    "memtree.store.lease",
-    "memtree.store.unshare",  # only for a leaf another tree shares (imported on first use)
+    "memtree.store.primitives.lease",
+    "memtree.store.reading.unshare",  # only for a leaf another tree shares (imported on first use)
     "memtree.tree.dataset",
     "memtree.tree.ops",
     "memtree.tree.parts.growth",

@@ -622,7 +622,7 @@ def open_leaf(
     caller must check ``st_nlink`` of the returned ``fstat`` (a file with another hard link shares
     its bytes with a name that may lie outside the tree), which is final while the descriptor is
     open: the linker of incremental saves never links a file open for writing
-    (:mod:`memtree.store.unshare`).
+    (:mod:`memtree.store.reading.unshare`).
     """
     try:
         fd = _open_for_writing(name, dir_fd) if writable else os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -663,7 +663,7 @@ LEASE_WAIT = 60.0
 def _open_for_writing(name: str, dir_fd: int | None) -> int:
     """Open an existing file read-write (:data:`RW_FLAGS`), waiting while a read lease on it is
     being broken: ``O_NONBLOCK`` (which keeps a FIFO from blocking) makes such an open fail with
-    ``EWOULDBLOCK`` instead of waiting, after starting the break (:mod:`memtree.store.lease`)."""
+    ``EWOULDBLOCK`` instead of waiting, after starting the break (:mod:`memtree.store.primitives.lease`)."""
     deadline = time.monotonic() + LEASE_WAIT
     pause = 0.001
     while True:

@@ -4,7 +4,7 @@ regular file of exactly its size; with ``verify=True`` its checksum), then mappe
 read by threads (``mmap=False``, devices), or kept open for
 :func:`~memtree.store.reading.read.fill_tree`; an encrypted leaf decrypted, a pickled one unpickled only
 when allowed. A leaf mapped read-write (``mode="r+"``) that shares its file with another tree
-by a hard link (an incremental save) first gets its own copy (:mod:`memtree.store.unshare`), so
+by a hard link (an incremental save) first gets its own copy (:mod:`memtree.store.reading.unshare`), so
 writes into this tree never reach the other one.
 
 :mod:`memtree.store.reading.read` walks the levels (:class:`~memtree.store.reading.read.PendingLevel`) and hands
@@ -115,7 +115,7 @@ class LeafReader:
                 if st is None:
                     st = os.fstat(fd)
                 if st.st_nlink > 1 and entry.file_nbytes:  # another tree shares it: copy it first
-                    from ..unshare import own_file
+                    from .unshare import own_file
 
                     shared, fd = fd, -1  # own_file closes it
                     fd, st = own_file(

@@ -18,7 +18,7 @@
 * A file with another hard link (a leaf that an incremental save shares between two trees) is
   never mapped read-write: writes would change every tree that shares it. Such a mapping is
   refused with ``UnsafePathError``; ``load_memmap`` gives the leaf its own copy first
-  (:mod:`memtree.store.unshare`).
+  (:mod:`memtree.store.reading.unshare`).
 
 Example:
     >>> import os, tempfile, torch

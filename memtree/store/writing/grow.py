@@ -102,7 +102,7 @@ from ..reading.mapped import MemoryMappedTensor, map_leaf, to_storable
 from ...format.values import NonTensor
 from ..reading.read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
-from ..unshare import own_file
+from ..reading.unshare import own_file
 
 __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]
 
@@ -411,7 +411,7 @@ class _Growth:
         are shared with a name that may lie outside the tree, or with another tree by an
         incremental save). The link count read here stays right for the whole growth: the tree
         being grown maps the file read-write, and the linker of incremental saves never links a
-        file open for writing (:mod:`memtree.store.lease`). A tree with many leaves (more
+        file open for writing (:mod:`memtree.store.primitives.lease`). A tree with many leaves (more
         than :func:`~memtree.store.reading.read.held_dirs_budget`) has each file opened when used and
         closed at once, so it grows with a few descriptors; a smaller one keeps them open.
         """
@@ -707,7 +707,7 @@ def _map_rows(path: str, entry: LeafMeta, root: str) -> MemoryMappedTensor:
     Mapping the capacity lets the tensor travel to other processes as a reference to a file of
     exactly its storage's size (see :mod:`memtree.store.reading.mapped`). A file another name shares
     (a hard link made meanwhile by someone else) gets its own copy first
-    (:mod:`memtree.store.unshare`; the caller holds the tree's writer lock).
+    (:mod:`memtree.store.reading.unshare`; the caller holds the tree's writer lock).
     """
     rows = entry.capacity if entry.capacity is not None else entry.shape[0]
     fd, st = open_leaf(path, entry.file_nbytes, path, writable=True)

@@ -13,7 +13,7 @@ saves"):
 * the old file is opened without following links and must be a regular file of the exact size,
   with fewer than :data:`MAX_LINKS` links, and **no process may have it open for writing**
   (a tree loaded with ``mode="r+"`` maps its leaves read-write): a read lease proves it
-  (:mod:`memtree.store.lease`), held until the link is made, and the link is undone if a writer
+  (:mod:`memtree.store.primitives.lease`), held until the link is made, and the link is undone if a writer
   opened the file meanwhile. Where leases cannot prove it (a network filesystem, overlayfs, a
   file of another owner...), nothing is linked;
 * the decision is made on the **bytes**: the old file is read and compared with the new data,
@@ -29,7 +29,7 @@ saves"):
 
 A file linked this way is never written in place afterwards through memtree: a writer that
 opens it read-write sees the second link and gives its tree its own copy first
-(:mod:`memtree.store.unshare`).
+(:mod:`memtree.store.reading.unshare`).
 
 Example:
     >>> import tempfile, torch
@@ -57,7 +57,7 @@ from ...errors import MemtreeError
 from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LeafMeta, LevelMeta
 from ..primitives.files import FileRange, _unlink_quiet, equal_bytes, open_leaf
-from ..lease import Lease, lease_refusal, read_lease
+from ..primitives.lease import Lease, lease_refusal, read_lease
 from ..reading.read import open_dir, walk_levels
 
 __all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats"]
@@ -146,7 +146,7 @@ class LinkSource:
 
         A ``link_from`` that cannot be read as a tree, lies on another filesystem than
         ``staging``, or on a filesystem where no lease can prove that its files have no writer
-        (:func:`~memtree.store.lease.lease_refusal`), gives a source with no leaves and its
+        (:func:`~memtree.store.primitives.lease.lease_refusal`), gives a source with no leaves and its
         reason in :attr:`error`: nothing is linked, everything is written.
         """
         if link_from is None or algorithm is None:

@@ -318,7 +318,7 @@ def write_tree(
     links and must be a regular file of the exact size. Any failure (another filesystem,
     permissions, the link count limit, a writer, the old tree replaced meanwhile) writes the
     leaf instead. A write through memtree into either tree never changes the other: a shared
-    file gets its own copy before it is written (:mod:`memtree.store.unshare`), so with
+    file gets its own copy before it is written (:mod:`memtree.store.reading.unshare`), so with
     ``mode="r+"`` the returned tree copies its linked leaves when their levels load.
 
     Raises:

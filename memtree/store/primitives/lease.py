@@ -14,7 +14,7 @@ disk and whatever happened to the writers since (a ``kill -9`` ends their mappin
 
 So a check, a link and then :meth:`Lease.intact` prove that no writer existed when the link
 was made; a writer that opens the file after that sees the second link (memtree's writers open
-the file read-write *before* they look at its link count, :mod:`memtree.store.unshare`).
+the file read-write *before* they look at its link count, :mod:`memtree.store.reading.unshare`).
 
 No lease is taken (:func:`lease_refusal` says why, and :func:`read_lease` yields None) where
 its answer would not cover every writer: a filesystem other than the local ones in
@@ -48,7 +48,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .primitives.files import libc_function
+from .files import libc_function
 
 __all__ = ["LEASE_FILESYSTEMS", "Lease", "lease_refusal", "read_lease"]
 

@@ -25,7 +25,7 @@ is an ``O_TMPFILE`` until it gets a name, ``.memtree-copy-<hex>``, renamed over 
 
 The other order (a file mapped read-write first, then linked into a new tree) is the linker's:
 it links only files that no process has open for writing, proven by a read lease
-(:mod:`memtree.store.lease`). Opening the file read-write *before* reading its link count is
+(:mod:`memtree.store.primitives.lease`). Opening the file read-write *before* reading its link count is
 what makes the two sides meet: either the linker saw this writer (and wrote its leaf instead),
 or its link is already counted here (and the file is copied).
 
@@ -50,11 +50,11 @@ import os
 import stat
 import threading
 
-from ..errors import LockError, MemtreeError, MissingLeafError
-from ..format.names import copy_name, lock_path
-from .primitives.commit import WriterLock, lock_holder
-from .primitives.files import copy_range, open_leaf, preallocate_fd, storage_error
-from .reading.storage import open_dir
+from ...errors import LockError, MemtreeError, MissingLeafError
+from ...format.names import copy_name, lock_path
+from ..primitives.commit import WriterLock, lock_holder
+from ..primitives.files import copy_range, open_leaf, preallocate_fd, storage_error
+from .storage import open_dir
 
 __all__ = ["LOCK_TIMEOUT", "own_file"]
 
