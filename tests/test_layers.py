@@ -96,9 +96,10 @@ def may_import(importer: str, imported: str) -> bool:
     return _room(importer) == _room(imported) or _rank(imported) < _rank(importer)
 
 
-def imports_of(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
-    """The memtree modules that the module ``name`` (whose code is ``source``) imports, wherever
-    the import is (a name imported from a package that is a module counts as that module)."""
+def named_modules(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+    """The memtree modules that the module ``name`` (whose code is ``source``) names in an import,
+    wherever the import is (a name imported from a package that is a module counts as that
+    module), whether they exist or not."""
     package = name if is_package else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
@@ -116,7 +117,12 @@ def imports_of(name: str, is_package: bool, source: str, modules: set[str]) -> s
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
-    return {m for m in found if m in modules and m != name}
+    return found
+
+
+def imports_of(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+    """The memtree modules that the module ``name`` imports (see :func:`named_modules`)."""
+    return {m for m in named_modules(name, is_package, source, modules) if m in modules and m != name}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -213,6 +219,20 @@ def test_imports_in_functions_and_for_type_checking_count() -> None:
         "def flush():\n    from .fill import fill\n"
     )
     assert imports_of("memtree.s.leaf", False, source, modules) == {"memtree.errors", "memtree.s.read", "memtree.s.fill"}
+
+
+def test_every_import_names_a_module_that_exists() -> None:
+    """An import of a memtree module that is not there (a relative import left pointing at a
+    module's old place after a move, or a package that was never committed) fails when it runs,
+    which for an import inside a function is only on the path that calls it; here it fails at once."""
+    missing = {
+        f"{_module_name(p)} imports {m}"
+        for p in PATHS
+        for m in named_modules(_module_name(p), p.name == "__init__.py", p.read_text(), MODULES) - MODULES
+    }
+    assert not missing, sorted(missing)
+    gone = named_modules("memtree.store.writing.staged", False, "def f():\n    from .faults import point\n", MODULES)
+    assert gone == {"memtree.store.writing.faults"}  # the checker itself: faults.py is in primitives/
 
 
 def test_no_folder_holds_more_than_a_dozen_modules() -> None:
