@@ -16,7 +16,7 @@ from memtree.errors import DistributedCheckpointError
 from memtree.format.chunks import chunks_from_json, chunks_to_json
 from memtree.format.placement import split_runs
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta
-from memtree.store import checksums
+from memtree.store.primitives import checksums
 
 
 def _crc(algorithm: str, data: bytes) -> int:

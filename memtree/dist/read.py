@@ -1,12 +1,12 @@
 """Rank-aware reads: each rank reads only the bytes of its own shards (:mod:`memtree.dist.shards`).
 
 * :func:`fill_dtensors` fills the ``DTensor`` parameters and buffers of a module in place
-  (``load_into_module``): one :class:`~memtree.store.fill.FillJob` per range of the source's
+  (``load_into_module``): one :class:`~memtree.store.primitives.fill.FillJob` per range of the source's
   file, read with threaded ``preadv`` straight into the local shard's memory;
 * :func:`load_sharded` is ``load_memmap(prefix, mesh=...)``: each leaf a ``DTensor`` holding this
   rank's shard (:class:`ShardReader`); a shard that is one range of its file is mapped
   (zero-copy), others are read into memory; ``verify=True`` reads and checks the chunks its
-  ranges touch (:func:`~memtree.store.ranges.read_ranges`) and returns the bytes it checked;
+  ranges touch (:func:`~memtree.store.reading.ranges.read_ranges`) and returns the bytes it checked;
 * :func:`load_sharded_remote` is the same from a URL, by ranged requests (:mod:`memtree.dist.remote`);
 * :func:`targets_for`, :func:`targets_like`: which leaves become ``DTensor`` s (:mod:`memtree.dist.targets`).
 
@@ -32,13 +32,13 @@ from ..format.dtypes import itemsize
 from ..format.level import Level, fmt_key
 from ..format.placement import Box, box_runs, box_shape, local_box
 from ..format.schema import LeafMeta
-from ..store.files import FileRange, open_checked
-from ..store.fill import FillJob, fill
-from ..store.leaf_reader import MAX_PENDING_READS, LeafReader
-from ..store.memory import byte_view
-from ..store.options import KeySelection, ReadOptions
-from ..store.ranges import file_reader, read_ranges
-from ..store.read import open_tree
+from ..store.primitives.files import FileRange, open_checked
+from ..store.primitives.fill import FillJob, fill
+from ..store.reading.leaf_reader import MAX_PENDING_READS, LeafReader
+from ..store.primitives.memory import byte_view
+from ..store.reading.options import KeySelection, ReadOptions
+from ..store.reading.ranges import file_reader, read_ranges
+from ..store.reading.read import open_tree
 from .dtensor import dist_leaf, from_local, mesh_device
 from .remote import load_sharded_remote
 from .shards import rotated, shard_box, shard_jobs
@@ -126,7 +126,7 @@ def fill_dtensors(shards: list[ShardSource]) -> None:
 
 
 class ShardReader(LeafReader):
-    """A :class:`~memtree.store.leaf_reader.LeafReader` that reads the leaves ``targets`` names
+    """A :class:`~memtree.store.reading.leaf_reader.LeafReader` that reads the leaves ``targets`` names
     as ``DTensor`` s holding this rank's shard (other leaves as the options say)."""
 
     def __init__(self, options: ReadOptions, targets: Targets) -> None:

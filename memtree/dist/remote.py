@@ -1,6 +1,6 @@
 """Rank-aware reads of a tree at a URL (``load_memmap(url, mesh=...)``): ranged requests.
 
-The tree is walked as :mod:`memtree.store.remote` walks it (every ``meta.json`` validated, each
+The tree is walked as :mod:`memtree.store.urls.remote` walks it (every ``meta.json`` validated, each
 leaf ``stat`` ed and its size checked before anything is allocated). A leaf read as a
 ``DTensor`` is fetched as this rank's ranges only (close ranges in one request, the gap read
 over only when it is at most a quarter of the next range); every other leaf is fetched whole.
@@ -27,13 +27,13 @@ from ..format.level import Level, fmt_key
 from ..format.names import META_NAME
 from ..format.placement import box_runs, box_shape, split_runs
 from ..format.schema import LeafMeta, PickleMeta, parse_level
-from ..store.integrity import check_tree_hash
-from ..store.memory import byte_view
-from ..store.options import KeySelection, ReadOptions
-from ..store.ranges import SPAN_BYTES, read_ranges, read_runs
-from ..store.remote import DEFAULT_NUM_THREADS, RemoteLeaf, build_level, check_size, final_checks
-from ..store.storage import Storage
-from ..store.walk import map_all, walk
+from ..store.reading.integrity import check_tree_hash
+from ..store.primitives.memory import byte_view
+from ..store.reading.options import KeySelection, ReadOptions
+from ..store.reading.ranges import SPAN_BYTES, read_ranges, read_runs
+from ..store.urls.remote import DEFAULT_NUM_THREADS, RemoteLeaf, build_level, check_size, final_checks
+from ..store.reading.storage import Storage
+from ..store.reading.walk import map_all, walk
 from .dtensor import from_local, mesh_device
 from .shards import OVER_READ, shard_box
 from .targets import Target, Targets
@@ -84,7 +84,7 @@ def load_sharded_remote(
         IntegrityError: a chunk (or a leaf) read differs from its recorded checksum.
         MemtreeError: as ``load_memmap(url)``: a missing, damaged or changed tree.
     """
-    from ..store.fsspec_storage import FsspecStorage
+    from ..store.urls.fsspec_storage import FsspecStorage
 
     options = ReadOptions.of(keys=keys, verify=verify)
     storage = FsspecStorage(url, storage_options=storage_options)

@@ -9,7 +9,7 @@ range after it; and the ranks start on different files (:func:`rotated`).
 
 Example:
     >>> import os, tempfile, torch
-    >>> from memtree.store.fill import fill
+    >>> from memtree.store.primitives.fill import fill
     >>> path = os.path.join(tempfile.mkdtemp(), "w.memmap")
     >>> _ = open(path, "wb").write(torch.arange(12.0).reshape(3, 4).numpy().tobytes())
     >>> fd, local = os.open(path, os.O_RDONLY), torch.zeros(3, 2)     # columns 2 and 3
@@ -25,8 +25,8 @@ import torch
 from ..errors import PlacementError
 from ..format.dtypes import itemsize
 from ..format.placement import Box, local_box
-from ..store.files import FileRange
-from ..store.fill import FillJob
+from ..store.primitives.files import FileRange
+from ..store.primitives.fill import FillJob
 from .targets import Target
 
 __all__ = ["OVER_READ", "this_rank", "rotated", "shard_box", "shard_jobs"]

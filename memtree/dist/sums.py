@@ -4,7 +4,7 @@ Each rank of a collective write hashes the bytes it writes as it writes them, on
 range and chunk (a piece never crosses a chunk boundary: :func:`~memtree.format.placement.split_runs`),
 and sends ``(offset, length, crc)`` of each piece to rank 0. The pieces of a leaf tile its file
 exactly; rank 0 sorts them by offset and chains their CRCs (``crc(a + b) = shift(crc(a)) ^
-crc(b)``, :func:`~memtree.store.checksums.crc_shifter`) into each chunk's CRC, then the chunks'
+crc(b)``, :func:`~memtree.store.primitives.checksums.crc_shifter`) into each chunk's CRC, then the chunks'
 into the leaf's: nothing is read again. Pure: no I/O.
 
 Example:
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from ..errors import DistributedCheckpointError
 from ..format.chunks import ChunkSums, chunk_count
-from ..store.checksums import crc_shifter
+from ..store.primitives.checksums import crc_shifter
 
 __all__ = ["combine_pieces"]
 

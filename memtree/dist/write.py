@@ -7,7 +7,7 @@ which each ``DTensor`` is stored as its full tensor, with its layout recorded be
 (:meth:`~memtree.dist.comm.Comm.agree`: if one rank fails, every rank raises
 :class:`~memtree.errors.DistributedCheckpointError` and nothing is committed):
 
-1. **planning the write**: each rank plans the tree (:func:`~memtree.store.write.plan_write`,
+1. **planning the write**: each rank plans the tree (:func:`~memtree.store.writing.write.plan_write`,
    with each ``DTensor`` as its global shape) and the distinct shards of each leaf
    (:func:`~memtree.format.placement.shards`; a plain tensor is one shard every rank holds),
    and the ranks compare a digest of their plans (:mod:`memtree.dist.compare`): trees that
@@ -15,7 +15,7 @@ which each ``DTensor`` is stored as its full tensor, with its layout recorded be
    first difference. Each shard gets one writer (:func:`~memtree.format.placement.assign_writers`:
    replicas spread over their holders by bytes);
 2. **preparing the staging directory**: rank 0 takes the destination's writer lock and creates
-   the staging directory (:func:`~memtree.store.staged.staged_commit`), every level's directory
+   the staging directory (:func:`~memtree.store.writing.staged.staged_commit`), every level's directory
    and every leaf file at its full size;
 3. **writing the shards**: each rank ``pwrite`` s the ranges of the shards it writes into the
    shared files (``Shard(0)``: one range; ``Shard(d > 0)``: one per row), each range cut at the
@@ -23,7 +23,7 @@ which each ``DTensor`` is stored as its full tensor, with its layout recorded be
    sends the CRCs of its pieces to rank 0;
 4. **committing**: rank 0 combines the pieces' CRCs into each leaf's checksum and its chunks'
    (:mod:`memtree.dist.sums`; nothing read again), writes every ``meta.json`` (the root's last,
-   :func:`~memtree.store.write.write_levels`) and renames the staging directory onto the
+   :func:`~memtree.store.writing.write.write_levels`) and renames the staging directory onto the
    destination: the tree is committed once, atomically.
 
 Example:
@@ -48,15 +48,15 @@ from ..format.level import Level
 from ..format.names import is_uncommitted_name
 from ..format.placement import Layout, Shard, assign_writers, box_runs, box_shape, full_box, local_box, shards, split_runs
 from ..format.schema import Entry, LeafMeta
-from ..store.checksums import COMBINABLE, available_checksums, check_checksum_option, crc32, new_digest
-from ..store.files import allocate_fd, new_file, preallocate_fd, pwrite_from, storage_error
-from ..store.mapped import to_storable
-from ..store.memory import byte_view, is_plain_memory
-from ..store.options import WriteOptions
-from ..store.staged import Staging, staged_commit
-from ..store.storage import local_path
-from ..store.walk import map_all
-from ..store.write import BACKGROUND_REMOVAL_FILES, WritePlan, plan_write, write_levels
+from ..store.primitives.checksums import COMBINABLE, available_checksums, check_checksum_option, crc32, new_digest
+from ..store.primitives.files import allocate_fd, new_file, preallocate_fd, pwrite_from, storage_error
+from ..store.reading.mapped import to_storable
+from ..store.primitives.memory import byte_view, is_plain_memory
+from ..store.reading.options import WriteOptions
+from ..store.writing.staged import Staging, staged_commit
+from ..store.reading.storage import local_path
+from ..store.reading.walk import map_all
+from ..store.writing.write import BACKGROUND_REMOVAL_FILES, WritePlan, plan_write, write_levels
 from .comm import Comm
 from .compare import first_difference, summary_digest, tree_summary
 from .dtensor import DistLeaf, dist_leaf, is_dtensor
