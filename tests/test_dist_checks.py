@@ -104,3 +104,38 @@ def test_the_same_keys_in_another_order_are_refused():
     b = [a[0], *reversed(a[1:])]
     assert summary_digest(a) != summary_digest(b)
     assert "different orders" in first_difference([a, b])
+
+
+def _column_read_peak(tmp_path, rows: int) -> int:
+    """Python memory a rank's read of half the columns of a ``rows`` x 64 float32 leaf holds at
+    its peak (tensor storage is not Python's: this is the bookkeeping of its ranges)."""
+    import os
+    import tracemalloc
+
+    import torch
+
+    from memtree.dist.shards import ShardRead, fill_shards
+    from memtree.store.primitives.files import FileRange
+
+    full = torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64)
+    path = tmp_path / f"w{rows}.memmap"
+    path.write_bytes(full.numpy().tobytes())
+    local = torch.zeros(rows, 32)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = ShardRead(local, FileRange(fd, 0, full.nbytes, "w"), (rows, 64), (((0, rows),), ((32, 64),)), torch.float32)
+        tracemalloc.start()
+        fill_shards([read])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    finally:
+        os.close(fd)
+    assert torch.equal(local, full[:, 32:])
+    return peak
+
+
+def test_a_column_shards_bookkeeping_does_not_grow_with_its_rows(tmp_path):
+    """One range per row, read a batch of ranges at a time: 16 times the rows, not 16 times the
+    memory beside the shard."""
+    small, large = _column_read_peak(tmp_path, 1024), _column_read_peak(tmp_path, 16384)
+    assert large < 2 * small, (small, large)

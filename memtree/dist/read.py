@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,6 @@ from ..format.level import Level, fmt_key
 from ..format.placement import Box, box_runs, box_shape, local_box
 from ..format.schema import LeafMeta
 from ..store.primitives.files import FileRange, open_checked
-from ..store.primitives.fill import FillJob, fill
 from ..store.reading.leaf_reader import MAX_PENDING_READS, LeafReader
 from ..store.primitives.memory import byte_view
 from ..store.reading.options import KeySelection, ReadOptions
@@ -41,7 +41,7 @@ from ..store.reading.ranges import file_reader, read_ranges
 from ..store.reading.read import open_tree
 from .dtensor import dist_leaf, from_local, mesh_device
 from .remote import load_sharded_remote
-from .shards import rotated, shard_box, shard_jobs
+from .shards import ShardRead, fill_shards, shard_box
 from .targets import Targets, targets_for, targets_like
 
 __all__ = [
@@ -92,13 +92,13 @@ def _box_of(full: torch.Tensor, box: Box) -> torch.Tensor:
 
 def fill_dtensors(shards: list[ShardSource]) -> None:
     """Fill each target's local shard in place from its source (see the module docstring): the
-    ranges of files by one threaded fill, the others copied.
+    ranges of files read in place (:func:`~memtree.dist.shards.fill_shards`), the others copied.
 
     Raises:
         PlacementError: a target's placements cannot be filled (``Partial``).
         StorageError: a file is shorter than its ranges (before anything is read), or a read failed.
     """
-    jobs: list[FillJob] = []
+    reads: list[ShardRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for s in shards:
         where = f"load_into_module: {s.name!r}"
@@ -111,7 +111,7 @@ def fill_dtensors(shards: list[ShardSource]) -> None:
             raise PlacementError(f"{where}: the local shard is {list(local.shape)}, its placements give {list(box_shape(box))}")
         if s.span is not None:
             dest = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
-            jobs += shard_jobs(dest, s.span, list(box_runs(leaf.shape, itemsize(s.dtype), box)), s.dtype)
+            reads.append(ShardRead(dest, s.span, leaf.shape, box, s.dtype))
             if dest is not local:
                 copies.append((local, dest))
         elif s.local is not None:
@@ -119,7 +119,7 @@ def fill_dtensors(shards: list[ShardSource]) -> None:
         else:
             assert s.tensor is not None
             copies.append((local, _box_of(s.tensor, box)))
-    fill(rotated(jobs))
+    fill_shards(reads)
     with torch.no_grad():
         for dest, value in copies:
             dest.copy_(value)
@@ -132,8 +132,7 @@ class ShardReader(LeafReader):
     def __init__(self, options: ReadOptions, targets: Targets) -> None:
         super().__init__(options)
         self.targets = targets
-        self.shard_jobs: list[FillJob] = []
-        self.shard_fds: list[int] = []
+        self.shard_reads: list[ShardRead] = []  # read when the batch of levels ends, files kept open
 
     def leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
@@ -143,48 +142,48 @@ class ShardReader(LeafReader):
         if target is None or self.on_meta:
             return super().leaf(dir_fd, where, entry, parents, dirs)
         box = shard_box(target, entry.shape, f"leaf {fmt_key(key)}")
-        runs = list(box_runs(entry.shape, itemsize(entry.dtype), box))
+        size = itemsize(entry.dtype)
+        first = list(islice(box_runs(entry.shape, size, box), 2))
         shape, device = box_shape(box), mesh_device(target.mesh)
         path = os.path.join(where, entry.file)
-        if len(runs) == 1 and self.mmap and not (self.verify and entry.checksum is not None) and device.type == "cpu":
+        if len(first) == 1 and self.mmap and not (self.verify and entry.checksum is not None) and device.type == "cpu":
             full = super().leaf(dir_fd, where, entry, parents, dirs)  # checked, mapped: no byte read
             with torch._C.DisableTorchFunctionSubclass():
                 flat = full.as_subclass(torch.Tensor).view(-1)
-            start = runs[0][0] // itemsize(entry.dtype)
-            return from_local(flat[start : start + runs[0][1] // itemsize(entry.dtype)].view(shape),
+            start, nbytes = first[0]
+            return from_local(flat[start // size : (start + nbytes) // size].view(shape),
                               target.mesh, target.placements, entry.shape)
         fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
         if self.verify and entry.checksum is not None:  # what is checked is what is returned
             local = torch.empty(shape, dtype=entry.dtype)
             try:
-                read_ranges(file_reader(fd, f"leaf {path}"), entry, runs, byte_view(local), f"leaf {fmt_key(key)} at {path}")
+                read_ranges(file_reader(fd, f"leaf {path}"), entry, list(box_runs(entry.shape, size, box)),
+                            byte_view(local), f"leaf {fmt_key(key)} at {path}")
             finally:
                 os.close(fd)
             return from_local(local.to(device), target.mesh, target.placements, entry.shape)
         local = torch.empty(shape, dtype=entry.dtype, device=device)
-        self.shard_fds.append(fd)
-        self.shard_jobs += shard_jobs(local, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), runs, entry.dtype)
-        if len(self.shard_fds) >= MAX_PENDING_READS:
+        self.shard_reads.append(ShardRead(local, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), entry.shape, box, entry.dtype))
+        if len(self.shard_reads) >= MAX_PENDING_READS:
             self.flush()
         return from_local(local, target.mesh, target.placements, entry.shape)
 
     def flush(self) -> None:
         """Read the queued leaves, then the queued shards (each rank starting on another file)."""
         super().flush()
-        jobs, fds = self.shard_jobs, self.shard_fds
-        self.shard_jobs, self.shard_fds = [], []
+        reads, self.shard_reads = self.shard_reads, []
         try:
-            fill(rotated(jobs))
+            fill_shards(reads)
         finally:
-            for fd in fds:
-                os.close(fd)
+            for read in reads:
+                os.close(read.span.fd)
 
     def discard(self) -> None:
         """Drop what is queued (a failed load) and close its files."""
         super().discard()
-        fds, self.shard_fds, self.shard_jobs = self.shard_fds, [], []
-        for fd in fds:
-            os.close(fd)
+        reads, self.shard_reads = self.shard_reads, []
+        for read in reads:
+            os.close(read.span.fd)
 
 
 def load_sharded(

@@ -345,10 +345,8 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[in
         k -= 1
     inner = prod(shape[k + 1 :]) * itemsize  # bytes of one index of dim k
     strides = [prod(shape[d + 1 :]) * itemsize for d in range(k)]
-    outer = [[i for a, b in box[d] for i in range(a, b)] for d in range(k)]
     start, length = -1, 0
-    for index in product(*outer):
-        base = sum(i * s for i, s in zip(index, strides))
+    for base in _row_offsets(box, strides, 0, 0):
         for a, b in box[k]:
             offset, n = base + a * inner, (b - a) * inner
             if offset == start + length:
@@ -359,6 +357,17 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[in
             start, length = offset, n
     if length:
         yield (start, length)
+
+
+def _row_offsets(box: Box, strides: list[int], dim: int, base: int) -> Iterator[int]:
+    """The byte offset of each index of the dims before ``len(strides)`` that ``box`` holds, in
+    row-major order, one at a time (never a list of them: a column shard has millions)."""
+    if dim == len(strides):
+        yield base
+        return
+    for a, b in box[dim]:
+        for i in range(a, b):
+            yield from _row_offsets(box, strides, dim + 1, base + i * strides[dim])
 
 
 def split_runs(runs: Iterator[tuple[int, int]], chunk: int) -> Iterator[tuple[int, int]]:

@@ -80,6 +80,7 @@ __all__ = [
     "release_pinned_memory",
     "fill",
     "mapped_range",
+    "check_ranges",
     "read_exact",
     "read_views",
 ]
@@ -519,7 +520,7 @@ class CudaCopier:
 
 
 def _check_jobs(jobs: Sequence[FillJob]) -> None:
-    sizes: dict[int, int] = {}
+    ranges: list[FileRange] = []
     for job in jobs:
         src = job.source
         if job.dest.device.type == "meta":
@@ -534,6 +535,30 @@ def _check_jobs(jobs: Sequence[FillJob]) -> None:
             if job.checksum is not None:
                 raise InvalidArgumentError(f"{src.what}: a checksum is checked on a file's bytes, not memory's")
             continue
+        ranges.append(src)
+    check_ranges(ranges)
+
+
+def check_ranges(ranges: Iterable[FileRange]) -> None:
+    """Refuse a range that reaches past the end of its file (one ``fstat`` per descriptor): what
+    :func:`fill` checks before it reads anything, for a caller that fills in several calls.
+
+    Raises:
+        StorageError: a range ends past its file's end (``EIO``), or ``fstat`` failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(path, "wb").write(b"0123")
+        >>> fd = os.open(path, os.O_RDONLY)
+        >>> check_ranges([FileRange(fd, 2, 4, "tensor 'w'")])
+        Traceback (most recent call last):
+        ...
+        memtree.errors.StorageError: [Errno 5] tensor 'w': the file has 4 bytes, but the tensor's bytes are recorded at [2, 6); the file is truncated or damaged. Nothing was written
+        >>> os.close(fd)
+    """
+    sizes: dict[int, int] = {}
+    for src in ranges:
         if src.fd not in sizes:
             try:
                 sizes[src.fd] = os.fstat(src.fd).st_size
