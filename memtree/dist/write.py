@@ -159,7 +159,8 @@ def write_collective(prefix: str | os.PathLike[str], level: Level, options: Writ
         comm.agree("writing the shards", lambda: pieces.extend(_write_shards(staging, mine, checksum, options)))
         gathered = comm.gather("sending the checksums to rank 0", pieces) if checksum is not None else None
         comm.agree("committing", lambda: _commit(staged[0], plan, checksum, gathered, options) if comm.rank == 0 else None,
-                   done=lambda: f"The tree was committed at {dest} before" if staged and staged[0].published else None)
+                   done=lambda: (f"Rank 0 had committed the tree at {dest}: it is complete, but a rank may "
+                                 "not know it") if staged and staged[0].published else None)
     return dest
 
 
