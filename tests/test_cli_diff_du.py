@@ -91,6 +91,32 @@ def test_diff_after_growth_compares_data(tmp_path):
     assert [c["key"] for c in diff_trees(tmp_path / "a", tmp_path / "b").changed] == [["x"]]
 
 
+@pytest.mark.timeout(120)  # linear: seconds on a busy machine; quadratic (before): ~10 minutes
+def test_diff_of_100k_entries_is_linear(tmp_path, capsys):
+    """100,000 entries in a few levels: values changed, 25,000 keys on each side only, sub-trees
+    on one side, a kind change; every count exact (a sub-tree on one side is listed once)."""
+    values = lambda lo, hi, bump=0: {f"k{i}": i + (bump if i % 2 == 0 else 0) for i in range(lo, hi)}  # noqa: E731
+    a = Level((), {"same": Level((), values(0, 20_000)), "bumped": Level((), values(0, 20_000)),
+                   "shifted": Level((), values(0, 50_000)), "gone": Level((), values(0, 10_000)),
+                   "kind": Level((), values(0, 10)), "w": torch.arange(4)})
+    b = Level((), {"same": Level((), values(0, 20_000)), "bumped": Level((), values(0, 20_000, bump=1)),
+                   "shifted": Level((), values(25_000, 75_000)), "new": Level((), values(0, 10_000)),
+                   "kind": torch.zeros(1), "w": torch.arange(4) + 1})
+    write_tree(tmp_path / "a", a)
+    write_tree(tmp_path / "b", b)
+    report = diff_trees(tmp_path / "a", tmp_path / "b")
+    assert [(c["key"], c["what"]) for c in report.changed[:1] + report.changed[-1:]] == [
+        (["kind"], ["kind"]), (["w"], ["data"])]
+    assert len(report.changed) == 2 + 10_000  # kind, w, and every even value of "bumped"
+    assert all(c["key"][0] == "bumped" and c["what"] == ["value"] for c in report.changed[1:-1])
+    by_str = lambda lo, hi: [["shifted", f"k{i}"] for i in sorted(range(lo, hi), key=str)]  # noqa: E731
+    assert report.only_in_a == [["gone"]] + by_str(0, 25_000)
+    assert report.only_in_b == [["new"]] + by_str(50_000, 75_000)
+    assert report.same == 20_000 + 10_000 + 25_000 + 3 and report.bytes_read == 0  # + levels same, bumped, shifted
+    code, out = _run(capsys, "diff", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 1 and json.loads(out)["same"] == report.same and len(json.loads(out)["only_in_b"]) == 25_001
+
+
 def test_diff_refuses_what_is_not_a_tree(tmp_path, capsys):
     write_tree(tmp_path / "a", _level(torch.zeros(2)))
     code = main(["diff", str(tmp_path / "a"), str(tmp_path / "missing")])
