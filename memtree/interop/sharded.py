@@ -434,6 +434,7 @@ def write_model_directory(
                 produce,
                 metadata=file_metadata,
                 fsync=fsync,
+                commit=False,  # the staging directory is the commit
             )
         if len(files) > 1:
             index = {
