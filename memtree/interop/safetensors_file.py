@@ -366,6 +366,9 @@ def write_safetensors(
     Raises:
         DtypeError: a dtype safetensors cannot hold.
         CheckpointFormatError: ``produce`` returned a tensor that does not match its spec.
+        DestinationExistsError: ``path`` exists and ``existsok`` is False.
+        LockError: another memtree writer is writing ``path`` (for more than
+            :data:`~memtree.store.commit.LOCK_TIMEOUT` seconds).
     """
     path = os.fspath(local_path(path, remote="this writes a local file; write it locally, then copy it"))
     header: dict[str, Any] = {}
