@@ -432,8 +432,7 @@ def test_a_path_that_is_not_utf8_end_to_end(raw_dir: Path) -> None:
     """The real streams of ``python -m memtree``: valid UTF-8, no traceback, the right exit code."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     tree = os.fsencode(raw_dir) + b"/a\xff"
-    for argv, code in [(["verify", tree], 0), (["verify", tree, "--json"], 0), (["info", tree + b"x"], 1),
-                       (["info", tree + b"x", "--json"], 1)]:
+    for argv, code in [(["info", tree], 0), (["info", tree + b"x", "--json"], 1)]:  # info: no torch import
         proc = subprocess.run([sys.executable, "-m", "memtree", *argv], capture_output=True, timeout=180, env=env)
         assert proc.returncode == code, proc.stderr
         out, err = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")  # strict
