@@ -132,42 +132,41 @@ def diff_trees(a: str, b: str) -> DiffReport:
     with LocalStorage(a) as sa, LocalStorage(b) as sb:
         left, right = _Side(sa), _Side(sb)
         report = DiffReport(sa.root, sb.root)
-        kinds = _compare_levels(left, right, report)
+        whole = _compare_levels(left, right, report)
         for key in sorted(left.entries.keys() | right.entries.keys()):
-            if _under(key, kinds):
+            if _under(key, whole):
                 continue
             if key not in right.entries:
-                if not _under(key, report.only_in_a):
-                    report.only_in_a.append(list(key))
+                report.only_in_a.append(list(key))
             elif key not in left.entries:
-                if not _under(key, report.only_in_b):
-                    report.only_in_b.append(list(key))
+                report.only_in_b.append(list(key))
             else:
                 _compare(key, left, right, report)
     return report
 
 
-def _under(key: tuple[str, ...], listed: list[list[str]]) -> bool:
-    return any(tuple(p) == key[: len(p)] for p in listed)
+def _under(key: tuple[str, ...], whole: set[tuple[str, ...]]) -> bool:
+    """True when ``key`` or one of its ancestors is in ``whole`` (one set lookup per level)."""
+    return any(key[:depth] in whole for depth in range(1, len(key) + 1))
 
 
-def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> list[list[str]]:
-    """Compare the levels; returns the keys that are a sub-tree on one side and a leaf on the
-    other (reported as a ``kind`` change; nothing below them is compared)."""
-    kinds: list[list[str]] = []
+def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> set[tuple[str, ...]]:
+    """Compare the levels; returns the keys reported as a whole, nothing below them compared:
+    a sub-tree on one side and a leaf on the other (a ``kind`` change), and a sub-tree present
+    on one side only (listed once, in ``only_in_a`` or ``only_in_b``)."""
+    whole: set[tuple[str, ...]] = set()
     for key in sorted((left.levels.keys() & right.entries.keys()) | (right.levels.keys() & left.entries.keys())):
         side_a = "tree" if key in left.levels else _describe(left.entries[key][1])
         side_b = "tree" if key in right.levels else _describe(right.entries[key][1])
         report.changed.append({"key": list(key), "what": ["kind"], "a": side_a, "b": side_b})
-        kinds.append(list(key))
-    for key in sorted(left.levels.keys() | right.levels.keys()):
-        if _under(key, kinds):
+        whole.add(key)
+    for key in sorted(left.levels.keys() | right.levels.keys()):  # parents before their children
+        if _under(key, whole):
             continue
         la, lb = left.levels.get(key), right.levels.get(key)
         if la is None or lb is None:
-            target = report.only_in_a if lb is None else report.only_in_b
-            if not _under(key, target):
-                target.append(list(key))
+            (report.only_in_a if lb is None else report.only_in_b).append(list(key))
+            whole.add(key)
             continue
         what = [w for w, x, y in (("batch_size", la.batch_size, lb.batch_size), ("type", la.type, lb.type)) if x != y]
         if what:
@@ -175,7 +174,7 @@ def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> list[list[
                                    "b": f"{lb.type}{list(lb.batch_size)}"})
         elif key:
             report.same += 1
-    return kinds
+    return whole
 
 
 def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport) -> None:
