@@ -31,6 +31,8 @@ from .dtypes import dtype_name as name_of_dtype
 if TYPE_CHECKING:
     import torch
 
+    from .subclass import DTensorLayout
+
 __all__ = [
     "TREE_TYPE",
     "TAG_BYTES",
@@ -87,6 +89,9 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    #: How the DTensor this leaf holds the full tensor of was laid out (format version 3,
+    #: :mod:`memtree.format.subclass`), else None.
+    layout: DTensorLayout | None = None
 
     def __init__(
         self,
@@ -98,6 +103,7 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        layout: DTensorLayout | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -107,6 +113,7 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "layout", layout)
 
     @property
     def dtype(self) -> torch.dtype:
