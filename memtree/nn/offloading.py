@@ -126,6 +126,8 @@ class OffloadedTensor(torch.Tensor):
     """
 
     _source: torch.Tensor
+    #: Written as the plain tensor of its file, not as a tensor subclass's group.
+    _memtree_plain = True
     _filename: str
 
     @staticmethod

@@ -85,6 +85,8 @@ from ..errors import MemtreeKeyError, ShapeMismatchError, SourceError
 from ..format.names import TIED_KEY
 from ..format.values import NonTensor
 from ..store.mapped import MemoryMappedTensor
+from ..format.subclass_registry import is_plain
+from .subclasses import as_dtensor_like, fill_into, layout_problem
 
 __all__ = [
     "TIED_KEY",
@@ -572,8 +574,7 @@ def _put_back(group: Group, value: Any) -> None:
 
 
 def _copy_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    with torch.no_grad():
-        tensor.copy_(value)
+    fill_into(tensor, value)
 
 
 def bind(
@@ -617,6 +618,10 @@ def bind(
     extras: list[tuple[Group, Any, Any]] = []
     for group, name in plan.pairs:
         if not assign and is_live(group):
+            if src.lazy is None or not is_plain(group.tensor):  # a lazy source is read when filled
+                problem = layout_problem(_plain(src.get(name)), group.tensor)
+                if problem is not None:  # a quantized module and another source: before any change
+                    raise ShapeMismatchError(f"{where}: {group.names[0]!r}: {problem}. Nothing was changed")
             before = _plain(group.tensor).detach().clone() if keep_old else None
             fills.append((group, name, before))
             if keep_old:
@@ -628,7 +633,10 @@ def bind(
         key = (group.kind, name if src.lazy is not None else id(src.entries[name]))
         value = made.get(key)
         if value is None:
-            value = made[key] = _bound_value(group, convert(group.kind, name, src.get(name)), track_gradients)
+            value = convert(group.kind, name, src.get(name))
+            if group.kind != "extra":  # a DTensor slot gets a DTensor: its part of the full tensor
+                value = as_dtensor_like(value, group.tensor)
+            value = made[key] = _bound_value(group, value, track_gradients)
         if group.kind == "extra":
             extras.append((group, value, current))
         else:
@@ -644,8 +652,7 @@ def bind(
         for group, name, before in fills:
             if before is not None:
                 undo.append(functools.partial(_copy_back, group.tensor, before))
-            with torch.no_grad():
-                group.tensor.copy_(_plain(src.get(name)))
+            fill_into(group.tensor, _plain(src.get(name)))
     except BaseException:
         for step in reversed(undo):
             with contextlib.suppress(Exception):  # put back what can be: the first error is raised
