@@ -337,3 +337,125 @@ def test_tensordict_is_never_imported(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- torchrl storage dumps: only the rows torchrl wrote ----------------------------------------
+@pytest.fixture
+def torchrl_dump(tmp_path: Path):
+    """``ReplayBuffer.dumps`` of a LazyMemmapStorage of capacity 10 holding 6 rows."""
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(10), batch_size=4)
+    data = TensorDict(
+        {"obs": torch.arange(12.0).view(6, 2), "act": torch.arange(6), ("next", "r"): torch.rand(6, 3)}, [6]
+    )
+    rb.extend(data)
+    rb.dumps(tmp_path / "rb")
+    return tmp_path / "rb" / "storage", data
+
+
+def test_a_torchrl_dump_loads_only_the_rows_torchrl_wrote(torchrl_dump) -> None:
+    root, data = torchrl_dump
+    assert json.loads((root / "storage_metadata.json").read_text())["len"] == 6
+    assert json.loads((root / "meta.json").read_text())["shape"] == [10]  # the capacity
+    for kw in ({}, {"mmap": False}, {"mode": "r"}):
+        tree = memtree.load_memmap(root, **kw)
+        assert tree.batch_size == torch.Size([6]) and tree["next"].batch_size == torch.Size([6])
+        for key in ("obs", "act", ("next", "r")):
+            assert as_bytes(tree[key]) == as_bytes(data[key]), key
+        assert tree["index"].shape == (6,)  # the buffer's own key, cut too
+    assert memtree.load_memmap(root, device="meta")["obs"].shape == (6, 2)
+    assert memtree.load_memmap(root, keys=[("next", "r")])["next", "r"].shape == (6, 3)
+    from memtree.store.tensordict import valid_rows
+
+    assert valid_rows(root) == 6
+
+
+def test_a_full_torchrl_buffer_loads_every_row(tmp_path: Path) -> None:
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(4))
+    rb.extend(TensorDict({"x": torch.arange(7.0)}, [7]))  # wrapped around: 4 valid rows
+    rb.dumps(tmp_path / "rb")
+    assert memtree.load_memmap(tmp_path / "rb" / "storage")["x"].tolist() == [4.0, 5.0, 6.0, 3.0]
+
+
+def test_a_torchrl_storage_of_several_dims_keeps_every_row_that_may_hold_data(tmp_path: Path) -> None:
+    """ndim=2: torchrl's len counts elements over two dims (12: 4 rows of 3 in a [7, 3] storage);
+    the dump does not say so, and memtree keeps min(len, capacity) rows: all 7, the 4 valid
+    ones first."""
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(20, ndim=2))
+    rb.extend(TensorDict({"x": torch.arange(12.0).view(3, 4)}, [3, 4]))
+    rb.dumps(tmp_path / "rb")
+    valid = rb.storage.get(slice(None))["x"]
+    assert valid.shape == (4, 3) and len(rb.storage) == 12
+    tree = memtree.load_memmap(tmp_path / "rb" / "storage")
+    assert tree["x"].shape == (7, 3) and torch.equal(tree["x"][:4], valid)
+
+
+def _td_dir(root: Path, rows: int = 4) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {"x": {"device": "cpu", "shape": [rows], "dtype": "torch.int64", "is_nested": False},
+            "shape": [rows], "device": "cpu", "_type": TD_TYPE}
+    (root / "meta.json").write_text(json.dumps(meta))
+    torch.arange(rows, dtype=torch.int64).numpy().tofile(root / "x.memmap")
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"len": -1}', '{"len": true}', '{"len": "2"}', '{"len": 2.0}', '{"len": 1e30}', '{"len": 2, "len": 3}',
+     '{"metadata": {}}', "[2]", "not json", '{"len": ' + "[" * 5000 + "]" * 5000 + "}", ""],
+)
+def test_a_malformed_storage_metadata_is_refused_naming_it(tmp_path: Path, content: str) -> None:
+    _td_dir(tmp_path / "s")
+    (tmp_path / "s" / "storage_metadata.json").write_text(content)
+    before = snapshot(tmp_path / "s")
+    with pytest.raises(memtree.MetaFormatError, match="storage_metadata.json"):
+        memtree.load_memmap(tmp_path / "s")
+    assert not memtree.verify_tree(tmp_path / "s").ok
+    assert snapshot(tmp_path / "s") == before
+
+
+def test_a_storage_metadata_that_is_a_link_a_fifo_or_huge_is_refused(tmp_path: Path) -> None:
+    _td_dir(tmp_path / "s")
+    meta = tmp_path / "s" / "storage_metadata.json"
+    (tmp_path / "elsewhere.json").write_text('{"len": 1}')
+    meta.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(memtree.UnsafePathError, match="symbolic link"):
+        memtree.load_memmap(tmp_path / "s")
+    meta.unlink()
+    os.mkfifo(meta)  # would block a plain open()
+    with pytest.raises(memtree.UnsafePathError, match="not a regular file"):
+        memtree.load_memmap(tmp_path / "s")
+    meta.unlink()
+    with open(meta, "wb") as f:
+        f.truncate(1 << 30)  # sparse: refused from its size, never read
+    with pytest.raises(memtree.LimitError, match="delete it"):
+        memtree.load_memmap(tmp_path / "s")
+
+
+def test_storage_metadata_lengths_at_the_edges(tmp_path: Path) -> None:
+    _td_dir(tmp_path / "s")
+    meta = tmp_path / "s" / "storage_metadata.json"
+    for length, rows in ((0, []), (2, [0, 1]), (4, [0, 1, 2, 3]), (2**62, [0, 1, 2, 3])):
+        meta.write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": length}))
+        assert memtree.load_memmap(tmp_path / "s")["x"].tolist() == rows, length
+    meta.unlink()  # no file: a plain tensordict directory, every row
+    assert memtree.load_memmap(tmp_path / "s")["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_non_tensor_stack_of_a_dump_is_cut_to_the_valid_rows(tmp_path: Path, tensordict) -> None:
+    from tensordict import NonTensorStack, TensorDict
+
+    TensorDict({"x": torch.arange(4), "label": NonTensorStack("a", "b", "c", "d")}, [4]).memmap(tmp_path / "s")
+    (tmp_path / "s" / "storage_metadata.json").write_text('{"metadata": {}, "is_pytree": false, "len": 3}')
+    tree = memtree.load_memmap(tmp_path / "s")
+    assert tree["label"] == ["a", "b", "c"] and tree["x"].tolist() == [0, 1, 2]

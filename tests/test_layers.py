@@ -3,7 +3,7 @@ to a higher one (``docs/architecture.md``).
 
 Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
 ``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
-``memtree.routing`` and its modules) < ``cli/``.
+``memtree.routing`` and its modules) < ``cli/`` < ``integrations/``.
 Every ``import`` of a ``memtree`` module counts, at module level or inside a function; only
 imports under ``if TYPE_CHECKING:`` (annotations, never run) are left out.
 """
@@ -29,6 +29,7 @@ LAYERS = {
     "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface
     "": 6,  # memtree/__init__.py, remote.py, routing/: the public surface
     "cli": 7,
+    "integrations": 8,  # Lightning, transformers, torchrl: may import any layer; none imports it
 }
 
 

@@ -128,20 +128,70 @@ def test_every_dtype_nested_levels_and_values_load_bit_exact_in_tensordict(tmp_p
     assert_same(mt_leaves(memtree.load_memmap(tmp_path / "td")), mt_leaves(tree))
 
 
-def test_meta_json_matches_what_tensordict_writes(tmp_path: Path) -> None:
-    data = TensorDict(
+#: A directory tensordict 0.15.3 wrote (``tests/fixtures/README.md``): the layout memtree writes.
+FIXTURE_0153 = Path(__file__).parent / "fixtures" / "tensordict_0153_memmap"
+#: The fields tensordict >= 0.15.1 adds to a TensorDict level's meta.json, after ``_type``.
+FORMAT_FIELDS = {"_format_version": 1, "_class": "tensordict:TensorDict"}
+#: The order of a NonTensorData level's fields in 0.15.3 (0.14 puts ``_is_non_tensor`` first).
+NON_TENSOR_ORDER = ("_type", "data", "_metadata", "_is_non_tensor")
+LEVELS = ("meta.json", "sub/meta.json", "t/meta.json")
+
+
+def as_written_by_0_15_3(meta: dict) -> dict:
+    """A meta.json of an older tensordict as 0.15.3 writes it (unchanged from a 0.15.3 one)."""
+    if "_format_version" in meta:
+        return meta
+    if "TensorDict" in meta["_type"]:
+        return meta | FORMAT_FIELDS
+    assert "NonTensorData" in meta["_type"] and set(meta) == set(NON_TENSOR_ORDER), meta
+    return {k: meta[k] for k in NON_TENSOR_ORDER}
+
+
+def fixture_data() -> TensorDict:
+    return TensorDict(
         {"a": torch.ones(2, 3), "sub": {"b": torch.zeros(2, dtype=torch.bfloat16)},
          "t": NonTensorData("hi", batch_size=[2])},
         batch_size=[2],
     )
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_meta_json_matches_what_tensordict_0_15_3_writes(tmp_path: Path) -> None:
+    """memtree writes the layout of tensordict 0.15.3, field for field and in its order."""
+    save_tensordict(memtree.load_memmap(FIXTURE_0153), tmp_path / "ours")
+    for rel in LEVELS:
+        theirs, ours = read_json(FIXTURE_0153 / rel), read_json(tmp_path / "ours" / rel)
+        assert ours == theirs and list(ours) == list(theirs), rel
+    for rel in ("a.memmap", "sub/b.memmap"):
+        assert (tmp_path / "ours" / rel).read_bytes() == (FIXTURE_0153 / rel).read_bytes()
+
+
+def test_meta_json_matches_what_the_installed_tensordict_writes(tmp_path: Path) -> None:
+    """Against the tensordict installed (torchrl 0.14 pins 0.14.x): every field it writes is
+    written with the same value; the differences are exactly 0.15.3's (two format fields on
+    TensorDict levels, a NonTensorData's field order); it loads memtree's output as its own."""
+    data = fixture_data()
     data.memmap(tmp_path / "theirs")
     save_tensordict(memtree.load_memmap(tmp_path / "theirs"), tmp_path / "ours")
-    for rel in ("meta.json", "sub/meta.json", "t/meta.json"):
-        theirs = json.loads((tmp_path / "theirs" / rel).read_text())
-        ours = json.loads((tmp_path / "ours" / rel).read_text())
+    for rel in LEVELS:
+        theirs = as_written_by_0_15_3(read_json(tmp_path / "theirs" / rel))
+        ours = read_json(tmp_path / "ours" / rel)
         assert ours == theirs and list(ours) == list(theirs), rel
     for rel in ("a.memmap", "sub/b.memmap"):
         assert (tmp_path / "ours" / rel).read_bytes() == (tmp_path / "theirs" / rel).read_bytes()
+    loaded = TensorDict.load_memmap(tmp_path / "ours")
+    assert loaded["t"] == "hi" and loaded.batch_size == data.batch_size
+    assert as_bytes(loaded["a"]) == as_bytes(data["a"]) and as_bytes(loaded["sub", "b"]) == as_bytes(data["sub", "b"])
+
+
+def test_a_directory_tensordict_0_15_3_wrote_loads_bit_exactly() -> None:
+    tree = memtree.load_memmap(FIXTURE_0153, mode="r")
+    data = fixture_data()
+    assert tree.batch_size == torch.Size([2]) and tree["t"] == "hi"
+    assert as_bytes(tree["a"]) == as_bytes(data["a"]) and as_bytes(tree["sub", "b"]) == as_bytes(data["sub", "b"])
 
 
 def test_tensordict_tensorclass_survives_a_conversion(tmp_path: Path) -> None:

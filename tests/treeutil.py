@@ -181,3 +181,54 @@ def set_ref(ref: dict, leaf_idx, value) -> dict:
             v[leaf_idx] = value[k] if isinstance(value, dict) else value
         out[k] = v
     return out
+
+
+def assert_identical(a, b, where: str = "state") -> None:
+    """``a`` and ``b`` are equal values of the same types all the way down (what ``torch.load``
+    of a checkpoint must give back): tensors bit for bit, an ``OrderedDict`` with its
+    ``_metadata``, NaN equal to NaN."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, where
+        assert raw_bytes(a) == raw_bytes(b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{where}._metadata"
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _report_child(target, report, *args) -> None:
+    import traceback
+
+    try:
+        target(*args)
+    except BaseException:  # noqa: BLE001 - everything reaches the parent
+        report.send(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_children(context, target, *args_per_child, timeout: float = 300.0) -> None:
+    """Run ``target(*args)`` in one child process per ``args`` (``context``: a multiprocessing
+    context, fork or spawn) at once; fail with a child's traceback if one raises or hangs."""
+    procs = []
+    for args in args_per_child:
+        recv, send = context.Pipe(duplex=False)
+        p = context.Process(target=_report_child, args=(target, send, *args))
+        p.start()
+        send.close()
+        procs.append((p, recv))
+    for p, recv in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0, recv.recv() if recv.poll(1) else f"exit code {p.exitcode}"

@@ -38,6 +38,15 @@ What memtree does with it:
 * non-tensor data comes from the JSON ``"data"`` field; pickle sidecars are **never** executed,
   even with ``allow_pickle=True``: such a key raises
   :class:`~memtree.errors.PickleNotAllowedError` (load the other keys with ``keys=``);
+* a torchrl storage dump (``ReplayBuffer.dumps(path)`` writes ``path/storage/`` in this layout,
+  with torchrl's ``storage_metadata.json`` next to its ``meta.json``) holds ``capacity`` rows of
+  which the first ``len`` were written: its leaves are loaded with only those rows
+  (:func:`valid_rows`). The file is read like a ``meta.json`` (no link followed, a regular file
+  of at most :data:`MAX_STORAGE_METADATA_BYTES`, JSON without repeated fields); ``len`` must be
+  an int >= 0, else :class:`~memtree.errors.MetaFormatError` names the file (delete it to load
+  every row). A ``len`` above the capacity is torchrl's count of elements over several
+  dimensions (a storage of ``ndim > 1``, which the dump does not record): every row is kept.
+  Without the file, every row is loaded;
 * :mod:`memtree.store.tensordict_write` writes this layout (``memtree convert --format
   tensordict``, :func:`memtree.interop.save_tensordict`);
 * :func:`check_tensordict_dir` walks a directory the same way without mapping anything and
@@ -95,8 +104,14 @@ from .mapped import map_leaf
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_depth
 from .options import KeySelection, ReadOptions
 from .read import open_dir, read_meta_bytes
+from .storage import read_small_file
 
-__all__ = ["check_tensordict_dir", "is_tensordict_dir", "read_tensordict_dir"]
+__all__ = ["check_tensordict_dir", "is_tensordict_dir", "read_tensordict_dir", "valid_rows"]
+
+#: torchrl's record of a storage dump, next to the root ``meta.json``.
+STORAGE_METADATA = "storage_metadata.json"
+#: Largest ``storage_metadata.json`` read (torchrl writes a few dozen bytes for a TensorDict).
+MAX_STORAGE_METADATA_BYTES = 1 << 20
 
 _NAME_MAX = 255
 # Characters tensordict percent-encodes in file names (``_FS_UNSAFE_CHARS`` in its
@@ -230,22 +245,74 @@ def read_tensordict_level(prefix: str | os.PathLike[str], options: ReadOptions) 
     """:func:`read_tensordict_dir` with its options already checked (``allow_pickle`` and
     ``verify`` do not apply: sidecars are never unpickled, and tensordict records no checksums)."""
     root = os.path.realpath(os.fspath(prefix))
-    reader = _TensordictReader(readonly=options.readonly, mmap=options.mmap, device=options.target)
     fd = open_dir(root, root, None)
     try:
+        reader = _TensordictReader(
+            readonly=options.readonly, mmap=options.mmap, device=options.target, length=_storage_len(fd, root)
+        )
         doc = _read_json(fd, root)
         return reader.container(fd, root, doc, options.selection, (), 0, ())
     finally:
         os.close(fd)
 
 
+def valid_rows(prefix: str | os.PathLike[str]) -> int | None:
+    """The ``len`` of a torchrl storage dump (``storage_metadata.json``), or ``None`` without one.
+
+    The rows :func:`read_tensordict_dir` loads are the first ``min(len, capacity)``.
+
+    Raises:
+        MetaFormatError: a malformed ``storage_metadata.json`` (names the file and the field).
+        UnsafePathError: it is a link or not a regular file.
+
+    Example:
+        >>> import tempfile
+        >>> valid_rows(tempfile.mkdtemp()) is None
+        True
+    """
+    root = os.path.realpath(os.fspath(prefix))
+    fd = open_dir(root, root, None)
+    try:
+        return _storage_len(fd, root)
+    finally:
+        os.close(fd)
+
+
+def _storage_len(dir_fd: int, where: str) -> int | None:
+    """``len`` from the ``storage_metadata.json`` in an open directory (``None``: no such file)."""
+    path = os.path.join(where, STORAGE_METADATA)
+    data = read_small_file(
+        STORAGE_METADATA, path, MAX_STORAGE_METADATA_BYTES,
+        "a torchrl storage_metadata.json; delete it to load every row of the storage", dir_fd=dir_fd,
+    )
+    if data is None:
+        return None
+    doc = _parse_json(data, path)
+    length = doc.get("len") if type(doc) is dict else None
+    if type(length) is not int or not 0 <= length <= MAX_DIM:
+        raise MetaFormatError(
+            f"{path}: len must be an int >= 0 (the rows torchrl wrote), got {length!r:.40}; the file is "
+            "damaged or was not written by torchrl: delete it to load every row of the storage"
+        )
+    return length
+
+
 class _TensordictReader:
     map_leaves = True  # False: check each leaf file, map or read none (the checker)
 
-    def __init__(self, *, readonly: bool, mmap: bool, device: torch.device) -> None:
+    def __init__(self, *, readonly: bool, mmap: bool, device: torch.device, length: int | None = None) -> None:
         self.readonly = readonly
         self.mmap = mmap
         self.device = device
+        self.length = length  # a torchrl dump's valid length: only the first rows are loaded
+
+    def rows(self, shape: tuple[int, ...], meta: str) -> tuple[int, ...]:
+        """``shape`` cut to the valid rows of a torchrl dump (unchanged without one)."""
+        if self.length is None:
+            return shape
+        if not shape:
+            raise _fail(meta, "shape", f"is [] but {STORAGE_METADATA} gives a length: a storage has rows")
+        return (min(self.length, shape[0]),) + shape[1:]
 
     def container(
         self,
@@ -290,7 +357,7 @@ class _TensordictReader:
                     f"{where} (keys there: {sorted(entries)[:20]})"
                 )
             entries = {k: entries[k] for k in selection}
-        out = Level(batch, {})
+        out = Level(self.rows(batch, meta), {})
         for key, entry in entries.items():
             if not key:
                 raise _fail(meta, "a key", "is empty, which memtree keys cannot be")
@@ -378,8 +445,11 @@ class _TensordictReader:
                         "keys with "
                         "keys=[...], or re-save the value as JSON-serialisable data with tensordict"
                     )
-                if kind == "stack" and type(doc["data"]) is not list:
-                    raise _fail(meta, "data", "of a NonTensorStack must be a list")
+                if kind == "stack":
+                    if type(doc["data"]) is not list:
+                        raise _fail(meta, "data", "of a NonTensorStack must be a list")
+                    if self.length is not None:  # one item a row: the valid ones
+                        return _value(doc["data"][: self.length], meta, "data")
                 return _value(doc["data"], meta, "data")
             if kind == "invalid" and type(doc) is dict:
                 raise _fail(
@@ -430,11 +500,12 @@ class _TensordictReader:
                 f"{list(shape)} would need {extent_bytes(shape, dtype)} bytes (zero dims counted "
                 "as 1), beyond any tensor torch can make",
             )
+        kept = self.rows(shape, meta)  # a torchrl dump: the valid rows (its first ones) only
         if self.device.type == "meta":
-            return torch.empty(shape, dtype=dtype, device="meta")
+            return torch.empty(kept, dtype=dtype, device="meta")
         name = self.name(dir_fd, where, key, ".memmap", missing_ok=nbytes == 0)
         if name is None:  # tensordict writes no file for a zero-element leaf
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return torch.empty(kept, dtype=dtype, device=self.device)
         path = os.path.join(where, name)
         fd = open_checked(name, nbytes, path, dir_fd=dir_fd, strict_size=False)
         if not self.map_leaves:  # checking (verify): the file is right, nothing to map
@@ -442,9 +513,9 @@ class _TensordictReader:
             return torch.empty(shape, dtype=dtype, device="meta")
         try:
             if self.mmap:
-                tensor: torch.Tensor = map_leaf(fd, path, dtype, shape, readonly=self.readonly)
+                tensor: torch.Tensor = map_leaf(fd, path, dtype, kept, readonly=self.readonly)
             else:
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = torch.empty(kept, dtype=dtype)
                 read_fd(fd, tensor)
         except OSError as err:
             if isinstance(err, MemtreeError):
@@ -513,8 +584,8 @@ def check_tensordict_dir(
 ) -> None:
     """Check a tensordict directory as :func:`read_tensordict_dir` loads it, reporting every problem.
 
-    Every ``meta.json`` is validated and every leaf file checked (regular file, no link, at least
-    ``numel × itemsize`` bytes) exactly as a load does, but nothing is mapped or read, no pickle
+    Every ``meta.json`` (and torchrl's ``storage_metadata.json``) is validated and every leaf file
+    checked (regular file, no link, at least ``numel × itemsize`` bytes) exactly as a load does, but nothing is mapped or read, no pickle
     is opened, and a problem is passed to ``on_problem`` instead of raised: the walk goes on with
     the next entry (a level whose ``meta.json`` is unusable is reported once, for its key).
     ``on_leaf()`` is called for each tensor leaf listed.
@@ -539,6 +610,10 @@ def check_tensordict_dir(
         on_problem(root, (), err)
         return
     try:
+        try:
+            _storage_len(fd, root)
+        except MemtreeError as err:
+            on_problem(os.path.join(root, STORAGE_METADATA), (), err)
         checker.container(fd, root, _read_json(fd, root), None, (), 0, ())
     except MemtreeError as err:
         on_problem(os.path.join(root, META_NAME), (), err)
