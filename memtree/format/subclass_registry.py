@@ -76,6 +76,7 @@ __all__ = [
     "is_dtensor",
     "to_group",
     "rebuild",
+    "describe",
     "is_known",
     "inner_tensors",
     "context_json",
@@ -383,6 +384,26 @@ def rebuild(level: Level, path: tuple[str, ...]) -> torch.Tensor:
             "hostile"
         )
     return out
+
+
+def describe(type_name: str, inner: dict[str, torch.Tensor], context: Any, where: str) -> Subclass:
+    """What a group of class ``type_name`` with these inner tensors (meta tensors will do) and
+    this context (tagged JSON) records: the class is rebuilt to learn its outer dtype, shape and
+    stride. For groups read from another format (torchao's safetensors convention).
+
+    Raises:
+        SubclassError: the class is unknown here, or does not rebuild from these.
+    """
+    cls = _resolve(type_name, ())
+    try:
+        out = getattr(cls, "__tensor_unflatten__")(inner, _decode(context, (), type_name), None, None)
+    except MemtreeError:
+        raise
+    except Exception as err:
+        raise SubclassError(f"{where}: a {type_name} does not rebuild from what the file holds: {type(err).__name__}: {err}") from None
+    if type(out) is not cls or not isinstance(out, torch.Tensor):
+        raise SubclassError(f"{where}: {type_name} rebuilt as a {type(out).__name__}")
+    return Subclass(type_name, any_dtype_name(out.dtype), tuple(out.shape), tuple(out.stride()), context)
 
 
 def _flatten(t: torch.Tensor) -> tuple[list[str], Any]:
