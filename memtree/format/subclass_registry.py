@@ -379,7 +379,8 @@ def rebuild(level: Level, path: tuple[str, ...]) -> torch.Tensor:
             ) from err
     if type(out) is not cls or out.dtype != any_dtype_from_name(sub.dtype_name) or tuple(out.shape) != sub.shape:
         raise SubclassError(
-            f"{_at(path)}was rebuilt as a {type(out).__name__} {out.dtype}{list(out.shape)}, but its "
+            f"{_at(path)}was rebuilt as a {type(out).__name__} {str(out.dtype).removeprefix('torch.')}"
+            f"{list(out.shape)}, but its "
             f"meta.json records a {sub.type} {sub.dtype_name}{list(sub.shape)}; the tree is damaged or "
             "hostile"
         )
@@ -443,7 +444,7 @@ def context_json(t: torch.Tensor) -> Any:
         0.5
     """
     if t.is_quantized:
-        return [_quantized_context(t)]
+        return [_encode(_quantized_context(t), (), QUANTIZED)]
     names, ctx = _flatten(t)
     out = [_encode(ctx, (), type(t).__qualname__, devices=False)]
     out += [context_json(getattr(t, n)) for n in names if not is_plain(getattr(t, n))]
@@ -565,13 +566,13 @@ def _quantized_flatten(t: torch.Tensor) -> dict[str, torch.Tensor]:
     raise SubclassError(f"quantized tensors of scheme {t.qscheme()} cannot be stored; dequantize first")
 
 
-def _quantized_context(t: torch.Tensor) -> Any:
-    ctx: dict[str, Any] = {"dtype": {"kind": "dtype", "name": any_dtype_name(t.dtype)}, "qscheme": str(t.qscheme()).split(".")[-1]}
+def _quantized_context(t: torch.Tensor) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"dtype": t.dtype, "qscheme": str(t.qscheme()).split(".")[-1]}
     if t.qscheme() == torch.per_tensor_affine:
         ctx.update(scale=float(t.q_scale()), zero_point=int(t.q_zero_point()))
     else:
         ctx["axis"] = int(t.q_per_channel_axis())
-    return {"kind": "dict", "items": ctx}
+    return ctx
 
 
 def _quantized_rebuild(inner: dict[str, torch.Tensor], sub: Subclass, path: tuple[str, ...]) -> torch.Tensor:
