@@ -76,6 +76,17 @@ def test_every_torch_dtype_is_stored_bit_exactly(tmp_path, dtype):
                 assert torch.equal(_bytes(got), _bytes(expected)), key
 
 
+def test_every_leaf_dtype_goes_through_the_checkpointer_blocking_and_async(tmp_path):
+    state = {str(d): _random(d, (3, 4), seed=i).t() for i, d in enumerate(_torch_dtypes()) if str(d)[6:] in DTYPE_NAMES}
+    ckpt = memtree.Checkpointer(tmp_path / "ck")
+    ckpt.save(1, state)
+    ckpt.save(2, state, blocking=False)
+    ckpt.wait()
+    for step in (1, 2):
+        got = ckpt.restore(step)
+        assert all(torch.equal(_bytes(got[k]), _bytes(v)) and got[k].dtype == v.dtype for k, v in state.items())
+
+
 def test_version_3_dtypes_make_a_version_3_level_and_nothing_else_does(tmp_path):
     memtree.TensorTree({"a": torch.zeros(2), "b": {"c": _random(torch.int4, (2,))}}).memmap(tmp_path / "t")
     assert read_json(tmp_path / "t" / "meta.json")["version"] == 2

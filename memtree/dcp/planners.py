@@ -95,6 +95,21 @@ def _set_value(planner: Any, read_item: ReadItem, obj: Any) -> None:
         set_element(planner.original_state_dict, planner.mappings[fqn], obj)
     else:
         planner.state_dict[fqn] = obj
+    user = getattr(planner, "user_state_dict", None)
+    if user is not None and planner.flatten_state_dict:  # the caller's dict, not the copy DCP fills
+        _set_in_containers(user, planner.mappings[fqn], obj)
+
+
+def _set_in_containers(root: Any, path: tuple[Any, ...], obj: Any) -> None:
+    """``set_element`` into the caller's state where the path runs through its dicts and lists
+    only (a subclass's record lives in the flattened copy alone)."""
+    node = root
+    for part in path[:-1]:
+        if not isinstance(node, (dict, list)):
+            return
+        node = node[part]
+    if isinstance(node, (dict, list)):
+        node[path[-1]] = obj
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -126,12 +141,16 @@ class LoadPlanner(DefaultLoadPlanner):
     subclass_records: dict[tuple[str, ...], str]
     #: The state dict DCP fills: the target's, each subclass as its inner tensors.
     flattened: Any = None
+    #: The caller's state dict, which gets the non-tensor values too when ``flattened`` is a copy.
+    user_state_dict: Any = None
 
     def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """DCP's setup, of the state dict with each tensor subclass as its inner tensors (the
-        target's own: DCP fills them in place)."""
+        target's own: DCP fills them in place; non-tensor values go to the caller's dicts)."""
         self.subclass_records = {}
-        self.flattened = _flatten_subclasses(state_dict, (), self.subclass_records)
+        flattened = _flatten_subclasses(state_dict, (), self.subclass_records)
+        self.flattened = flattened if self.subclass_records else state_dict
+        self.user_state_dict = state_dict if self.subclass_records else None
         super().set_up_planner(self.flattened, *args, **kwargs)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

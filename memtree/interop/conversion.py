@@ -240,7 +240,12 @@ def source_kind(src: str | os.PathLike[str]) -> str:
 
 
 def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
-    return cast if cast is not None and dtype.is_floating_point else dtype
+    """What ``dtype=cast`` makes of a tensor of ``dtype``: floating-point ones are cast, except
+    packed FP4 (two values a byte: no element-wise cast), which keeps its dtype like ints."""
+    return cast if cast is not None and dtype.is_floating_point and dtype is not _PACKED_FP4 else dtype
+
+
+_PACKED_FP4 = dtype_from_name("float4_e2m1fn_x2")
 
 
 #: orjson refuses nesting deeper than 254 levels, and a value lies a few levels down in its
