@@ -577,3 +577,15 @@ def test_checkpointer_keeps_subclass_state_sync_and_async(tmp_path):
         out = ckpt.restore(step)
         assert same_subclass(out["opt"]["state"][0]["exp_avg"], scaled()) and type(out["w"]) is Wrapped
         assert out["w"].tag == "t" and same_subclass(out["w"], state["w"])
+
+
+def test_offload_binds_a_subclass_over_its_files(tmp_path):
+    src = _module(0)
+    memtree.TensorTree.from_module(src).memmap(tmp_path / "m")
+    with memtree.empty_init():
+        target = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    memtree.offload(target, tmp_path / "m")
+    assert type(target[0].weight) is ScaledInt8 and type(target[0].bias).__name__ == "OffloadedTensor"
+    assert target[0].weight.qdata.filename == str(tmp_path / "m" / "0" / "weight" / "qdata.memmap")
+    x = torch.randn(3, 6)
+    assert torch.equal(target(x), src(x))
