@@ -79,7 +79,8 @@ __all__ = [
     "describe",
     "is_known",
     "inner_tensors",
-    "context_json",
+    "Layout",
+    "layout_of",
 ]
 
 T = TypeVar("T", bound=type)
@@ -431,24 +432,43 @@ def inner_tensors(t: torch.Tensor, path: tuple[str, ...] = ()) -> list[tuple[tup
     return out
 
 
-def context_json(t: torch.Tensor) -> Any:
-    """A subclass's flatten context as tagged JSON, nested subclasses' included, devices left
-    out (a tensor's device is where it is, not its layout): equal for two tensors laid out alike.
+Layout = tuple[list[tuple[tuple[str, ...], torch.dtype, tuple[int, ...]]], list[Any]]
+"""A subclass's layout: its inner tensors' ``(attribute path, dtype, shape)`` and its flatten
+contexts (nested subclasses' too) as tagged JSON."""
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    """The layout of a subclass (one flatten per level): equal for two tensors that can be filled
+    one from the other inner tensor by inner tensor. Devices are left out of the contexts (a
+    tensor's device is where it is, not its layout).
 
     Example:
         >>> import torch, warnings
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")   # torch deprecates its quantized tensors
         ...     q = torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)
-        >>> context_json(q)[0]["items"]["scale"]
-        0.5
+        >>> inner, contexts = layout_of(q)
+        >>> inner, contexts[0]["items"]["scale"]
+        ([(('data',), torch.uint8, (2,))], 0.5)
     """
-    if t.is_quantized:
-        return [_encode(_quantized_context(t), (), QUANTIZED)]
-    names, ctx = _flatten(t)
-    out = [_encode(ctx, (), type(t).__qualname__, devices=False)]
-    out += [context_json(getattr(t, n)) for n in names if not is_plain(getattr(t, n))]
-    return out
+    inner: list[tuple[tuple[str, ...], torch.dtype, tuple[int, ...]]] = []
+    contexts: list[Any] = []
+    todo: list[tuple[tuple[str, ...], torch.Tensor]] = [((), t)]
+    while todo:
+        path, x = todo.pop(0)
+        if x.is_quantized:
+            contexts.append(_encode(_quantized_context(x), (), QUANTIZED))
+            inner += [(path + (k,), v.dtype, tuple(v.shape)) for k, v in _quantized_flatten(x).items()]
+            continue
+        names, ctx = _flatten(x)
+        contexts.append(_encode(ctx, (), type(x).__qualname__, devices=False))
+        for n in names:
+            value = getattr(x, n)
+            if is_plain(value) or is_dtensor(value):
+                inner.append((path + (n,), value.dtype, tuple(value.shape)))
+            else:
+                todo.append((path + (n,), value))
+    return inner, contexts
 
 
 # ---------------------------------------------------------------------------------------------

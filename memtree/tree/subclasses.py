@@ -21,7 +21,7 @@ import torch
 from ..errors import SubclassError
 from ..format.level import fmt_key
 from ..format.subclass import DTensorLayout, Placement
-from ..format.subclass_registry import context_json, inner_tensors, is_dtensor, is_plain
+from ..format.subclass_registry import inner_tensors, is_dtensor, is_plain, layout_of
 
 __all__ = ["layout_problem", "fill_dests", "fill_into", "dtensor_leaf", "as_dtensor_like"]
 
@@ -51,11 +51,9 @@ def layout_problem(source: torch.Tensor, target: torch.Tensor) -> str | None:
         )
     if type(source) is not type(target):
         return f"the source is a {type(source).__name__}, the module's tensor a {type(target).__name__}"
-    spec = [(p, t.dtype, tuple(t.shape)) for p, t in inner_tensors(source)]
-    mine = [(p, t.dtype, tuple(t.shape)) for p, t in inner_tensors(target)]
+    (spec, ctx_s), (mine, ctx_t) = layout_of(source), layout_of(target)
     if spec != mine:
         return f"their inner tensors differ: source {_show(spec)}, module {_show(mine)}"
-    ctx_s, ctx_t = (context_json(t) for t in (source, target))
     if ctx_s != ctx_t:
         return f"their {type(target).__name__} contexts differ: source {ctx_s!r:.200}, module {ctx_t!r:.200}"
     return None
