@@ -16,6 +16,8 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import memtree
 from memtree.format.dtypes import DTYPE_NAMES, QUANTIZED_DTYPE_NAMES, V3_DTYPE_NAMES, byte_dtype
@@ -589,3 +591,60 @@ def test_offload_binds_a_subclass_over_its_files(tmp_path):
     assert target[0].weight.qdata.filename == str(tmp_path / "m" / "0" / "weight" / "qdata.memmap")
     x = torch.randn(3, 6)
     assert torch.equal(target(x), src(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# faults and fuzzing: a tree holding subclasses commits whole or not at all; hostile contexts
+# only ever raise memtree's errors
+
+
+def _write_with_fault(prefix: str, tree: memtree.TensorTree, fault: str) -> None:
+    from memtree.store import faults
+
+    os.environ[faults.ENV] = fault
+    faults.reload()
+    tree.memmap(prefix)
+
+
+@pytest.mark.parametrize("fault", ["after_leaf:1", "after_leaf:2", "before_meta:1", "before_meta:2", "before_root_meta"])
+def test_a_writer_killed_mid_way_leaves_the_old_tree_or_the_new_one(tmp_path, fault):
+    import multiprocessing as mp
+
+    old = memtree.TensorTree({"a": {"w": scaled(seed=1)}, "n": Wrapped(scaled(4, seed=2), "old"), "x": torch.ones(3)})
+    new = memtree.TensorTree({"a": {"w": scaled(seed=3)}, "n": Wrapped(scaled(4, seed=4), "new"), "x": torch.zeros(3)})
+    prefix = str(tmp_path / "t")
+    old.memmap(prefix)
+    p = mp.get_context("fork").Process(target=_write_with_fault, args=(prefix, new, fault))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 137
+    loaded = memtree.load_memmap(prefix, verify=True)
+    want = old if loaded["n"].tag == "old" else new
+    assert same_subclass(loaded["a", "w"], want["a", "w"]) and same_subclass(loaded["n"], want["n"])
+    assert torch.equal(loaded["x"], want["x"])
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8) | st.sampled_from(["tuple", "dict", "dtype", "size", "device", "float", "enum", "object",
+                                             "kind", "items", "name", "type", "fields", "tests.Mode", "tests.Cfg",
+                                             "float32", "qint8", "cpu", "nan", "SYMMETRIC"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["kind", "items", "name", "type", "fields", "dims", "value", "scale", "cfg", "x"]), inner, max_size=4
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(context=_JSON)
+def test_any_context_on_disk_loads_or_raises_a_memtree_error(tmp_path, context):
+    prefix = tmp_path / "t"
+    if not prefix.exists():
+        memtree.TensorTree({"w": scaled()}).memmap(prefix, checksum=None)
+    _edit_entry(prefix / "meta.json", context=context)
+    try:
+        got = memtree.load_memmap(prefix)["w"]
+    except memtree.MemtreeError:
+        return
+    assert type(got) is ScaledInt8
