@@ -48,7 +48,7 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..format.subclass import SubclassMeta
+from ..format.subclass import SubclassMeta, level_version
 from ..store.steps import list_steps
 from ..store.storage import LocalStorage, Storage, is_url, local_path
 from ..store.walk import WalkedLevel, walk
@@ -140,8 +140,9 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     """Every level through the walker; ``data``: the root ``meta.json``, if already read."""
     data = storage.read_meta("") if data is None else data
     root: LevelMeta = parse_level(data, storage.describe(META_NAME))
-    version = orjson.loads(data)["version"]  # the tree's own (parse_level accepted it)
     levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
+    # the root's version (parse_level accepted it), or 3 where a level holds what version 3 added
+    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta, 0) for lvl in levels.values()])
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
