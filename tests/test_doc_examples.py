@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/subclasses.md"]
+PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md", "guide/subclasses.md"]
 #: Pages whose examples need an optional package (a test dependency): skipped without it.
 NEEDS = {"guide/subclasses.md": "torchao"}
 SCRIPT_PAGES = ["guide/models.md"]
