@@ -16,8 +16,8 @@ import torch
 import memtree
 from memtree.format.level import Level
 from memtree.format.subclass import DTensorLayout, Placement
-from memtree.store.options import WriteOptions
-from memtree.store.write import write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import write_tree
 from subclassutil import Cfg, Mode, ScaledInt8, Span, Wrapped, same_subclass
 
 GOLDEN = Path(__file__).parent / "golden" / "v3-subclass"

@@ -25,7 +25,7 @@ from memtree.format.level import Level
 from memtree.format.schema import LeafMeta, LevelMeta, dump_level, parse_level
 from memtree.format.subclass import DTensorLayout, Placement, Subclass, SubclassMeta, check_context
 from memtree.format import subclass_registry as registry
-from memtree.store.write import write_tree
+from memtree.store.writing.write import write_tree
 from subclassutil import Cfg, Mode, NoProtocol, ScaledInt8, Span, Unregistered, Wrapped, same_subclass, scaled
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.quantize_per"),
@@ -482,7 +482,7 @@ def test_remote_trees_keep_subclasses(tmp_path):
 
 
 def test_incremental_saves_link_unchanged_inner_files(tmp_path):
-    from memtree.store.options import WriteOptions
+    from memtree.store.reading.options import WriteOptions
 
     tree = memtree.TensorTree({"w": scaled(), "x": torch.ones(4)})
     tree.memmap(tmp_path / "1")
@@ -598,7 +598,7 @@ def test_offload_binds_a_subclass_over_its_files(tmp_path):
 
 
 def _write_with_fault(prefix: str, tree: memtree.TensorTree, fault: str) -> None:
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     os.environ[faults.ENV] = fault
     faults.reload()

@@ -8,7 +8,7 @@ one ordinary tensor leaf per inner tensor (or a nested group), keyed by attribut
 (:func:`check_group`). :class:`SubclassMeta` is a :class:`~memtree.format.entries.ChildMeta`, so
 every walker of a tree (verify, the tree hash, uploads, ``du``) reaches the inner files as it
 reaches a sub-tree's. Which names may be rebuilt is the tree layer's registry
-(:mod:`memtree.tree.subclasses`); this module only checks the shape of the JSON.
+(:mod:`memtree.format.subclass_registry`); this module only checks the shape of the JSON.
 
 **A DTensor leaf** is an ordinary tensor leaf holding the full logical tensor, with an optional
 ``"dtensor"`` annotation (:class:`DTensorLayout`): the device mesh's shape (and dim names) and
@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZES, QUANTIZED_DTYPE_NAMES, V3_DTYPE_NAMES
-from .entries import TREE_TYPE, ChildMeta, LeafMeta, LevelMeta
-from .record import Record
+from .entries import TREE_TYPE, DTensorLayout, LeafMeta, LevelMeta, Placement, Subclass, SubclassMeta
 
 __all__ = [
     "SUBCLASS_VERSION",
@@ -84,78 +82,9 @@ MAX_MESH_DIMS = 16
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 _DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(?::[0-9]{1,6})?")
 _NON_FINITE = ("nan", "inf", "-inf")
-_set = object.__setattr__
 
 Fail = Callable[[str, str], Exception]
 """How a parser reports a problem: ``fail(pointer, problem)`` returns the exception to raise."""
-
-
-@dataclass(init=False, repr=False, eq=False)
-class Subclass(Record):
-    """What a subclass group records besides its inner tensors.
-
-    Attributes:
-        type: the registered name of the class (``"torchao.Int8Tensor"``), never an import path.
-        dtype_name: the outer tensor's dtype (a leaf dtype, or a quantized one).
-        shape: the outer tensor's shape; its leading dims are the level's batch dims.
-        stride: the outer tensor's stride (what ``__tensor_unflatten__`` is given).
-        context: the flatten context as tagged JSON (:func:`check_context`).
-    """
-
-    type: str
-    dtype_name: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    context: Any
-
-    def __init__(self, type: str, dtype_name: str, shape: tuple[int, ...], stride: tuple[int, ...], context: Any) -> None:
-        _set(self, "type", type)
-        _set(self, "dtype_name", dtype_name)
-        _set(self, "shape", shape)
-        _set(self, "stride", stride)
-        _set(self, "context", context)
-
-
-@dataclass(init=False, repr=False, eq=False)
-class SubclassMeta(ChildMeta):
-    """A subclass leaf: its group's directory ``dir`` (walked like a sub-tree's) and ``subclass``."""
-
-    subclass: Subclass = None  # type: ignore[assignment]  # always given: after ChildMeta's defaults
-
-    def __init__(self, key: str, dir: str, subclass: Subclass, int_key: bool = False) -> None:
-        super().__init__(key, dir, int_key)
-        _set(self, "subclass", subclass)
-
-
-@dataclass(init=False, repr=False, eq=False)
-class Placement(Record):
-    """One mesh dim of a DTensor: ``"replicate"``, ``"shard"`` along ``dim``, or
-    ``"strided_shard"`` along ``dim`` with ``split_factor`` (torch's ``_StridedShard``)."""
-
-    kind: str
-    dim: int | None = None
-    split_factor: int | None = None
-
-    def __init__(self, kind: str, dim: int | None = None, split_factor: int | None = None) -> None:
-        _set(self, "kind", kind)
-        _set(self, "dim", dim)
-        _set(self, "split_factor", split_factor)
-
-
-@dataclass(init=False, repr=False, eq=False)
-class DTensorLayout(Record):
-    """How a DTensor stored as its full tensor was laid out: mesh shape, dim names, placements."""
-
-    mesh: tuple[int, ...]
-    placements: tuple[Placement, ...]
-    dim_names: tuple[str, ...] | None = None
-
-    def __init__(
-        self, mesh: tuple[int, ...], placements: tuple[Placement, ...], dim_names: tuple[str, ...] | None = None
-    ) -> None:
-        _set(self, "mesh", mesh)
-        _set(self, "placements", placements)
-        _set(self, "dim_names", dim_names)
 
 
 # ---------------------------------------------------------------------------------------------

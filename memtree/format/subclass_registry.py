@@ -14,7 +14,7 @@ torchao's tensor types and the enums, dataclasses and named tuples their context
 quantized dtype with its scales and zero points). A user's classes are added with
 :func:`register_subclass` (a tensor subclass, or an enum, dataclass or ``NamedTuple`` that its
 context holds). A ``DTensor`` is not a group: it is stored as its full logical tensor with its
-layout (:mod:`memtree.tree.subclasses`, which also fills subclasses in place).
+layout (:mod:`memtree.tree.parts.subclasses`, which also fills subclasses in place).
 
 The table of names sits in ``format/`` beside the table of dtypes (:mod:`memtree.format.dtypes`)
 for the same reason: it is what names on disk may mean, and every layer that reads or writes
