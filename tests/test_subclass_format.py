@@ -524,8 +524,19 @@ def test_quantized_tensors_round_trip_per_tensor_and_per_channel(tmp_path):
 # modules and checkpoints
 
 
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _saved_module(path: Path) -> torch.nn.Module:
+    """A ScaledInt8 module, saved at ``path``."""
+    src = _module(0)
+    memtree.TensorTree.from_module(src).memmap(path)
+    return src
+
+
 def _module(seed: int) -> torch.nn.Module:
-    m = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    m = _mlp()
     for i, lin in ((0, m[0]), (2, m[2])):
         g = torch.Generator().manual_seed(seed * 10 + i)
         q = torch.randint(-128, 128, lin.weight.shape, dtype=torch.int8, generator=g)
@@ -534,8 +545,7 @@ def _module(seed: int) -> torch.nn.Module:
 
 
 def test_load_into_module_fills_a_subclass_module_in_place(tmp_path):
-    src = _module(0)
-    memtree.TensorTree.from_module(src).memmap(tmp_path / "m")
+    src = _saved_module(tmp_path / "m")
     target = _module(1)
     weight, qdata = target[0].weight, target[0].weight.qdata
     assert memtree.load_into_module(target, tmp_path / "m") == memtree.LoadResult([], [])
@@ -553,17 +563,15 @@ def test_load_into_module_refuses_a_source_of_another_layout_and_changes_nothing
     with pytest.raises(memtree.ShapeMismatchError, match="'0.weight'.*contexts differ"):
         memtree.load_into_module(target, tmp_path / "m")
     assert all(torch.equal(a, b) for a, (_, b) in zip(before, registry.inner_tensors(target[2].weight)))
-    plain = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    memtree.TensorTree.from_module(plain).memmap(tmp_path / "p")
+    memtree.TensorTree.from_module(_mlp()).memmap(tmp_path / "p")
     with pytest.raises(memtree.ShapeMismatchError, match="load into a module quantized the same way"):
         memtree.load_into_module(_module(1), tmp_path / "p")
 
 
 def test_an_empty_init_module_gets_the_subclass_bound(tmp_path):
-    src = _module(0)
-    memtree.TensorTree.from_module(src).memmap(tmp_path / "m")
+    src = _saved_module(tmp_path / "m")
     with memtree.empty_init():
-        target = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        target = _mlp()
     memtree.load_into_module(target, tmp_path / "m")
     assert type(target[0].weight) is ScaledInt8 and isinstance(target[0].weight, torch.nn.Parameter)
     x = torch.randn(3, 6)
@@ -581,10 +589,9 @@ def test_checkpointer_keeps_subclass_state_sync_and_async(tmp_path):
 
 
 def test_offload_binds_a_subclass_over_its_files(tmp_path):
-    src = _module(0)
-    memtree.TensorTree.from_module(src).memmap(tmp_path / "m")
+    src = _saved_module(tmp_path / "m")
     with memtree.empty_init():
-        target = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        target = _mlp()
     memtree.offload(target, tmp_path / "m")
     assert type(target[0].weight) is ScaledInt8 and type(target[0].bias).__name__ == "OffloadedTensor"
     assert target[0].weight.qdata.filename == str(tmp_path / "m" / "0" / "weight" / "qdata.memmap")
