@@ -1,7 +1,8 @@
 """``memtree diff A B``: which leaves of two trees differ, and how.
 
 Every level of both trees is read (validated as a load validates it); leaves are matched by key
-path. Two tensor leaves with the same dtype and shape are compared by their recorded checksums
+path (a tensor subclass by its class, dtype, shape and flatten context, and by its inner tensors
+as leaves). Two tensor leaves with the same dtype and shape are compared by their recorded checksums
 when both record one of the same algorithm: no leaf data is read. Otherwise (no checksum, another
 algorithm, a growable leaf) their bytes are hashed: one side with the other's recorded algorithm
 when it has one, both with the fastest installed one otherwise; two names of the same file (hard
@@ -27,6 +28,7 @@ from typing import Any
 
 from ..format.dtypes import dtype_name
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
+from ..format.subclass import Subclass, SubclassMeta
 from ..store.primitives.checksums import DIGEST_SLICE, default_checksum, new_digest
 from ..store.reading.storage import LocalStorage, join_rel
 from ..store.reading.walk import walk
@@ -79,10 +81,13 @@ class _Side:
         self.storage = storage
         self.entries: dict[tuple[str, ...], tuple[str, Entry]] = {}  # key path -> (level rel, entry)
         self.levels: dict[tuple[str, ...], Any] = {}
+        self.subclasses: dict[tuple[str, ...], Subclass] = {}  # the levels that are subclass groups
         for level in walk(storage):
             self.levels[level.keys] = level.meta
             for e in level.meta.entries:
-                if not isinstance(e, ChildMeta):
+                if isinstance(e, SubclassMeta):
+                    self.subclasses[level.keys + (e.key,)] = e.subclass
+                elif not isinstance(e, ChildMeta):
                     self.entries[level.keys + (e.key,)] = (level.rel, e)
 
     def identity(self, rel: str) -> tuple[tuple[str, str], ...]:
@@ -112,6 +117,10 @@ def _describe(e: Entry) -> str:
     if isinstance(e, JsonMeta):
         return json.dumps(e.value)[:80]
     return "pickle"
+
+
+def _describe_group(sub: Subclass | None) -> str:
+    return "tree" if sub is None else f"{sub.type} {sub.dtype_name}{list(sub.shape)}"
 
 
 def diff_trees(a: str, b: str) -> DiffReport:
@@ -169,6 +178,15 @@ def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> set[tuple[
             whole.add(key)
             continue
         what = [w for w, x, y in (("batch_size", la.batch_size, lb.batch_size), ("type", la.type, lb.type)) if x != y]
+        sa, sb = left.subclasses.get(key), right.subclasses.get(key)
+        if sa is not None or sb is not None:  # a tensor subclass (its inner tensors are compared as leaves)
+            what = ["kind"] if sa is None or sb is None else [
+                w for w, x, y in (("type", sa.type, sb.type), ("dtype", sa.dtype_name, sb.dtype_name),
+                                  ("shape", sa.shape, sb.shape), ("context", sa.context, sb.context)) if x != y
+            ]
+            if what:
+                report.changed.append({"key": list(key), "what": what, "a": _describe_group(sa), "b": _describe_group(sb)})
+                continue
         if what:
             report.changed.append({"key": list(key), "what": what, "a": f"{la.type}{list(la.batch_size)}",
                                    "b": f"{lb.type}{list(lb.batch_size)}"})

@@ -40,8 +40,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
 
@@ -64,8 +64,10 @@ from ..store.primitives.files import FileRange, write_fd
 from ..store.reading.mapped import to_storable
 from ..store.reading.storage import local_path
 from ..store.writing.staged import staged_file
-from ..format.level import as_level
+from ..format.level import Level, as_level
+from ..format.subclass_registry import is_dtensor, is_plain, to_group
 from .checkpoint_file import CheckpointFile, Closing
+from .torchao_safetensors import flatten_groups
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -484,8 +486,19 @@ def save_safetensors(
         >>> SafetensorsReader(p).keys()
         ['enc.w']
     """
+    level = _as_level(tensors, ())
+    if TIED_KEY in level.entries and _is_tie_record(level.entries[TIED_KEY]):
+        # the aliases of tensors written under their first name
+        level = replace(level, entries={k: v for k, v in level.entries.items() if k != TIED_KEY})
+    dropped: list[tuple[str, ...]] = []
+    items, groups = flatten_groups(level, sep.join, dropped)
+    if dropped:
+        raise NonTensorValueError(
+            f"{sep.join(dropped[0])!r} is a non-tensor value; safetensors holds tensors only: "
+            "exclude it (tree.exclude(key)) or keep a memtree directory"
+        )
     flat: dict[str, torch.Tensor] = {}
-    for key, tensor in _flat_items(tensors, (), sep):
+    for key, tensor in items:
         if key in flat:
             raise KeyCollisionError(
                 f"two tensors flatten to the key {key!r}; rename one or change sep"
@@ -495,26 +508,27 @@ def save_safetensors(
         path,
         [(k, tuple(t.shape), t.dtype) for k, t in flat.items()],
         flat.__getitem__,
-        metadata=metadata,
+        metadata={**(metadata or {}), **groups} if groups is not None else metadata,
         existsok=existsok,
     )
 
 
-def _flat_items(obj: Any, prefix: tuple[str, ...], sep: str) -> Iterable[tuple[str, torch.Tensor]]:
+def _as_level(obj: Any, path: tuple[str, ...]) -> Level:
+    """A tree (its own levels) or a nested mapping as a Level: a tensor subclass as its group
+    (:mod:`memtree.format.subclass_registry`), a DTensor as its full tensor."""
     level = as_level(obj)
-    for key, value in (level.entries if level is not None else obj).items():
-        if not prefix and key == TIED_KEY and _is_tie_record(value):
-            continue  # the aliases of tensors written under their first name
-        path = prefix + (key,)
+    if level is not None:
+        return level
+    out = Level(())
+    for key, value in obj.items():
         if isinstance(value, Mapping) or as_level(value) is not None:
-            yield from _flat_items(value, path, sep)
-        elif isinstance(value, torch.Tensor):
-            yield sep.join(path), value
-        else:
-            raise NonTensorValueError(
-                f"{sep.join(path)!r} is a non-tensor value; safetensors holds tensors only: "
-                "exclude it (tree.exclude(key)) or keep a memtree directory"
-            )
+            value = _as_level(value, path + (key,))
+        elif isinstance(value, torch.Tensor) and is_dtensor(value):
+            value = value.full_tensor()  # type: ignore[attr-defined]
+        if isinstance(value, torch.Tensor) and not is_plain(value):
+            value = to_group(value, path + (key,))
+        out.entries[key] = value
+    return out
 
 
 def _is_tie_record(value: Any) -> bool:
