@@ -13,7 +13,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md"]
-SCRIPT_PAGES = ["guide/models.md"]
+SCRIPT_PAGES = ["guide/models.md", "guide/datasets.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
@@ -44,7 +44,7 @@ def test_the_code_blocks_of_the_page_run_as_one_script(page, tmp_path, monkeypat
     for block in blocks:
         if "transformers" in block:
             pytest.importorskip("transformers")
-    code = compile("\n".join(blocks), str(DOCS / page), "exec")
+    code = compile("\n".join(blocks), str(DOCS / page), "exec", dont_inherit=True)  # not this file's __future__
     exec(code, {"__name__": "__doc_page__"})
 
 
