@@ -74,18 +74,27 @@ def fill(tree: TensorTree, mine: list[int]) -> None:
             k += 1
 
 
+def _child() -> None:
+    """What a forked child does first, as a DataLoader worker does: the parent's OpenMP threads
+    do not survive ``fork``, and a parallel torch operation in the child would wait for them."""
+    torch.set_num_threads(1)
+
+
 def _writer(path: str, mine: list[int], barrier) -> None:
+    _child()
     tree = memtree.load_memmap(path)
     barrier.wait(TIMEOUT)
     fill(tree, mine)
 
 
 def _inherited_writer(tree: TensorTree, mine: list[int], barrier) -> None:
+    _child()
     barrier.wait(TIMEOUT)
     fill(tree, mine)
 
 
 def _grower(path: str, count: int, barrier) -> None:
+    _child()
     tree = memtree.load_memmap(path)
     barrier.wait(TIMEOUT)
     for j in range(count):
