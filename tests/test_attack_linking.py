@@ -143,39 +143,50 @@ def _no_escaping_links(new, outside):
 def _check_new_tree(tmp, old, outside, stats):
     new = tmp / "new"
     got = memtree.load_memmap(new, verify=True)
-    want = _level()
-    for key in ("a", "b"):
-        assert raw_bytes(got[key]) == raw_bytes(want.entries[key]), key
-    assert raw_bytes(got["s", "c"]) == raw_bytes(want.entries["s"].entries["c"])
+    _check_bytes(got)
     _no_escaping_links(new, outside)
     assert stats.files_linked + stats.files_written == 3
 
 
+def _check_bytes(got):
+    want = _level()
+    for key in ("a", "b"):
+        assert raw_bytes(got[key]) == raw_bytes(want.entries[key]), key
+    assert raw_bytes(got["s", "c"]) == raw_bytes(want.entries["s"].entries["c"])
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(attacks=st.lists(st.sampled_from(ATTACKS), min_size=1, max_size=3, unique=True), verify=st.booleans())
-def test_a_hostile_old_tree_never_gives_a_wrong_or_escaping_link(tmp_path_factory, attacks, verify):
+@given(
+    attacks=st.lists(st.sampled_from(ATTACKS), min_size=1, max_size=3, unique=True),
+    verify=st.booleans(),
+    checksum=st.sampled_from(["auto", "sha256"]),
+)
+def test_a_hostile_old_tree_never_gives_a_wrong_or_escaping_link(tmp_path_factory, attacks, verify, checksum):
     tmp = tmp_path_factory.mktemp("link")
     outside = _outside(tmp)
     old = tmp / "old"
-    write_tree(str(old), _level())
+    write_tree(str(old), _level(), WriteOptions.of(checksum=checksum))
     for attack in attacks:
         try:
             attack(old, outside)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             pass  # an earlier attack removed what this one changes
     stats = WriteStats()
-    write_tree(str(tmp / "new"), _level(), WriteOptions.of(link_from=str(old), link_verify=verify), stats=stats)
-    if verify:
+    options = WriteOptions.of(link_from=str(old), link_verify=verify, checksum=checksum)
+    write_tree(str(tmp / "new"), _level(), options, stats=stats)
+    if verify or checksum != "sha256":  # the bytes were compared: exactly the new bytes
         _check_new_tree(tmp, old, outside, stats)
         return
-    # link_verify=False trusts the old meta.json (docs/format.md): an edited one (two file names
-    # swapped) may get a wrong file linked, but never one from outside, and never silently: the
-    # new tree's own checksums are of the new bytes, so verify names the leaf.
+    # link_verify=False trusts a recorded sha256 (docs/format.md): an edited meta.json (two file
+    # names swapped) may get a wrong file linked, but never one from outside, and never silently:
+    # the new tree's own checksums are of the new bytes, so verify names the leaf.
     _no_escaping_links(tmp / "new", outside)
     try:
-        memtree.load_memmap(tmp / "new", verify=True)
+        got = memtree.load_memmap(tmp / "new", verify=True)
     except memtree.IntegrityError as err:
         assert "is damaged" in str(err)
+    else:
+        _check_bytes(got)
 
 
 @pytest.mark.parametrize("attack", ATTACKS + [_hard_link_from_outside], ids=lambda f: f.__name__.strip("_"))

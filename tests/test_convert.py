@@ -137,21 +137,24 @@ def test_torch_checkpoint_structure_and_extras(tmp_path: Path) -> None:
     tree = memtree.load_memmap(tmp_path / "tree")
     assert tree["model", "enc", "w"].tolist() == [1.0, 1.0]
     assert tree["epoch"] == 4
-    assert tree["groups"] == [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0]}]  # tuples: lists
+    assert _same(tree["groups"], groups)  # betas stays a tuple (format version 2)
     assert result.dropped == ["blob"] and result.tensors == 1 and result.nbytes == 8
-    assert result.altered == {"groups": "tuple -> list at [0]['betas']"}  # ... and said so
+    assert result.altered == {} and result.skipped == {}
     flat = memtree.convert(pt, tmp_path / "flat", flat_keys=True)
     assert flat.tensors == 1 and "model.enc.w" in memtree.load_memmap(tmp_path / "flat").keys()
 
 
-def test_every_altered_value_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_values_are_kept_exactly_or_dropped_and_containers_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pt = tmp_path / "c.pt"
     torch.save(
         {
             "model": {"w": torch.ones(2)},
-            "size": torch.Size([2, 3]),  # written as a list
-            "pair": (1, "a"),
-            "cfgs": [OrderedDict(lr=0.1), {"betas": (0.9, 0.99)}, (1, (2, 3)), (4,), (5,)],
+            "size": torch.Size([2, 3]),  # JSON would give back a list: dropped
+            "pair": (1, "a"),  # a tuple: kept
+            "cfgs": [{"betas": (0.9, 0.99)}, (1, (2, 3)), (4,), [()]],
+            "ordered": [OrderedDict(lr=0.1)],  # an OrderedDict would come back a dict: dropped
             "state": {0: {"m": torch.zeros(1)}},  # int keys become str
             "hist": [torch.ones(1), 0.5],  # a list of tensors: keys by index
             "kept": [1, "x", None, {"a": [True, -0.0]}],
@@ -162,29 +165,24 @@ def test_every_altered_value_is_reported(tmp_path: Path, capsys: pytest.CaptureF
     )
     result = memtree.convert(pt, tmp_path / "tree")
     assert result.altered == {
-        "size": "torch.Size -> list",
-        "pair": "tuple -> list",
-        "cfgs": "OrderedDict -> dict at [0]; tuple -> list at [1]['betas']; tuple -> list at [2]; "
-        "and 3 more",
         "state": "int keys -> str keys",
         "hist": "list -> keys by index ('0', '1', ...)",
     }
-    assert result.dropped == ["nan"]
+    assert result.dropped == ["size", "ordered", "nan"]
     tree = memtree.load_memmap(tmp_path / "tree")
-    assert tree["size"] == [2, 3] and tree["pair"] == [1, "a"] and tree["empty"] == {}
-    assert tree["cfgs"] == [{"lr": 0.1}, {"betas": [0.9, 0.99]}, [1, [2, 3]], [4], [5]]
-    assert tree["kept"] == [1, "x", None, {"a": [True, -0.0]}]
-    assert math.copysign(1.0, tree["kept"][3]["a"][1]) == -1.0
+    assert _same(tree["pair"], (1, "a")) and tree["empty"] == {}
+    assert _same(tree["cfgs"], [{"betas": (0.9, 0.99)}, (1, (2, 3)), (4,), [()]])
+    assert _same(tree["kept"], [1, "x", None, {"a": [True, -0.0]}])
     assert tree["state", "0", "m"].tolist() == [0.0] and tree["hist", "1"] == 0.5
+    assert "size" not in tree.keys() and "ordered" not in tree.keys()
     capsys.readouterr()
     assert main(["convert", str(pt), str(tmp_path / "tree2")]) == 0
     err = capsys.readouterr().err
-    assert "1 non-tensor value(s) not written (memtree cannot hold them): nan" in err
-    assert "5 value(s) written in another form:" in err
-    assert "\n  size: torch.Size -> list\n" in err and "\n  state: int keys -> str keys" in err
+    assert "3 non-tensor value(s) not written (memtree cannot hold them): size, ordered, nan" in err
+    assert "2 value(s) written in another form:" in err and "\n  state: int keys -> str keys" in err
     # to safetensors every non-tensor value is dropped: none is reported as altered
     st_result = memtree.convert(pt, tmp_path / "m.safetensors")
-    assert sorted(st_result.dropped) == ["cfgs", "empty", "hist.1", "kept", "nan", "pair", "size"]
+    assert sorted(st_result.dropped) == ["cfgs", "empty", "hist.1", "kept", "nan", "ordered", "pair", "size"]
     assert st_result.altered == {
         "state": "int keys -> str keys", "hist": "list -> keys by index ('0', '1', ...)"
     }
@@ -201,41 +199,31 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, float):
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    if isinstance(a, list):
+    if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     return bool(a == b)
 
 
-def _expected(value: Any) -> tuple[str, Any]:
-    """What convert must do with a non-tensor value: ``("keep", value)``, ``("alter",
-    the value as written)`` or ``("drop", None)``, by the rules of docs/guide/interop.md."""
-    changed = False
-
-    def walk(v: Any) -> Any:
-        nonlocal changed
-        if v is None or type(v) in (bool, str) or (type(v) is int and -(2**63) <= v < 2**64):
-            if type(v) is str:
-                v.encode()  # a lone surrogate raises
-            return v
-        if type(v) is float and math.isfinite(v):
-            return v
-        if type(v) in (list, tuple, torch.Size):
-            changed = changed or type(v) is not list
-            return [walk(x) for x in v]
-        if type(v) in (dict, OrderedDict):
-            changed = changed or type(v) is not dict
-            if any(type(k) is not str for k in v):
-                raise TypeError
-            return {walk(k): walk(x) for k, x in v.items()}
-        raise TypeError
-
-    try:
-        written = walk(value)
-    except (TypeError, UnicodeEncodeError):
-        return "drop", None
-    return ("alter" if changed else "keep"), written
+def _kept(value: Any) -> bool:
+    """Whether convert must keep a non-tensor value (exactly) rather than drop it, by the rules
+    of docs/guide/interop.md: JSON values, tuples included, and nothing that would change."""
+    if type(value) is str:
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate
+            return False
+        return True
+    if value is None or type(value) is bool or (type(value) is int and -(2**63) <= value < 2**64):
+        return True
+    if type(value) is float:
+        return math.isfinite(value)
+    if type(value) in (list, tuple):
+        return all(_kept(x) for x in value)
+    if type(value) is dict:
+        return all(type(k) is str and _kept(k) and _kept(x) for k, x in value.items())
+    return False  # torch.Size, OrderedDict, sets, bytes, complex, dtypes, subclasses...
 
 
 _SCALARS = st.one_of(
@@ -264,22 +252,22 @@ _VALUES = st.recursive(
 def test_no_value_is_altered_silently(tmp_path_factory: pytest.TempPathFactory, values: list[Any]) -> None:
     """Generated values of every kind (including ints beyond 64 bits, NaN, -0.0, bytes,
     surrogates, complex, dtypes, sets, int subclasses, numpy scalars, tuples, torch.Size,
-    OrderedDict, int keys): each is written exactly, reported in ``altered`` and written
-    exactly as reported, or reported in ``dropped`` and not written."""
+    OrderedDict, int keys): each is written exactly (tuples load as tuples), or reported in
+    ``dropped`` and not written; none is altered."""
     root = tmp_path_factory.mktemp("v")
     source = {f"v{i}": [value] for i, value in enumerate(values)}  # a list: one value, not a sub-tree
     torch.save({"w": torch.ones(1), **source}, root / "c.pt")
     result = memtree.convert(root / "c.pt", root / "tree", allow_pickle=True)
     tree = memtree.load_memmap(root / "tree")
+    assert result.altered == {}
     for key, value in source.items():
-        kind, written = _expected(value)
-        event(kind)
-        assert (key in result.dropped) == (kind == "drop"), (key, value, result)
-        assert (key in result.altered) == (kind == "alter"), (key, value, result)
-        if kind == "drop":
-            assert key not in tree.keys()
+        kept = _kept(value)
+        event("kept" if kept else "dropped")
+        assert (key not in result.dropped) == kept, (key, value, result)
+        if kept:
+            assert _same(tree[key], value), (key, value, tree[key])
         else:
-            assert _same(tree[key], written), (key, value, tree[key])
+            assert key not in tree.keys()
     assert not [p for p in (root / "tree").rglob("*") if p.suffix == ".pickle"]  # no pickle sidecars
 
 
@@ -458,6 +446,52 @@ def test_a_cast_reads_floating_point_tensors_and_copies_the_others(
     assert sorted(spies.read_keys) == sorted(k for k, v in sd.items() if v.dtype.is_floating_point)
 
 
+def test_conjugate_and_negative_views_are_read_and_resolved_never_copied_as_they_lie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their bytes in the file are not their values (torch.save records a bit in the tensor's
+    metadata): a file-to-file copy would write the stored values (issue 24's class)."""
+    no_checksums(monkeypatch)
+    z = random_tensor((4, 3), torch.complex64, 5)
+    x = random_tensor((4, 3), torch.int32, 6)
+    sd = {"z": z, "conj": z.conj(), "neg": torch._neg_view(x), "both": torch._neg_view(z).conj()}
+    pt = tmp_path / "bits.pt"
+    torch.save(sd, pt)
+    spies = Spies(monkeypatch)
+    result = memtree.convert(pt, tmp_path / "tree")
+    assert sorted(spies.read_keys) == ["both", "conj", "neg"]  # read; only "z" is copied
+    assert sum(spies.copied) == z.nbytes and result.tensors == 4
+    tree = memtree.load_memmap(tmp_path / "tree")
+    for key, expected in sd.items():
+        assert as_bytes(tree[key]) == as_bytes(expected.resolve_conj().resolve_neg()), key
+
+
+def test_a_value_with_more_tuples_than_a_meta_json_records_is_dropped(tmp_path: Path) -> None:
+    """format version 2 records at most 100,000 tuple paths a value: one more would be written
+    and then refused by every reader of the tree."""
+    pt = tmp_path / "c.pt"
+    many = [(i,) for i in range(100_001)]
+    torch.save({"w": torch.ones(1), "many": many, "enough": many[:100_000]}, pt)
+    result = memtree.convert(pt, tmp_path / "tree")
+    assert result.dropped == ["many"]
+    assert memtree.load_memmap(tmp_path / "tree")["enough"][-1] == (99_999,)
+
+
+def test_tuples_are_dropped_going_to_tensordict(tmp_path: Path) -> None:
+    """tensordict keeps a value as JSON, which gives a tuple back as a list: never altered."""
+    from tensordict import TensorDict
+
+    pt = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(2), "betas": (0.9, 0.99), "lrs": [0.1]}, pt)
+    result = memtree.convert(pt, tmp_path / "td", format="tensordict")
+    assert result.dropped == ["betas"] and result.altered == {}
+    td = TensorDict.load_memmap(tmp_path / "td")
+    assert "betas" not in td.keys() and td["lrs"] == [0.1]
+    tree = memtree.TensorTree({"w": torch.ones(2)})
+    tree["betas"] = (0.9, 0.99)
+    assert memtree.interop.save_tensordict(tree, tmp_path / "td2").dropped == ["betas"]
+
+
 @pytest.mark.parametrize("how", ["EXDEV", "ENOSYS", "missing", "short", "zero"])
 def test_copies_fall_back_to_a_small_buffer(
     views, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -629,13 +663,16 @@ def test_convert_json_is_one_object_and_nothing_else(tmp_path: Path, capsys: pyt
     out, err = capsys.readouterr()
     assert err == ""
     doc = json.loads(out)
-    assert set(doc) == {"source", "destination", "tensors", "bytes", "seconds", "files", "dropped", "altered"}
+    assert set(doc) == {
+        "source", "destination", "tensors", "bytes", "seconds", "files", "dropped", "altered", "skipped"
+    }
     assert doc["tensors"] == 2 and doc["bytes"] == 2000 and doc["source"] == "torch"
     assert doc["files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert sorted(doc["dropped"]) == ["cfg", "raw"] and doc["seconds"] >= 0
     assert main(["convert", str(pt), str(tmp_path / "tree"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["dropped"] == ["raw"] and doc["altered"] == {"cfg": "tuple -> list"}
+    assert doc["dropped"] == ["raw"] and doc["altered"] == {} and doc["skipped"] == {}
+    assert memtree.load_memmap(tmp_path / "tree")["cfg"] == (1, 2)
 
 
 def test_progress_bar_only_where_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

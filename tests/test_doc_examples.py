@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md"]
+PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md"]
 SCRIPT_PAGES = ["guide/models.md", "guide/datasets.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)

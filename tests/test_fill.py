@@ -90,18 +90,20 @@ class FakeCopier:
         self.allocated = 0
         self.lock = threading.Lock()
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
         with self.lock:
-            self.live[buf.data_ptr()] = nbytes
-            self.allocated += 1
+            for buf in bufs:
+                self.live[buf.data_ptr()] = nbytes
+            self.allocated += count
             self.most = max(self.most, sum(self.live.values()))
-        return buf
+        return bufs
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
         with self.lock:
-            del self.live[buffer.data_ptr()]
-            self.released += 1
+            for buf in buffers:
+                del self.live[buf.data_ptr()]
+                self.released += 1
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         self.copies += 1
@@ -116,6 +118,25 @@ class FakeCopier:
 
 def no_reader_threads() -> bool:
     return not any(t.name.startswith("memtree-read") for t in threading.enumerate())
+
+
+def fail_preadv_at(monkeypatch: pytest.MonkeyPatch, n: int) -> dict[str, int]:
+    """Make the ``n``-th ``os.preadv`` (counted over every thread) raise ``EIO``. Returns the
+    counter: set ``counter["n"]`` far below ``n`` to stop failing."""
+    real = os.preadv
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def failing(fd: int, buffers: Any, offset: int) -> int:
+        with lock:
+            calls["n"] += 1
+            hit = calls["n"] == n
+        if hit:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    return calls
 
 
 # -- direct fills ------------------------------------------------------------------------------
@@ -143,12 +164,37 @@ def test_fill_reads_into_the_destinations_own_memory(tmp_path: Any) -> None:
     assert dest.data_ptr() == ptr and torch.equal(dest.reshape(-1), src)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
+Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def mixed_cases(shapes: list[list[int]], dtypes: list[torch.dtype], cast: list[bool], strided: list[bool]) -> list[Case]:
+    """``(source, zeroed destination, what it must hold once filled)`` per shape: floating
+    sources cast to float64 where ``cast``, 2-d destinations transposed where ``strided``."""
+    cases = []
+    for i, shape in enumerate(shapes):
+        s = sample(tuple(shape), dtypes[i], i)
+        to = torch.float64 if cast[i] and s.is_floating_point() else s.dtype
+        if strided[i] and s.dim() == 2:
+            d = torch.zeros(tuple(reversed(s.shape)), dtype=to).transpose(0, -1)
+        else:
+            d = torch.zeros(s.shape, dtype=to)
+        cases.append((s, d, s.to(to)))
+    return cases
+
+
+#: Sources of any shape and dtype, cast or not, into contiguous or strided destinations.
+MIXED = st.builds(
+    mixed_cases,
     shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1, max_size=5),
     dtypes=st.lists(st.sampled_from(DTYPES), min_size=5, max_size=5),
     cast=st.lists(st.booleans(), min_size=5, max_size=5),
     strided=st.lists(st.booleans(), min_size=5, max_size=5),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cases=MIXED,
     threads=st.sampled_from([0, 1, 2, 4]),
     chunk=st.sampled_from([1, 3, 16, 1 << 20]),
     ring=st.sampled_from([2, 40, 1 << 20]),
@@ -157,10 +203,7 @@ def test_fill_reads_into_the_destinations_own_memory(tmp_path: Any) -> None:
 def test_property_any_mix_of_jobs_fills_bit_exact(
     tmp_path_factory: Any,
     monkeypatch: pytest.MonkeyPatch,
-    shapes: list[list[int]],
-    dtypes: list[torch.dtype],
-    cast: list[bool],
-    strided: list[bool],
+    cases: list[Case],
     threads: int,
     chunk: int,
     ring: int,
@@ -179,17 +222,7 @@ def test_property_any_mix_of_jobs_fills_bit_exact(
             return real(fd, [memoryview(buffers[0])[:short]], offset)
 
         monkeypatch.setattr(os, "preadv", shorter)
-    srcs, dests, wants = [], [], []
-    for i, shape in enumerate(shapes):
-        s = sample(tuple(shape), dtypes[i], i)
-        srcs.append(s)
-        to = torch.float64 if cast[i] and (s.is_floating_point()) else s.dtype
-        if strided[i] and s.dim() >= 2:
-            d = torch.zeros(tuple(reversed(s.shape)), dtype=to).transpose(0, -1) if s.dim() == 2 else torch.zeros(s.shape, dtype=to)
-        else:
-            d = torch.zeros(s.shape, dtype=to)
-        dests.append(d)
-        wants.append(s.to(to))
+    srcs, dests, wants = (list(x) for x in zip(*cases))
     path, offsets = write_file(tmp, "f", [raw(s) for s in srcs], pad=5)
     fake = FakeCopier()
     fd = os.open(path, os.O_RDONLY)
@@ -433,19 +466,7 @@ def test_a_failing_copy_stops_the_readers_and_frees_the_ring(tmp_path: Any, thre
 
 def test_a_failing_reader_stops_the_pipeline_and_frees_the_ring(tmp_path: Any, threaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
     fd, src, dest = _ring_case(tmp_path)
-    real = os.preadv
-    state = {"n": 0}
-    lock = threading.Lock()
-
-    def failing(fd_: int, buffers: list[Any], offset: int) -> int:
-        with lock:
-            state["n"] += 1
-            n = state["n"]
-        if n == 10:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd_, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", failing)
+    fail_preadv_at(monkeypatch, 10)
     fake = FakeCopier()
     try:
         with pytest.raises(StorageError, match="reading w"):

@@ -35,6 +35,8 @@ from memtree import (
 )
 from memtree.interop import save_safetensors
 
+from test_fill import fail_preadv_at
+
 BUFFER_DTYPES = [
     torch.bfloat16,
     torch.float16,
@@ -297,19 +299,7 @@ def test_a_read_failing_mid_load_raises_closes_every_descriptor_and_leaves_no_th
     monkeypatch.setattr(fill_mod, "READ_MIN_WORK", 1)
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 64)  # many pieces: the threads overlap the setup
     path = save(trained(), "memtree", tmp_path)
-    real = os.preadv
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def failing(fd: int, buffers: list[Any], offset: int) -> int:
-        with lock:
-            calls["n"] += 1
-            n = calls["n"]
-        if n == fail_at:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", failing)
+    calls = fail_preadv_at(monkeypatch, fail_at)
     before = _open_fds()
     with pytest.raises(StorageError, match=r"leaf .*\.memmap") as info:
         load_into_module(Net(), path)

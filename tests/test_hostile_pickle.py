@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -84,17 +85,29 @@ STORAGE_BYTES = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
 
 
 class Tensor4:
-    """Pickled as a float32 tensor of 4 elements (storage ``0`` of the archive)."""
+    """Pickled as a float32 tensor of 4 elements (storage ``0`` of the archive), with
+    ``metadata`` (the 7th argument of ``_rebuild_tensor_v2``: ``{"conj": True}``...) if given;
+    ``complex``: as a complex64 tensor of 2 elements (the same 16 bytes)."""
+
+    def __init__(self, metadata: Any = None, complex: bool = False, layout: Any = None) -> None:
+        self.metadata = metadata
+        self.complex = complex
+        self.layout = layout  # (size, stride) instead of the whole storage
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
-        return ("storage", torch.FloatStorage, "0", "cpu", 4) if obj is _STORAGE else None
+        if isinstance(obj, tuple) and obj and obj[0] is _STORAGE:
+            kind, numel = (torch.ComplexFloatStorage, 2) if obj[1] else (torch.FloatStorage, 4)
+            return ("storage", kind, "0", "cpu", numel)
+        return None
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor4):
-            args = (_STORAGE, 0, (4,), (1,), False, OrderedDict())
-            return torch._utils._rebuild_tensor_v2, args
+            n = 2 if obj.complex else 4
+            size, stride = obj.layout or ((n,), (1,))
+            args: tuple[Any, ...] = ((_STORAGE, obj.complex), 0, size, stride, False, OrderedDict())
+            return torch._utils._rebuild_tensor_v2, args + ((obj.metadata,) if obj.metadata is not None else ())
         return NotImplemented
 
 
@@ -136,6 +149,7 @@ def write_ckpt(
         else:
             zf.writestr(order, byteorder)
         zf.writestr("archive/data/0", STORAGE_BYTES)
+        zf.writestr("archive/version", "3\n")  # what torch.load needs besides
     return path
 
 
@@ -324,6 +338,8 @@ def test_operations_that_would_allocate_gigabytes_are_refused(tmp_path: Path) ->
         "binbytes8": (PROTO + b"\x8e" + struct.pack("<Q", 2**40) + b".", "declares"),
         "frame": (b"\x80\x04\x95" + struct.pack("<Q", 2**33) + NONE + b".", "truncated"),
         "stack-flood": (under("a", EMPTY_LIST + MARK + NONE * 60_000_000 + APPENDS), "max_objects"),
+        # bytearray(n) allocates n bytes: torch.load(weights_only=True) would try 1 TB
+        "bytearray-int": (under("a", glob("builtins", "bytearray") + _long(2**40) + TUPLE1 + REDUCE), "bytearray()"),
     }
     paths = {
         name: write_ckpt(tmp_path / f"{name}.pt", data, compress=zipfile.ZIP_DEFLATED)
@@ -333,6 +349,12 @@ def test_operations_that_would_allocate_gigabytes_are_refused(tmp_path: Path) ->
     for i, result in enumerate(run_bounded(tmp_path, cases, timeout=240)):
         name = list(bombs)[i // 3]
         assert_refused(result, bombs[name][1], str(paths[name]))
+
+
+def _long(n: int) -> bytes:
+    """LONG1: an int of any size."""
+    data = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
 
 
 def _copies(make: bytes, big: bytes, copies: int) -> bytes:
@@ -354,20 +376,34 @@ CALL_BOMBS = {
     "encode": _copies(
         glob("_codecs", "encode") + get(1) + ustr("latin1") + TUPLE2 + REDUCE, ustr("x" * 4 * MiB), 5000
     ),
+    # the calls torch.load(weights_only=True) allows besides: set, Counter, bytearray
+    "set": _copies(glob("builtins", "set") + get(1) + TUPLE1 + REDUCE, _BIG_LIST, 5000),
+    "Counter": _copies(glob("collections", "Counter") + get(1) + TUPLE1 + REDUCE, _BIG_LIST, 5000),
+    "bytearray": _copies(
+        glob("builtins", "bytearray") + get(1) + TUPLE1 + REDUCE,
+        glob("_codecs", "encode") + ustr("x" * 4 * MiB) + ustr("latin1") + TUPLE2 + REDUCE,
+        5000,
+    ),
 }
 
 
-@pytest.mark.parametrize("name", list(CALL_BOMBS))
-def test_calls_that_multiply_a_big_object_are_charged(tmp_path: Path, name: str) -> None:
-    path = write_ckpt(tmp_path / f"{name}.pt", CALL_BOMBS[name])
-    field = "max_bytes" if name == "encode" else "max_objects"
+@pytest.mark.parametrize(
+    "names", [("torch.Size",), ("OrderedDict",), ("BUILD",), ("encode",), ("set", "Counter", "bytearray")], ids="-".join
+)
+def test_calls_that_multiply_a_big_object_are_charged(tmp_path: Path, names: tuple[str, ...]) -> None:
     small = {"max_bytes": 48 * MiB, "max_objects": 1_000_000}
-    cases = every_reader(path) + every_reader(path, limits=small)
+    cases: list[dict[str, Any]] = []
+    for name in names:  # one child for several: each starts in seconds
+        path = write_ckpt(tmp_path / f"{name}.pt", CALL_BOMBS[name])
+        cases += every_reader(path) + every_reader(path, limits=small)
     results = run_bounded(tmp_path, cases, headroom=1024 * MiB, timeout=300)
-    for result in results[:3]:  # the defaults: about 400 MB of objects, or 256 MiB of bytes
-        assert_refused(result, field, str(path), growth=640 * MiB)
-    for result in results[3:]:
-        assert_refused(result, field, str(path), growth=100 * MiB)
+    for i, name in enumerate(names):
+        field = "max_bytes" if name in ("encode", "bytearray") else "max_objects"
+        path = tmp_path / f"{name}.pt"
+        for result in results[6 * i : 6 * i + 3]:  # the defaults: ~400 MB of objects, or 256 MiB of bytes
+            assert_refused(result, field, str(path), growth=640 * MiB)
+        for result in results[6 * i + 3 : 6 * i + 6]:
+            assert_refused(result, field, str(path), growth=100 * MiB)
 
 
 def test_zip_entries_whose_sizes_lie_are_refused_in_bounded_memory(tmp_path: Path) -> None:
@@ -425,6 +461,168 @@ def test_limits_are_configurable_and_named_in_the_error(tmp_path: Path) -> None:
     assert main(["convert", str(deep), str(tmp_path / "t"), "--max-pickle-depth", "200"]) == 0
     assert main(["convert", str(path), str(tmp_path / "u"), "--max-pickle-objects", "100"]) == 1
     assert not (tmp_path / "u").exists()
+
+
+# -- 3. the calls torch.load(weights_only=True) allows, with hostile arguments -------------------
+def _call(module: str, name: str, *args: bytes) -> bytes:
+    """A call of ``module.name`` with the pickled ``args``."""
+    return glob(module, name) + MARK + b"".join(args) + TUPLE + REDUCE
+
+
+def _int(n: int) -> bytes:
+    return b"J" + struct.pack("<i", n)
+
+
+_F32 = glob("torch", "float32")
+HOSTILE_CALLS = {  # name: (the value of "a", what the error says)
+    "device-long-name": (_call("torch", "device", ustr("x" * 100)), "torch.device() called with"),
+    "device-unknown": (_call("torch", "device", ustr("nonsense")), "unknown device"),
+    "device-negative": (_call("torch", "device", ustr("cuda"), _int(-1)), "torch.device() called with"),
+    "device-huge-index": (_call("torch", "device", ustr("cuda"), _long(2**40)), "torch.device() called with"),
+    "device-int-type": (_call("torch", "device", _int(1)), "torch.device() called with"),
+    "device-str-index": (_call("torch", "device", ustr("cuda"), ustr("1")), "torch.device() called with"),
+    "device-no-args": (_call("torch", "device"), "malformed"),
+    "bytearray-str": (_call("builtins", "bytearray", ustr("abc")), "bytearray() called with"),
+    "bytearray-list": (_call("builtins", "bytearray", EMPTY_LIST), "bytearray() called with"),
+    "set-int": (_call("builtins", "set", _int(5)), "set() is called with a int"),
+    "set-unhashable": (_call("builtins", "set", EMPTY_LIST + EMPTY_LIST + APPEND), "malformed"),
+    "set-two-args": (_call("builtins", "set", EMPTY_LIST, EMPTY_LIST), "set() called with 2 arguments"),
+    "counter-str": (_call("collections", "Counter", ustr("abc")), "Counter() is called with a str"),
+    "counter-state": (
+        _call("collections", "Counter") + EMPTY_LIST + BUILD, "gives the Counter a list state"
+    ),
+    "layout-os": (_call("torch.serialization", "_get_layout", ustr("os.system")), "unknown layout"),
+    "layout-int": (_call("torch.serialization", "_get_layout", _int(1)), "unknown layout"),
+    "layout-missing": (_call("torch.serialization", "_get_layout", ustr("torch.nope")), "unknown layout"),
+    "cpu-copy-of-int": (
+        _call("torch._utils", "_rebuild_device_tensor_from_cpu_tensor", _int(5), _F32, ustr("xla"), b"\x89"),
+        "wraps a int",
+    ),
+    "subclass-rebuilt-by-device": (
+        _call("torch._tensor", "_rebuild_from_type_v2", glob("torch", "device"), glob("torch", "Tensor"),
+              EMPTY_TUPLE, NONE),
+        "rebuilt with",
+    ),
+    "qscheme-as-storage": (
+        glob("torch._utils", "_rebuild_tensor_v2") + MARK + MARK + ustr("storage") + glob("torch", "per_tensor_affine")
+        + ustr("0") + ustr("cpu") + b"K\x04" + TUPLE + b"Q" + b"K\x00" + EMPTY_TUPLE + EMPTY_TUPLE + b"\x89"
+        + EMPTY_DICT + TUPLE + REDUCE,
+        "storage type",
+    ),
+    "dtype-as-storage": (
+        glob("torch._utils", "_rebuild_tensor_v2") + MARK + MARK + ustr("storage") + glob("torch", "uint3")
+        + ustr("0") + ustr("cpu") + b"K\x04" + TUPLE + b"Q" + b"K\x00" + EMPTY_TUPLE + EMPTY_TUPLE + b"\x89"
+        + EMPTY_DICT + TUPLE + REDUCE,
+        "storage type",
+    ),
+    "v3-with-a-qscheme-dtype": (
+        glob("torch._utils", "_rebuild_tensor_v3") + MARK + MARK + ustr("storage") + glob("torch.storage", "UntypedStorage")
+        + ustr("0") + ustr("cpu") + b"K\x10" + TUPLE + b"Q" + b"K\x00" + EMPTY_TUPLE + EMPTY_TUPLE + b"\x89"
+        + EMPTY_DICT + glob("torch", "per_tensor_affine") + TUPLE + REDUCE,
+        "names the dtype",
+    ),
+}  # fmt: skip
+
+
+def test_the_calls_weights_only_allows_refuse_hostile_arguments(tmp_path: Path) -> None:
+    """Each call torch.load(weights_only=True) allows (and memtree with it: torch.device, set,
+    bytearray, Counter, layouts, the tensor rebuilds) checks its arguments: a hostile one is a
+    MemtreeError naming the file, never a crash, an allocation it asks for, or a wrong value."""
+    for name, (value, fragment) in HOSTILE_CALLS.items():
+        path = write_ckpt(tmp_path / f"{name}.pt", PROTO + EMPTY_DICT + ustr("a") + value + SETITEM + b".")
+        for read in (
+            lambda: memtree.open_checkpoint(path),
+            lambda: memtree.convert(path, tmp_path / "out"),
+            lambda: memtree.load_into_module(torch.nn.Linear(2, 2), path, strict=False),
+        ):
+            with pytest.raises(memtree.MemtreeError) as err:
+                read()
+            assert fragment in str(err.value) and str(path) in str(err.value), (name, str(err.value))
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cls", ["OrderedDict", "Counter"])
+@pytest.mark.parametrize("attribute", [NONE, b"K\x05", glob("torch", "device"), glob("builtins", "set")])
+def test_attributes_a_build_sets_do_not_change_how_a_dict_is_walked(tmp_path: Path, cls: str, attribute: bytes) -> None:
+    """A BUILD may set any attribute on an OrderedDict (a Counter), "items" and "keys" too, as
+    torch.load(weights_only=True) allows: the walk uses dict's own methods, never the object's
+    (an int there once escaped as a TypeError)."""
+    state = EMPTY_DICT + MARK + b"".join(ustr(n) + attribute for n in ("items", "keys", "values")) + b"u"
+    value = _call("collections", cls) + state + BUILD + ustr("k") + b"K\x01" + SETITEM
+    path = write_ckpt(tmp_path / "attrs.pt", PROTO + EMPTY_DICT + ustr("a") + value + SETITEM + b".")
+    assert torch.load(path, weights_only=True)["a"]["k"] == 1
+    with memtree.open_checkpoint(path) as ckpt:
+        assert ckpt.non_tensors == {"a.k": 1}
+    assert memtree.convert(path, tmp_path / "out").dropped == []
+    assert memtree.load_memmap(tmp_path / "out")["a", "k"] == 1
+
+
+LAYOUTS = {  # (size, stride): the error's type and what it says
+    "zero-element, 2**124 elements once zeros count as 1": (((0, 2**62, 2**62), (1, 1, 1)), memtree.DtypeError, "beyond 2**62 bytes"),
+    "zero-element, an int64 dim": (((0, 2**63 - 1), (2**63 - 1, 1)), memtree.DtypeError, "beyond 2**62 bytes"),
+    "a stride beyond int64": (((0,), (2**63,)), memtree.CheckpointFormatError, "malformed size"),
+    "a dim beyond int64": (((2**64, 0), (1, 1)), memtree.CheckpointFormatError, "malformed size"),
+    "past the storage": (((5,), (1,)), memtree.CheckpointFormatError, "reaches past the end"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_torch_cannot_make_or_memtree_cannot_hold_are_refused(tmp_path: Path, name: str) -> None:
+    """Sizes and strides beyond int64, or a zero-element shape spanning more than the format's
+    2**62 bytes once its zeros count as 1 (torch overflows computing its strides): a MemtreeError
+    from every reader, never a TypeError or RuntimeError out of torch."""
+    layout, error, fragment = LAYOUTS[name]
+    path = write_ckpt(tmp_path / "l.pt", dumps({"ok": Tensor4(), "t": Tensor4(layout=layout)}))
+    for read in (
+        lambda: memtree.open_checkpoint(path)["t"],
+        lambda: memtree.convert(path, tmp_path / "out"),
+        lambda: memtree.load_into_module(torch.nn.Linear(2, 2), path, strict=False),
+    ):
+        with pytest.raises(error, match=re.escape(fragment)):
+            read()
+    assert not (tmp_path / "out").exists()
+
+
+METADATA = {  # metadata: (the error's type and what it says, or the values torch.load gives)
+    "conj-not-bool": ({"conj": "yes"}, False, memtree.CheckpointFormatError, "malformed metadata"),
+    # torch.save writes set bits only; torch.load would set this one: neither reading is sure
+    "conj-false": ({"conj": False}, True, memtree.CheckpointFormatError, "malformed metadata"),
+    "conj-of-a-real-tensor": ({"conj": True}, False, memtree.CheckpointFormatError, "conjugate bit"),
+    "a-list": ([("conj", True)], False, memtree.CheckpointFormatError, "malformed metadata"),
+    "an-ordered-dict": (OrderedDict(neg=True), False, memtree.CheckpointFormatError, "malformed metadata"),
+    "unknown-bit": ({"zero": True}, False, memtree.DtypeError, "does not know"),
+    "an-int-key": ({1: True}, False, memtree.DtypeError, "does not know"),
+}
+
+
+@pytest.mark.parametrize("name", list(METADATA))
+def test_tensor_metadata_memtree_cannot_apply_is_refused_by_key(tmp_path: Path, name: str) -> None:
+    """A tensor's metadata (where torch.save records the conj and neg bits) is applied exactly
+    or refused naming the key: never ignored, which would give the stored values instead."""
+    metadata, complex_, error, fragment = METADATA[name]
+    ok, bad = Tensor4(complex=complex_), Tensor4(metadata, complex_)
+    path = write_ckpt(tmp_path / "m.pt", dumps({"ok": ok, "sub": {"t": bad}}))
+    with pytest.raises(error, match=f"'sub.t' is .*{fragment}"):
+        memtree.open_checkpoint(path)
+    with pytest.raises(error, match="sub.t"):
+        memtree.convert(path, tmp_path / "out")
+    with pytest.raises(error, match="sub.t"):
+        memtree.load_into_module(torch.nn.Linear(2, 2), path, strict=False)
+    if error is memtree.DtypeError:  # not damage: memtree cannot read it, and may leave it out
+        with memtree.open_checkpoint(path, skip_unsupported=True) as ckpt:
+            assert list(ckpt) == ["ok"] and list(ckpt.skipped) == ["sub.t"]
+
+
+@pytest.mark.parametrize("metadata", [{"neg": True}, {"conj": True}, {"conj": True, "neg": True}, {}])
+def test_tensor_metadata_bits_are_applied(tmp_path: Path, metadata: dict[str, bool]) -> None:
+    real = {k: v for k, v in metadata.items() if k != "conj"}  # a real tensor has no conj bit
+    for name, tensor in (("complex", Tensor4(metadata, complex=True)), ("real", Tensor4(real))):
+        path = write_ckpt(tmp_path / f"{name}.pt", dumps({"t": tensor}))
+        ref = torch.load(path, weights_only=True)["t"]
+        with memtree.open_checkpoint(path) as ckpt:
+            assert torch.equal(ckpt["t"], ref) and torch.equal(ckpt.read("t", mmap=False), ref)
+            assert (ckpt["t"].is_conj(), ckpt["t"].is_neg()) == (ref.is_conj(), ref.is_neg())
+            assert ckpt["t"].is_neg() == metadata.get("neg", False)
 
 
 # -- generated suites: each class of problem, many variants, one bounded child each ---------------
@@ -602,7 +800,7 @@ def test_generated_object_and_byte_bombs(tmp_path: Path) -> None:
     # exercised by the tests above
     limits = {"max_objects": 200_000, "max_bytes": 8 * MiB}
     variants = bomb_variants(1_000_000)
-    assert len(variants) == 33
+    assert len(variants) == 36
     stored = _files(tmp_path, variants)
     deflated = [write_ckpt(tmp_path / f"{v[0]}-z.pt", v[1], compress=zipfile.ZIP_DEFLATED) for v in variants]
     cases = [{"call": "open", "file": str(p), "limits": limits} for p in stored + deflated]
@@ -823,7 +1021,9 @@ def test_property_mutated_checkpoints_raise_only_memtree_errors(tmp_path: Path) 
     of a checkpoint's pickle or of its whole zip, opened and read in a bounded child."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     base = tmp_path / "base.pt"
-    torch.save({"model": model.state_dict(), "step": 3, "cfg": {"betas": (0.9, 0.99)}}, base)
+    views = {"conj": torch.ones(2, dtype=torch.complex64).conj(), "neg": torch._neg_view(torch.ones(3))}
+    extras = {"seen": {1, 2}, "device": torch.device("cpu"), "raw": bytearray(b"ab"), "cfg": {"betas": (0.9, 0.99)}}
+    torch.save({"model": model.state_dict(), "step": 3, "views": views, **extras}, base)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", _FUZZ, str(base), str(tmp_path / "mutant.pt"), "400"],

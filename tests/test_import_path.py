@@ -44,6 +44,8 @@ NOT_ON_THE_READY_PATH = (
     "memtree.store.verify",
     "memtree.store.remote",
     "memtree.store.linking",
+    "memtree.store.lease",
+    "memtree.store.unshare",  # only for a leaf another tree shares (imported on first use)
     "memtree.tree.dataset",
     "memtree.tree.ops",
     "memtree.tree.growth",

@@ -237,7 +237,7 @@ def test_a_torch_save_checkpoint_of_an_earlier_run_still_loads(tmp_path):
 def test_unchanged_tensors_are_hard_links_to_the_previous_checkpoint(tmp_path):
     fit(tmp_path, 3, top_k=-1, frozen=True)
     ck = tmp_path / "ck"
-    trees = [memtree.load_memmap(ck / f"epoch={e}-step={4 * (e + 1)}.ckpt") for e in range(3)]
+    trees = [memtree.load_memmap(ck / f"epoch={e}-step={4 * (e + 1)}.ckpt", mode="r") for e in range(3)]
 
     def inode(tree: Any, key: str) -> int:
         return os.stat(tree["state_dict"][key].filename).st_ino

@@ -178,8 +178,8 @@ def test_consecutive_dumps_link_what_did_not_change(tmp_path, monkeypatch):
     storage.set(0, item, set_cursor=False)
     rb.dumps(tmp_path / "d2")  # only "action" changed: the 3 other keys are linked
     assert (seen[-1].files_written, seen[-1].files_linked) == (1, 3)
-    first = memtree.load_memmap(tmp_path / "d1" / "storage")["obs"].filename
-    second = memtree.load_memmap(tmp_path / "d2" / "storage")["obs"].filename
+    first = memtree.load_memmap(tmp_path / "d1" / "storage", mode="r")["obs"].filename
+    second = memtree.load_memmap(tmp_path / "d2" / "storage", mode="r")["obs"].filename
     assert os.stat(first).st_ino == os.stat(second).st_ino
     rb.dumps(tmp_path / "d2")  # again, unchanged: everything linked from the dump it replaces
     assert seen[-1].files_written == 0

@@ -145,7 +145,7 @@ def test_unchanged_tensors_are_hard_links_to_the_previous_checkpoint(tmp_path):
     run(tmp_path, model=model, max_steps=4)
 
     def inode(step: int, key: str) -> int:
-        tree = memtree.load_memmap(tmp_path / f"checkpoint-{step}" / "state", keys=["model"])
+        tree = memtree.load_memmap(tmp_path / f"checkpoint-{step}" / "state", keys=["model"], mode="r")
         return os.stat(tree["model", key].filename).st_ino
 
     assert inode(2, "transformer.wpe.weight") == inode(4, "transformer.wpe.weight")

@@ -324,3 +324,30 @@ def test_checkpoint_path_may_be_a_symlink(tmp_path: Path) -> None:
     link = tmp_path / "model.pt"
     link.symlink_to(target)
     assert open_checkpoint(link)["w"].tolist() == [0, 1, 2]
+
+
+def test_zero_element_views_at_any_offset_are_read(tmp_path: Path) -> None:
+    """A view with no element may start past the end of its (empty) storage: it needs no byte.
+    torch.load reads it; memtree took it for damage."""
+    empty = torch.empty(2, 0, dtype=torch.float16)
+    sd = {"rest": empty[1:], "none": torch.ones(4)[4:], "row": empty[1]}
+    path = tmp_path / "empty.pt"
+    torch.save(sd, path)
+    ref = torch.load(path, weights_only=True)
+    assert ref["rest"].storage_offset() > 0 and ref["rest"].untyped_storage().nbytes() == 0
+    with open_checkpoint(path) as ckpt:
+        for key in sd:
+            for mmap in (True, False):
+                got = ckpt.read(key, mmap=mmap)
+                assert got.shape == ref[key].shape and got.dtype == ref[key].dtype and got.numel() == 0
+    memtree.convert(path, tmp_path / "tree")
+    assert memtree.load_memmap(tmp_path / "tree")["rest"].shape == (1, 0)
+
+
+def test_allow_pickle_reads_what_protocol_2_names_by_python_2_names(tmp_path: Path) -> None:
+    """``range`` is pickled as ``__builtin__.xrange``: pickle's own lookup maps it."""
+    path = tmp_path / "r.pt"
+    torch.save({"w": torch.ones(1), "r": range(3)}, path)
+    with pytest.raises(memtree.UnsafePickleError, match="xrange"):
+        open_checkpoint(path)
+    assert open_checkpoint(path, allow_pickle=True).non_tensors["r"] == range(3)

@@ -98,13 +98,35 @@ def test_corrupted_old_leaf_is_written_not_linked(tmp_path):
     assert [p.key for p in verify_tree(old).problems] == [("w",)]
 
 
-def test_trusting_recorded_checksums_still_refuses_a_file_changed_after_its_meta(tmp_path):
+def test_trusting_recorded_sha256_checksums_still_refuses_a_file_changed_after_its_meta(tmp_path):
     old = tmp_path / "1"
-    _save(old, _state(0))
+    _save(old, _state(0), checksum="sha256")
     st = os.stat(old / "meta.json")
     os.utime(old / "b.memmap", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    stats = _save(tmp_path / "2", _state(0), link_from=old, link_verify=False)
+    stats = _save(tmp_path / "2", _state(0), link_from=old, link_verify=False, checksum="sha256")
     assert stats.files_linked == 3 and stats.link_fallbacks == 1
+
+
+def test_trusting_a_sha256_checksum_reads_no_old_byte(tmp_path, monkeypatch):
+    old = tmp_path / "1"
+    _save(old, _state(0), checksum="sha256")
+    monkeypatch.setattr(linking, "equal_bytes", lambda *a: pytest.fail("compared bytes it may trust"))
+    assert _save(tmp_path / "2", _state(0), link_from=old, link_verify=False, checksum="sha256").files_linked == 4
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c", "xxh3"])
+def test_link_verify_false_never_trusts_a_checksum_that_can_be_forged(tmp_path, algorithm):
+    """Without verify, a non-cryptographic checksum still decides nothing alone: the bytes are
+    compared (a file rewritten with other bytes and its old mtime is not linked)."""
+    old = tmp_path / "1"
+    _save(old, _state(0), checksum=algorithm)
+    path = old / "b.memmap"
+    st = os.stat(path)
+    path.write_bytes(raw_bytes(torch.zeros(32)))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # looks untouched since its meta.json
+    stats = _save(tmp_path / "2", _state(0), link_from=old, link_verify=False, checksum=algorithm)
+    assert (stats.files_linked, stats.link_fallbacks) == (3, 1)
+    assert raw_bytes(memtree.load_memmap(tmp_path / "2", verify=True)["b"]) == raw_bytes(_state(0).entries["b"])
 
 
 def test_symlinked_leaf_in_old_tree_is_not_followed(tmp_path):
@@ -137,17 +159,17 @@ def test_unreadable_link_from_writes_everything(tmp_path):
 def test_old_file_swapped_between_check_and_link_is_unlinked(tmp_path, monkeypatch):
     old, new = tmp_path / "1", tmp_path / "2"
     _save(old, _state(0))
-    real = linking.LinkSource._still_same
+    real = linking.LinkSource._holds
 
-    def swap(self, fd, st, o, checksum):
-        ok = real(self, fd, st, o, checksum)
+    def swap(self, fd, st, o, data, lease):
+        ok = real(self, fd, st, o, data, lease)
         if o.meta.key == "w":  # an attacker replaces the checked file by another one
             os.unlink(old / "w.memmap")
             with open(old / "w.memmap", "wb") as f:
                 f.write(b"\0" * (64 * 32 * 4))
         return ok
 
-    monkeypatch.setattr(linking.LinkSource, "_still_same", swap)
+    monkeypatch.setattr(linking.LinkSource, "_holds", swap)
     stats = _save(new, _state(0), link_from=old)
     assert stats.link_fallbacks == 1 and stats.files_linked == 3
     assert raw_bytes(memtree.load_memmap(new, verify=True)["w"]) == raw_bytes(_state(0).entries["w"])
@@ -236,16 +258,16 @@ def test_old_tree_removed_while_linking_writes_the_rest(tmp_path, monkeypatch):
 
     old, new = tmp_path / "1", tmp_path / "2"
     _save(old, _state(0))
-    real = linking.LinkSource._still_same
+    real = linking.LinkSource._holds
     calls = []
 
-    def remove_then_check(self, fd, st, o, checksum):
+    def remove_then_check(self, fd, st, o, data, lease):
         calls.append(o.meta.key)
         if len(calls) == 1:
             shutil.rmtree(old)  # the previous checkpoint is deleted (retention) mid-save
-        return real(self, fd, st, o, checksum)
+        return real(self, fd, st, o, data, lease)
 
-    monkeypatch.setattr(linking.LinkSource, "_still_same", remove_then_check)
+    monkeypatch.setattr(linking.LinkSource, "_holds", remove_then_check)
     stats = _save(new, _state(0), link_from=old)
     assert stats.files_linked + stats.files_written == 4 and stats.files_written >= 3
     loaded = memtree.load_memmap(new, verify=True)
@@ -261,3 +283,79 @@ def test_fsync_flushes_linked_files_too(tmp_path, monkeypatch):
     stats = _save(tmp_path / "2", _state(0), link_from=old, fsync=True)
     assert stats.files_linked == 4
     assert {os.stat(p).st_ino for p in old.rglob("*.memmap")} <= set(synced)  # (os.fsync is global)
+
+
+# ---------------------------------------------------------------------------------------------
+# equality decided by the bytes, not by a checksum that can be matched on purpose
+
+
+def _forge_tail(checksum, prefix: bytes, target: int) -> bytes:
+    """``prefix`` and 4 bytes whose CRC (``checksum``: crc32 or crc32c, affine over GF(2) in
+    the last 4 bytes) is ``target``."""
+    base = checksum(prefix + bytes(4))
+    pivots: dict[int, tuple[int, int]] = {}  # highest bit -> (column, which input bits)
+    for i in range(32):
+        col, mask = checksum(prefix + (1 << i).to_bytes(4, "little")) ^ base, 1 << i
+        for bit in range(31, -1, -1):
+            if (col >> bit) & 1:
+                if bit not in pivots:
+                    pivots[bit] = (col, mask)
+                    break
+                col, mask = col ^ pivots[bit][0], mask ^ pivots[bit][1]
+    want, mask = target ^ base, 0
+    for bit in range(31, -1, -1):
+        if (want >> bit) & 1:
+            want, mask = want ^ pivots[bit][0], mask ^ pivots[bit][1]
+    return prefix + mask.to_bytes(4, "little")
+
+
+def _collision(algorithm: str) -> tuple[bytes, bytes]:
+    """Two different contents with the same ``algorithm`` checksum."""
+    g = torch.Generator().manual_seed(7)
+    noise = lambda n: bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).tolist())  # noqa: E731
+    if algorithm == "xxh3":
+        # XXH3_64 of 17..128 bytes adds mix16B(input[0:16], secret[0:16]); the product it folds is
+        # 0 when input[0:8] equals the default secret's first 8 bytes, whatever input[8:16] is
+        head = bytes([0xB8, 0xFE, 0x6C, 0x39, 0x23, 0xA4, 0x4B, 0xBE])
+        tail = noise(16)
+        return head + noise(8) + tail, head + noise(8) + tail
+    if algorithm == "crc32":
+        import zlib
+
+        fn = zlib.crc32
+    else:
+        crc32c = pytest.importorskip("crc32c", reason="crc32c is an optional package")
+        fn = crc32c.crc32c
+    first = noise(60) + bytes(4)
+    return first, _forge_tail(fn, noise(60), fn(first))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["link_verify", "no_link_verify"])
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32", "crc32c"])
+def test_different_bytes_with_the_same_checksum_are_written_not_linked(tmp_path, algorithm, verify):
+    from memtree.store.checksums import available_checksums, tensor_checksum
+
+    if algorithm not in available_checksums():
+        pytest.skip(f"{algorithm} needs its optional package (memtree[fast-checksums])")
+    first, second = (torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in _collision(algorithm))
+    assert raw_bytes(first) != raw_bytes(second)
+    assert tensor_checksum(first, algorithm) == tensor_checksum(second, algorithm)  # a real collision
+    old, new = tmp_path / "1", tmp_path / "2"
+    _save(old, Level((), {"w": first}), checksum=algorithm)
+    stats = _save(new, Level((), {"w": second}), link_from=old, checksum=algorithm, link_verify=verify)
+    assert (stats.files_linked, stats.files_written, stats.link_fallbacks) == (0, 1, 1)
+    assert raw_bytes(memtree.load_memmap(new, mode="r")["w"]) == raw_bytes(second)
+    assert _ino(old / "w.memmap") != _ino(new / "w.memmap")
+    assert verify_tree(new).ok and verify_tree(old).ok
+
+
+def test_the_default_checksum_collision_through_a_checkpointer(tmp_path):
+    from memtree.store.checksums import default_checksum
+
+    first, second = (torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in _collision(default_checksum()))
+    ckpt = memtree.Checkpointer(tmp_path)
+    ckpt.save(1, {"w": first})
+    ckpt.save(2, {"w": second})
+    assert ckpt.last_stats.files_linked == 0
+    assert raw_bytes(ckpt.restore(2)["w"]) == raw_bytes(second)
+    assert raw_bytes(ckpt.restore(1)["w"]) == raw_bytes(first)

@@ -5,9 +5,11 @@ non-tensor values, opt-in only, ``<key>.pickle``); and the hidden siblings a wri
 ``<parent>/<name>`` uses: the staging directory ``.<name>.memtree-tmp-<32 hex>/``, the old copy
 ``.<name>.memtree-old-<32 hex>/`` (fallback overwrite), the writer lock ``.<name>.memtree.lock``
 (which holds the journal of a writer that died); inside a tree, a growth's temporary
-``.meta.json.memtree-tmp-<32 hex>``; in a remote cache directory, the download scratch
-``.<entry>.memtree-download-<32 hex>/``; in a checkpoint root, the step directories ``<step>/``
-(:func:`is_step_name`) and the root record ``.memtree-root.json`` of an encrypted root.
+``.meta.json.memtree-tmp-<32 hex>`` and the name ``.memtree-copy-<32 hex>`` a leaf's own copy
+(:mod:`memtree.store.unshare`) has for an instant before it is renamed over the leaf; in a
+remote cache directory, the download scratch ``.<entry>.memtree-download-<32 hex>/``; in a
+checkpoint root, the step directories ``<step>/`` (:func:`is_step_name`) and the root record
+``.memtree-root.json`` of an encrypted root.
 
 A tree key may be any non-empty ``str``. On disk, a key becomes a file or directory name only
 through :func:`encode_level`, which escapes everything that is not portable and safe (see
@@ -38,6 +40,7 @@ __all__ = [
     "OLD_MARK",
     "LOCK_SUFFIX",
     "SCRATCH_MARK",
+    "COPY_MARK",
     "META_TMP",
     "SIBLING",
     "TIED_KEY",
@@ -46,6 +49,7 @@ __all__ = [
     "lock_path",
     "scratch_path",
     "meta_tmp_name",
+    "copy_name",
     "is_uncommitted_name",
     "MAX_STEP",
     "ROOT_RECORD",
@@ -75,6 +79,8 @@ OLD_MARK = ".memtree-old-"
 LOCK_SUFFIX = ".memtree.lock"
 #: Marker in the name of a remote download's scratch directory, inside a cache directory.
 SCRATCH_MARK = ".memtree-download-"
+#: Prefix of the name a leaf's own copy has, inside its level, before it is renamed over the leaf.
+COPY_MARK = ".memtree-copy-"
 
 #: Largest step of a checkpoint root (a step is an int64, its directory the decimal number).
 MAX_STEP = 2**63 - 1
@@ -116,6 +122,16 @@ def scratch_path(parent: str, name: str) -> str:
 def meta_tmp_name() -> str:
     """A fresh name for a growth's temporary ``meta.json`` (matches :data:`META_TMP`)."""
     return f".{META_NAME}{STAGING_MARK}{uuid.uuid4().hex}"
+
+
+def copy_name() -> str:
+    """A fresh name for a leaf's own copy in the leaf's directory (``.memtree-copy-<32 hex>``).
+
+    Example:
+        >>> copy_name().startswith(COPY_MARK), len(copy_name())
+        (True, 46)
+    """
+    return f"{COPY_MARK}{uuid.uuid4().hex}"
 
 
 def routed_entry_name(tag: str) -> str:

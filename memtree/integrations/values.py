@@ -300,9 +300,9 @@ def _to_dtype(v: Any, path: _Path, extra: list[Any], allow_pickle: bool, hint: s
 
 
 def _to_device(v: Any, path: _Path, extra: list[Any], allow_pickle: bool, hint: str) -> torch.device:
+    if type(v) is not str:
+        raise _bad(path, f"names no device: {v!r:.40} (a {type(v).__name__}, not a str)")
     try:
-        if type(v) is not str:
-            raise TypeError(type(v).__name__)
         return torch.device(v)
     except (RuntimeError, TypeError, ValueError) as err:
         raise _bad(path, f"names no device: {v!r:.40} ({err})") from None

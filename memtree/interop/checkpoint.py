@@ -41,9 +41,10 @@ from ..store.storage import local_path
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
 from .sharded import DIRECTORY_FILES, ShardedReader, find_checkpoint, is_index
+from .pickle_guard import PickleLimits
 from .torchsave import TorchSaveReader, is_torch_zip, legacy_message
 
-__all__ = ["Checkpoint", "open_checkpoint", "checkpoint_kind"]
+__all__ = ["Checkpoint", "open_checkpoint", "open_file", "checkpoint_kind"]
 
 Reader = Union[TorchSaveReader, SafetensorsReader, ShardedReader]
 
@@ -81,7 +82,10 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
         path: the file (for a sharded checkpoint: its index).
         format: ``"torch"`` or ``"safetensors"``.
         files: the files that hold the tensors: ``[path]``, or every shard.
-        non_tensors: non-tensor values by dotted key (``torch.save`` files: ``{"epoch": 3}``).
+        non_tensors: non-tensor values by dotted key (``torch.save`` files: ``{"epoch": 3}``),
+            exactly as ``torch.load(weights_only=True)`` gives them (sets, ``torch.device``...).
+        skipped: the tensors left out with ``skip_unsupported=True``, by dotted key, with what
+            each is (``{"emb": "a sparse_coo tensor (sparse)"}``).
         metadata: a safetensors file's ``__metadata__`` (``None`` otherwise, and for shards).
     """
 
@@ -92,6 +96,9 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
         self.files: list[str] = reader.files if isinstance(reader, ShardedReader) else [reader.path]
         self.non_tensors: dict[str, Any] = (
             reader.non_tensors if isinstance(reader, (TorchSaveReader, ShardedReader)) else {}
+        )
+        self.skipped: dict[str, str] = (
+            reader.skipped if isinstance(reader, (TorchSaveReader, ShardedReader)) else {}
         )
         self.metadata: dict[str, str] | None = (
             reader.metadata if isinstance(reader, SafetensorsReader) else None
@@ -146,13 +153,20 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
         return f"Checkpoint({self.path!r}, format={self.format!r}, tensors={len(self)})"
 
 
-def _open_file(path: str, *, allow_pickle: bool) -> TorchSaveReader | SafetensorsReader:
+def open_file(
+    path: str, *, allow_pickle: bool, limits: PickleLimits | None = None, skip_unsupported: bool = False
+) -> TorchSaveReader | SafetensorsReader:
+    """The reader of one checkpoint file, by its content (see :func:`checkpoint_kind`)."""
     if checkpoint_kind(path) == "torch":
-        return TorchSaveReader(path, allow_pickle=allow_pickle)
+        return TorchSaveReader(
+            path, allow_pickle=allow_pickle, limits=limits, skip_unsupported=skip_unsupported
+        )
     return SafetensorsReader(path)
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Checkpoint:
+def open_checkpoint(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False, skip_unsupported: bool = False
+) -> Checkpoint:
     """Open a checkpoint lazily: a mapping of dotted keys to tensors.
 
     Args:
@@ -162,14 +176,21 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
             ``model.safetensors.index.json``, ``model.safetensors``,
             ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` is opened.
         allow_pickle: ``torch.save`` files only: let the pickle build objects outside memtree's
-            safe allowlist (tensors, containers, scalars). Only for files you trust.
+            safe allowlist (tensors and the values ``torch.load(weights_only=True)`` accepts by
+            default). Only for files you trust.
+        skip_unsupported: ``torch.save`` files only: leave out the tensors memtree cannot read
+            (sparse, quantized, nested, meta, dtypes it cannot hold, tensors inside a set or
+            under dict keys other than ``str`` and ``int``), listed in
+            :attr:`Checkpoint.skipped`, instead of refusing the file.
 
     Returns:
         A :class:`Checkpoint` (``Mapping[str, torch.Tensor]`` plus ``tensor_spec(key)``).
 
     Raises:
         LegacyCheckpointError: a pre-zip ``torch.save`` file (the message says how to convert).
-        UnsafePickleError: the pickle needs something other than tensors and plain data.
+        UnsafePickleError: the pickle needs something other than tensors and the values
+            ``torch.load(weights_only=True)`` accepts by default.
+        DtypeError: a tensor memtree cannot read (see ``skip_unsupported``), named by its key.
         CheckpointFormatError: an unknown, truncated or damaged file; a directory without a
             checkpoint; a damaged shard index.
         UnsafePathError: a shard index names a file outside its directory.
@@ -193,9 +214,9 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
                 "or tensordict directory with memtree.load_memmap"
             )
         name = found
-    open_file = functools.partial(_open_file, allow_pickle=allow_pickle)
+    opener = functools.partial(open_file, allow_pickle=allow_pickle, skip_unsupported=skip_unsupported)
     if is_index(name):
-        reader = ShardedReader(name, open_file)
+        reader = ShardedReader(name, opener)
         return Checkpoint(reader, reader.format)
-    file_reader = open_file(name)
+    file_reader = opener(name)
     return Checkpoint(file_reader, "torch" if isinstance(file_reader, TorchSaveReader) else "safetensors")

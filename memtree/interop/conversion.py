@@ -33,11 +33,15 @@ Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"``
 ``encoder/0/weight``, as ``TensorTree.from_module`` nests them) unless ``flat_keys=True``;
 going to safetensors, nested keys are joined with ``.``. ``dtype=`` casts floating-point
 tensors only (like ``module.to(dtype)``); integer, bool and complex tensors keep their dtype.
-Non-tensor values that JSON can hold exactly are kept in memtree directories; tuples,
-``torch.Size`` and ``OrderedDict`` are written as lists and dicts, and such values are listed in
-:attr:`ConvertResult.altered` (with the containers that became keys: lists and tuples of tensors
-are keyed by index, int dict keys become str). Others (NaN, bytes, ints beyond 64 bits...; and
-every non-tensor value, going to safetensors) are dropped and listed in :attr:`ConvertResult.dropped`.
+Non-tensor values that format version 2 holds exactly are kept in memtree directories: JSON
+values, tuples included (they load as tuples). Others (NaN, bytes, sets, ints beyond 64 bits,
+``torch.Size``, ``OrderedDict``, dtypes, devices...; and every non-tensor value, going to
+safetensors) are never altered: they are dropped and listed in :attr:`ConvertResult.dropped`.
+The containers that became keys are listed in :attr:`ConvertResult.altered` (lists and tuples of
+tensors are keyed by index, int dict keys become str). A tensor that memtree cannot read
+(sparse, quantized...) is refused, or with ``skip_unsupported=True`` left out and listed in
+:attr:`ConvertResult.skipped`; a conjugate or negative view is written with its values, as
+``torch.load`` gives them.
 
 Example:
     >>> import os, tempfile, torch, memtree
@@ -52,9 +56,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +77,7 @@ from ..errors import (
 from ..store.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
-from ..format.schema import MAX_META_BYTES
+from ..format.schema import MAX_META_BYTES, MAX_TUPLE_PATHS
 from ..store.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
 from ..store.progress import Progress
@@ -82,9 +86,9 @@ from ..store.options import ReadOptions, WriteOptions
 from ..store.storage import local_path
 from ..store.write import write_tree
 from ..store.tensordict_write import write_tensordict_dir
-from .checkpoint import Checkpoint, checkpoint_kind
+from .checkpoint import Checkpoint, checkpoint_kind, open_file
 from .lazy import LazyLeaf
-from .pickle_guard import PickleLimits, short
+from .pickle_guard import PickleLimits
 from .safetensors_file import SafetensorsReader, write_safetensors
 from .sharded import (
     DIRECTORY_FILES,
@@ -122,11 +126,14 @@ class ConvertResult:
     """The safetensors files written into a model directory (``model.safetensors``, or the
     shards; the index is ``model.safetensors.index.json``); empty for other destinations."""
     dropped: list[str] = field(default_factory=list)
-    """Keys of non-tensor values the destination cannot hold (not written)."""
+    """Keys of non-tensor values the destination cannot hold exactly (not written)."""
     altered: dict[str, str] = field(default_factory=dict)
-    """Keys of values written in another form than the source's, with what changed:
-    ``{"optimizer.param_groups": "tuple -> list at [0]['betas']", "history": "list -> keys by
-    index ('0', '1', ...)", "optimizer.state": "int keys -> str keys"}``."""
+    """Keys of the containers that became keys, with how: ``{"history": "list -> keys by
+    index ('0', '1', ...)", "optimizer.state": "int keys -> str keys"}`` (and tied weights left
+    out of a safetensors destination, with the key they are tied to)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Keys of the tensors left out with ``skip_unsupported=True``, with what each is
+    (``{"emb": "a sparse_coo tensor (sparse)"}``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain JSON data (``memtree convert --json``).
@@ -144,6 +151,7 @@ class ConvertResult:
             "files": list(self.files),
             "dropped": list(self.dropped),
             "altered": dict(self.altered),
+            "skipped": dict(self.skipped),
         }
 
 
@@ -194,16 +202,13 @@ def _locate(path: str) -> tuple[str, str]:
 
 
 def _open_reader(
-    path: str, allow_pickle: bool, limits: PickleLimits | None
+    path: str, allow_pickle: bool, limits: PickleLimits | None, skip_unsupported: bool = False
 ) -> TorchSaveReader | SafetensorsReader | ShardedReader:
     """The reader of a checkpoint file or shard index (by content, not by name)."""
-
-    def open_file(name: str) -> TorchSaveReader | SafetensorsReader:
-        if checkpoint_kind(name) == "torch":
-            return TorchSaveReader(name, allow_pickle=allow_pickle, limits=limits)
-        return SafetensorsReader(name)
-
-    return ShardedReader(path, open_file) if is_index(path) else open_file(path)
+    opener = functools.partial(
+        open_file, allow_pickle=allow_pickle, limits=limits, skip_unsupported=skip_unsupported
+    )
+    return ShardedReader(path, opener) if is_index(path) else opener(path)
 
 
 def _reader_kind(reader: TorchSaveReader | SafetensorsReader | ShardedReader) -> str:
@@ -245,101 +250,81 @@ def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
 #: orjson refuses nesting deeper than 254 levels, and a value lies a few levels down in its
 #: meta.json: deeper values are dropped.
 _MAX_JSON_DEPTH = 200
-#: The containers a JSON value may hold, and what each is written as.
-_JSON_CONTAINERS: dict[type, type] = {
-    list: list,
-    dict: dict,
-    tuple: list,
-    torch.Size: list,
-    OrderedDict: dict,
-}
+#: The containers a JSON value may hold (exactly these types: subclasses would come back as
+#: these).
+_JSON_CONTAINERS = frozenset({list, tuple, dict})
 
 
-def _json_value(value: Any) -> tuple[Any, list[str], str | None]:
-    """``(json_value, changes, problem)``: ``value`` in the form memtree writes it as JSON.
+def _json_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be written exactly as a JSON entry of format version 2, or ``None``.
 
-    Tuples and ``torch.Size`` become lists, an ``OrderedDict`` a dict: ``changes`` says which
-    and where. Every other value is kept exactly, or ``problem`` says why it cannot be (see
-    :func:`~memtree.format.values.json_problem`), or that it contains itself, nests deeper than
-    JSON allows, or is too big for a meta.json. Each distinct container is converted once
-    (memoised by identity) and its size remembered, so a part shared by many places costs its
-    size once in time while its repetitions still count towards the size of the JSON.
+    A value is written exactly when it holds only ``None``, ``bool``, ``int`` (64 bits),
+    finite ``float``, ``str`` and exact ``list``, ``tuple`` (recorded as such: ``tuples``) and
+    ``dict`` with ``str`` keys (:func:`~memtree.format.values.json_problem`), without a cycle,
+    nesting at most 200 levels, within the size of a meta.json and at most
+    :data:`~memtree.format.schema.MAX_TUPLE_PATHS` tuples. Anything else (``torch.Size``, an
+    ``OrderedDict``, a set, bytes...) would come back changed. Each distinct container is
+    checked once (memoised by identity) and its size remembered, so a part shared by many
+    places costs its size once in time while its repetitions still count towards the size of
+    the JSON.
 
     Example:
-        >>> _json_value({"betas": (0.9, 0.99), "n": 3})
-        ({'betas': [0.9, 0.99], 'n': 3}, ["tuple -> list at ['betas']"], None)
+        >>> _json_problem({"betas": (0.9, 0.99), "n": 3}) is None
+        True
+        >>> _json_problem({"size": torch.Size([2])})
+        "value['size'] is a Size, which JSON would change or cannot hold"
     """
-    changes: list[str] = []
     if type(value) not in _JSON_CONTAINERS:
-        return value, changes, json_problem(value)
-    finished: dict[int, tuple[Any, int]] = {}  # id -> (converted, JSON values it expands to)
-    on_path: set[int] = set()
-    expanded = 1
+        return json_problem(value)
+    finished: dict[int, tuple[int, int]] = {}  # id -> (JSON values it expands to, tuples in it)
+    on_path = {id(value)}
+    expanded, tuples = 1, int(type(value) is tuple)
 
-    def open_container(obj: Any, where: str) -> tuple[Any, Iterator[tuple[Any, Any]]]:
-        kind = type(obj)
-        if kind is not list and kind is not dict:
-            name = "torch.Size" if kind is torch.Size else kind.__name__
-            into = _JSON_CONTAINERS[kind].__name__
-            changes.append(f"{name} -> {into}" + (f" at {where}" if where else ""))
-        on_path.add(id(obj))
-        items = iter(obj.items()) if isinstance(obj, dict) else enumerate(obj)
-        return _JSON_CONTAINERS[kind](), items
+    def items(obj: Any) -> Iterator[tuple[Any, Any]]:
+        return iter(obj.items()) if type(obj) is dict else enumerate(obj)
 
-    new, items = open_container(value, "")
-    stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]], str, int]] = [(value, new, items, "", 0)]
+    stack: list[tuple[Any, Iterator[tuple[Any, Any]], str, int, int]] = [(value, items(value), "", 0, 0)]
     while stack:
-        obj, new, items, where, start = stack[-1]
-        for key, child in items:
-            if isinstance(new, dict) and type(key) is not str:
-                return None, changes, f"value{where} has a non-str dict key {short(key)}"
-            if isinstance(new, dict) and (problem := json_problem(key, f"value{where} key")):
-                return None, changes, problem
+        obj, children, where, start, tuples_start = stack[-1]
+        for key, child in children:
+            if type(obj) is dict and type(key) is not str:
+                return f"value{where} has a non-str dict key {key!r:.60}"
+            if type(obj) is dict and (problem := json_problem(key, f"value{where} key")):
+                return problem
             sub = f"{where}[{key!r}]"
             if type(child) not in _JSON_CONTAINERS:
                 if problem := json_problem(child, f"value{sub}"):
-                    return None, changes, problem
-                converted, size = child, 1
+                    return problem
+                size, inner = 1, 0
             elif id(child) in finished:
-                converted, size = finished[id(child)]
+                size, inner = finished[id(child)]
             elif id(child) in on_path:
-                return None, changes, f"value{sub} contains itself (a cycle)"
+                return f"value{sub} contains itself (a cycle)"
             elif len(stack) >= _MAX_JSON_DEPTH:
-                return None, changes, f"value{sub} is nested more than {_MAX_JSON_DEPTH} levels deep"
+                return f"value{sub} is nested more than {_MAX_JSON_DEPTH} levels deep"
             else:
-                converted, child_items = open_container(child, sub)
-                _json_add(new, key, converted)
-                stack.append((child, converted, child_items, sub, expanded))
+                on_path.add(id(child))
+                stack.append((child, items(child), sub, expanded, tuples))
                 expanded += 1
+                tuples += type(child) is tuple
                 break
-            _json_add(new, key, converted)
             expanded += size
+            tuples += inner
             if expanded > MAX_META_BYTES:  # each JSON value takes a byte at least
-                return None, changes, (
+                return (
                     f"value expands to more than {MAX_META_BYTES:,} JSON values (a part shared "
                     "by several places is repeated at each), more than a meta.json holds"
                 )
+            if tuples > MAX_TUPLE_PATHS:
+                return f"value holds more than {MAX_TUPLE_PATHS:,} tuples, more than a meta.json records"
         else:
             stack.pop()
             on_path.discard(id(obj))
-            finished[id(obj)] = (new, expanded - start)
-    nbytes = len(orjson.dumps(new))
+            finished[id(obj)] = (expanded - start, tuples - tuples_start)
+    nbytes = len(orjson.dumps(value))
     if nbytes > MAX_META_BYTES:
-        return None, changes, f"value takes {nbytes:,} bytes of JSON, more than a meta.json holds"
-    return new, changes, None
-
-
-def _json_add(container: Any, key: Any, value: Any) -> None:
-    if isinstance(container, dict):
-        container[key] = value
-    else:
-        container.append(value)
-
-
-def _describe(changes: list[str]) -> str:
-    """One line for a value's changes (the first three places, then how many more)."""
-    more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
-    return "; ".join(changes[:3]) + more
+        return f"value takes {nbytes:,} bytes of JSON, more than a meta.json holds"
+    return None
 
 
 #: How TorchSaveReader.containers kinds are described in ConvertResult.altered.
@@ -388,6 +373,7 @@ class _Stream:
         self.dropped: list[str] = []
         self.altered: dict[str, str] = {}
         self.metadata: dict[str, str] | None = None
+        self.skipped: dict[str, str] = {}
         self.tensors = 0
         self.nbytes = 0
         self.close: Callable[[], None] = lambda: None
@@ -438,11 +424,12 @@ class _Stream:
         ckpt = Checkpoint(reader, _reader_kind(reader))
         self.close = ckpt.close
         self.metadata = ckpt.metadata
+        self.skipped = dict(ckpt.skipped)
         views: dict[tuple[Any, ...], str] = {}
         for key in ckpt:
             if to_safetensors and isinstance(reader, TorchSaveReader):
-                ref = reader.ref(key)
-                view = (ref.storage.key, ref.dtype, ref.offset, ref.size, ref.stride)
+                ref = reader.ref(key)  # the same values: the same view, with the same bits
+                view = (ref.storage.key, ref.dtype, ref.offset, ref.size, ref.stride, ref.conj, ref.neg)
                 if view in views:
                     self.altered[key] = (
                         f"tied to {views[view]}: written once, under that name (as Hugging Face "
@@ -458,12 +445,9 @@ class _Stream:
                 file_range = (lambda r, k: lambda: r.file_range(k))(reader, key)
             _insert(self.level, path, self.leaf(shape, dtype, read, file_range), key)
         for key, value in ckpt.non_tensors.items():
-            value, changes, problem = (None, [], "") if to_safetensors else _json_value(value)
-            if problem is not None:
+            if to_safetensors or _json_problem(value) is not None:
                 self.dropped.append(key)
                 continue
-            if changes:
-                self.altered[key] = _describe(changes)
             path = (key,) if flat_keys else _split(ckpt.key_path(key))
             _insert(self.level, path, NonTensor(value), key)
 
@@ -544,6 +528,7 @@ def convert(
     fsync: bool = False,
     progress: bool | None = None,
     limits: PickleLimits | None = None,
+    skip_unsupported: bool = False,
 ) -> ConvertResult:
     """Convert ``src`` into ``dst``, streaming one tensor at a time (see the module docstring).
 
@@ -573,11 +558,15 @@ def convert(
             ``False``.
         limits: bounds on a ``torch.save`` file's pickle (default: those of
             :func:`~memtree.interop.pickle_limits` in force).
+        skip_unsupported: leave out the tensors of a ``torch.save`` file that memtree cannot
+            read (sparse, quantized, nested, meta...: see
+            :func:`~memtree.interop.open_checkpoint`), listed in
+            :attr:`ConvertResult.skipped`, instead of refusing the file.
 
     Returns:
         A :class:`ConvertResult`: counts, time, the files of a model directory, the keys of
-        dropped non-tensor values, and the keys of values written in another form
-        (:attr:`ConvertResult.altered`).
+        dropped non-tensor values, of containers that became keys
+        (:attr:`ConvertResult.altered`) and of skipped tensors.
 
     Raises:
         MemtreeError: an unreadable source, an existing destination without ``existsok``, a
@@ -623,7 +612,7 @@ def convert(
     stream = _Stream(cast, fmt)
     try:
         if kind == "checkpoint":
-            reader = _open_reader(located, allow_pickle, limits)
+            reader = _open_reader(located, allow_pickle, limits, skip_unsupported)
             result.source = _reader_kind(reader)
             stream.close = reader.close
             stream.from_checkpoint(reader, flat_keys, to_safetensors=fmt == "safetensors")
@@ -663,6 +652,7 @@ def convert(
         stream.close()
     result.dropped = list(stream.dropped)
     result.altered = dict(stream.altered)
+    result.skipped = dict(stream.skipped)
     result.tensors, result.nbytes = stream.tensors, stream.nbytes
     result.seconds = time.perf_counter() - started
     return result

@@ -42,13 +42,13 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import reprlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from ..errors import CheckpointFormatError, InvalidArgumentError
 
@@ -64,6 +64,7 @@ __all__ = [
     "short",
 ]
 
+_D = TypeVar("_D", bound="dict[Any, Any]")
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
 
@@ -400,7 +401,7 @@ class Budget:
         self.where = where
         self.objects = objects
         self.nbytes = nbytes
-        self._hooked: list[OrderedDict[Any, Any]] = []
+        self._hooked: list[dict[Any, Any]] = []
 
     def charge(self, objects: int = 0, nbytes: int = 0) -> None:
         """Count ``objects`` and ``nbytes`` more; raise past a limit (before they are built)."""
@@ -430,8 +431,9 @@ class Budget:
             )
         self.charge(weight * len(value))
 
-    def ordered_dict(self, *args: Any) -> OrderedDict[Any, Any]:
-        """``OrderedDict(*args)``, charged, whose ``BUILD`` (attributes) is charged too.
+    def mapping(self, cls: type[_D], *args: Any) -> _D:
+        """``cls(*args)`` (``OrderedDict`` or ``Counter``), charged, whose ``BUILD``
+        (attributes) is charged too.
 
         The C unpickler applies a ``BUILD`` state by copying it into the instance's
         ``__dict__`` unless the instance has ``__setstate__``: one is set on the instance for
@@ -440,17 +442,26 @@ class Budget:
         if args:
             if len(args) > 1:
                 raise CheckpointFormatError(
-                    f"{self.where}: OrderedDict() called with {len(args)} arguments"
+                    f"{self.where}: {cls.__name__}() called with {len(args)} arguments"
                 )
-            self.sized(args[0], "OrderedDict()", 3)  # ~90 bytes an item
+            self.sized(args[0], f"{cls.__name__}()", 3)  # ~90 bytes an item
         self.charge(6)  # the dict, its __dict__ and the hook
-        out: OrderedDict[Any, Any] = OrderedDict(*args)
+        out = cls(*args)
         out.__setstate__ = _SetState(self, out)  # type: ignore[attr-defined]
         self._hooked.append(out)
         return out
 
+    def set_of(self, *args: Any) -> set[Any]:
+        """``set(items)``, charged (a set grows its table for each item)."""
+        if args:
+            if len(args) > 1:
+                raise CheckpointFormatError(f"{self.where}: set() called with {len(args)} arguments")
+            self.sized(args[0], "set()", 3)
+        self.charge(6)
+        return set(*args)
+
     def release(self) -> None:
-        """Remove the ``__setstate__`` hooks of the ``OrderedDict`` objects built."""
+        """Remove the ``__setstate__`` hooks of the ``OrderedDict`` and ``Counter`` objects built."""
         for obj in self._hooked:
             if type(vars(obj).get("__setstate__")) is _SetState:
                 del vars(obj)["__setstate__"]
@@ -458,11 +469,12 @@ class Budget:
 
 
 class _SetState:
-    """An ``OrderedDict``'s ``__setstate__`` during a load: charges the attributes it sets."""
+    """An ``OrderedDict``'s (a ``Counter``'s) ``__setstate__`` during a load: charges the
+    attributes it sets."""
 
     __slots__ = ("_budget", "_target")
 
-    def __init__(self, budget: Budget, target: OrderedDict[Any, Any]) -> None:
+    def __init__(self, budget: Budget, target: dict[Any, Any]) -> None:
         self._budget = budget
         self._target = target
 
@@ -471,7 +483,8 @@ class _SetState:
             return
         if type(state) is not dict:
             raise CheckpointFormatError(
-                f"{self._budget.where}: an OrderedDict is given a {type(state).__name__} state"
+                f"{self._budget.where}: a BUILD gives the {type(self._target).__name__} a "
+                f"{type(state).__name__} state, not a dict of attributes"
             )
         self._budget.charge(2 * len(state))
         attributes = vars(self._target)
@@ -516,10 +529,30 @@ class Flattened:
     containers: dict[tuple[str, ...], str]
     """Containers flattened other than str-keyed dicts: path -> ``"list"``, ``"tuple"`` or
     ``"int keys"`` (a dict whose int keys became str parts)."""
+    buried: set[tuple[str, ...]] = field(default_factory=set)
+    """Paths of the entries that are not leaves but hold one: a set, or a dict with a key other
+    than a non-empty ``str`` or an ``int``, with a leaf inside (it cannot be keyed)."""
+
+
+#: The containers the walk looks into (subclasses too: ``OrderedDict``, ``Counter``).
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _keyable(obj: dict[Any, Any]) -> bool:
+    """True if every key of ``obj`` can be a part of a dotted key: a non-empty ``str``, or an
+    ``int`` (not a ``bool``)."""
+    return all((type(k) is str and k != "") or type(k) is int for k in obj)
 
 
 def _items(obj: Any) -> Iterator[tuple[Any, Any]]:
-    return iter(obj.items()) if isinstance(obj, dict) else enumerate(obj)
+    """A container's children with their path parts: a dict's values (and, if they cannot be
+    keyed, its keys too), a sequence's or set's items."""
+    if not isinstance(obj, dict):
+        return enumerate(obj)
+    # dict.items, not obj.items: a BUILD may have set an attribute "items" on an OrderedDict
+    if _keyable(obj):
+        return iter(dict.items(obj))
+    return itertools.chain(dict.items(obj), ((f"<key {short(k)}>", k) for k in obj))
 
 
 def _show(parts: list[Any] | tuple[Any, ...]) -> str:
@@ -533,7 +566,7 @@ def _show(parts: list[Any] | tuple[Any, ...]) -> str:
 
 
 def _analyse(
-    root: dict[Any, Any], leaf: type, limits: PickleLimits, where: str
+    root: dict[Any, Any], leaf: type | tuple[type, ...], limits: PickleLimits, where: str
 ) -> tuple[dict[int, bool], int]:
     """``holds[id]`` (a container reaches a leaf) and the number of entries ``root`` flattens to.
 
@@ -554,7 +587,7 @@ def _analyse(
             if isinstance(child, leaf):
                 acc[0], acc[1] = True, acc[1] + 1
                 continue
-            if not isinstance(child, (dict, list, tuple)):
+            if not isinstance(child, _CONTAINERS):
                 acc[1] += 1
                 continue
             key = id(child)
@@ -594,10 +627,12 @@ def _analyse(
             found, count, below = acc
             holds[key] = found
             height[key] = below + 1
-            if isinstance(obj, dict):
+            if isinstance(obj, dict) and _keyable(obj):
                 size[key] = max(1, count)
+            elif isinstance(obj, (list, tuple)) and found:
+                size[key] = count
             else:
-                size[key] = count if found else 1
+                size[key] = 1  # one entry: a value
             if stack:
                 parts.pop()
                 parent = stack[-1][2]
@@ -618,29 +653,35 @@ _ENTRY_BYTES = 150
 
 
 def flatten_pickled(
-    root: dict[Any, Any], leaf: type, limits: PickleLimits, where: str, built: int | None = None
+    root: dict[Any, Any],
+    leaf: type | tuple[type, ...],
+    limits: PickleLimits,
+    where: str,
+    built: int | None = None,
 ) -> Flattened:
     """Flatten an unpickled dict into dotted entries, in time linear in its distinct containers.
 
-    Dicts are flattened by key (``int`` keys become ``str`` parts); lists and tuples that hold
-    an instance of ``leaf`` somewhere, by index; anything else (including an empty dict) is one
-    entry. A container shared by several places is flattened at each of them (the entries share
-    the leaves: tied weights stay tied), but sharing may add at most 100,000 entries to the
+    Dicts are flattened by key (``int`` keys become ``str`` parts) when every key is a
+    non-empty ``str`` or an ``int``; lists and tuples that hold an instance of ``leaf``
+    somewhere, by index; anything else (an empty dict, a dict with other keys, a set) is one
+    entry, listed in :attr:`Flattened.buried` too if it holds a leaf. A container shared by
+    several places is flattened at each of them (the entries share the leaves: tied weights
+    stay tied), but sharing may add at most 100,000 entries to the
     number of objects the pickle built (``built``: sharing is how a few bytes of pickle ask for
     billions of entries); the entries are at most ``limits.max_objects``, and their keys (text,
     paths and bookkeeping, about 150 bytes an entry) at most ``limits.max_bytes``.
 
     Args:
         root: the unpickled object.
-        leaf: the type of the leaves (the tensor references).
+        leaf: the type (or types) of the leaves (the tensor references).
         limits: the limits.
         where: the pickle's name, for messages.
         built: the objects the pickle built (:attr:`PickleScanner.objects`), if known.
 
     Raises:
         CheckpointFormatError: a cycle, nesting deeper than ``limits.max_depth``, too many
-            entries or too long keys, or a key that is neither a non-empty ``str`` nor an
-            ``int``; each names the path.
+            entries or too long keys, or a key of ``root`` that is neither a non-empty ``str``
+            nor an ``int``; each names the path.
 
     Example:
         >>> shared = [1, 2]
@@ -684,7 +725,7 @@ def flatten_pickled(
                 )
             if isinstance(value, leaf):
                 out.entries.append((sub, value, True))
-            elif isinstance(value, dict) and value:
+            elif isinstance(value, dict) and value and _keyable(value):
                 stack.append((_dict_items(value, sub, out, where), sub, width))
                 break
             elif isinstance(value, (list, tuple)) and holds.get(id(value)):
@@ -692,6 +733,8 @@ def flatten_pickled(
                 stack.append((((str(i), v) for i, v in enumerate(value)), sub, width))
                 break
             else:
+                if holds.get(id(value)):
+                    out.buried.add(sub)
                 out.entries.append((sub, value, False))
         else:
             stack.pop()
@@ -701,7 +744,7 @@ def flatten_pickled(
 def _dict_items(
     obj: dict[Any, Any], path: tuple[str, ...], out: Flattened, where: str
 ) -> Iterator[tuple[str, Any]]:
-    for key, value in obj.items():
+    for key, value in dict.items(obj):  # (not obj.items: see _items)
         if type(key) is int:
             out.containers[path] = "int keys"
             key = str(key)

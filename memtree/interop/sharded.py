@@ -71,7 +71,7 @@ from ..store.commit import write_small_file
 from ..store.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
-from .torchsave import TorchSaveReader
+from .torchsave import TorchSaveReader, skipped_error
 
 __all__ = [
     "DIRECTORY_FILES",
@@ -206,6 +206,8 @@ class ShardedReader(Closing):
         format: ``"safetensors"`` or ``"torch"``, the shards' format.
         files: the shards' paths, in the order the index first names them.
         non_tensors: the ``torch.save`` shards' non-tensor values, merged.
+        skipped: the tensors the ``torch.save`` shards left out (``skip_unsupported=True``),
+            merged.
 
     Raises:
         CheckpointFormatError, UnsafePathError: the index or a shard is refused (see the
@@ -232,7 +234,7 @@ class ShardedReader(Closing):
                         "the missing shard) or the index does not belong to this directory",
                     )
                 reader = self._readers[name] = open_file(paths[name])
-                held = set(reader.keys())
+                held = set(reader.keys()) | set(getattr(reader, "skipped", ()))
                 lacking = [k for k in keys if k not in held]
                 if lacking:
                     raise CheckpointFormatError(
@@ -251,16 +253,22 @@ class ShardedReader(Closing):
             raise
         self.format = "torch" if kinds == {TorchSaveReader} else "safetensors"
         self.files = [paths[name] for name in by_shard]
-        self._shard_of = {key: self._readers[name] for key, name in weight_map.items()}
         self.non_tensors: dict[str, Any] = {}
+        self.skipped: dict[str, str] = {}
         for reader in self._readers.values():
             if isinstance(reader, TorchSaveReader):
                 self.non_tensors.update(reader.non_tensors)
+                self.skipped.update(reader.skipped)
+        self._shard_of = {
+            key: self._readers[name] for key, name in weight_map.items() if key not in self.skipped
+        }
 
     def _reader(self, key: str) -> FileReader:
         try:
             return self._shard_of[key]
         except KeyError:
+            if key in self.skipped:
+                raise skipped_error(self.path, key, self.skipped[key]) from None
             raise MemtreeKeyError(
                 f"{key!r} is not a tensor of {self.path} (tensors: {list(self._shard_of)[:_LIST_MAX]})"
             ) from None

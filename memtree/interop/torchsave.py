@@ -14,13 +14,17 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
 1. reads the zip's central directory (:mod:`zipfile`): no tensor data is read; the local
    header of every storage record (where its data starts) is prefetched at once
    (``POSIX_FADV_WILLNEED``), then read one by one as the pickle names the records;
-2. unpickles ``data.pkl`` with :class:`RestrictedUnpickler`. Its ``find_class`` resolves only a
-   closed allowlist (``OrderedDict``, ``torch.Size``, torch dtypes and storage types, the tensor
-   and parameter rebuild functions, ``_codecs.encode`` for bytes, ``complex``): any other global
-   raises :class:`~memtree.errors.UnsafePickleError` *before* it could be called, so a hostile
-   ``__reduce__`` runs nothing. The rebuild functions are replaced by ones that return a
-   :class:`TensorRef` (storage key, dtype, offset, size, stride), and ``persistent_load``
-   returns a :class:`StorageRef` checked against the zip directory, so unpickling reads no data.
+2. unpickles ``data.pkl`` with :class:`~memtree.interop.unpickler.RestrictedUnpickler`. Its
+   ``find_class`` resolves only a closed allowlist (the values ``torch.load(weights_only=True)``
+   accepts by default: containers, ``set``, ``bytes``, ``complex``, ``torch.Size``,
+   ``torch.device``, dtypes, layouts; storage types; the tensor rebuild functions): any other
+   global raises :class:`~memtree.errors.UnsafePickleError` *before* it could be called, so a
+   hostile ``__reduce__`` runs nothing. The rebuild functions are replaced by ones that return a
+   :class:`TensorRef` (storage key, dtype, offset, size, stride, the ``conj``/``neg`` bits of
+   its metadata), and ``persistent_load`` returns a :class:`StorageRef` checked against the zip
+   directory, so unpickling reads no data. A tensor memtree cannot read (sparse, quantized,
+   nested, meta...) is refused by its key, or left out and listed in
+   :attr:`TorchSaveReader.skipped` with ``skip_unsupported=True``.
    How much the pickle may build is bounded too (:mod:`memtree.interop.pickle_guard`): its
    size (a compressed ``data.pkl`` is inflated under that bound), every operation is checked
    and counted before it runs, and the object is flattened in linear time, refusing cycles and
@@ -28,9 +32,10 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
 3. reads one tensor on demand from its storage record: the record's data starts after its
    local file header (30 bytes + name + extra field), and only the bytes the tensor spans are
    read (``pread`` into a new tensor: peak memory is that tensor) or mapped (zero copy, like
-   ``torch.load(mmap=True)``). Tensors that are views of one storage (tied weights, slices) each
+   ``torch.load(mmap=True)``); a conjugate or negative view gets its bit, as ``torch.load``
+   gives it. Tensors that are views of one storage (tied weights, slices) each
    read their own span; mapped, they share memory;
-4. or names, for a contiguous tensor, the byte range of the file that holds it
+4. or names, for a contiguous tensor without those bits, the byte range of the file that holds it
    (:meth:`TorchSaveReader.file_range`): a conversion copies that range into the leaf file
    file to file, and the process never holds the tensor.
 
@@ -60,39 +65,34 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
-import re
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
-from math import prod
 from typing import Any, Callable
 
 import torch
 
-from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
     CheckpointFormatError,
+    DtypeError,
     KeyCollisionError,
     LegacyCheckpointError,
     MemtreeError,
     MemtreeKeyError,
-    UnsafePickleError,
 )
-from ..store.files import FileRange, storage_error
+from ..format.dtypes import itemsize
 from ..store.checksums import crc32, file_checksum
+from ..store.files import FileRange, storage_error
 from .checkpoint_file import CheckpointFile, Closing
 from .pickle_guard import (
     Budget,
     PickleLimits,
     PickleScanner,
-    SafeCall,
     current_limits,
     flatten_pickled,
     limit_error,
-    short,
 )
+from .unpickler import RestrictedUnpickler, StorageRef, TensorRef, UnreadableTensor
 
 __all__ = [
     "StorageRef",
@@ -101,30 +101,12 @@ __all__ = [
     "TorchSaveReader",
     "is_torch_zip",
     "legacy_message",
+    "skipped_error",
 ]
 
-_MAX_NDIM = 64
 _READ_CHUNK = 1 << 20  # data.pkl is read (and inflated) and scanned this much at a time
 _ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # signature ... name length, extra length
-_RECORD_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")
-
-# The storage classes torch.save names in persistent ids, by name (a closed table; never
-# ``getattr(torch, name)``). ``UntypedStorage`` holds bytes; its tensors carry their own dtype.
-_STORAGE_DTYPE_NAMES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}
 
 
 def legacy_message(path: str) -> str:
@@ -142,269 +124,9 @@ def is_torch_zip(head: bytes) -> bool:
     return head[:4] == _ZIP_MAGIC
 
 
-# -- what the unpickler builds instead of tensors ------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _StorageType:
-    """Stands in for a ``torch.*Storage`` class named in a pickle (never the class itself)."""
-
-    name: str
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorType:
-    """Stands in for ``torch.Tensor`` / ``torch.nn.Parameter`` named in a pickle."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    """A storage record of the zip: ``<archive>/data/<key>``, ``numel`` items of ``dtype``."""
-
-    key: str
-    dtype: torch.dtype
-    numel: int
-    data_offset: int
-    crc: int
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the record in bytes."""
-        return self.numel * itemsize(self.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor of the checkpoint: a strided view of one storage, not read yet."""
-
-    storage: StorageRef
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def shape(self) -> torch.Size:
-        """The tensor's shape."""
-        return torch.Size(self.size)
-
-    def span(self) -> tuple[int, int]:
-        """``(first element, element count)`` of the storage that the tensor touches."""
-        if 0 in self.size:
-            return self.offset, 0
-        count = 1
-        for n, s in zip(self.size, self.stride):  # same length: checked when it was built
-            count += (n - 1) * s
-        return self.offset, count
-
-    def is_contiguous(self) -> bool:
-        """True if the tensor's elements lie in order, one after another (as ``torch``'s)."""
-        if prod(self.size) == 0:
-            return True
-        expected = 1
-        for n, s in zip(reversed(self.size), reversed(self.stride), strict=True):
-            if n != 1 and s != expected:
-                return False
-            expected *= n
-        return True
-
-
-def _int(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
-def _tensor_ref(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None) -> TensorRef:
-    if not isinstance(storage, StorageRef):
-        raise CheckpointFormatError(
-            f"a tensor's storage is a {type(storage).__name__}, not a storage"
-        )
-    if dtype is None:
-        dtype = storage.dtype
-    elif not isinstance(dtype, torch.dtype) or dtype_from_name(str(dtype)[6:]) is not dtype:
-        raise CheckpointFormatError(f"a tensor names the unsupported dtype {short(dtype)}")
-    if not (
-        _int(offset)
-        and isinstance(size, (tuple, list))
-        and isinstance(stride, (tuple, list))
-        and len(size) == len(stride) <= _MAX_NDIM
-    ):
-        raise CheckpointFormatError(
-            f"a tensor has a malformed layout: offset {short(offset)}, size {short(size)}"
-        )
-    size, stride = tuple(size), tuple(stride)
-    if not all(_int(n) for n in size) or not all(_int(s) for s in stride):
-        raise CheckpointFormatError(
-            f"a tensor has a malformed size {short(size)} or stride {short(stride)}"
-        )
-    ref = TensorRef(storage, dtype, offset, size, stride)
-    first, count = ref.span()
-    if (first + count) * itemsize(dtype) > storage.nbytes:
-        raise CheckpointFormatError(
-            f"a tensor of shape {list(size)} at offset {offset} reaches past the end of storage "
-            f"{storage.key!r} ({storage.nbytes:,} bytes); the checkpoint is damaged"
-        )
-    return ref
-
-
-def _rebuild_v1(storage: Any, offset: Any, size: Any, stride: Any) -> TensorRef:
-    return _tensor_ref(storage, offset, size, stride)
-
-
-def _rebuild_v2(
-    storage: Any,
-    offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    hooks: Any,
-    metadata: Any = None,
-) -> TensorRef:
-    return _tensor_ref(storage, offset, size, stride)
-
-
-def _rebuild_v3(
-    storage: Any,
-    offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    hooks: Any,
-    dtype: Any,
-    metadata: Any = None,
-) -> TensorRef:
-    return _tensor_ref(storage, offset, size, stride, dtype)
-
-
-def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> TensorRef:
-    if not isinstance(data, TensorRef):
-        raise CheckpointFormatError(f"a parameter wraps a {type(data).__name__}, not a tensor")
-    return data
-
-
-_REBUILDERS = (_rebuild_v1, _rebuild_v2, _rebuild_v3)
-
-
-def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
-    if type(real) not in (int, float) or type(imag) not in (int, float):
-        raise CheckpointFormatError("complex() called with non-numbers")
-    return complex(real, imag)
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that builds only plain data and lazy tensor references, within limits.
-
-    What it may build is an allowlist (:meth:`find_class`); each global it hands out is a
-    :class:`~memtree.interop.pickle_guard.SafeCall` that charges what it builds to ``budget``.
-    The caller scans the pickle first (:class:`~memtree.interop.pickle_guard.PickleScanner`)
-    and calls :meth:`release` after :meth:`load`.
-
-    Args:
-        file: the pickle stream.
-        storages: persistent-id resolver: ``(key, dtype, numel) -> StorageRef``.
-        where: the pickle's name, for messages.
-        allow_pickle: let globals outside the allowlist through (trusted files only).
-        budget: what the calls may still build (default: the limits in force, nothing used).
-    """
-
-    def __init__(
-        self,
-        file: io.IOBase,
-        storages: Callable[[str, torch.dtype, int], StorageRef],
-        where: str,
-        *,
-        allow_pickle: bool = False,
-        budget: Budget | None = None,
-    ) -> None:
-        super().__init__(file)
-        self._storages = storages
-        self._where = where
-        self._allow_pickle = allow_pickle
-        self._budget = budget if budget is not None else Budget(current_limits(), where)
-        self._parameter = _TensorType("torch.nn.parameter.Parameter")
-        self._tensor = _TensorType("torch.Tensor")
-        calls: dict[str, Callable[..., Any]] = {
-            "collections.OrderedDict": self._budget.ordered_dict,
-            "torch._utils._rebuild_tensor": _rebuild_v1,
-            "torch._utils._rebuild_tensor_v2": _rebuild_v2,
-            "torch._utils._rebuild_tensor_v3": _rebuild_v3,
-            "torch._utils._rebuild_parameter": _rebuild_parameter,
-            "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-            "torch._tensor._rebuild_from_type_v2": self._rebuild_from_type_v2,
-            "torch.Size": self._size,
-            "_codecs.encode": self._codecs_encode,
-            "builtins.complex": _complex,
-        }
-        self._safe: dict[str, Any] = {name: SafeCall(fn, name) for name, fn in calls.items()}
-        self._safe["torch.Tensor"] = self._tensor
-        self._safe["torch.nn.parameter.Parameter"] = self._parameter
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "__builtin__":  # protocol-2 pickles name builtins by their Python 2 module
-            module = "builtins"
-        full = f"{module}.{name}"
-        if full in self._safe:
-            return self._safe[full]
-        if module == "torch" and name in _STORAGE_DTYPE_NAMES:
-            dtype = dtype_from_name(_STORAGE_DTYPE_NAMES[name])
-            assert dtype is not None
-            return _StorageType(name, dtype)
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageType(name, torch.uint8)
-        if module == "torch" and dtype_from_name(name) is not None:
-            return dtype_from_name(name)
-        if self._allow_pickle:
-            return super().find_class(module, name)
-        raise UnsafePickleError(
-            f"{self._where} refers to {full!r:.120}, which is not a tensor, storage, container or "
-            "scalar; memtree's safe loader refuses it (nothing was executed). If you trust this "
-            "file, pass allow_pickle=True (the CLI: --allow-pickle), or load it with torch.load "
-            "in a trusted environment and re-save only its state_dict"
-        )
-
-    def release(self) -> None:
-        """Undo what the load set up on the objects it built (call it after :meth:`load`)."""
-        self._budget.release()
-
-    def _size(self, dims: Any = ()) -> torch.Size:
-        self._budget.sized(dims, "torch.Size()")
-        return torch.Size(dims)
-
-    def _codecs_encode(self, text: Any, encoding: Any = "utf-8") -> bytes:
-        """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (and nothing else)."""
-        if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-            raise CheckpointFormatError(
-                f"{self._where}: _codecs.encode called with {type(text).__name__}, "
-                f"{short(encoding)}"
-            )
-        self._budget.charge(1, len(text) * (1 if encoding.startswith("latin") else 4))
-        return text.encode(encoding)
-
-    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
-        if not (isinstance(func, SafeCall) and func.fn in _REBUILDERS) or type(args) is not tuple:
-            raise CheckpointFormatError(
-                f"{self._where}: a tensor subclass is rebuilt with {short(func)}"
-            )
-        if new_type not in (self._tensor, self._parameter) and not self._allow_pickle:
-            raise UnsafePickleError(
-                f"{self._where} holds a tensor of subclass {short(new_type)}; pass "
-                "allow_pickle=True "
-                "to read it as a plain tensor"
-            )
-        ref: TensorRef = func(*args)
-        return ref
-
-    def persistent_load(self, pid: Any) -> StorageRef:
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(f"{self._where}: unknown persistent id {short(pid)}")
-        _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise CheckpointFormatError(
-                f"{self._where}: storage type {short(storage_type)} is not supported"
-            )
-        if type(key) is not str or not _RECORD_KEY.fullmatch(key) or not _int(numel):
-            raise CheckpointFormatError(f"{self._where}: malformed storage id {short(pid)}")
-        return self._storages(key, storage_type.dtype, numel)
+def skipped_error(path: str, key: str, what: str) -> MemtreeKeyError:
+    """The error for reading ``key``, which ``skip_unsupported=True`` left out (``what`` it is)."""
+    return MemtreeKeyError(f"{key!r} of {path} was left out (skip_unsupported=True): it is {what}")
 
 
 # -- the reader --------------------------------------------------------------------------------
@@ -419,10 +141,15 @@ class TorchSaveReader(Closing):
         path: the checkpoint (``.pt``, ``.pth``, ``.bin``, ...).
         allow_pickle: let the pickle build objects outside the safe allowlist (trusted files).
         limits: bounds on the pickle (default: :func:`~memtree.interop.pickle_limits` in force).
+        skip_unsupported: leave out the tensors memtree cannot read (sparse, quantized, nested,
+            meta, dtypes it cannot hold, tensors in a set or under keys other than ``str`` and
+            ``int``) and list them in :attr:`skipped`, instead of refusing the file.
 
     Raises:
         LegacyCheckpointError: a pre-zip checkpoint (the message says how to convert it).
-        UnsafePickleError: the pickle names something other than tensors and plain data.
+        UnsafePickleError: the pickle names something other than tensors and the values
+            ``torch.load(weights_only=True)`` accepts by default.
+        DtypeError: a tensor memtree cannot read (see ``skip_unsupported``), named by its key.
         CheckpointFormatError: not a torch.save zip, truncated, or damaged; or a pickle beyond
             ``limits``, with a cycle, or nested deeper than they allow (the message says which
             limit, and how to raise it).
@@ -434,9 +161,14 @@ class TorchSaveReader(Closing):
         *,
         allow_pickle: bool = False,
         limits: PickleLimits | None = None,
+        skip_unsupported: bool = False,
     ) -> None:
         self._file = CheckpointFile(path)
         self.path = self._file.path
+        self._skip_unsupported = skip_unsupported
+        self.skipped: dict[str, str] = {}
+        """The tensors left out (``skip_unsupported=True``) by dotted key, with what each is
+        (``{"emb": "a sparse_coo tensor (sparse)"}``)."""
         try:
             self._open(allow_pickle, limits)
         except BaseException:
@@ -498,6 +230,10 @@ class TorchSaveReader(Closing):
         del data
         try:
             obj = unpickler.load()
+        except CheckpointFormatError as err:  # from a check of the calls' arguments: say where
+            if self.path in str(err):
+                raise
+            raise CheckpointFormatError(f"{where}: {err}") from None
         except MemtreeError:
             raise
         except Exception as err:  # any malformed pickle: a clear error, never a traceback
@@ -515,7 +251,7 @@ class TorchSaveReader(Closing):
         the top level): ``"list"`` or ``"tuple"`` (items by index) or ``"int keys"`` (a dict's
         int keys became ``str``), e.g. ``{"optimizer.state": "int keys"}``."""
         if not isinstance(obj, dict):
-            if isinstance(obj, TensorRef):
+            if isinstance(obj, (TensorRef, UnreadableTensor)):
                 raise CheckpointFormatError(
                     f"{self.path} holds a single tensor, not a dict of tensors; save "
                     "{'tensor': t} instead"
@@ -523,9 +259,15 @@ class TorchSaveReader(Closing):
             raise CheckpointFormatError(
                 f"{self.path} holds a {type(obj).__name__}, not a dict of tensors (a state_dict)"
             )
-        flat = flatten_pickled(obj, TensorRef, limits, where, budget.objects)
+        flat = flatten_pickled(obj, (TensorRef, UnreadableTensor), limits, where, budget.objects)
         for path, value, is_tensor in flat.entries:
-            self._add(path, value, self._refs if is_tensor else self.non_tensors)
+            if isinstance(value, UnreadableTensor):
+                self._unreadable(path, value.what, value.damaged)
+            elif path in flat.buried:
+                where = "under keys other than str and int" if isinstance(value, dict) else "inside"
+                self._unreadable(path, f"a {type(value).__name__} with tensors {where}", False)
+            else:
+                self._add(path, value, self._refs if is_tensor else self.non_tensors)
         self.containers.update((".".join(p), kind) for p, kind in flat.containers.items())
 
     def _read_entry(
@@ -613,6 +355,25 @@ class TorchSaveReader(Closing):
         self._storages[key] = ref
         return ref
 
+    def _unreadable(self, path: tuple[str, ...], what: str, damaged: bool) -> None:
+        """A value memtree does not read: refused (naming its key), or skipped when asked."""
+        key = ".".join(path)
+        if damaged:
+            raise CheckpointFormatError(
+                f"{self.path}: {key!r} is {what}; the file is damaged (torch.load cannot read it "
+                "either)"
+            )
+        if not self._skip_unsupported:
+            raise DtypeError(
+                f"{self.path}: {key!r} is {what}, which memtree cannot read. Pass "
+                "skip_unsupported=True to open_checkpoint or convert to leave it out (listed in "
+                "their `skipped`; load_into_module(module, open_checkpoint(path, "
+                "skip_unsupported=True)) loads the rest), or load the file with "
+                "torch.load(weights_only=True) and save that value as a dense tensor of a "
+                "supported dtype"
+            )
+        self.skipped[key] = what
+
     def _add(self, path: tuple[str, ...], value: Any, into: dict[str, Any]) -> None:
         key = ".".join(path)
         if key in self._refs or key in self.non_tensors:
@@ -637,6 +398,8 @@ class TorchSaveReader(Closing):
         try:
             return self._refs[key]
         except KeyError:
+            if key in self.skipped:
+                raise skipped_error(self.path, key, self.skipped[key]) from None
             raise MemtreeKeyError(
                 f"{key!r} is not a tensor of {self.path} (tensors: {list(self._refs)[:10]})"
             ) from None
@@ -657,7 +420,8 @@ class TorchSaveReader(Closing):
         return ref, start, nbytes
 
     def read(self, key: str, *, mmap: bool = True) -> torch.Tensor:
-        """Read one tensor.
+        """Read one tensor, with the values ``torch.load`` gives it (a tensor saved as a
+        conjugate or negative view comes back as one: see :meth:`TensorRef.apply_bits`).
 
         Args:
             key: a key of :meth:`keys`.
@@ -668,12 +432,12 @@ class TorchSaveReader(Closing):
         ref, start, nbytes = self._byte_range(key)
         if mmap and start % itemsize(ref.dtype) == 0:
             flat = self._file.mapped()[start : start + nbytes].view(ref.dtype)
-            return torch.as_strided(flat, ref.size, ref.stride, flat.storage_offset())
+            return ref.apply_bits(torch.as_strided(flat, ref.size, ref.stride, flat.storage_offset()))
         buf = torch.empty(nbytes // itemsize(ref.dtype), dtype=ref.dtype)
         self._file.read_into(buf, start, f"tensor {key!r}")
         if self._whole_record(ref, nbytes):
             self._check_crc(key, ref, crc32(buf.view(torch.uint8).numpy()))
-        return torch.as_strided(buf, ref.size, ref.stride, 0)
+        return ref.apply_bits(torch.as_strided(buf, ref.size, ref.stride, 0))
 
     @staticmethod
     def _whole_record(ref: TensorRef, nbytes: int) -> bool:
@@ -687,10 +451,10 @@ class TorchSaveReader(Closing):
             )
 
     def file_range(self, key: str) -> FileRange | None:
-        """The bytes of the file that hold ``key``'s tensor as it is, if it is contiguous.
+        """The bytes of the file that hold ``key``'s tensor as it is, if they are its values.
 
-        ``None`` for a strided view (transposed, sliced with a step, expanded): :meth:`read`
-        it. The range is valid while the reader is open. A range that is a whole record is
+        ``None`` for a strided view (transposed, sliced with a step, expanded) and for a
+        conjugate or negative view (its values are not the bytes): :meth:`read` it. The range is valid while the reader is open. A range that is a whole record is
         checked against the record's CRC-32 first (``CheckpointFormatError``).
 
         Example:
@@ -703,7 +467,7 @@ class TorchSaveReader(Closing):
             tensor([0., 1., 2., 3., 4., 5.])
         """
         ref, start, nbytes = self._byte_range(key)
-        if not ref.is_contiguous():
+        if not ref.stored_as_is():
             return None
         if self._whole_record(ref, nbytes):  # read through one small buffer, never held whole
             try:
@@ -717,11 +481,11 @@ class TorchSaveReader(Closing):
         """Where ``key``'s bytes lie, for :func:`memtree.store.fill.fill`, and the check of the
         record's CRC-32 on the bytes read (when the tensor spans its record whole).
 
-        ``None`` for a strided view (see :meth:`file_range`). Unlike :meth:`file_range`, the file
+        ``None`` for a strided, conjugate or negative view (see :meth:`file_range`). Unlike :meth:`file_range`, the file
         is not read here: the CRC-32 is checked on the bytes as they are filled.
         """
         ref, start, nbytes = self._byte_range(key)
-        if not ref.is_contiguous():
+        if not ref.stored_as_is():
             return None
         span = FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
         if not self._whole_record(ref, nbytes):

@@ -32,8 +32,10 @@ from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
 from ..store.files import gc_paused
+from ..store.mapped import MemoryMappedTensor
+from ..store.memory import is_plain_memory
 from ..store.options import check_device
-from ..store.fill import FillJob, fill, mapped_range
+from ..store.fill import FillJob, fill, mapped_range, memory_job
 from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
 from ..store.storage import local_path
 from ..store.tensordict import is_tensordict_dir
@@ -47,6 +49,8 @@ from ..tree.bind import (
     is_live,
     module_groups,
     names_list,
+    on_ring,
+    plain,
     plan,
     prefixes,
     refuse_fills_from_meta,
@@ -240,50 +244,96 @@ def _strict_error(module: nn.Module, src: Source, module_names: set[str], found:
 def _locator(source: Any, src: Source) -> Callable[[str], Any] | None:
     """How to find the file bytes of a source name: ``(FileRange, checksum check) | None``.
 
-    For checkpoint files (their readers know each tensor's range), and for a memtree directory
-    given by path (its leaves were just mapped, so the files hold exactly their bytes); ``None``
-    for in-memory sources.
+    For checkpoint files (their readers know each tensor's range), and for the leaves of a
+    memtree tree that are file mappings holding exactly their file's bytes: every leaf of a
+    directory given by path (just mapped here, read-only), and the shared (``mode="r+"``)
+    mappings of a tree or ``state_dict`` given in memory (a read-only mapping may hold private
+    changes that its file lacks: it is copied from memory). ``None`` for other in-memory
+    sources.
     """
     lazy = src.lazy
     fill_range = getattr(lazy, "fill_range", None)
     if callable(fill_range):
         return lambda name: fill_range(src.entries[name])
-    if isinstance(source, (str, os.PathLike)) and lazy is None:
+    if lazy is not None:
+        return None
+    fresh = isinstance(source, (str, os.PathLike))
 
-        def leaf(name: str) -> Any:
-            value = src.entries[name]
-            span = mapped_range(value) if isinstance(value, torch.Tensor) else None
-            return None if span is None else (span, None)
+    def leaf(name: str) -> Any:
+        value = src.entries[name]
+        if not isinstance(value, MemoryMappedTensor) or (value.readonly and not fresh):
+            return None
+        span = mapped_range(value)
+        return None if span is None else (span, None)
 
-        return leaf
-    return None
+    return leaf
 
 
-def _fill_live(found: Plan, src: Source, locate: Callable[[str], Any]) -> Plan:
-    """Read the file bytes of every live tensor that has them straight into it (threaded
-    ``preadv``, see :mod:`memtree.store.fill`); the plan of what is left to :func:`bind`."""
+def _dest(group: Group) -> torch.Tensor:
+    """The live tensor of ``group`` as a plain tensor over its memory, to fill."""
+    dest = group.tensor.detach()
+    return dest if type(dest) is torch.Tensor else dest.as_subclass(torch.Tensor)
+
+
+def _read_into_place(
+    found: Plan,
+    src: Source,
+    locate: Callable[[str], Any] | None,
+    dev: torch.device | None,
+    dtype: torch.dtype | None,
+    assign: bool,
+) -> tuple[Plan, dict[tuple[str, Any], torch.Tensor]]:
+    """Fill, with one :func:`~memtree.store.fill.fill`, what is read rather than copied:
+
+    * live tensors (unless ``assign``) whose source has file bytes (``locate``): filled in
+      place by threaded ``preadv`` (CUDA ones through the pinned ring);
+    * the tensors to bind onto a CUDA ``dev``: new tensors allocated there (cast to ``dtype``),
+      filled through the pinned ring from the file bytes, or from the source tensor's host
+      memory: never a ``.to()`` copy of a file mapping.
+
+    Returns the plan of what is left to :func:`bind` (the live tensors filled taken out), and
+    the new device tensors by ``(kind, Source.key)``, which ``convert`` gives :func:`bind`.
+    """
     jobs: list[FillJob] = []
     rest: list[tuple[Group, str]] = []
+    staged: dict[tuple[str, Any], torch.Tensor] = {}
     owned: list[int] = []  # descriptors opened for mapped leaves
     try:
         for group, name in found.pairs:
-            where = locate(name) if is_live(group) else None
-            if where is None:
+            live = not assign and is_live(group)
+            key = (group.kind, src.key(name))
+            if not live:
                 rest.append((group, name))
+                if group.kind == "extra" or not on_ring(dev) or key in staged or not src.is_tensor(name):
+                    continue  # bound by bind(); a tensor under several names is bound once
+            where = locate(name) if locate is not None else None
+            if where is None:
+                if live:  # bind() copies it (from host memory into CUDA: through the ring too)
+                    rest.append((group, name))
+                    continue
+                host = plain(src.get(name)).detach()
+                if not is_plain_memory(host):
+                    continue  # a device tensor, or a subclass: convert() copies it
+            shape, stored = src.spec(name)
+            if live:
+                dest = _dest(group)
+            else:
+                cast = dtype if dtype is not None and stored.is_floating_point else stored
+                dest = staged[key] = torch.empty(shape, dtype=cast, device=dev)
+            if where is None:
+                job = memory_job(dest, host, name)
+                assert job is not None  # a new tensor of the source's shape, from plain memory
+                jobs.append(job)
                 continue
             span, checksum = where
             if src.lazy is None:
                 owned.append(span.fd)
-            dest = group.tensor.detach()
-            if type(dest) is not torch.Tensor:
-                dest = dest.as_subclass(torch.Tensor)
-            stored = src.spec(name)[1]
             jobs.append(FillJob(dest, span, stored if stored != dest.dtype else None, checksum))
         fill(jobs)
     finally:
         for fd in owned:
             os.close(fd)
-    return dataclasses.replace(found, pairs=rest)
+    return dataclasses.replace(found, pairs=rest), staged
 
 
 def _structure(source: Any) -> PendingLevel | None:
@@ -314,10 +364,7 @@ def _leaf_targets(
             return None
         if sum(n in src.entries for n in group.names) > 1:
             return None  # several names of one tied tensor: plan() compares their data
-        dest = group.tensor.detach()
-        if type(dest) is not torch.Tensor:
-            dest = dest.as_subclass(torch.Tensor)
-        targets.setdefault(path, []).append((dest, src.spec(name)[1]))
+        targets.setdefault(path, []).append((_dest(group), src.spec(name)[1]))
     return targets
 
 
@@ -440,14 +487,18 @@ def load_into_module(
       load), hooks and ties keep working. From a file (memtree directory, safetensors,
       ``torch.save``, shards) the bytes are read with threaded ``preadv`` straight into the
       tensors' memory (no mapping, no second copy; :mod:`memtree.store.fill`), CUDA tensors
-      through a bounded ring of pinned buffers; from tensors in memory, ``p.copy_(source)``;
+      through a ring of pinned buffers; from tensors in memory, ``p.copy_(source)`` (into
+      CUDA tensors through the same ring; the shared ``mode="r+"`` mappings of a tree are
+      read from their files);
     * **meta** (a module built under :func:`empty_init`): there is nothing to fill, so the
       source tensor is *bound*, zero-copy: with a memtree directory the weights become
       read-only copy-on-write mappings of the files (no data is read until used, and the files
-      never change); build the optimizer after loading;
+      never change); build the optimizer after loading. With ``device="cuda"`` each tensor is
+      allocated on the device, filled through the pinned ring (from the file, or the source's
+      memory; never copied from a mapping), then bound;
     * ``assign=True`` binds every tensor, live or not (like
       ``nn.Module.load_state_dict(assign=True)``): parameters are then new objects, which an
-      optimizer built before the load does not hold.
+      optimizer built before the load does not hold (onto CUDA: read through the ring too).
 
     Module tensors the source does not provide are reported in ``missing`` and keep their
     current value. In a module built under :func:`empty_init` they stay on the meta device, so
@@ -472,8 +523,9 @@ def load_into_module(
         keys: load only names under these dotted prefixes or tuples (``"encoder"``,
             ``("encoder", "0")``) of the module's names; ``missing``/``unexpected`` are then
             computed within them.
-        device: where bound tensors go (a copy, unless they are there already); ``None``
-            binds them where the source has them. Tensors filled in place stay on their own
+        device: where bound tensors go (a copy, unless they are there already; onto CUDA,
+            new tensors read through the pinned ring); ``None`` binds them where the source
+            has them. Tensors filled in place stay on their own
             device: a live tensor elsewhere than ``device`` raises (move the module first).
         prefix: a dotted prefix (``"model."``, ``"transformer"``; the final dot is optional)
             that the names of one side have and the other's lack, as between a task model
@@ -590,9 +642,14 @@ def _load(
                     "it under memtree.empty_init(), or pass assign=True to bind new tensors"
                 )
 
-        def convert(_kind: str, _name: str, value: Any) -> Any:
+        staged: dict[tuple[str, Any], torch.Tensor] = {}  # tensors bound onto CUDA, already filled
+
+        def convert(kind: str, name: str, value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
+            filled = staged.get((kind, src.key(name)))
+            if filled is not None:
+                return filled
             cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
             target = dev if dev is not None else value.device
             if cast != value.dtype or target != value.device:
@@ -612,9 +669,7 @@ def _load(
             if not assign:
                 refuse_fills_from_meta(found, src, "load_into_module")
                 _check_shared_memory(_shared_memory(found), src)
-            locate = None if assign else _locator(source, src)
-            if locate is not None:
-                found = _fill_live(found, src, locate)
+            found, staged = _read_into_place(found, src, _locator(source, src), dev, dtype, assign)
         bind(found, src, convert, assign=assign, keep_old=False)
         return LoadResult(found.missing_names, found.unexpected, found.mismatched)
     finally:

@@ -42,6 +42,7 @@ __all__ = [
     "make_dirs",
     "write_small_file",
     "WriterLock",
+    "lock_holder",
     "JOURNAL_BYTES",
     "LOCK_TIMEOUT",
     "destination_state",
@@ -159,6 +160,27 @@ _LOCK_FLAGS = RW_FLAGS | os.O_CREAT
 JOURNAL_BYTES = 1024
 
 
+#: The lock files this process holds, and the thread that took each (see :func:`lock_holder`).
+_HELD: dict[str, int] = {}
+
+
+def lock_holder(path: str) -> int | None:
+    """The thread of this process (``threading.get_ident()``) holding the :class:`WriterLock` on
+    ``path``, or None. Work that the holder does under its lock (loading the levels of a tree it
+    is about to replace) must not take the lock again: it would wait for itself.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), ".t.memtree.lock")
+        >>> with WriterLock(path, "t", timeout=0):
+        ...     lock_holder(path) == threading.get_ident()
+        True
+        >>> lock_holder(path) is None
+        True
+    """
+    return _HELD.get(path)
+
+
 class WriterLock:
     """An exclusive ``flock`` on a lock file: one writer at a time per destination.
 
@@ -232,6 +254,7 @@ class WriterLock:
                 st = None
             if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
                 self.fd = fd
+                _HELD[self.path] = threading.get_ident()
                 return
             os.close(fd)  # the previous holder unlinked this inode: start over
 
@@ -272,6 +295,7 @@ class WriterLock:
         """Remove the lock file and drop the lock (unlink first, so no one can lock a stale inode)."""
         if self.fd is None:
             return
+        _HELD.pop(self.path, None)
         try:
             os.unlink(self.path)
         except OSError:

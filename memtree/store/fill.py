@@ -1,8 +1,9 @@
 """Filling existing tensors from byte ranges of files: threaded ``preadv`` into their own memory.
 
 :func:`fill` takes a list of :class:`FillJob` (a destination tensor and the
-:class:`~memtree.store.files.FileRange` that holds its bytes) and reads every range once, with
-no mapping of the file and no second copy in memory:
+:class:`~memtree.store.files.FileRange` that holds its bytes, or the :class:`MemoryRange` of a
+tensor in host memory) and reads every range once, with no mapping of the file and no second
+copy in memory:
 
 * **direct** (a contiguous CPU tensor of the source's dtype, the usual case): the bytes are read
   with ``os.preadv`` straight into the tensor's storage, in pieces of at most
@@ -12,15 +13,18 @@ no mapping of the file and no second copy in memory:
   ``preadv`` into several tensors (gaps of at most :data:`READ_GAP` bytes between them are read
   into a scratch buffer). Short reads are continued; a file that ends inside its range raises
   :class:`~memtree.errors.StorageError` (``EIO``) naming the tensor;
-* **staged** (a dtype cast, a non-contiguous or non-CPU destination): reader threads fill a
-  bounded ring of host buffers, the calling thread copies each buffer into its place in the
-  destination (``copy_``, casting on the way) and hands the buffer back once its copy is done.
-  For CPU destinations the ring holds a few :data:`BOUNCE_BYTES` buffers; for CUDA it holds
-  page-locked buffers (at most :data:`PINNED_RING_BYTES` in all, a module setting) and the
-  host-to-device copies run on a CUDA stream, ordered by events, while the next reads go on.
-  The ring is released before :func:`fill` returns, whatever happened (page-locked buffers go
-  back to torch's pinned-memory cache); any error in a reader thread or in a copy stops the
-  others, joins every thread and is raised.
+* **staged** (a dtype cast, a non-contiguous or non-CPU destination, or bytes already in host
+  memory, :class:`MemoryRange`): reader threads fill a bounded ring of host buffers (``preadv``
+  from the file, or a copy from the source's memory), the calling thread copies each buffer into
+  its place in the destination (``copy_``, casting on the way) and hands the buffer back once
+  its copy is done. For CPU destinations the ring holds a few :data:`BOUNCE_BYTES` buffers,
+  allocated for the call. For CUDA it is :class:`PinnedRing`: page-locked buffers allocated
+  once and lent to every load, sized to the load (a load never pins more than its bytes, all
+  loads together never more than :data:`PINNED_RING_BYTES`), whose host-to-device copies run
+  on a CUDA stream, ordered by events, while the next reads go on;
+  :func:`release_pinned_memory` frees them. Any error in a reader thread or in a copy stops the
+  others, joins every thread, waits for every copy in flight and is raised; the buffers go
+  back to their ring whatever happened.
 
 Every range is checked against its file's size first (``fstat``): a file already too short
 raises before anything is written. A file that shrinks during the read raises the same error,
@@ -65,10 +69,16 @@ __all__ = [
     "READ_CHUNK",
     "BOUNCE_BYTES",
     "PINNED_RING_BYTES",
+    "PINNED_CHUNK",
+    "PINNED",
     "FillJob",
+    "MemoryRange",
+    "memory_job",
     "Copier",
     "HostCopier",
+    "PinnedRing",
     "CudaCopier",
+    "release_pinned_memory",
     "fill",
     "mapped_range",
     "read_exact",
@@ -103,14 +113,14 @@ _SCRATCH = bytearray(READ_GAP)  # where gap bytes land (never read; threads shar
 #: Host buffer size for casts and non-contiguous CPU destinations (``READ_THREADS + 2`` of them:
 #: the most memory a cast load holds besides its destinations).
 BOUNCE_BYTES = 8 * 1024 * 1024
-#: Most page-locked host memory a load onto a CUDA device holds at once (the ring of buffers the
-#: reads fill while earlier buffers are copied to the device). A module setting: assign
-#: ``memtree.store.fill.PINNED_RING_BYTES = 256 << 20`` to use less. The ring uses at most
-#: ``2 * READ_THREADS + 2`` buffers of up to :data:`PINNED_CHUNK` bytes, and never more than
-#: the load needs; it is released before the load returns (into torch's pinned-memory cache,
-#: which reuses it for the next pinned allocation).
+#: Most page-locked host memory that CUDA loads hold, all loads of the process together: the
+#: bytes of :class:`PinnedRing`, whose buffers the reads fill while earlier buffers are copied
+#: to the device. A module setting, read at each load: assign
+#: ``memtree.store.fill.PINNED_RING_BYTES = 128 << 20`` to pin less (a ring already larger is
+#: cut down to it by the next load). One load asks for at most ``2 * READ_THREADS + 2``
+#: buffers of up to :data:`PINNED_CHUNK` bytes, and never for more than its own bytes.
 PINNED_RING_BYTES = 512 * 1024 * 1024
-#: Size of one buffer of the pinned ring.
+#: Most bytes of one buffer of the pinned ring.
 PINNED_CHUNK = 32 * 1024 * 1024
 _READ_ONLY = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _POLL = 0.05  # seconds a waiting reader sleeps between checks of the stop flag
@@ -118,20 +128,47 @@ _Check = tuple[str, Callable[[str], None]]
 
 
 @dataclass(frozen=True)
+class MemoryRange:
+    """Bytes already in host memory, that :func:`fill` stages like a file's: the reader threads
+    copy them into the ring, whose buffers are copied into the destination (a CUDA tensor
+    filled from a tensor in memory, or from a file mapping that may differ from its file).
+
+    Attributes:
+        data: the bytes, a 1-d ``uint8`` CPU tensor (a view of the source tensor's memory, which
+            it keeps alive).
+        what: the source, for messages.
+    """
+
+    data: torch.Tensor
+    what: str
+
+    @property
+    def offset(self) -> int:
+        """Where the bytes start in :attr:`data` (as in a file): always 0."""
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """How many bytes."""
+        return int(self.data.numel())
+
+
+@dataclass(frozen=True)
 class FillJob:
-    """One destination tensor and the bytes of a file that fill it.
+    """One destination tensor and the bytes of a file (or of host memory) that fill it.
 
     Attributes:
         dest: the tensor to fill, on any device but ``meta``, any layout; its ``numel`` times
             the source dtype's item size must be ``source.nbytes``.
-        source: where the bytes are (the descriptor stays open during :func:`fill`).
+        source: where the bytes are: a file range (the descriptor stays open during
+            :func:`fill`), or a :class:`MemoryRange` (always staged through the ring).
         dtype: the dtype of the bytes, when it differs from ``dest.dtype`` (they are cast).
         checksum: ``(algorithm, check)``: ``check("<algorithm>:<hex>")`` is called with the
-            checksum of the bytes once they are read (it raises on a mismatch).
+            checksum of the bytes once they are read (it raises on a mismatch); file ranges only.
     """
 
     dest: torch.Tensor
-    source: FileRange
+    source: FileRange | MemoryRange
     dtype: torch.dtype | None = None
     checksum: _Check | None = None
 
@@ -143,7 +180,31 @@ class FillJob:
     @property
     def direct(self) -> bool:
         """True when the bytes are read straight into ``dest``'s memory."""
-        return self.src_dtype == self.dest.dtype and is_plain_memory(self.dest)
+        return (
+            isinstance(self.source, FileRange)
+            and self.src_dtype == self.dest.dtype
+            and is_plain_memory(self.dest)
+        )
+
+
+def memory_job(dest: torch.Tensor, source: torch.Tensor, what: str) -> FillJob | None:
+    """A job that fills ``dest`` from the host memory of ``source`` (same shape; cast if the
+    dtypes differ) through the ring, or ``None`` when ``source`` is not a plain contiguous CPU
+    tensor of that shape or ``dest`` not a plain tensor (no subclass: pass a
+    ``MemoryMappedTensor`` as the plain tensor over its mapping, a parameter detached; the
+    caller then copies it itself).
+
+    Example:
+        >>> import torch
+        >>> dest = torch.zeros(2, 3, dtype=torch.float64).t()     # strided, and a cast
+        >>> fill([memory_job(dest, torch.arange(6.0).reshape(3, 2), "x")])
+        >>> dest.tolist()
+        [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    """
+    if type(dest) is not torch.Tensor or not is_plain_memory(source) or source.shape != dest.shape:
+        return None
+    data = source.reshape(-1).view(torch.uint8)
+    return FillJob(dest, MemoryRange(data, what), source.dtype if source.dtype != dest.dtype else None)
 
 
 def read_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
@@ -205,11 +266,14 @@ class Copier(Protocol):
     """How staged bytes reach their destination: the one part of :func:`fill` that knows the
     device. :class:`HostCopier` (CPU) and :class:`CudaCopier`; tests pass their own."""
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A new host buffer (a 1-d ``uint8`` CPU tensor of ``nbytes``)."""
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """Between one and ``count`` host buffers (1-d ``uint8`` CPU tensors) of ``nbytes`` at
+        least, for one load alone until :meth:`release`."""
 
-    def release(self, buffer: torch.Tensor) -> None:
-        """Give back a buffer of :meth:`buffer` (every one is released, errors or not)."""
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
+        """Give back the buffers of :meth:`buffers` (once, errors or not). ``reuse`` is False
+        when a copy from them failed, so that one may still read them: they are never lent
+        again."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Start copying the host tensor ``src`` into ``dst`` (same shape); returns a token."""
@@ -218,13 +282,18 @@ class Copier(Protocol):
         """Wait until the copy of ``token`` is done (its buffer may then be reused)."""
 
 
+def _pageable(nbytes: int, count: int) -> list[torch.Tensor]:
+    return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+
+
 class HostCopier:
-    """Copies into CPU destinations, in the calling thread (a cast, or a strided destination)."""
+    """Copies into CPU destinations, in the calling thread (a cast, or a strided destination),
+    from buffers allocated for the call."""
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        return _pageable(nbytes, count)
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
         pass
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
@@ -235,31 +304,204 @@ class HostCopier:
         pass
 
 
-class CudaCopier:
-    """Host-to-device copies on a CUDA stream of their own, from page-locked buffers.
+def _pinned(nbytes: int) -> torch.Tensor:
+    """A page-locked host buffer from torch's pinned allocator (raises ``RuntimeError`` where
+    none can be pinned; torch clears the CUDA error it got)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    Buffers are allocated page-locked by torch (``torch.empty(..., pin_memory=True)``, its
-    caching host allocator, which records the copies' stream and keeps the memory for the next
-    pinned allocation); where pinning fails they are pageable (slower, still correct), and no
+
+def _unpin_cached() -> None:
+    """Give the page-locked blocks that torch's pinned allocator keeps cached back to the
+    system (it caches every freed block: without this, a buffer the ring frees stays pinned)."""
+    if not torch.cuda.is_initialized():
+        return  # nothing was pinned
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch >= 2.9
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class PinnedRing:
+    """The page-locked host buffers that CUDA loads stage through, allocated once and lent to
+    one load at a time (thread-safe: two loads at once never share a buffer).
+
+    Its buffers all have one size, a power of two (what torch's pinned allocator reserves for
+    any request): the largest a load has asked for since the ring was last emptied. A load
+    gets *slots*: views of the buffers lent to it, of the size it asked for, as many as it asked
+    for and no more buffers than those cover (so a small load borrows a larger buffer rather
+    than pinning a new one). New buffers are allocated only to cover what a load asks for,
+    and never beyond :data:`PINNED_RING_BYTES` (read at each :meth:`take`) for the buffers
+    of every load together, idle or lent: a load that finds none free and no room (or where
+    pinning fails) gets pageable buffers of its own instead (slower, still correct: it never
+    waits for another load). A load asking for larger slots than the buffers makes the ring
+    drop its idle buffers and allocate larger ones; buffers still lent are dropped when given
+    back.
+
+    Buffers are freed by :meth:`release` (:func:`release_pinned_memory`), by a lowered cap,
+    when a larger size replaces theirs, and when given back after a failed copy. Freed memory
+    goes back to the system (torch's pinned allocator would otherwise keep it cached): at once
+    for idle buffers, at the next :meth:`take` or :meth:`release` for a buffer dropped as it is
+    given back (its load still holds views of it then).
+
+    ``allocate`` makes one buffer (default: pinned by torch), ``unpin`` returns freed memory to
+    the system (default: empties torch's pinned cache); tests pass their own.
+
+    Example:
+        >>> ring = PinnedRing(allocate=lambda n: torch.empty(n, dtype=torch.uint8), unpin=lambda: None)
+        >>> slots = ring.take(3000, 2)                 # two slots of 4096 bytes, in new buffers
+        >>> [len(s) for s in slots], ring.held
+        ([4096, 4096], 8192)
+        >>> ring.give(slots, reuse=True)
+        >>> [len(s) for s in ring.take(100_000, 1)], ring.held   # larger: the idle ones are freed
+        ([131072], 131072)
+    """
+
+    def __init__(
+        self,
+        allocate: Callable[[int], torch.Tensor] = _pinned,
+        unpin: Callable[[], None] = _unpin_cached,
+    ) -> None:
+        self._allocate = allocate
+        self._unpin = unpin
+        self._lock = threading.Lock()
+        self._size = 0  # bytes of each buffer (0: none yet)
+        self._idle: list[torch.Tensor] = []
+        self._lent: dict[int, tuple[torch.Tensor, int]] = {}  # data_ptr -> (buffer, generation)
+        self._generation = 0  # bumped by release(): buffers lent before it are dropped on return
+        self._unpin_due = False  # a buffer was dropped since the last unpin
+        self.held = 0  #: bytes of every buffer of the ring, idle or lent
+
+    def take(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """Up to ``count`` slots of ``nbytes`` (rounded up to a power of two) for one load,
+        in buffers no other load holds until :meth:`give`; ``count`` pageable buffers where the
+        ring has none for it."""
+        cap = PINNED_RING_BYTES
+        want = _pow2_at_least(nbytes)
+        need = want * count
+        if want > cap:  # never pinned: the ring keeps its buffers
+            return _pageable(want, count)
+        with self._lock:
+            if want > self._size or self._size > cap or not self.held:  # larger, a cap below them, or none
+                self._drop(len(self._idle))
+                self._size = want
+            while self._idle and self.held > cap:  # a cap lowered since: trim
+                self._drop(1)
+            size, generation = self._size, self._generation
+            got: list[torch.Tensor] = []
+            while self._idle and len(got) * size < need:
+                got.append(self._idle.pop())
+            new = 0
+            while size <= need and (len(got) + new) * size < need and self.held + size <= cap:
+                self.held += size  # reserved: allocated below, outside the lock
+                new += 1
+            unpin, self._unpin_due = self._unpin_due, False
+        if unpin:  # before pinning more
+            self._unpin()
+        made: list[torch.Tensor] = []
+        done = False
+        try:
+            try:
+                while len(made) < new:
+                    made.append(self._allocate(size))
+            except RuntimeError:  # no page-locked memory left: the load uses what it got
+                pass
+            done = True
+        finally:
+            with self._lock:
+                self.held -= size * (new - len(made))
+                for buf in got + made:
+                    self._lent[buf.data_ptr()] = (buf, generation)
+            if not done:  # interrupted: none of them is lent
+                self.give(got + made, reuse=True)
+        if not got and not made:
+            return _pageable(want, count)
+        return [buf[i : i + want] for buf in got + made for i in range(0, size, want)][:count]
+
+    def give(self, slots: list[torch.Tensor], reuse: bool) -> None:
+        """Take back the buffers of slots of :meth:`take` (other tensors are ignored);
+        ``reuse=False``: drop them (a copy from them may have failed)."""
+        ptrs = {s.untyped_storage().data_ptr() for s in slots}
+        with self._lock:
+            for ptr in ptrs:
+                lent = self._lent.pop(ptr, None)
+                if lent is None:
+                    continue
+                buf, generation = lent
+                if reuse and len(buf) == self._size and generation == self._generation and self.held <= PINNED_RING_BYTES:
+                    self._idle.append(buf)
+                else:
+                    self.held -= len(buf)
+                    self._unpin_due = True
+
+    def release(self) -> int:
+        """Free every idle buffer now, and those lent to loads running when they end; returns
+        the bytes freed now."""
+        with self._lock:
+            freed = self._drop(len(self._idle))
+            self._generation += 1
+            unpin, self._unpin_due = self._unpin_due, False
+        if unpin:
+            self._unpin()
+        return freed
+
+    def _drop(self, n: int) -> int:
+        """Forget the last ``n`` idle buffers (the lock held); their bytes."""
+        dropped = self._idle[len(self._idle) - n :]
+        del self._idle[len(self._idle) - n :]
+        freed = sum(len(b) for b in dropped)
+        self.held -= freed
+        self._unpin_due = self._unpin_due or freed > 0
+        return freed
+
+
+#: The ring of every CUDA load of this process.
+PINNED = PinnedRing()
+
+
+def release_pinned_memory() -> int:
+    """Free the page-locked buffers that CUDA loads keep between loads; returns the bytes freed.
+
+    Loads onto a CUDA device stage their reads through one ring of page-locked host buffers
+    (at most :data:`PINNED_RING_BYTES`, never more than the largest load needed), allocated by
+    the first such load and kept for the next ones, as torch's own pinned allocator keeps what
+    it frees. Call this after a one-off load to give that memory back to the system (the
+    buffers of a load still running are freed when it ends); the next CUDA load pins new ones.
+
+    Example:
+        >>> release_pinned_memory() >= 0
+        True
+    """
+    return PINNED.release()
+
+
+class CudaCopier:
+    """Host-to-device copies on a CUDA stream of their own, from the buffers of :data:`PINNED`.
+
+    The buffers are allocated page-locked by torch (``torch.empty(..., pin_memory=True)``);
+    where none can be pinned (no page-locked memory left, or the ring's buffers all lent to
+    other loads), the load uses pageable buffers of its own (slower, still correct), and no
     CUDA error is left pending: a failed ``cudaHostRegister`` called directly would leave one,
     which the next kernel launched in the thread raises as its own. The stream first waits for
     the device's current stream, so kernels queued before the load that use the destinations
-    finish first.
+    finish first; every copy is waited for before :func:`fill` returns.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ring: PinnedRing | None = None) -> None:
         self.device = device
+        self.ring = PINNED if ring is None else ring
         self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no page-locked memory left (torch clears the CUDA error it got)
-            return torch.empty(nbytes, dtype=torch.uint8)
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        return self.ring.take(nbytes, count)
 
-    def release(self, buffer: torch.Tensor) -> None:
-        pass  # back to torch's allocator when dropped, once the copies recorded on it are done
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
+        self.ring.give(buffers, reuse)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         with torch.cuda.stream(self.stream):
@@ -284,6 +526,10 @@ def _check_jobs(jobs: Sequence[FillJob]) -> None:
                 f"{src.what}: the file range holds {src.nbytes:,} bytes at offset {src.offset:,}, "
                 f"the destination {job.src_dtype}{list(job.dest.shape)} needs {want:,}"
             )
+        if isinstance(src, MemoryRange):
+            if job.checksum is not None:
+                raise InvalidArgumentError(f"{src.what}: a checksum is checked on a file's bytes, not memory's")
+            continue
         if src.fd not in sizes:
             try:
                 sizes[src.fd] = os.fstat(src.fd).st_size
@@ -313,8 +559,9 @@ def fill(
         copier: makes the :class:`Copier` for the destinations of one device that are not
             filled directly (default: :class:`HostCopier` on the CPU, :class:`CudaCopier` on
             CUDA).
-        ring_bytes: most bytes of staging buffers held at once (default: :data:`BOUNCE_BYTES`
-            per thread on the CPU, :data:`PINNED_RING_BYTES` on a device).
+        ring_bytes: most bytes of staging buffers one device's destinations use (default:
+            :data:`BOUNCE_BYTES` per thread and two more on the CPU, :data:`PINNED_RING_BYTES`
+            on a device); never more than their own bytes (one element at least).
 
     Raises:
         StorageError: a file is shorter than a range (before anything is written), ends or
@@ -357,7 +604,7 @@ def fill(
             ring = ring_bytes
         else:
             ring = BOUNCE_BYTES * (max(threads, 1) + 2) if host else PINNED_RING_BYTES
-        _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK)
+        _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK, host)
 
 
 def _gf2_times(matrix: list[int], vector: int) -> int:
@@ -443,6 +690,7 @@ class _Sums:
         elif not staged:
             found = tensor_checksum(job.dest, algorithm)
         else:
+            assert isinstance(src, FileRange)  # _check_jobs: checksums of file ranges only
             try:
                 found = file_checksum(src.fd, src.nbytes, algorithm, src.offset)
             except OSError as err:
@@ -483,7 +731,8 @@ def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
     :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a gap's bytes land in scratch)."""
     pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
     for job in jobs:
-        view, src = writable_view(job.dest), job.source  # direct jobs: plain memory
+        view, src = writable_view(job.dest), job.source  # direct jobs: plain memory, from a file
+        assert isinstance(src, FileRange)
         for s in range(0, len(view), READ_CHUNK):
             pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
     pieces.sort(key=lambda p: (p[0], p[1]))
@@ -635,41 +884,89 @@ def _staged_pieces(jobs: list[FillJob], chunk: int) -> Iterator[_Piece]:
             offset += nbytes
 
 
-def _fill_staged(jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: int, chunk: int) -> None:
-    """Fill ``jobs`` through a ring of host buffers of at most ``chunk`` bytes each and
-    ``ring_bytes`` in all (but one buffer of one element at least)."""
-    total = sum(j.source.nbytes for j in jobs)
-    widest = max(itemsize(j.src_dtype) for j in jobs)
-    chunk = max(widest, min(chunk, ring_bytes // 2))
-    estimate = total // chunk + len(jobs)
-    readers = _thread_count(threads, estimate, total)
-    count = max(1, min(ring_bytes // chunk, 2 * readers + 2, estimate))
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _ring_shape(total: int, widest: int, slots: int, ring_bytes: int, chunk_max: int, jobs: int) -> tuple[int, int]:
+    """``(bytes, count)`` of the buffers that ``jobs`` staged jobs of ``total`` bytes use:
+    ``slots`` buffers of at most ``chunk_max`` bytes (a power of two, as torch's pinned
+    allocator rounds), at most ``ring_bytes`` and ``total`` bytes in all, and no more buffers
+    than pieces to read; one buffer of one element (``widest`` bytes) at least."""
+    budget = max(widest, min(ring_bytes, total))
+    chunk = _pow2_at_most(max(widest, min(chunk_max, budget // slots)))
+    return chunk, max(1, min(slots, budget // chunk, total // chunk + jobs))
+
+
+class _Watched:
+    """A copier that remembers whether a copy or a wait failed: the device may then still read
+    the buffers, which must not be lent again."""
+
+    def __init__(self, copier: Copier) -> None:
+        self.copier = copier
+        self.failed = False
+
+    def buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        return self.copier.buffers(nbytes, count)
+
+    def release(self, buffers: list[torch.Tensor], reuse: bool) -> None:
+        self.copier.release(buffers, reuse and not self.failed)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        try:
+            return self.copier.copy(dst, src)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def wait(self, token: Any) -> None:
+        try:
+            self.copier.wait(token)
+        except BaseException:
+            self.failed = True
+            raise
+
+
+def _fill_staged(
+    jobs: list[FillJob], copier: Copier, threads: int, ring_bytes: int, chunk_max: int, host: bool
+) -> None:
+    """Fill ``jobs`` through a ring of host buffers (:func:`_ring_shape`): ``readers + 2`` of
+    them for a copier that copies as it is called (``host``), ``2 * readers + 2`` for one whose
+    copies run meanwhile, one without reader threads."""
     sums = _Sums()
     for job in jobs:
         sums.empty(job)
-    buffers: list[torch.Tensor] = []
+    total = sum(j.source.nbytes for j in jobs)
+    if total == 0:
+        return
+    widest = max(itemsize(j.src_dtype) for j in jobs)
+    readers = _thread_count(threads, total // max(widest, min(chunk_max, ring_bytes // 2)) + len(jobs), total)
+    slots = (readers + 2 if host else 2 * readers + 2) if readers else 1
+    chunk, count = _ring_shape(total, widest, slots, ring_bytes, chunk_max, len(jobs))
+    watched = _Watched(copier)
+    buffers = watched.buffers(chunk, count)
     try:
-        for _ in range(count):
-            buffers.append(copier.buffer(chunk))
+        chunk = min(len(b) for b in buffers)  # a ring's buffers may be larger than asked
         pieces = _staged_pieces(jobs, chunk)
         if readers == 0:
             for piece in pieces:
-                buf = buffers[0]
-                _read_piece(piece, buf, sums)
+                _read_piece(piece, buffers[0], sums)
                 with torch.no_grad():
-                    copier.wait(copier.copy(piece.dest, _typed(buf, piece)))
+                    watched.wait(watched.copy(piece.dest, _typed(buffers[0], piece)))
         else:
-            _pipeline(pieces, buffers, copier, readers, sums)
+            _pipeline(pieces, buffers, watched, readers, sums)
     finally:
-        for buf in buffers:
-            copier.release(buf)
+        watched.release(buffers, True)
 
 
 def _read_piece(piece: _Piece, buf: torch.Tensor, sums: _Sums) -> None:
-    job = piece.job
+    src = piece.job.source
+    if isinstance(src, MemoryRange):
+        buf[: piece.nbytes].copy_(src.data[piece.offset : piece.offset + piece.nbytes])  # without the GIL
+        return
     view = byte_view(buf[: piece.nbytes])
-    read_exact(job.source.fd, view, piece.offset, job.source.what)
-    sums.add(job, piece.offset - job.source.offset, view, staged=True)
+    read_exact(src.fd, view, piece.offset, src.what)
+    sums.add(piece.job, piece.offset - src.offset, view, staged=True)
 
 
 def _typed(buf: torch.Tensor, piece: _Piece) -> torch.Tensor:

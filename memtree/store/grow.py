@@ -90,7 +90,6 @@ from .files import (
     check_free_space,
     copy_range,
     new_file,
-    open_checked,
     open_leaf,
     storage_error,
     write_fd,
@@ -103,6 +102,7 @@ from .mapped import MemoryMappedTensor, map_leaf, to_storable
 from ..format.values import NonTensor
 from .read import held_dirs_budget, load_pending_at, open_dir, read_meta, walk_levels
 from .recovery import GROWTH_JOURNAL, recover_locked
+from .unshare import own_file
 
 __all__ = ["GROWTH_FACTOR", "check_growable", "extend_level", "resize_level"]
 
@@ -246,6 +246,7 @@ class _Growth:
         self.mappings: dict[str, tuple[int, int]] = {}
         self.staging: str | None = None  # holds the new generations until the commit
         self.fresh_paths: set[str] = set()  # leaves with a new generation: map them again
+        self.identities: dict[str, tuple[int, int]] = {}  # each leaf file's (st_dev, st_ino), as checked
         self.keep_open = True  # the leaves' files stay open from their check to the commit
 
     def run(self, length: int, rows: Level | None) -> Level:
@@ -281,6 +282,7 @@ class _Growth:
                     shutil.rmtree(self.staging, ignore_errors=True)
             made: dict[str, tuple[int, int]] = {}
             self.fresh_paths = {leaf.path for leaf in self.leaves if leaf.new_generation}
+            self.identities = {leaf.path: leaf.identity for leaf in self.leaves}
             out = self._remap(self.current, "", length, made)
             root_stat = _stat_key(os.path.join(self.dest, META_NAME))
             if root_stat is not None:
@@ -406,7 +408,10 @@ class _Growth:
 
         It does on a shrink (the dropped rows stay mapped by earlier readers, and would be
         written over by a later growth) and when the file has another hard link (its bytes
-        are shared with a name that may lie outside the tree). A tree with many leaves (more
+        are shared with a name that may lie outside the tree, or with another tree by an
+        incremental save). The link count read here stays right for the whole growth: the tree
+        being grown maps the file read-write, and the linker of incremental saves never links a
+        file open for writing (:mod:`memtree.store.lease`). A tree with many leaves (more
         than :func:`~memtree.store.read.held_dirs_budget`) has each file opened when used and
         closed at once, so it grows with a few descriptors; a smaller one keeps them open.
         """
@@ -663,15 +668,19 @@ class _Growth:
                 assert isinstance(value, torch.Tensor)
                 path = os.path.join(self.dest, rel, entry.file)
                 storage = _storage(value)
+                mapped = getattr(value, "_file", None)
                 if (
                     self.mappings.get(path) == storage
                     and storage[1] == entry.file_nbytes
                     and path not in self.fresh_paths
+                    and mapped is not None
+                    and mapped.file_id == self.identities.get(path)
                 ):
-                    # still the mapping of the whole file made by the last growth: view more rows
+                    # still the mapping of the whole file made by the last growth (the file the
+                    # path names: not given its own copy by another load meanwhile): view more rows
                     tensor = value.as_strided(entry.shape, value.stride(), 0)
                 else:
-                    tensor = _map_rows(path, entry)
+                    tensor = _map_rows(path, entry, self.dest)
                 made[path] = _storage(tensor)
                 out.entries[entry.key] = tensor
             elif isinstance(entry, ChildMeta):
@@ -692,18 +701,24 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def _map_rows(path: str, entry: LeafMeta) -> MemoryMappedTensor:
+def _map_rows(path: str, entry: LeafMeta, root: str) -> MemoryMappedTensor:
     """Map a leaf's whole file (all its capacity) and return its first ``shape[0]`` rows.
 
     Mapping the capacity lets the tensor travel to other processes as a reference to a file of
-    exactly its storage's size (see :mod:`memtree.store.mapped`).
+    exactly its storage's size (see :mod:`memtree.store.mapped`). A file another name shares
+    (a hard link made meanwhile by someone else) gets its own copy first
+    (:mod:`memtree.store.unshare`; the caller holds the tree's writer lock).
     """
     rows = entry.capacity if entry.capacity is not None else entry.shape[0]
-    fd = open_checked(path, entry.file_nbytes, path)
+    fd, st = open_leaf(path, entry.file_nbytes, path, writable=True)
     try:
-        full = map_leaf(fd, path, entry.dtype, (rows,) + entry.shape[1:], readonly=False)
+        if st.st_nlink > 1 and entry.file_nbytes:
+            shared, fd = fd, -1  # own_file closes it
+            fd, st = own_file(shared, st, path, path, root=root)
+        full = map_leaf(fd, path, entry.dtype, (rows,) + entry.shape[1:], readonly=False, st=st)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     out = full[: entry.shape[0]]
     assert isinstance(out, MemoryMappedTensor)
     return out

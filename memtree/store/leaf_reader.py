@@ -3,7 +3,9 @@
 regular file of exactly its size; with ``verify=True`` its checksum), then mapped, or queued and
 read by threads (``mmap=False``, devices), or kept open for
 :func:`~memtree.store.read.fill_tree`; an encrypted leaf decrypted, a pickled one unpickled only
-when allowed.
+when allowed. A leaf mapped read-write (``mode="r+"``) that shares its file with another tree
+by a hard link (an incremental save) first gets its own copy (:mod:`memtree.store.unshare`), so
+writes into this tree never reach the other one.
 
 :mod:`memtree.store.read` walks the levels (:class:`~memtree.store.read.PendingLevel`) and hands
 each leaf entry to the tree's one reader.
@@ -94,12 +96,14 @@ class LeafReader:
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
+        mapped = self.mmap and self.on_cpu
+        writable = mapped and not self.readonly  # opened read-write before its links are counted
         try:
-            fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # maps only nbytes
+            fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd, writable=writable)  # maps only nbytes
         except LeafSizeError:
-            fd, st = self.open_grown(dir_fd, where, entry, path), None
+            fd, st = self.open_grown(dir_fd, where, entry, path, writable=writable), None
         check = self.verify and entry.checksum is not None
-        if not (self.mmap and self.on_cpu):  # read, never mapped: into ordinary or device memory
+        if not mapped:  # read, never mapped: into ordinary or device memory
             try:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
             except BaseException:
@@ -108,6 +112,16 @@ class LeafReader:
             self.queue(fd, dir_fd, tensor, entry, path, parents)
             return tensor
         try:
+            if writable:
+                if st is None:
+                    st = os.fstat(fd)
+                if st.st_nlink > 1 and entry.file_nbytes:  # another tree shares it: copy it first
+                    from .unshare import own_file
+
+                    shared, fd = fd, -1  # own_file closes it
+                    fd, st = own_file(
+                        shared, st, entry.file, path, root=_tree_root(where, dirs), dir_fd=dir_fd, dirs=dirs
+                    )
             if check:
                 self.check(
                     file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents,
@@ -119,7 +133,8 @@ class LeafReader:
                 raise
             raise storage_error(err, f"reading leaf {path}") from err
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def queue(
         self, fd: int, dir_fd: int, dest: torch.Tensor, entry: LeafMeta, path: str, parents: tuple[str, ...]
@@ -224,7 +239,7 @@ class LeafReader:
         return tensor if self.on_cpu else tensor.to(self.device)
 
     @staticmethod
-    def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str) -> int:
+    def open_grown(dir_fd: int, where: str, entry: LeafMeta, path: str, *, writable: bool = False) -> int:
         """The leaf's file when the tree grew (``append_``...) after this ``meta.json`` was read.
 
         The file must then match the level's *current* ``meta.json`` exactly, as the same leaf
@@ -243,7 +258,7 @@ class LeafReader:
             and now.file_nbytes > entry.file_nbytes
         ):
             return open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # raises again
-        return open_checked(entry.file, now.file_nbytes, path, dir_fd=dir_fd)
+        return open_leaf(entry.file, now.file_nbytes, path, dir_fd=dir_fd, writable=writable)[0]
 
     @staticmethod
     def check(
@@ -327,6 +342,13 @@ def _open_pickle(dir_fd: int, path: str, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _tree_root(where: str, dirs: tuple[str, ...]) -> str:
+    """The root directory of a tree whose level ``dirs`` (names from the root) lies at ``where``."""
+    for _ in dirs:
+        where = os.path.dirname(where)
+    return where
 
 
 def _algorithm(entry: LeafMeta) -> str:

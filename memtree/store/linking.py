@@ -8,18 +8,28 @@ saves"):
   relative to the root's descriptor (held for the whole write) without following links, so a
   symlink or a renamed directory can never lead a link outside the old tree;
 * a leaf is a candidate only if its key path exists there with the same dtype and shape, no
-  capacity, and a recorded checksum of the write's algorithm; the new bytes' checksum must equal
-  the recorded one;
+  capacity, and a recorded checksum of the write's algorithm equal to the new bytes' checksum
+  (a quick filter: equal checksums do not prove equal bytes);
 * the old file is opened without following links and must be a regular file of the exact size,
-  with fewer than :data:`MAX_LINKS` links; with ``verify`` (the default) its bytes are hashed and
-  must match too, so a file damaged or written in place since its checksum was recorded is never
-  linked (without ``verify``, a file modified after its ``meta.json`` is refused, and damage that
-  leaves the modification time alone, such as bit rot, is caught by the next ``memtree verify`` of
-  either tree);
-* the link is made by name relative to the held directory, then the new name is checked to be the
-  very file that was checked (device and inode): a file swapped in between is unlinked again;
+  with fewer than :data:`MAX_LINKS` links, and **no process may have it open for writing**
+  (a tree loaded with ``mode="r+"`` maps its leaves read-write): a read lease proves it
+  (:mod:`memtree.store.lease`), held until the link is made, and the link is undone if a writer
+  opened the file meanwhile. Where leases cannot prove it (a network filesystem, overlayfs, a
+  file of another owner...), nothing is linked;
+* the decision is made on the **bytes**: the old file is read and compared with the new data,
+  so two different contents that share a checksum (crc32, crc32c and xxh3 collisions can be made
+  on purpose) are never linked, nor is a file damaged or written in place since its checksum
+  was recorded. Only ``verify=False`` with ``sha256`` checksums trusts the recorded checksum
+  instead of reading the old file (for a file not modified after its ``meta.json``): a
+  non-cryptographic checksum is never trusted alone;
+* the link is made by name relative to the held directory, then the new name is checked to be
+  the very file that was checked (device and inode): a file swapped in between is unlinked again;
 * anything that fails (another filesystem, permissions, ``EMLINK``, the old tree removed
   meanwhile) makes the writer write the leaf instead.
+
+A file linked this way is never written in place afterwards through memtree: a writer that
+opens it read-write sees the second link and gives its tree its own copy first
+(:mod:`memtree.store.unshare`).
 
 Example:
     >>> import tempfile, torch
@@ -46,15 +56,18 @@ import torch
 from ..errors import MemtreeError
 from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta
-from .files import _unlink_quiet, open_leaf
-from .checksums import file_checksum
+from .files import FileRange, _unlink_quiet, equal_bytes, open_leaf
+from .lease import Lease, lease_refusal, read_lease
 from .read import open_dir, walk_levels
 
-__all__ = ["MAX_LINKS", "LinkSource", "WriteStats"]
+__all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats"]
 
 #: A file with this many hard links already is written, not linked again (ext4 allows 65,000;
 #: leaving room keeps other tools working on it).
 MAX_LINKS = 60_000
+#: Checksums that no one can match on purpose with other bytes: only these are trusted in place
+#: of the bytes (``verify=False``).
+TRUSTED_CHECKSUMS = frozenset({"sha256"})
 
 
 @dataclass
@@ -67,7 +80,8 @@ class WriteStats:
         files_linked: leaf files hard-linked from ``link_from`` instead.
         bytes_linked: their bytes (no data written).
         link_fallbacks: leaves whose checksum matched ``link_from`` but that were written
-            anyway: the old file failed a check (size, content, link count) or the link failed.
+            anyway: the old file failed a check (size, bytes, link count, open for writing by
+            some process) or the link failed.
         link_error: why ``link_from`` could not be used at all (unreadable, another
             filesystem...), else None: every leaf is then written.
 
@@ -118,7 +132,8 @@ class LinkSource:
         self.root = root
         self.root_fd = root_fd
         self.algorithm = algorithm
-        self.verify = verify
+        #: Trust the recorded checksum instead of comparing bytes (``verify=False``, sha256 only).
+        self.trust_checksums = not verify and algorithm in TRUSTED_CHECKSUMS
         self.leaves: dict[tuple[str, ...], _Old] = {}
         self.error: str | None = None
 
@@ -129,9 +144,10 @@ class LinkSource:
     ) -> Iterator[LinkSource | None]:
         """The link source of a write into ``staging`` (``None`` without ``link_from``).
 
-        A ``link_from`` that cannot be read as a tree, or lies on another filesystem than
-        ``staging``, gives a source with no leaves and its reason in :attr:`error`: nothing is
-        linked, everything is written.
+        A ``link_from`` that cannot be read as a tree, lies on another filesystem than
+        ``staging``, or on a filesystem where no lease can prove that its files have no writer
+        (:func:`~memtree.store.lease.lease_refusal`), gives a source with no leaves and its
+        reason in :attr:`error`: nothing is linked, everything is written.
         """
         if link_from is None or algorithm is None:
             yield None
@@ -145,8 +161,14 @@ class LinkSource:
             return
         source = cls(link_from, fd, algorithm, verify)
         try:
+            refusal = lease_refusal(fd)
             if os.fstat(fd).st_dev != os.stat(staging).st_dev:
                 source.error = f"{link_from} is on another filesystem than the destination"
+            elif refusal is not None:
+                source.error = (
+                    f"memtree cannot prove that no process writes into the files of {link_from} "
+                    f"(a tree loaded with mode='r+' maps them read-write): {refusal}"
+                )
             else:
                 source._index()
             yield source
@@ -179,15 +201,26 @@ class LinkSource:
             return None
         return old.meta
 
-    def link(self, key: tuple[str, ...], checksum: str, target: str, *, fsync: bool = False) -> bool | None:
-        """Hard-link the old leaf at ``key`` to the new path ``target`` if its data has ``checksum``.
+    def link(
+        self,
+        key: tuple[str, ...],
+        checksum: str,
+        target: str,
+        data: torch.Tensor | FileRange,
+        *,
+        fsync: bool = False,
+    ) -> bool | None:
+        """Hard-link the old leaf at ``key`` to the new path ``target`` if it holds ``data``.
 
-        ``fsync``: also flush the old file's data (the old tree may have been written without
-        ``fsync``; the new one promises durability).
+        ``checksum`` is the checksum of ``data`` (a contiguous CPU tensor, or a
+        :class:`~memtree.store.files.FileRange` of its bytes): the old leaf's recorded one must
+        equal it before anything is opened. ``fsync``: also flush the old file's data (the old
+        tree may have been written without ``fsync``; the new one promises durability).
 
         Returns:
             True when linked; None when the recorded checksum differs (the leaf changed);
-            False when it matched but the old file failed a check or the link failed.
+            False when it matched but the old file failed a check (its bytes, its size, its
+            links, a writer) or the link failed.
         """
         old = self.leaves[key]
         if old.meta.checksum != checksum:
@@ -205,35 +238,37 @@ class LinkSource:
                 os.close(d)
             return False
         try:
-            if not self._still_same(fd, st, old, checksum):
+            if st.st_nlink >= MAX_LINKS:
                 return False
-            try:
-                os.link(old.meta.file, target, src_dir_fd=dir_fd, follow_symlinks=False)
-            except OSError:
-                return False
-            try:
-                made = os.lstat(target)
-            except OSError:
-                made = None
-            if made is not None and (made.st_dev, made.st_ino) == (st.st_dev, st.st_ino):
-                if fsync:
-                    os.fsync(fd)  # an error here fails the write, as a failed fsync of a written leaf does
-                return True
-            _unlink_quiet(target)  # another file was swapped in under the old name meanwhile
-            return False
+            with read_lease(fd) as lease:  # no writer now, and none until the link is made
+                if lease is None or not self._holds(fd, st, old, data, lease):
+                    return False
+                try:
+                    os.link(old.meta.file, target, src_dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    return False
+                try:
+                    made = os.lstat(target)
+                except OSError:
+                    made = None
+                if made is None or (made.st_dev, made.st_ino) != (st.st_dev, st.st_ino) or not lease.intact():
+                    _unlink_quiet(target)  # another file swapped in, or a writer opened it meanwhile
+                    return False
+            if fsync:
+                os.fsync(fd)  # an error here fails the write, as a failed fsync of a written leaf does
+            return True
         finally:
             os.close(fd)
             for d in opened:
                 os.close(d)
 
-    def _still_same(self, fd: int, st: os.stat_result, old: _Old, checksum: str) -> bool:
-        """The old file may be linked: not too many links, and its bytes still have ``checksum``
-        (``verify``) or it was not modified after its ``meta.json``."""
-        if st.st_nlink >= MAX_LINKS:
+    def _holds(self, fd: int, st: os.stat_result, old: _Old, data: torch.Tensor | FileRange, lease: Lease) -> bool:
+        """The old file holds ``data``: its bytes are compared (stopping if a writer opens it),
+        or, trusting a sha256 checksum (``verify=False``), it was not modified after its
+        ``meta.json``."""
+        if self.trust_checksums:
+            return st.st_mtime_ns <= old.meta_mtime_ns
+        try:
+            return equal_bytes(fd, old.meta.nbytes, data, lease.intact)
+        except OSError:
             return False
-        if self.verify:
-            try:
-                return file_checksum(fd, old.meta.nbytes, self.algorithm) == checksum
-            except OSError:
-                return False
-        return st.st_mtime_ns <= old.meta_mtime_ns

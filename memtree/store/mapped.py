@@ -15,6 +15,10 @@
   the same path since is never written by mistake): no page fault per page of a sparse file,
   and a full disk raises ``StorageError`` instead of killing the process with SIGBUS.
 * Pickled with ``pickle``/``torch.save``, it is saved as an ordinary tensor (its data).
+* A file with another hard link (a leaf that an incremental save shares between two trees) is
+  never mapped read-write: writes would change every tree that shares it. Such a mapping is
+  refused with ``UnsafePathError``; ``load_memmap`` gives the leaf its own copy first
+  (:mod:`memtree.store.unshare`).
 
 Example:
     >>> import os, tempfile, torch
@@ -40,7 +44,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from ..format.dtypes import dtype_name, itemsize
 from ..errors import DtypeError, MissingLeafError, ReadOnlyError
-from .files import map_fd, open_checked, pwrite_from, storage_error, write_file_replace
+from .files import map_fd, open_checked, pwrite_from, shared_file_error, storage_error, write_file_replace
 from .options import check_mode
 from .mapped_files import WRITERS, FileId, MappedFile
 
@@ -276,7 +280,9 @@ class MemoryMappedTensor(torch.Tensor):
 
         Raises:
             MissingLeafError, LeafSizeError, UnsafePathError: the file is absent, of the wrong
-                size, or not a regular file.
+                size, or not a regular file; or, with ``mode="r+"``, it has another hard link
+                (another tree shares its bytes: map it with ``mode="r"``, or load its tree with
+                ``load_memmap``, which gives the leaf its own copy first).
         """
         check_mode(mode)
         path = os.path.abspath(os.fspath(filename))
@@ -701,19 +707,27 @@ def map_leaf(
 ) -> MemoryMappedTensor:
     """Map an open, already size-checked leaf file as a ``MemoryMappedTensor``.
 
-    ``st`` is the descriptor's ``fstat`` when the caller has it (the file's identity).
+    ``st`` is the descriptor's ``fstat`` when the caller has it (the file's identity); for a
+    read-write mapping, taken after ``fd`` was opened read-write. A read-write mapping of a file
+    with another hard link is refused (see the module docstring).
+
+    Raises:
+        UnsafePathError: ``readonly=False`` and the file has another hard link.
     """
     nbytes = prod(shape) * itemsize(dtype)
     flat = map_fd(fd, path, nbytes, writable=not readonly, dtype=dtype)
+    if st is None:
+        st = os.fstat(fd)  # after mapping: a read-write mapping is a writer the linker respects
+    _check_sole(path, st, readonly, nbytes)
     if len(shape) != 1:  # a 1-d leaf is the flat mapping itself
         flat = flat.view(shape)
-    return MemoryMappedTensor._wrap(flat, _mapped_file(fd, path, st), readonly)
+    return MemoryMappedTensor._wrap(flat, MappedFile(path, (st.st_dev, st.st_ino)), readonly)
 
 
-def _mapped_file(fd: int, path: str, st: os.stat_result | None = None) -> MappedFile:
-    if st is None:
-        st = os.fstat(fd)
-    return MappedFile(path, (st.st_dev, st.st_ino))
+def _check_sole(path: str, st: os.stat_result, readonly: bool, nbytes: int) -> None:
+    """Refuse a read-write mapping of bytes another hard link shares."""
+    if not readonly and nbytes and st.st_nlink > 1:
+        raise shared_file_error(path, st.st_nlink)
 
 
 # -- sending to other processes ---------------------------------------------------------------
@@ -729,14 +743,16 @@ def _rebuild_from_file(
 ) -> MemoryMappedTensor:
     fd = open_checked(path, nbytes, path, strict_size=False)  # a growable leaf's file may be longer
     try:
-        file = _mapped_file(fd, path)
+        flat = map_fd(fd, path, nbytes, writable=not readonly)
+        st = os.fstat(fd)  # after mapping (see map_leaf)
+        file = MappedFile(path, (st.st_dev, st.st_ino))
         if file_id is not None and file.file_id != file_id:
             raise MissingLeafError(
                 f"{path} is no longer the file this tensor was mapped from (the tree was re-saved, "
                 "or the file replaced, after the sending process mapped it), so the receiving "
                 "process cannot map the same data; load the tree again before sending it"
             )
-        flat = map_fd(fd, path, nbytes, writable=not readonly)
+        _check_sole(path, st, readonly, nbytes)
     finally:
         os.close(fd)
     base = flat.view(dtype)

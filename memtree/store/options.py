@@ -299,13 +299,15 @@ class WriteOptions(Record):
         encrypt_names: with ``encryption``, also seal every level's entries (keys, shapes,
             values) and give files random names.
         link_from: a committed tree (e.g. the previous checkpoint): each tensor leaf whose key
-            path there has the same dtype and shape, no capacity, and a recorded checksum equal
-            to the new bytes' checksum (same algorithm) becomes a hard link to that file instead
-            of a copy (see :func:`memtree.store.write.write_tree`).
-        link_verify: with ``link_from``, hash the old file too before linking it (default): a
-            leaf damaged since its checksum was recorded is written, never linked. ``False``
-            trusts the recorded checksum of an old file that has the expected size and was not
-            modified after its ``meta.json`` was written.
+            path there has the same dtype and shape, no capacity, a recorded checksum equal to
+            the new bytes' checksum (same algorithm), and exactly the new bytes becomes a hard
+            link to that file instead of a copy (see :func:`memtree.store.write.write_tree`).
+        link_verify: with ``link_from``, compare the old file's bytes with the new ones before
+            linking it (default): a leaf damaged since its checksum was recorded, or different
+            bytes with the same checksum, is written, never linked. ``False`` trusts a recorded
+            ``sha256`` checksum of an old file that has the expected size and was not modified
+            after its ``meta.json`` was written; other checksums can be matched on purpose, so
+            their bytes are compared anyway.
     """
 
     like: bool = False

@@ -47,7 +47,7 @@ from ..format.dtypes import itemsize
 from ..format.level import Level, as_level
 from ..format.names import META_NAME
 from ..format.schema import TREE_TYPE
-from ..format.values import NonTensor, json_problem
+from ..format.values import NonTensor, json_problem, tuples_to_lists
 from .commit import write_small_file
 from .files import create_leaf
 from .staged import staged_directory
@@ -202,7 +202,7 @@ class _Writer:
                 meta[key] = {"type": "TensorDict" if value.foreign_type is None else _short(value.foreign_type)}
             elif isinstance(value, torch.Tensor):
                 meta[key] = self.tensor(directory, key, value, sub)
-            elif isinstance(value, NonTensor) and json_problem(value.data) is None:
+            elif isinstance(value, NonTensor) and _json_exact(value.data):
                 child = os.path.join(directory, _encode(key))
                 os.mkdir(child)
                 self.meta(child, {"_type": _NONTENSOR_TYPE, "data": value.data, "_metadata": None,
@@ -224,6 +224,12 @@ class _Writer:
 
     def meta(self, directory: str, doc: dict[str, Any]) -> None:
         write_small_file(os.path.join(directory, META_NAME), orjson.dumps(doc), fsync=self.fsync)
+
+
+def _json_exact(value: Any) -> bool:
+    """True if tensordict gives ``value`` back as it is from the JSON of a ``NonTensorData``:
+    JSON holds it exactly, and it holds no tuple (which would come back a list)."""
+    return json_problem(value) is None and not tuples_to_lists(value)[1]
 
 
 def _short(type_string: str) -> str:

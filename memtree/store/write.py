@@ -311,14 +311,15 @@ def write_tree(
     With ``options.link_from`` (an incremental save), each tensor leaf whose key path exists in
     that committed tree with the same dtype and shape, no capacity, and a recorded checksum of
     the same algorithm equal to the checksum of the new bytes (computed in the writer thread
-    before deciding) becomes a hard link to the old file instead of a copy; the written tree
-    stays standalone (deleting the old one loses nothing). The old file is opened relative to
-    held directory descriptors without following links, must be a regular file of the exact
-    size, and (``link_verify``, the default) is hashed itself: a file damaged or changed since
-    its checksum was recorded is never linked. Any failure (another filesystem, permissions,
-    the link count limit, the old tree replaced meanwhile) writes the leaf instead. Trees with
-    hard-linked leaves share those files: write into them only through memtree's growth
-    (which gives a shared file a new generation), never through a ``mode="r+"`` mapping.
+    before deciding) becomes a hard link to the old file instead of a copy, if the old file
+    holds exactly the new bytes (compared; see :mod:`memtree.store.linking`) and no process has
+    it open for writing; the written tree stays standalone (deleting the old one loses
+    nothing). The old file is opened relative to held directory descriptors without following
+    links and must be a regular file of the exact size. Any failure (another filesystem,
+    permissions, the link count limit, a writer, the old tree replaced meanwhile) writes the
+    leaf instead. A write through memtree into either tree never changes the other: a shared
+    file gets its own copy before it is written (:mod:`memtree.store.unshare`), so with
+    ``mode="r+"`` the returned tree copies its linked leaves when their levels load.
 
     Raises:
         LockError: another writer is writing the same destination.
@@ -443,7 +444,7 @@ def _write_staging(
                 if links is not None and checksum is not None and links.candidate(j.key, j.tensor) is not None:
                     assert data is not None
                     digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
-                    linked = links.link(j.key, digest, target, fsync=fsync)
+                    linked = links.link(j.key, digest, target, data, fsync=fsync)
                     if linked:
                         sums[j.rel] = digest
                         if stats is not None:

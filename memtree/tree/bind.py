@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -104,6 +105,8 @@ __all__ = [
     "refuse_fills_from_meta",
     "set_slot",
     "swap_flat",
+    "plain",
+    "on_ring",
     "names_list",
 ]
 
@@ -256,6 +259,11 @@ class Source:
         if self.lazy is not None:
             return self.lazy[self.entries[name]]
         return self.entries[name]
+
+    def key(self, name: str) -> Any:
+        """What the tensor of the entry ``name`` is known by: the name in a lazy source, else
+        the object (names given one tensor are bound to one value)."""
+        return name if self.lazy is not None else id(self.entries[name])
 
     def names(self) -> list[str]:
         """Every dotted name: the entries, then the tie aliases."""
@@ -482,7 +490,7 @@ def _same_values(src: Source, a: str, b: str) -> bool:
         return True
     if not (src.is_tensor(a) and src.is_tensor(b)) or src.spec(a) != src.spec(b):
         return False
-    x, y = _plain(src.get(a)).detach(), _plain(src.get(b)).detach()
+    x, y = plain(src.get(a)).detach(), plain(src.get(b)).detach()
     if x.device.type == "meta" or y.device.type == "meta" or _storage_key(x) == _storage_key(y):
         return True
     return torch.equal(*(t.cpu().contiguous().view(-1).view(torch.uint8) for t in (x, y)))
@@ -493,8 +501,15 @@ def names_list(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names[:_LIST_MAX]) + more
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor itself, or for a ``MemoryMappedTensor`` a plain tensor over the same memory."""
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a ``MemoryMappedTensor`` a plain tensor over the same memory.
+
+    Example:
+        >>> import tempfile, memtree
+        >>> x = memtree.TensorTree({"x": torch.ones(2)}).memmap(tempfile.mkdtemp() + "/t")["x"]
+        >>> type(plain(x)).__name__, plain(x).data_ptr() == x.data_ptr()
+        ('Tensor', True)
+    """
     if isinstance(t, MemoryMappedTensor):
         return t.as_subclass(torch.Tensor)
     return t
@@ -558,10 +573,10 @@ def _bound_value(group: Group, value: Any, track_gradients: bool) -> Any:
         if isinstance(value, nn.Parameter):
             return value
         if track_gradients and _tracks_gradients(value):
-            return _plain(value)
-        return nn.Parameter(_plain(value), requires_grad=group.tensor.requires_grad)
+            return plain(value)
+        return nn.Parameter(plain(value), requires_grad=group.tensor.requires_grad)
     if group.kind == "buffer":
-        return _plain(value.detach() if isinstance(value, nn.Parameter) else value)
+        return plain(value.detach() if isinstance(value, nn.Parameter) else value)
     return value
 
 
@@ -617,7 +632,7 @@ def bind(
     extras: list[tuple[Group, Any, Any]] = []
     for group, name in plan.pairs:
         if not assign and is_live(group):
-            before = _plain(group.tensor).detach().clone() if keep_old else None
+            before = plain(group.tensor).detach().clone() if keep_old else None
             fills.append((group, name, before))
             if keep_old:
                 old.append((group, before))
@@ -625,7 +640,7 @@ def bind(
         current = _current(group)
         if keep_old:
             old.append((group, current))
-        key = (group.kind, name if src.lazy is not None else id(src.entries[name]))
+        key = (group.kind, src.key(name))
         value = made.get(key)
         if value is None:
             value = made[key] = _bound_value(group, convert(group.kind, name, src.get(name)), track_gradients)
@@ -644,14 +659,60 @@ def bind(
         for group, name, before in fills:
             if before is not None:
                 undo.append(functools.partial(_copy_back, group.tensor, before))
-            with torch.no_grad():
-                group.tensor.copy_(_plain(src.get(name)))
+        _fill_in_place([(group, src.get(name)) for group, name, _ in fills])
     except BaseException:
         for step in reversed(undo):
             with contextlib.suppress(Exception):  # put back what can be: the first error is raised
                 step()
         raise
     return old
+
+
+def on_ring(device: torch.device | None) -> bool:
+    """Whether tensors loaded onto ``device`` are filled through the pinned ring of
+    :mod:`memtree.store.fill` (CUDA) rather than copied from host memory one by one.
+
+    Example:
+        >>> on_ring(torch.device("cuda:1")), on_ring(torch.device("cpu")), on_ring(None)
+        (True, False, False)
+    """
+    return device is not None and device.type == "cuda"
+
+
+def _ring_dest(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` as the plain tensor the pinned ring fills, or ``None`` (not on the ring's
+    device, or a tensor subclass: copied with ``copy_``)."""
+    if not on_ring(tensor.device):
+        return None
+    dest = tensor.detach()
+    return dest if type(dest) is torch.Tensor else None
+
+
+def _fill_in_place(fills: list[tuple[Group, Any]]) -> None:
+    """``tensor.copy_(value)`` for each live group's tensor, without autograd. CUDA tensors
+    filled from host memory (a tensor in memory, or a file mapping) go through the pinned ring
+    (:func:`memtree.store.fill.fill`: threaded copies into page-locked buffers, host-to-device
+    copies overlapping them), not one ``copy_`` each from pageable memory; tensors that share
+    a storage with another are copied in order, one after the other (the ring fills in any
+    order)."""
+    dests = [_ring_dest(group.tensor) for group, _ in fills]
+    storages = Counter((d.device, d.untyped_storage().data_ptr()) for d in dests if d is not None)
+    jobs = []
+    with torch.no_grad():
+        for (group, value), dest in zip(fills, dests):
+            job = None
+            if dest is not None and storages[dest.device, dest.untyped_storage().data_ptr()] == 1:
+                from ..store.fill import memory_job  # imported only where a CUDA tensor is filled
+
+                job = memory_job(dest, plain(value).detach(), f"tensor {group.names[0]!r}")
+            if job is None:
+                group.tensor.copy_(plain(value))
+            else:
+                jobs.append(job)
+        if jobs:
+            from ..store.fill import fill
+
+            fill(jobs)
 
 
 def swap_flat(old: list[tuple[Group, Any]]) -> tuple[list[tuple[str, Any]], dict[str, str]]:
