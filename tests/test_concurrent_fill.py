@@ -6,7 +6,9 @@ What must hold (``docs/guide/datasets.md``, "Several writers"):
   ``tree[rows] = batch``, a leaf's rows), lose no row: every row written is in the tree
   afterwards, bit for bit, and the files are the ones the tree had (written in place);
 * one process growing the tree (``extend_``) while others fill its existing rows loses neither
-  the rows filled nor the rows appended.
+  the rows filled nor the rows appended;
+* writers of a tree whose files another tree shares by hard links (an incremental checkpoint)
+  all write into the one copy their loads give it, and the other tree does not change.
 
 The children are forked, start together through a barrier, and each fills a random disjoint
 set of rows in every form of row write; nothing is timed and nothing waits by sleeping.
@@ -160,3 +162,20 @@ def test_a_process_appending_while_others_fill_loses_no_row(tmp_path):
     run_children(FORK, lambda *a: _grower(*a) if isinstance(a[1], int) else _writer(*a),
                  *fillers, (str(d), grown, barrier), timeout=TIMEOUT)
     assert lost_rows(d, ROWS + grown) == []
+
+
+def test_writers_of_a_tree_sharing_its_files_with_another_lose_none_and_leave_the_other_unchanged(tmp_path):
+    """An incremental save hard-links unchanged leaves to the previous tree: each writer's load
+    gives the leaves their own copy first (one copy, under the tree's writer lock, which every
+    writer then maps), so the rows all land in the new tree and none in the old one."""
+    zeros = item(0).apply(torch.zeros_like).expand(ROWS).clone()
+    checkpoints = memtree.Checkpointer(tmp_path / "steps")
+    old, new = checkpoints.save(1, zeros), checkpoints.save(2, zeros)  # step 2 links step 1's files
+    shared = inodes(new)
+    assert shared == inodes(old)  # every leaf file is step 1's
+    barrier = FORK.Barrier(WRITERS)
+    run_children(FORK, _writer, *[(new, mine, barrier) for mine in shares(ROWS, WRITERS, seed=4)], timeout=TIMEOUT)
+    assert lost_rows(new, ROWS) == []
+    for key, value in memtree.load_memmap(old, mode="r").items(include_nested=True, leaves_only=True):
+        assert not value.any(), key  # nothing written into the other tree
+    assert not set(inodes(new).values()) & set(shared.values())
