@@ -140,11 +140,18 @@ class Layout:
         return {k: v[i, ...] for k, v in src.items()}
 
     def write_item(self, h: Any, i: int, item: Any) -> None:
-        raise NotImplementedError
+        """Row ``i``, leaf by leaf (``h[key][i] = value``)."""
+        for k, v in item.items():
+            h[k][i] = v
 
     def write_rows(self, h: Any, idx: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        for j, i in enumerate(idx.tolist()):
-            self.write_item(h, i, {k: v[j] for k, v in rows.items()})
+        """Rows ``idx`` (the first ``len(idx)`` rows in one assignment per leaf)."""
+        if np.array_equal(idx, np.arange(len(idx))):
+            for k, v in rows.items():
+                h[k][: len(idx)] = v
+        else:
+            for j, i in enumerate(idx.tolist()):
+                self.write_item(h, i, {k: v[j] for k, v in rows.items()})
 
     def read(self, h: Any, idx: np.ndarray) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -219,14 +226,6 @@ class NumpyMemmap(Layout):
             if a.flags.writeable:
                 a.flush()
 
-    def write_item(self, h: Any, i: int, item: Any) -> None:
-        for k, v in item.items():
-            h[k][i] = v
-
-    def write_rows(self, h: Any, idx: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        for k, v in rows.items():
-            h[k][idx] = v
-
     def read(self, h: Any, idx: np.ndarray) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(a[idx]) for k, a in h.items()}
 
@@ -289,17 +288,6 @@ class H5py(Layout):
     def close(self, h: Any) -> None:
         h.close()
 
-    def write_item(self, h: Any, i: int, item: Any) -> None:
-        for k, v in item.items():
-            h[k][i] = v
-
-    def write_rows(self, h: Any, idx: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        if np.array_equal(idx, np.arange(len(idx))):
-            for k, v in rows.items():
-                h[k][: len(idx)] = v
-        else:
-            super().write_rows(h, idx, rows)
-
     def read(self, h: Any, idx: np.ndarray) -> dict[str, torch.Tensor]:
         rows, back = np.unique(idx, return_inverse=True)  # HDF5: increasing rows, no repeats
         return {k: torch.from_numpy(h[k][rows][back]) for k in h.keys()}
@@ -332,17 +320,6 @@ class Zarr(Layout):
         import zarr
 
         return zarr.open_group(path, mode="r+" if write else "r")
-
-    def write_item(self, h: Any, i: int, item: Any) -> None:
-        for k, v in item.items():
-            h[k][i] = v
-
-    def write_rows(self, h: Any, idx: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        if np.array_equal(idx, np.arange(len(idx))):
-            for k, v in rows.items():
-                h[k][: len(idx)] = v
-        else:
-            super().write_rows(h, idx, rows)
 
     def read(self, h: Any, idx: np.ndarray) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(h[k].oindex[idx]) for k in sorted(h.array_keys())}
