@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import memtree
 from memtree import InvalidIndexError, MemoryMappedTensor, MemtreeError, TensorTree
-from treeutil import assert_identical
+from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
+from treeutil import assert_identical, random_tensor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,6 +163,31 @@ def test_other_batch_indices_keep_torchs_semantics_with_typed_errors(trees):
             assert_identical(got[k].as_subclass(torch.Tensor) if isinstance(got[k], torch.Tensor) else got[k], v, k)
     with pytest.raises(InvalidIndexError, match=r"does not fit a tree of batch_size \[12, 3\]"):
         tree[:, 7]
+
+
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+def test_every_dtype_and_row_layout_is_gathered_bit_exact(name, tmp_path):
+    """Regressions: torch has no CPU ``index_select`` for 1-D uint16/uint32/uint64 tensors (on main
+    a batch of such a mapped leaf raised ``NotImplementedError``), and ``index_select`` of a
+    strided tensor reports a negative row with a ``RuntimeError`` (on main a negative row of a
+    strided mapped leaf raised it, instead of counting from the end)."""
+    dtype = dtype_from_name(name)
+    leaves = {
+        "rows": random_tensor((N,), dtype, seed=1),
+        "grid": random_tensor((N, 3, 2), dtype, seed=2),
+        "strided": random_tensor((N, 4), dtype, seed=3)[:, ::2],
+        "empty": random_tensor((N, 0), dtype),
+    }
+    plain_tree = TensorTree(leaves, batch_size=[N])
+    rows = torch.tensor([N - 1, 0, 5, 5, -2])
+    want = rows % N
+    for tree in (plain_tree, plain_tree.memmap(tmp_path / "t"), memtree.load_memmap(tmp_path / "t", mode="r")):
+        batch = tree[rows]
+        for key, leaf in leaves.items():
+            got = batch[key]
+            assert got.dtype == dtype and got.shape == (len(rows), *leaf.shape[1:]), key
+            bits = leaf.contiguous().view(torch.uint8).reshape(N, -1)
+            assert torch.equal(got.contiguous().view(torch.uint8).reshape(len(rows), -1), bits[want]), key
 
 
 def test_a_batch_is_one_index_select_per_leaf_and_no_row_by_row_indexing(tmp_path):

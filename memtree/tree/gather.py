@@ -58,6 +58,13 @@ MEMORY = ("plain", "pinned", "shared")
 #: Leaf classes whose rows are copied into new outputs here (a subclass of either indexes itself).
 PLAIN = (torch.Tensor, MemoryMappedTensor)
 _Job = tuple[dict[str, Any], str, torch.Tensor]
+#: Dtypes gathered as integers of their size (torch's CPU ``index_select`` lacks some of them,
+#: 1-D unsigned ones among them): every dtype but those with a kernel for every shape.
+_BITS = {
+    dtype: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.float8_e4m3fn,
+                  torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+}
 
 
 def batch_memory(pin_memory: bool = False) -> str:
@@ -138,12 +145,17 @@ def gather(tree: TreeCore, rows: torch.Tensor, memory: str, where: Callable[[], 
 
 
 def _gather_fast(jobs: list[_Job], rows: torch.Tensor, memory: str) -> None:
-    """One ``index_select`` per leaf, each into a new output of ``memory``."""
+    """One ``index_select`` per leaf, each into a new output of ``memory`` (rows of a dtype torch
+    has no ``index_select`` kernel for are copied as integers of the same size: the same bits)."""
     flat = rows.reshape(-1)
     with torch._C.DisableTorchFunctionSubclass():
         outs = output_tensors([((len(flat),) + leaf.shape[1:], leaf.dtype) for _, _, leaf in jobs], memory)
         for (_, _, leaf), dst in zip(jobs, outs):
-            torch.index_select(leaf, 0, flat, out=dst)
+            bits = _BITS.get(leaf.dtype)
+            if bits is None:
+                torch.index_select(leaf, 0, flat, out=dst)
+            else:
+                torch.index_select(leaf.view(bits), 0, flat, out=dst.view(bits))
         for (entries, key, leaf), dst in zip(jobs, outs):
             entries[key] = dst if rows.ndim == 1 else dst.view(rows.shape + leaf.shape[1:])
 

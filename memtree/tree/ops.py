@@ -108,13 +108,13 @@ def stack_into(trees: Sequence[TensorTree], memory: str) -> TensorTree:
 
 
 def _stacked_into(values: list[torch.Tensor], memory: str) -> torch.Tensor:
-    first = values[0]
-    dtype = first.dtype
-    if not all(type(v) in PLAIN and v.dtype == dtype and v.is_cpu and not v.requires_grad for v in values):
-        return torch.stack(values)  # type promotion, autograd, subclasses, devices: torch's rules
-    [out] = output_tensors([((len(values),) + first.shape, dtype)], memory)
     with torch._C.DisableTorchFunctionSubclass():  # MemoryMappedTensor's hook: not needed to read
-        return torch.stack(values, 0, out=out)
+        first = values[0]
+        dtype = first.dtype
+        if all(type(v) in PLAIN and v.dtype == dtype and v.is_cpu and not v.requires_grad for v in values):
+            [out] = output_tensors([((len(values),) + first.shape, dtype)], memory)
+            return torch.stack(values, 0, out=out)
+    return torch.stack(values)  # type promotion, autograd, subclasses, devices: torch's rules
 
 
 def _stack(trees: Sequence[TensorTree], dim: int, fn: Callable[[list[torch.Tensor], int], torch.Tensor]) -> TensorTree:
