@@ -309,3 +309,14 @@ def test_batch_loader_pins_batches_as_it_gathers_them(tmp_path):  # pragma: no c
     for b in batches:
         assert all(v.is_pinned() for v in b.values(include_nested=True, leaves_only=True) if isinstance(v, torch.Tensor))
     assert_batch(memtree.cat(batches), src, torch.arange(N))
+
+
+@pytest.mark.parametrize("shape, dtype", [((N, 0), torch.float32), ((N,), torch.uint64), ((N, 2), torch.uint32)], ids=str)
+def test_a_mapped_leaf_reads_rows_as_torch_does(shape, dtype, tmp_path):
+    """Regression: on main, ``leaf[rows]`` of a mapped leaf with rows of no elements and a
+    negative row raised ``RuntimeError`` (from ``index_select``), and a 1-D uint64 leaf
+    ``NotImplementedError``: both are left to torch's indexing now, as for a plain tensor."""
+    plain_leaf = random_tensor(shape, dtype)
+    mapped = TensorTree({"x": plain_leaf}, batch_size=[N]).memmap(tmp_path / "t")["x"]
+    rows = torch.tensor([-2, 3, N - 1])
+    assert_identical(mapped[rows].as_subclass(torch.Tensor), plain_leaf[rows], "leaf")
