@@ -6,7 +6,8 @@ What must hold (``docs/guide/datasets.md``, "Several writers"):
   ``tree[rows] = batch``, a leaf's rows), lose no row: every row written is in the tree
   afterwards, bit for bit, and the files are the ones the tree had (written in place);
 * one process growing the tree (``extend_``) while others fill its existing rows loses neither
-  the rows filled nor the rows appended;
+  the rows filled nor the rows appended (the writers load every level first); a level a writer
+  loads only after the growth is refused with ``MissingLeafError``, never written;
 * writers of a tree whose files another tree shares by hard links (an incremental checkpoint)
   all write into the one copy their loads give it, and the other tree does not change.
 
@@ -84,7 +85,7 @@ def _child() -> None:
 
 def _writer(path: str, mine: list[int], barrier) -> None:
     _child()
-    tree = memtree.load_memmap(path)
+    tree = memtree.load_memmap(path, lazy=False)  # every level now: a growth may replace the directories
     barrier.wait(TIMEOUT)
     fill(tree, mine)
 
@@ -151,6 +152,39 @@ def test_writers_sharing_one_loaded_tree_through_fork_lose_none(tmp_path):
     run_children(FORK, _inherited_writer, *[(tree, [i + 1 for i in mine], barrier) for mine in parts],
                  timeout=TIMEOUT)
     assert lost_rows(d, ROWS) == []
+
+
+def _lazy_writer(path: str, mine: list[int], barrier, grown) -> None:
+    _child()
+    tree = memtree.load_memmap(path)  # the nested level loads on first use
+    barrier.wait(TIMEOUT)
+    grown.wait(TIMEOUT)
+    try:
+        fill(tree, mine)
+    except memtree.MissingLeafError:
+        return  # the documented error: load the tree again
+    raise AssertionError("a level loaded after the tree was grown (its directories replaced)")
+
+
+def _growing_once(path: str, barrier, grown) -> None:
+    _child()
+    tree = memtree.load_memmap(path)
+    barrier.wait(TIMEOUT)
+    tree.extend_(rows([ROWS]))
+    grown.set()
+
+
+def test_a_level_loaded_after_another_process_grew_the_tree_is_refused_not_written(tmp_path):
+    """A writer whose nested level was still unloaded when another process grew the tree (its
+    directories exchanged for the grown ones) gets ``MissingLeafError`` when it first writes
+    there: an error, not rows written into files that are no longer the tree's."""
+    d = tmp_path / "data"
+    empty(d)
+    barrier, grown = FORK.Barrier(2), FORK.Event()
+    run_children(FORK, lambda *a: _growing_once(*a) if len(a) == 3 else _lazy_writer(*a),
+                 (str(d), [5, 6], barrier, grown), (str(d), barrier, grown), timeout=TIMEOUT)
+    tree = memtree.load_memmap(d)
+    assert len(tree) == ROWS + 1 and not tree["nested", "pos"][:ROWS].any()
 
 
 def test_a_process_appending_while_others_fill_loses_no_row(tmp_path):
