@@ -15,7 +15,7 @@ import torch
 
 from ..errors import BatchSizeError, InvalidArgumentError, InvalidIndexError, MemtreeKeyError, ShapeMismatchError
 from ..format.values import NonTensor
-from .gather import PLAIN, output_tensors
+from .parts.gather import PLAIN, output_tensors
 from .tensortree import TensorTree
 
 __all__ = ["stack", "stack_into", "cat"]
@@ -94,7 +94,7 @@ def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
 
 def stack_into(trees: Sequence[TensorTree], memory: str) -> TensorTree:
     """:func:`stack` along dim 0, each leaf stacked with one call into a new tensor of ``memory``
-    (:func:`~memtree.tree.gather.output_tensors`: shared memory in a DataLoader worker).
+    (:func:`~memtree.tree.parts.gather.output_tensors`: shared memory in a DataLoader worker).
 
     Leaves of several dtypes, or not plain CPU tensors, are stacked as :func:`stack` does.
 
