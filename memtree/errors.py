@@ -55,6 +55,7 @@ __all__ = [
     "DistributedCheckpointError",
     "PlacementError",
     "TensorclassError",
+    "SubclassError",
     "UnknownClassError",
     "NotGrowableError",
     "InvalidArgumentError",
@@ -224,12 +225,18 @@ class DistributedCheckpointError(MemtreeError, RuntimeError):
 
 
 class PlacementError(MemtreeError, ValueError):
-    """A distributed tensor's placement memtree cannot store or read (``Partial``, a mesh that
-    differs from the one recorded, ranks whose trees differ)."""
+    """A distributed tensor's placement memtree cannot store or read (a mesh that differs from
+    the one recorded, ranks whose trees differ; a ``Partial`` one is a :class:`SubclassError`)."""
 
 
 class TensorclassError(MemtreeError, TypeError):
     """A ``@tensorclass`` is defined, named or constructed wrongly (bad field, name taken...)."""
+
+
+class SubclassError(MemtreeError, TypeError):
+    """A tensor subclass cannot be stored or rebuilt: no flatten protocol, a class not registered
+    (``memtree.register_subclass``), a flatten context JSON cannot hold, a ``Partial`` DTensor, or
+    a group on disk that does not rebuild into the class, shape and dtype it records."""
 
 
 class UnknownClassError(MetaFormatError):

@@ -42,7 +42,7 @@ LOAD_IDS = ["default", "mode_r", "no_mmap"]
 
 A_BYTES = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # leaf "a": float32 [2, 3]
 A_CRC = f"crc32:{zlib.crc32(A_BYTES):08x}"
-PLACEMENT = {"mesh": [2], "placements": ["S(0)"]}
+DTENSOR = {"mesh": [2], "placements": [{"kind": "shard", "dim": 0}]}  # a DTensor leaf's annotation
 CHUNKS = {"bytes": 4096, "sums": [A_CRC[6:]]}
 C_BYTES = torch.tensor([7, -8], dtype=torch.int64).numpy().tobytes()  # leaf "b/c": int64 [2]
 
@@ -302,7 +302,7 @@ def test_meta_just_over_16_mib_is_refused(tree_dir):
 
 
 def _v3(fn):
-    """:func:`_mut` of the root meta as a version 3 level (where chunks and placement may be)."""
+    """:func:`_mut` of the root meta as a version 3 level (where chunks and dtensor may be)."""
 
     def edit(m):
         m["version"] = 3
@@ -387,19 +387,23 @@ SCHEMA_MUTATIONS = {
     "two_entries_one_dir": _mut(lambda m: m["entries"].append({"key": "b2", "kind": "tree", "dir": "b"})),
     "tensor_file_without_memmap_suffix": _mut(lambda m: _entry(m, "a").update(file="a.bin")),
     "tensor_file_is_meta_json": _mut(lambda m: _entry(m, "a").update(file="meta.json")),
-    # version 3 fields (a distributed leaf's placement, per-chunk checksums)
-    "placement_in_version_1": _mut(lambda m: _entry(m, "a").update(placement=PLACEMENT)),
+    # version 3 fields (a DTensor leaf's annotation, per-chunk checksums)
+    "dtensor_in_version_1": _mut(lambda m: _entry(m, "a").update(dtensor=DTENSOR)),
     "chunks_in_version_1": _mut(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks=CHUNKS)),
-    "v3_placement_partial": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["P(sum)"]})),
-    "v3_placement_dim_beyond_shape": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["S(2)"]})),
-    "v3_placement_mesh_mismatch": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2, 2], "placements": ["R"]})),
-    "v3_placement_empty_mesh": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [], "placements": []})),
-    "v3_placement_zero_mesh": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [0], "placements": ["R"]})),
-    "v3_placement_string": _v3(lambda m: _entry(m, "a").update(placement="S(0)")),
-    "v3_placement_names_repeat": _v3(lambda m: _entry(m, "a").update(
-        placement={"mesh": [1, 1], "placements": ["R", "R"], "dim_names": ["x", "x"]})),
-    "v3_placement_class_path": _v3(lambda m: _entry(m, "a").update(
-        placement={"mesh": [2], "placements": ["torch.distributed.tensor.Shard(0)"]})),
+    "v3_dtensor_partial": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": [{"kind": "partial"}]})),
+    "v3_dtensor_dim_beyond_shape": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2], "placements": [{"kind": "shard", "dim": 2}]})),
+    "v3_dtensor_mesh_mismatch": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2, 2], "placements": [{"kind": "replicate"}]})),
+    "v3_dtensor_empty_mesh": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [], "placements": []})),
+    "v3_dtensor_zero_mesh": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [0], "placements": [{"kind": "replicate"}]})),
+    "v3_dtensor_string": _v3(lambda m: _entry(m, "a").update(dtensor="S(0)")),
+    "v3_dtensor_names_repeat": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [1, 1], "placements": [{"kind": "replicate"}] * 2, "dim_names": ["x", "x"]})),
+    "v3_dtensor_class_path": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2], "placements": [{"kind": "torch.distributed.tensor.Shard", "dim": 0}]})),
+    "v3_dtensor_torch_short_form": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": ["S(0)"]})),
+    "v3_placement_field": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["S(0)"]})),
     "v3_chunks_without_checksum": _v3(lambda m: _entry(m, "a").update(chunks=CHUNKS)),
     "v3_chunks_count": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["0" * 8] * 2})),
     "v3_chunks_bad_hex": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["XYZ" * 3]})),
@@ -420,10 +424,10 @@ def test_schema_violation_in_root_meta(tree_dir, name, kw):
 
 
 def test_version_3_fields_that_fit_load(tree_dir):
-    """The control of the v3 mutations above: a valid placement and chunk checksums load."""
+    """The control of the v3 mutations above: a valid DTensor annotation and chunk checksums load."""
     m = root_meta()
     m["version"] = 3
-    _entry(m, "a").update(placement=PLACEMENT, checksum=A_CRC, chunks=CHUNKS)
+    _entry(m, "a").update(dtensor=DTENSOR, checksum=A_CRC, chunks=CHUNKS)
     set_root(tree_dir, m)
     assert memtree.load_memmap(str(tree_dir), verify=True)["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
@@ -486,7 +490,7 @@ def test_meta_naming_a_module_imports_nothing(tree_dir):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("version", 4), ("version", 0), ("version", 999), ("version", -1),
+    [("version", 4), ("version", 0), ("version", 999), ("version", -1),  # memtree reads 1 to 3
      ("format", "tensordict"), ("format", "memtree2"), ("format", "MEMTREE")],
 )
 def test_unknown_format_or_version(tree_dir, field, value):

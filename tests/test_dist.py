@@ -185,14 +185,16 @@ def test_a_collective_save_is_one_plain_tree(saved, n):
     meta = orjson.loads(open(os.path.join(d, "meta.json"), "rb").read())
     assert meta["version"] == 3
     leaves = {e["key"]: e for e in meta["entries"]}
-    assert leaves["cols"]["placement"] == {"mesh": [n], "placements": ["S(1)"]}
-    assert leaves["rep"]["placement"] == {"mesh": [n], "placements": ["R"]}
-    assert "placement" not in leaves["step"]
+    assert leaves["cols"]["dtensor"] == {"mesh": [n], "placements": [{"kind": "shard", "dim": 1}]}
+    assert leaves["rep"]["dtensor"] == {"mesh": [n], "placements": [{"kind": "replicate"}]}
+    assert "dtensor" not in leaves["step"]
     assert leaves["big"]["chunks"]["bytes"] == 1 << 20 and len(leaves["big"]["chunks"]["sums"]) == 3
     algorithm = leaves["big"]["checksum"].partition(":")[0]
     assert algorithm in ("crc32c", "crc32")
     if n == 4:
-        assert leaves["grid"]["placement"] == {"mesh": [2, 2], "placements": ["S(0)", "S(1)"]}
+        assert leaves["grid"]["dtensor"] == {
+            "mesh": [2, 2], "placements": [{"kind": "shard", "dim": 0}, {"kind": "shard", "dim": 1}]
+        }
     assert sorted(os.listdir(os.path.dirname(d))) == ["n1", "n2", "n3", "n4", "plain"]  # no staging, no lock
 
 

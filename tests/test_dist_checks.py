@@ -69,9 +69,9 @@ def test_an_empty_leaf_has_the_checksum_of_no_bytes():
 
 def _summary(**change):
     """A planned tree: 'w' (a DTensor), 'step' (a plain tensor), 'cfg' (a value), 'sub' (a level)."""
-    from memtree.format.placement import Layout
+    from memtree.format.placement import Layout, to_annotation
 
-    leaves = {"w": LeafMeta("w", "w.memmap", "float32", (4, 2), placement=Layout((2,), ("S(0)",))),
+    leaves = {"w": LeafMeta("w", "w.memmap", "float32", (4, 2), layout=to_annotation(Layout((2,), ("S(0)",)))),
               "step": LeafMeta("step", "step.memmap", "int64", ())}
     leaves.update({k: v for k, v in change.items() if isinstance(v, LeafMeta)})
     entries = [*leaves.values(), JsonMeta("cfg", change.get("cfg", {"lr": 0.5})), ChildMeta("sub", "sub")]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
+from memtree.format.subclass import layout_dict, parse_layout
 from memtree.format.placement import (
     Layout,
     assign_writers,
@@ -22,12 +23,12 @@ from memtree.format.placement import (
     box_runs,
     box_shape,
     check_layout,
-    layout_from_json,
-    layout_to_json,
+    from_annotation,
     local_box,
     parse_placement,
     shards,
     split_runs,
+    to_annotation,
 )
 
 
@@ -167,30 +168,32 @@ def test_column_shard_is_one_range_per_row():
     Layout((2, 2), ("R", "S(1)"), ("dp", "tp")),
     Layout((3,), ("_S(0, 2)",)),
 ])
-def test_layout_json_round_trip(layout):
-    assert layout_from_json(layout_to_json(layout), 2) == layout
+def test_layout_annotation_round_trip(layout):
+    """A layout is recorded as meta.json's ``dtensor`` annotation, which the reader accepts and
+    turns back into the same layout."""
+    annotation = to_annotation(layout)
+    parsed = parse_layout(layout_dict(annotation), "dtensor", lambda p, problem: ValueError(p + problem), (4, 4))
+    assert parsed == annotation and from_annotation(parsed) == layout
 
 
-@pytest.mark.parametrize("raw, problem", [
-    ({"mesh": [2], "placements": ["P(sum)"]}, "Partial tensor must be reduced"),
-    ({"mesh": [2], "placements": ["S(2)"]}, "shards dim 2 of a tensor of 2 dims"),
-    ({"mesh": [2, 2], "placements": ["S(0)"]}, "one placement per mesh dim"),
-    ({"mesh": [0], "placements": ["R"]}, "mesh dims are ints"),
-    ({"mesh": [True], "placements": ["R"]}, "mesh dims are ints"),
-    ({"mesh": [2], "placements": ["S(01)"]}, "not a placement"),
-    ({"mesh": [2], "placements": ["_S(0, 999999999)"]}, "split factor beyond"),
-    ({"mesh": [2], "placements": [" S(0)"]}, "not a placement"),
-    ({"mesh": [2], "placements": [0]}, "not a placement"),
-    ({"mesh": [2], "placements": ["R"], "dim_names": ["a", "b"]}, "one per mesh dim"),
-    ({"mesh": [2, 2], "placements": ["R", "R"], "dim_names": ["a", "a"]}, "distinct"),
-    ({"mesh": [2], "placements": ["R"], "dim_names": None}, "when present"),
-    ({"mesh": [2], "placements": ["R"], "extra": 1}, "must be an object with"),
-    ({"mesh": "2", "placements": ["R"]}, "mesh must be a list"),
-    ([2], "must be an object with"),
+@pytest.mark.parametrize("layout, problem", [
+    (Layout((2,), ("P(sum)",)), "Partial tensor must be reduced"),
+    (Layout((2,), ("S(2)",)), "shards dim 2 of a tensor of 2 dims"),
+    (Layout((2, 2), ("S(0)",)), "one placement per mesh dim"),
+    (Layout((0,), ("R",)), "mesh dims are ints"),
+    (Layout((True,), ("R",)), "mesh dims are ints"),
+    (Layout((2,), ("S(01)",)), "not a placement"),
+    (Layout((2,), ("_S(0, 999999999)",)), "split factor beyond"),
+    (Layout((2,), (" S(0)",)), "not a placement"),
+    (Layout((2,), (0,)), "not a placement"),  # type: ignore[arg-type]
+    (Layout((2,), ("R",), ("a", "b")), "one per mesh dim"),
+    (Layout((2, 2), ("R", "R"), ("a", "a")), "distinct"),
 ])
-def test_layout_json_refuses_what_memtree_never_writes(raw, problem):
+def test_check_layout_refuses_what_memtree_never_writes(layout, problem):
+    """What a collective write checks before it records a layout (the annotation's own JSON
+    checks are the reader's: tests/test_subclass_format.py)."""
     with pytest.raises(ValueError, match=problem):
-        layout_from_json(raw, 2)
+        check_layout(layout, 2)
 
 
 def test_check_layout_accepts_what_fits():

@@ -127,7 +127,7 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     chunk_bytes: int | None = None
     int_key: bool = False
     chunks: Any = None
-    placement: Any = None
+    layout: Any = None  # a DTensor's layout (format version 3)
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)

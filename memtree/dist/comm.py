@@ -148,7 +148,7 @@ class Comm:
             DistributedCheckpointError: ``work`` failed on some rank (``failures`` maps each
                 failed rank to its error: this rank's own exception, a
                 ``DistributedCheckpointError`` with the text of another's), or the exchange
-                failed.
+                failed. In a group of one rank, ``work``'s own error is raised as it is.
         """
         error: BaseException | None = None
         try:
@@ -162,8 +162,8 @@ class Comm:
             if error is not None and not isinstance(error, Exception):
                 raise error from None  # an interrupt stays an interrupt
             raise
-        if error is not None and not isinstance(error, Exception):
-            raise error
+        if error is not None and (self.world == 1 or not isinstance(error, Exception)):
+            raise error  # an interrupt, or the error of a process alone in its group: as it is
         failed = {r: o["error"] for r, o in enumerate(outcomes) if not o["ok"]}
         if failed:
             lines = "; ".join(f"rank {r}: {text}" for r, text in sorted(failed.items()))

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from ..format.level import fmt_key
-from ..format.placement import layout_to_json
+from ..format.placement import from_annotation
 from ..format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 
 __all__ = ["tree_summary", "summary_digest", "first_difference"]
@@ -55,7 +55,9 @@ def tree_summary(
             file = f"{rel}/{getattr(e, 'file', '')}" if rel else getattr(e, "file", "")
             if isinstance(e, LeafMeta):
                 ranks, crc = tensors[file]
-                placement = layout_to_json(e.placement) if e.placement is not None else None
+                layout = from_annotation(e.layout) if e.layout is not None else None
+                placement = None if layout is None else [list(layout.mesh), list(layout.placements),
+                                                     None if layout.dim_names is None else list(layout.dim_names)]
                 out.append([path, ["tensor", e.dtype_name, list(e.shape), placement, ranks, crc, e.int_key]])
             elif isinstance(e, ChildMeta):
                 todo.append((f"{rel}/{e.dir}" if rel else e.dir, keys + (e.key,)))
@@ -85,8 +87,8 @@ def _describe(item: list[Any]) -> str:
         _, dtype, shape, placement, ranks, _, _ = item
         if placement is None:
             return f"a tensor of {dtype} {shape}"
-        return (f"a DTensor of {dtype} {shape} placed {placement['placements']} on a mesh of shape "
-                f"{placement['mesh']} over ranks {ranks}")
+        return (f"a DTensor of {dtype} {shape} placed {placement[1]} on a mesh of shape "
+                f"{placement[0]} over ranks {ranks}")
     if kind == "value":
         return f"the value {orjson.dumps(item[1]).decode()[:80]}"
     return "a pickled value"

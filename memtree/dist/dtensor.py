@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from ..errors import InvalidArgumentError, PlacementError
+from ..errors import InvalidArgumentError, PlacementError, SubclassError
 from ..format.level import Level
-from ..format.placement import Layout, check_layout, parse_placement
+from ..format.placement import Layout, check_layout, parse_placement, to_annotation
+from ..format.subclass import layout_dict, parse_layout
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -85,8 +86,8 @@ def placement_text(placement: Any, ndim: int, where: str) -> str:
     (``"R"``, ``"S(d)"``, ``"_S(d, k)"``; a negative dim counted from the end).
 
     Raises:
-        PlacementError: ``Partial`` (a partial sum holds no value to store) or a placement
-            memtree does not know.
+        SubclassError: ``Partial`` (a partial sum holds no value to store).
+        PlacementError: a placement memtree does not know.
 
     Example:
         >>> from torch.distributed.tensor import Shard
@@ -105,10 +106,10 @@ def placement_text(placement: Any, ndim: int, where: str) -> str:
     if placement.is_shard() and type(dim) is int:
         return f"S({dim})"
     if placement.is_partial():
-        raise PlacementError(
-            f"{where} is a Partial DTensor ({placement}): a partial sum holds no value to store. "
-            "Reduce it first: tensor.redistribute(tensor.device_mesh, [Replicate()]) (or the "
-            "placements you want stored)"
+        raise SubclassError(
+            f"{where} is a DTensor with the placement {placement} (Partial: a partial sum holds no value "
+            "to store); redistribute it first: tensor.redistribute(tensor.device_mesh, [Replicate()]) "
+            "(or the placements you want stored)"
         )
     raise PlacementError(f"{where} has the placement {placement!r:.60}, which memtree cannot store")
 
@@ -137,9 +138,14 @@ def layout_of(mesh: Any, placements: Sequence[Any], shape: Sequence[int], where:
     layout = Layout(tuple(int(n) for n in mesh.shape), texts, tuple(names) if names else None)
     try:
         check_layout(layout, len(shape))
-    except ValueError as err:
+        parse_layout(layout_dict(to_annotation(layout)), "dtensor", _value_error, tuple(shape))
+    except ValueError as err:  # what meta.json records is what a reader accepts
         raise PlacementError(f"{where}: {err}") from None
     return layout
+
+
+def _value_error(pointer: str, problem: str) -> ValueError:
+    return ValueError(f"meta.json's {pointer} {problem}: name the mesh dims with Python identifiers")
 
 
 def mesh_ranks(mesh: Any) -> tuple[int, ...]:
@@ -190,7 +196,8 @@ def dist_leaf(tensor: Any, where: str) -> DistLeaf:
     """``tensor`` (a ``DTensor``) as :class:`DistLeaf`.
 
     Raises:
-        PlacementError: its placements cannot be stored (``Partial``...).
+        SubclassError: a ``Partial`` placement.
+        PlacementError: its placements cannot be stored.
     """
     mesh = tensor.device_mesh
     shape = tuple(int(n) for n in tensor.shape)

@@ -2,7 +2,7 @@
 
 :func:`targets_for` is ``load_memmap(..., mesh=, placements=)``: a leaf the caller names in
 ``placements`` (or for which its function returns placements) is split so; any other leaf that
-records a placement (``meta.json``'s ``placement``: it was saved from a ``DTensor``) is split by
+records a layout (``meta.json``'s ``dtensor`` annotation: it was saved from a ``DTensor``) is split by
 those placements on ``mesh``; every other leaf stays a plain tensor. :func:`targets_like` is what
 ``memmap`` returns after a collective write: each leaf that was a ``DTensor`` comes back on its
 own mesh with its own placements.
@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, MemtreeKeyError, PlacementError
 from ..format.level import Level, fmt_key
-from ..format.placement import Layout
+from ..format.placement import Layout, from_annotation
 from ..format.schema import LeafMeta
 from .dtensor import is_dtensor, layout_of, torch_placements
 
@@ -89,9 +89,9 @@ class Targets:
             elif self.pick is not None:
                 placements = self.pick(key, entry.shape)
             if placements is None:
-                if entry.placement is None:
+                if entry.layout is None:
                     return None
-                recorded = entry.placement
+                recorded = from_annotation(entry.layout)
                 if len(recorded.mesh) != mesh.ndim:
                     raise PlacementError(
                         f"{where} was saved on a mesh of shape {list(recorded.mesh)} with placements "

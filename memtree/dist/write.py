@@ -46,7 +46,8 @@ from ..errors import DistributedCheckpointError, InvalidArgumentError, MemtreeEr
 from ..format.chunks import ChunkSums, chunk_bytes_for
 from ..format.level import Level
 from ..format.names import is_uncommitted_name
-from ..format.placement import Layout, Shard, assign_writers, box_runs, box_shape, full_box, local_box, shards, split_runs
+from ..format.entries import DTensorLayout
+from ..format.placement import Layout, Shard, assign_writers, to_annotation, box_runs, box_shape, full_box, local_box, shards, split_runs
 from ..format.schema import Entry, LeafMeta
 from ..store.primitives.checksums import COMBINABLE, available_checksums, check_checksum_option, crc32, new_digest
 from ..store.primitives.files import allocate_fd, new_file, preallocate_fd, pwrite_from, storage_error
@@ -194,7 +195,7 @@ def _host_bytes(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def _set_leaf_field(write: WritePlan, name: str, values: dict[str, Any]) -> None:
-    """Set the field ``name`` (``placement``, ``chunks``) of each planned leaf entry whose file
+    """Set the field ``name`` (``layout``, ``chunks``) of each planned leaf entry whose file
     (relative to the root) ``values`` names."""
 
     def updated(entry: Entry, rel: str) -> Entry:
@@ -210,7 +211,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
     dtensors: dict[tuple[str, ...], Any] = {}
     write = plan_write(_placeholders(level, (), dtensors), options, dest=dest)
     leaves: list[_Leaf] = []
-    layouts: dict[str, Layout] = {}
+    layouts: dict[str, DTensorLayout] = {}
     tensors: dict[str, tuple[Any, int | None]] = {}
     for job in write.leaves:
         where = f"leaf {job.where}"
@@ -219,7 +220,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
         dist = data = None
         if value is not None:
             dist = dist_leaf(value, where)
-            layouts[job.rel] = dist.layout
+            layouts[job.rel] = to_annotation(dist.layout)
             found = shards(shape, size, dist.layout, dist.ranks)
             tensors[job.rel] = (list(dist.ranks), None)
         else:
@@ -227,7 +228,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
             found = [Shard(full_box(shape), tuple(range(world)), job.nbytes)] if job.nbytes else []
             tensors[job.rel] = (None, None if data is None else crc32(byte_view(data)))
         leaves.append(_Leaf(job.rel, where, shape, size, job.nbytes, chunk_bytes_for(job.nbytes), found, dist, data))
-    _set_leaf_field(write, "placement", layouts)
+    _set_leaf_field(write, "layout", layouts)
     settings = {"dest": dest, "existsok": options.existsok, "checksum": checksum, "fsync": options.fsync,
                 "like": options.like, "reserve": options.reserve}
     summary = tree_summary({lp.rel: lp.meta for lp in write.levels}, tensors,

@@ -19,6 +19,7 @@ from typing import Any, Union
 import torch
 
 from .schema import TREE_TYPE
+from .subclass import DTensorLayout, Subclass
 from .values import NonTensor
 
 __all__ = ["Level", "Value", "as_level", "fmt_key"]
@@ -29,7 +30,8 @@ class Level:
     """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values).
 
     Training state (format version 2, :mod:`memtree.training.state`) also records which keys are
-    int dict keys (``int_keys``).
+    int dict keys (``int_keys``). A tensor subclass is a level of its inner tensors with
+    ``subclass`` set (:mod:`memtree.format.subclass_registry` makes and rebuilds them).
     """
 
     batch_size: tuple[int, ...]
@@ -41,13 +43,20 @@ class Level:
     #: writes it back; memtree's own ``meta.json`` does not record it.
     foreign_type: str | None = None
     int_keys: frozenset[str] = frozenset()
+    #: A tensor subclass's group (format version 3, :mod:`memtree.format.subclass`): what the
+    #: subclass records; the entries are its inner tensors (or nested groups), by attribute name.
+    subclass: Subclass | None = None
+    #: The DTensor layouts of this level's tensors that hold a DTensor's full tensor, by key.
+    layouts: dict[str, DTensorLayout] = field(default_factory=dict)
 
 
 Value = Union[torch.Tensor, Level, NonTensor]
 
 
-def as_level(obj: Any) -> Level | None:
+def as_level(obj: Any, keep_dtensors: bool = False) -> Level | None:
     """``obj`` as a ``Level``: itself, or what its ``__memtree_level__()`` returns; else ``None``.
+    A ``DTensor`` leaf becomes its full tensor and layout, or stays with ``keep_dtensors`` (for
+    a collective write).
 
     The layers below the tree accept a :class:`~memtree.TensorTree` through this protocol (as
     ``os.fspath`` accepts path-like objects), so they never import the tree layer.
@@ -60,7 +69,10 @@ def as_level(obj: Any) -> Level | None:
     if isinstance(obj, Level):
         return obj
     method = getattr(type(obj), "__memtree_level__", None)
-    return method(obj) if method is not None else None
+    if method is None:
+        return None
+    level: Level = method(obj, keep_dtensors=True) if keep_dtensors else method(obj)
+    return level
 
 
 def fmt_key(path: tuple[str, ...]) -> str:

@@ -31,6 +31,7 @@ from itertools import product
 from math import prod
 from typing import Any
 
+from .entries import DTensorLayout, Placement
 from .record import Record
 
 __all__ = [
@@ -40,8 +41,8 @@ __all__ = [
     "Shard",
     "parse_placement",
     "check_layout",
-    "layout_to_json",
-    "layout_from_json",
+    "to_annotation",
+    "from_annotation",
     "chunk_span",
     "local_box",
     "box_shape",
@@ -175,43 +176,34 @@ def check_layout(layout: Layout, ndim: int) -> None:
         )
 
 
-def layout_to_json(layout: Layout) -> dict[str, Any]:
-    """The ``placement`` field of a leaf in ``meta.json``.
+_KINDS = {"R": "replicate", "S": "shard", "_S": "strided_shard"}
+
+
+def to_annotation(layout: Layout) -> DTensorLayout:
+    """The ``dtensor`` annotation ``meta.json`` records for ``layout`` (``docs/format.md``,
+    "DTensor leaves"): one definition of a stored layout, whichever writer made it.
 
     Example:
-        >>> layout_to_json(Layout((2, 2), ("R", "S(0)"), ("dp", "tp")))
-        {'mesh': [2, 2], 'placements': ['R', 'S(0)'], 'dim_names': ['dp', 'tp']}
+        >>> a = to_annotation(Layout((2,), ("_S(0, 2)",)))
+        >>> [(p.kind, p.dim, p.split_factor) for p in a.placements]
+        [('strided_shard', 0, 2)]
+        >>> from_annotation(a) == Layout((2,), ("_S(0, 2)",))
+        True
     """
-    out: dict[str, Any] = {"mesh": list(layout.mesh), "placements": list(layout.placements)}
-    if layout.dim_names is not None:
-        out["dim_names"] = list(layout.dim_names)
-    return out
+    placements = []
+    for text in layout.placements:
+        kind, dim, split = parse_placement(text)
+        placements.append(Placement(_KINDS[kind], None if kind == "R" else dim, split if kind == "_S" else None))
+    return DTensorLayout(layout.mesh, tuple(placements), layout.dim_names)
 
 
-def layout_from_json(raw: Any, ndim: int) -> Layout:
-    """Parse the ``placement`` field of a leaf of ``ndim`` dims (everything checked).
-
-    Raises:
-        ValueError: what is wrong with it.
-
-    Example:
-        >>> layout_from_json({"mesh": [4], "placements": ["S(0)"]}, 2)
-        Layout(mesh=(4,), placements=('S(0)',), dim_names=None)
-    """
-    if type(raw) is not dict or not {"mesh", "placements"} <= raw.keys() <= {"mesh", "placements", "dim_names"}:
-        raise ValueError(
-            "must be an object with 'mesh' and 'placements' (and optionally 'dim_names'), got "
-            f"{raw!r:.80}"
-        )
-    mesh, placements, names = raw["mesh"], raw["placements"], raw.get("dim_names")
-    for field, value in (("mesh", mesh), ("placements", placements), ("dim_names", names)):
-        if value is not None and (type(value) is not list or len(value) > MAX_MESH_DIMS):
-            raise ValueError(f"{field} must be a list of at most {MAX_MESH_DIMS} items, got {value!r:.60}")
-    if "dim_names" in raw and names is None:
-        raise ValueError("dim_names must be a list of strings when present, got null")
-    layout = Layout(tuple(mesh), tuple(placements), None if names is None else tuple(names))
-    check_layout(layout, ndim)
-    return layout
+def from_annotation(annotation: DTensorLayout) -> Layout:
+    """The :class:`Layout` of a leaf's ``dtensor`` annotation (:func:`to_annotation`'s inverse)."""
+    texts = tuple(
+        REPLICATE if p.kind == "replicate" else f"S({p.dim})" if p.kind == "shard" else f"_S({p.dim}, {p.split_factor})"
+        for p in annotation.placements
+    )
+    return Layout(annotation.mesh, texts, annotation.dim_names)
 
 
 def chunk_span(size: int, chunks: int, index: int) -> tuple[int, int]:

@@ -45,7 +45,16 @@ from .entries import (
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
 from .chunks import chunks_from_json, chunks_to_json
-from .placement import layout_from_json, layout_to_json
+from .subclass import (
+    SUBCLASS_KIND,
+    SUBCLASS_VERSION,
+    SubclassMeta,
+    layout_dict,
+    level_version,
+    parse_layout,
+    parse_subclass,
+    subclass_fields,
+)
 from .values import MAX_JSON_DEPTH, json_depth
 
 if TYPE_CHECKING:
@@ -54,7 +63,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "VERSION",
-    "VERSION_3",
     "READ_VERSIONS",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
@@ -69,6 +77,7 @@ __all__ = [
     "ChildMeta",
     "JsonMeta",
     "PickleMeta",
+    "SubclassMeta",
     "Entry",
     "EncryptionMeta",
     "ENCRYPTION_ALGORITHM",
@@ -88,11 +97,10 @@ FORMAT = "memtree"
 #: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
 #: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
-#: The version of a level that uses a field of version 3 (a leaf's ``chunks`` or ``placement``;
-#: ``docs/format.md``, "Version 3"); other levels keep :data:`VERSION`, so that a tree without
-#: them stays readable by memtree releases that read versions 1 and 2.
-VERSION_3 = 3
-#: The versions memtree reads.
+#: The versions memtree reads (a level is written as version 3 only when it holds what version 3
+#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``, a leaf's
+#: ``chunks``;
+#: :func:`memtree.format.subclass.level_version`).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -162,6 +170,8 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
 
 
 def _entry_fields(e: Entry) -> dict[str, Any]:
+    if isinstance(e, SubclassMeta):
+        return subclass_fields(e)
     if isinstance(e, LeafMeta):
         d: dict[str, Any] = {
             "key": e.key,
@@ -176,8 +186,8 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["checksum"] = e.checksum
         if e.chunks is not None:
             d["chunks"] = chunks_to_json(e.chunks)
-        if e.placement is not None:
-            d["placement"] = layout_to_json(e.placement)
+        if e.layout is not None:
+            d["dtensor"] = layout_dict(e.layout)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -188,10 +198,6 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
 
-def _is_version_3(e: Entry) -> bool:
-    return type(e) is LeafMeta and (e.chunks is not None or e.placement is not None)
-
-
 def dump_level(meta: LevelMeta) -> bytes:
     """Serialise one level's ``meta.json`` (compact orjson bytes).
 
@@ -199,7 +205,7 @@ def dump_level(meta: LevelMeta) -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION_3 if any(_is_version_3(e) for e in meta.entries) else VERSION,
+        "version": level_version(meta, VERSION),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -389,8 +395,6 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
         entry: Entry | None = _plain_entry(raw, batch_size)
         if entry is None:  # anything unusual: the full checks, and their messages
             entry = _parse_entry(c, raw, f"entries[{i}]", batch_size)
-            if doc["version"] < VERSION_3 and _is_version_3(entry):
-                raise c.fail(f"entries[{i}]", "has chunks or placement, which only a version 3 level has")
         if entry.key in keys:
             raise c.fail(f"entries[{i}].key", f"repeats the key {entry.key!r:.80}")
         keys.add(entry.key)
@@ -401,6 +405,12 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
+    if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
+        raise c.fail(
+            "entries",
+            f"hold a tensor subclass, a DTensor annotation, a dtype, or a leaf's chunks that only a "
+            f"version {SUBCLASS_VERSION} tree has",
+        )
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
@@ -573,7 +583,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks", "placement"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks", "dtensor"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -649,7 +659,22 @@ def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     if kind == "pickle":
         raw = c.obj(raw, p, {"key", "kind", "file"}, set())
         return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))
-    raise c.fail(f"{p}.kind", f"must be tensor, tree, json or pickle, got {kind!r:.40}")
+    if kind == SUBCLASS_KIND:
+        return _parse_subclass(c, raw, p, batch_size)
+    raise c.fail(f"{p}.kind", f"must be tensor, tree, json, pickle or subclass, got {kind!r:.40}")
+
+
+def _parse_subclass(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> SubclassMeta:
+    """A subclass entry (:mod:`memtree.format.subclass`): its outer shape follows a tensor's rules."""
+    shape = c.ints(raw.get("shape"), f"{p}.shape")
+    if not starts_with_batch(shape, batch_size):
+        raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
+    if extent_bytes(shape, "uint8") > MAX_NBYTES:
+        raise c.fail(f"{p}.shape", _too_large(shape, extent_bytes(shape, "uint8")))
+    return parse_subclass(
+        raw, p, c.fail, c.string(raw.get("key"), f"{p}.key"), c.name(raw.get("dir"), f"{p}.dir", ""), shape,
+        c.ints(raw.get("stride"), f"{p}.stride"),
+    )
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
@@ -723,7 +748,7 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
-    chunks = placement = None
+    chunks = None
     if "chunks" in raw:
         if checksum is None or capacity is not None:
             raise c.fail(f"{p}.chunks", "needs the leaf's checksum (whose algorithm it uses) and no capacity")
@@ -732,9 +757,5 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             chunks = chunks_from_json(raw["chunks"], nbytes, CHECKSUM_ALGORITHMS[checksum.partition(":")[0]])
         except ValueError as err:
             raise c.fail(f"{p}.chunks", str(err)) from None
-    if "placement" in raw:
-        try:
-            placement = layout_from_json(raw["placement"], len(shape))
-        except ValueError as err:
-            raise c.fail(f"{p}.placement", str(err)) from None
-    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks, placement=placement)
+    layout = parse_layout(raw["dtensor"], f"{p}.dtensor", c.fail, shape) if "dtensor" in raw else None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks, layout=layout)

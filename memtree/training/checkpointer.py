@@ -335,7 +335,7 @@ class Checkpointer:
                         f"step {step} already exists in {self.root}; pass overwrite=True to replace "
                         "it, or save under another step"
                     )
-            level = state_to_level(state)  # every input error before anything is deleted
+            level = state_to_level(state, keep_dtensors=True)  # every input error before anything is deleted
             collective = has_dtensor(level)
             if collective:
                 self._check_collective(blocking)

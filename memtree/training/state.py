@@ -52,6 +52,8 @@ from ..format.level import Level, as_level
 from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_problem
 from ..store.reading.read import PendingLevel
+from ..format import subclass_registry as registry
+from ..tree.parts.subclasses import dtensor_leaf
 from ..tree.tensortree import TensorTree
 
 __all__ = ["MAX_STATE_ITEMS", "state_to_level", "array_leaf", "level_to_state", "tensor_slots", "copy_values"]
@@ -78,6 +80,11 @@ _SEQUENCES = frozenset({list, tuple})
 
 def _label(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def _key_path(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A state path as the key path of its leaf (int keys in decimal)."""
+    return tuple(str(p) for p in path)
 
 
 def _has_surrogate(key: str) -> bool:
@@ -181,9 +188,10 @@ def _survey(state: Any, path: tuple[Any, ...] = ()) -> dict[int, _Shape]:
     return done
 
 
-def state_to_level(state: Any) -> Level:
+def state_to_level(state: Any, keep_dtensors: bool = False) -> Level:
     """The levels of a training ``state`` (a mapping, or a ``TensorTree``), tensors not copied
-    (numpy arrays are where torch cannot share their memory: :func:`array_leaf`).
+    (numpy arrays are where torch cannot share their memory: :func:`array_leaf`); a ``DTensor``
+    as its full tensor and layout, or itself with ``keep_dtensors`` (a collective write).
 
     Raises:
         InvalidArgumentError: ``state`` is not a mapping.
@@ -199,7 +207,7 @@ def state_to_level(state: Any) -> Level:
         >>> state_to_level({"step": 7}).entries["step"].data
         7
     """
-    tree = as_level(state)
+    tree = as_level(state, keep_dtensors)
     if tree is not None:
         return tree
     if not isinstance(state, Mapping):
@@ -207,14 +215,15 @@ def state_to_level(state: Any) -> Level:
             f"a checkpoint's state must be a mapping (e.g. {{'model': model.state_dict(), "
             f"'optim': optimizer.state_dict()}}) or a TensorTree, got {type(state).__name__}"
         )
-    return _Converter(_survey(state)).container(state, (), 0)
+    return _Converter(_survey(state), keep_dtensors).container(state, (), 0)
 
 
 class _Converter:
     """Turns a surveyed state into levels (containers needing no level become JSON values)."""
 
-    def __init__(self, shapes: dict[int, _Shape]) -> None:
+    def __init__(self, shapes: dict[int, _Shape], keep_dtensors: bool) -> None:
         self.shapes = shapes
+        self.keep_dtensors = keep_dtensors
 
     def container(self, obj: Any, path: tuple[Any, ...], depth: int) -> Level:
         if depth >= MAX_DEPTH:
@@ -247,18 +256,24 @@ class _Converter:
                     f"{_label(path)} has both the int key {key} and the str key {key!r}; they would be "
                     "stored under the same name: rename one"
                 )
+            if isinstance(v, torch.Tensor) and registry.is_dtensor(v):  # its full tensor and layout
+                if self.keep_dtensors:
+                    level.entries[key] = v
+                else:
+                    level.entries[key], level.layouts[key] = dtensor_leaf(v, _key_path(path + (k,)))
+                continue
             level.entries[key] = self.value(v, path + (k,), depth + 1)
         level.int_keys = frozenset(int_keys)
         return level
 
     def value(self, v: Any, path: tuple[Any, ...], depth: int) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v
+        if isinstance(v, torch.Tensor):  # a tensor subclass (a low-bit optimizer state): its group
+            return v if registry.is_plain(v) else registry.to_group(v, _key_path(path))
         if type(v) in _SCALARS:
             return self.json(v, path)
         if isinstance(v, np.ndarray):
             return array_leaf(v, _label(path))
-        tree = as_level(v)
+        tree = as_level(v, self.keep_dtensors)
         if tree is not None:
             return tree
         if isinstance(v, (list, tuple)) and type(v) not in (list, tuple):
@@ -403,6 +418,8 @@ def level_to_state(level: PendingLevel) -> Any:
         entry = metas[key]
         if isinstance(v, PendingLevel):
             v = level_to_state(v)
+        elif isinstance(v, Level):  # a tensor subclass's group
+            v = registry.rebuild(v, level.keys + (key,))
         elif isinstance(v, NonTensor):
             v = v.data  # tuples in it already made tuples again by the reader
         items.append((int(key) if entry.int_key else key, v))

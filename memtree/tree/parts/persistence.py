@@ -189,7 +189,7 @@ class Persistence(ShapeOps):
         a tree of ``DTensor`` s through :func:`memtree.dist.write.write_collective`, on every rank."""
         from ...store.writing.write import share_tree, write_tree
 
-        level = self._to_level()
+        level = self._to_level(keep_dtensors=True)
         if has_dtensor(level):
             if prefix is None:
                 raise InvalidArgumentError(
