@@ -556,6 +556,28 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     assert "shards dim 2" in bad_dim
 
 
+def _unreadable_names(rank: int, world: int, d: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    out = []
+    for name in ("data-parallel", "x" * 65):  # meta.json's dim_names are identifiers of 64 chars at most
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
+        with pytest.raises(memtree.PlacementError) as info:
+            memtree.TensorTree({"w": distribute(torch.ones(4, 2), mesh, [Shard(0)])}).memmap(d)
+        out.append(str(info.value))
+    return out
+
+
+def test_a_mesh_whose_names_meta_json_cannot_record_is_refused_before_writing(tmp_path):
+    """A mesh dim name the reader refuses (not an identifier, too long) is refused at write time,
+    naming the leaf and the fix, rather than written into a tree that no longer loads."""
+    d = str(tmp_path / "t")
+    for message in run_ranks(1, _unreadable_names, d)[0]:
+        assert "leaf 'w'" in message and "dim_names" in message and "name the mesh dims with Python identifiers" in message
+    assert not os.path.exists(d) and os.listdir(tmp_path) == []
+
+
 def _other_calls(rank: int, world: int, d: str) -> dict:
     """memmap_like and checksum=None from every rank; placements= as a function, a key the tree
     lacks, a Shard(-1); options that differ between ranks; a tree saved while a rank holds a
