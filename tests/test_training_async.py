@@ -212,6 +212,19 @@ def test_the_pause_copies_every_host_tensor_in_one_call():
         assert torch.equal(copy, t.resolve_conj()), key
 
 
+def test_tensors_the_one_call_cannot_copy_are_copied_one_by_one(monkeypatch):
+    def no_kernel(dests, sources):
+        raise NotImplementedError("no copy kernel for this dtype")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", no_kernel)
+    z = torch.randn(4, dtype=torch.complex64)
+    tensors = {"w": torch.randn(3, 2), "conj": z.conj(), "neg": torch._neg_view(torch.randn(5))}
+    level = Level((), dict(tensors))
+    StagingBuffer().take(level).wait()
+    for key, t in tensors.items():
+        assert torch.equal(level.entries[key], t.resolve_conj().resolve_neg()), key
+
+
 def test_copies_of_parameters_that_require_grad_are_plain_tensors():
     w = torch.nn.Parameter(torch.randn(4, 3))
     level = Level((), {"w": w, "t": w.t()})

@@ -202,9 +202,14 @@ def _copy_values(dest: torch.Tensor, t: torch.Tensor) -> None:
 
 def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Copy plain host tensors into their ``dests`` in one call (``copy_`` applies a conjugate
-    or negative bit of a host source to the values it writes)."""
-    with torch.no_grad():  # a source that requires grad: the copy is not part of any graph
-        torch._foreach_copy_(dests, sources)
+    or negative bit of a host source to the values it writes); where that call cannot copy one
+    of them (a dtype without a copy kernel), one by one as :func:`_copy_values` copies."""
+    try:
+        with torch.no_grad():  # a source that requires grad: the copy is not part of any graph
+            torch._foreach_copy_(dests, sources)
+    except RuntimeError:  # NotImplementedError too: copied again, each its own way
+        for dest, t in zip(dests, sources):
+            _copy_values(dest, t)
 
 
 def _record(device: torch.device) -> Any:
