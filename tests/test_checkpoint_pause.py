@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.store import steps as steps_module
+from memtree.store.reading import steps as steps_module
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from memtree.cli import main as cli_main
 from memtree.cli.main import COMMANDS as COMMAND_MODULES
 
 COMMANDS = [importlib.import_module(f"memtree.cli.{m}") for m in COMMAND_MODULES.values()]
-from memtree.store.checksums import default_checksum, tensor_checksum
+from memtree.store.primitives.checksums import default_checksum, tensor_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,8 @@ from memtree.cli.diff import diff_trees
 from memtree.cli.du import disk_usage
 from memtree.cli.main import main
 from memtree.format.level import Level
-from memtree.store.options import WriteOptions
-from memtree.store.write import write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import write_tree
 
 
 def _level(w: torch.Tensor, **extra) -> Level:
@@ -156,7 +156,7 @@ def test_du_step_names(tmp_path, name, is_step):
 
 def test_regular_files_counts_each_name_follows_no_link(tmp_path):
     from memtree.errors import StorageError
-    from memtree.store.files import regular_files
+    from memtree.store.primitives.files import regular_files
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "f").write_bytes(b"x" * 10)

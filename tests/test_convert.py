@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import memtree
-from memtree.store.options import WriteOptions
-from memtree.store import checksums, files as fileio
+from memtree.store.reading.options import WriteOptions
+from memtree.store.primitives import checksums, files as fileio
 from memtree.cli import main
 from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.interop import TorchSaveReader, open_checkpoint
@@ -34,7 +34,7 @@ from memtree.interop.checkpoint_file import CheckpointFile
 from memtree.interop import torchsave
 from memtree.interop.lazy import LazyLeaf
 from memtree.format.level import Level
-from memtree.store.write import write_tree
+from memtree.store.writing.write import write_tree
 from treeutil import random_tensor
 from treeutil import raw_bytes as as_bytes
 
@@ -397,7 +397,7 @@ def no_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes record no checksum (as with ``checksum=None``): their data is then copied file to
     file in the kernel. (With a checksum, the default, the bytes are hashed on the way through
     the small buffer: ``test_a_checksum_hashes_the_copied_bytes``.)"""
-    monkeypatch.setattr("memtree.store.options.default_checksum", lambda: None)
+    monkeypatch.setattr("memtree.store.reading.options.default_checksum", lambda: None)
 
 
 def test_convert_records_checksums_by_default(views, tmp_path: Path) -> None:

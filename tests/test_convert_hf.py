@@ -342,7 +342,7 @@ def test_transformers_save_pretrained_shards_convert_and_load(tmp_path: Path, tf
 
 # -- kill -9 at each step of the commit (RELIABILITY §8a test 1, for model and tensordict dirs) ----
 def _convert_child(src: str, dst: str, fmt: str, fault: str) -> None:
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     os.environ[faults.ENV] = fault
     faults.reload()
@@ -380,7 +380,7 @@ def test_kill_during_the_commit_leaves_old_or_new_never_partial(
 ) -> None:
     import multiprocessing as mp
 
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     old_src, new_src = tmp_path / "old.pt", tmp_path / "new.pt"
     torch.save({f"w{i}": torch.full((300,), float(i)) for i in range(4)}, old_src)

@@ -25,8 +25,8 @@ import torch
 
 import memtree
 from memtree import TensorTree
-from memtree.store import faults as _faults
-from memtree.store import commit as commit_mod
+from memtree.store.primitives import faults as _faults
+from memtree.store.primitives import commit as commit_mod
 from treeutil import fingerprint
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """``file://`` URLs name local paths at every entry point that takes a tree location.
 
-The rule is one function, :func:`memtree.store.storage.local_path`: ``file:///abs/path`` (and
+The rule is one function, :func:`memtree.store.reading.storage.local_path`: ``file:///abs/path`` (and
 ``file://localhost/abs/path``, fsspec's ``local:///abs/path``) is ``/abs/path``, as fsspec reads
 it; a ``file://`` URL with a host or a relative path is refused naming the URL and the fix;
 other URLs go to the remote reader where an entry point has one and are refused where it
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import memtree
 from memtree.cli.main import main
 from memtree.errors import InvalidArgumentError
-from memtree.store.storage import is_url, local_path
+from memtree.store.reading.storage import is_url, local_path
 
 
 @pytest.fixture(autouse=True)

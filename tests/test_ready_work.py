@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import memtree
-from memtree.store.mapped import MemoryMappedTensor
+from memtree.store.reading.mapped import MemoryMappedTensor
 
 
 def _model() -> nn.Module:

@@ -21,7 +21,7 @@ import torch
 
 import memtree
 from memtree import MemoryMappedTensor, NonTensor, TensorTree
-from memtree.store.checksums import default_checksum, tensor_checksum
+from memtree.store.primitives.checksums import default_checksum, tensor_checksum
 from treeutil import flat, plain, random_tensor, raw_bytes, snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

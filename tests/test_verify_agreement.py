@@ -89,7 +89,7 @@ def write_memtree(root: Path, batch: tuple[int, ...], entries: list, checksum: s
 
 
 def write_tensordict(root: Path, batch: tuple[int, ...], entries: list, quirks: int) -> None:
-    """The layout tensordict's ``memmap`` writes (see memtree/store/tensordict.py), with its quirks
+    """The layout tensordict's ``memmap`` writes (see memtree/store/foreign/tensordict.py), with its quirks
     now and then: a zero-element leaf without a file, a leaf file longer than needed, a value only
     in a pickle sidecar (memtree never runs it)."""
     root.mkdir(parents=True)

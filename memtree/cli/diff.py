@@ -27,9 +27,9 @@ from typing import Any
 
 from ..format.dtypes import dtype_name
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
-from ..store.checksums import DIGEST_SLICE, default_checksum, new_digest
-from ..store.storage import LocalStorage, join_rel
-from ..store.walk import walk
+from ..store.primitives.checksums import DIGEST_SLICE, default_checksum, new_digest
+from ..store.reading.storage import LocalStorage, join_rel
+from ..store.reading.walk import walk
 from .output import EXIT_FAILED, EXIT_OK, add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DiffReport", "diff_trees"]

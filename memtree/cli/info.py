@@ -3,13 +3,13 @@
 SOURCE may be:
 
 * a memtree directory, or a URL of one (``https://``, ``s3://``, any fsspec URL; the optional
-  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.storage`) by
-  the level walker (:mod:`memtree.store.walk`): every ``meta.json`` validated by the same
+  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.reading.storage`) by
+  the level walker (:mod:`memtree.store.reading.walk`): every ``meta.json`` validated by the same
   parser as ``load_memmap``, no leaf file opened, no torch imported (``memtree info DIR`` answers
   in well under a second);
 * a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);
 * a checkpoint root of :class:`memtree.Checkpointer` (sub-directories named by decimal step
-  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.steps` (the
+  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.reading.steps` (the
   rule of ``Checkpointer.steps()``), their sizes, which is the latest, and the entries named like
   steps that are not (ignored, with the reason);
 * a ``torch.save`` file, a ``.safetensors`` file, a shard index
@@ -48,9 +48,9 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..store.steps import list_steps
-from ..store.storage import LocalStorage, Storage, is_url, local_path
-from ..store.walk import WalkedLevel, walk
+from ..store.reading.steps import list_steps
+from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
+from ..store.reading.walk import WalkedLevel, walk
 from .du import disk_usage
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
@@ -186,7 +186,7 @@ def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], to
 
 
 def _describe_tensordict(root: str) -> dict[str, Any]:
-    from ..store.tensordict import read_tensordict_dir
+    from ..store.foreign.tensordict import read_tensordict_dir
 
     level = read_tensordict_dir(root, device="meta")
     entries: list[dict[str, Any]] = []
@@ -271,7 +271,7 @@ def describe(
     """
     source = local_path(source)  # file:///path is the local path
     if is_url(source):
-        from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+        from ..store.urls.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
         url = str(source)
         remote = FsspecStorage(url, storage_options=storage_options,
@@ -288,7 +288,7 @@ def describe(
     except FileNotFoundError:
         raise NotAMemtreeError(f"{path} does not exist; check the path") from None
     except OSError as err:
-        from ..store.files import storage_error
+        from ..store.primitives.files import storage_error
 
         raise storage_error(err, f"reading {path}") from err
     if not stat.S_ISDIR(mode):  # a checkpoint file or a shard index
@@ -305,7 +305,7 @@ def describe(
                 return _describe_checkpoint(path, allow_pickle)
             raise
         if not data.startswith(b'{"format":"memtree"'):  # tensordict's, or something else
-            from ..store.tensordict import is_tensordict_dir
+            from ..store.foreign.tensordict import is_tensordict_dir
 
             if is_tensordict_dir(path):
                 return _describe_tensordict(path)
@@ -313,7 +313,7 @@ def describe(
 
 
 def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.steps`, which
+    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.reading.steps`, which
     ``Checkpointer.steps()`` applies: a directory, not a link, named by its decimal step, whose
     root ``meta.json`` parses), their sizes, and the latest one. Staging directories and lock
     files are left out; entries named like steps that are not steps are listed as ignored.

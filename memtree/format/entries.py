@@ -226,7 +226,7 @@ class LevelMeta(Record):
     An encrypted tree's levels carry ``encryption`` and ``mac`` (HMAC-SHA256 of the level's
     ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
     encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
-    real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
+    real ``meta.json`` (which :mod:`memtree.store.primitives.crypto` decrypts and parses).
     """
 
     batch_size: tuple[int, ...]

@@ -1,8 +1,8 @@
 """``Level``: the neutral nested structure passed between the tree layer and the store.
 
 The tree layer (:mod:`memtree.tree.tensortree`) turns a ``TensorTree`` into a ``Level`` to write it and turns
-a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.store.write`,
-:mod:`memtree.store.read`) never sees the user-facing class. Entries keep the tree's key order.
+a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.store.writing.write`,
+:mod:`memtree.store.reading.read`) never sees the user-facing class. Entries keep the tree's key order.
 
 Example:
     >>> import torch
@@ -37,7 +37,7 @@ class Level:
     type: str = TREE_TYPE
     #: The class another library recorded for this level (tensordict's ``_type``, e.g.
     #: ``"<class 'pkg.Step'>"``), as text: the tree layer maps it to a registered
-    #: ``@tensorclass`` (:func:`memtree.tree.registry.class_for_foreign`), the tensordict writer
+    #: ``@tensorclass`` (:func:`memtree.tree.parts.registry.class_for_foreign`), the tensordict writer
     #: writes it back; memtree's own ``meta.json`` does not record it.
     foreign_type: str | None = None
     int_keys: frozenset[str] = frozenset()

@@ -15,7 +15,7 @@ tensor at all; its record's CRC-32 is not checked, as with ``torch.load(mmap=Tru
 other leaf reads its bytes with ``pread`` into a new tensor (never through a mapping, whose
 pages would stay resident), is cast if asked, and is dropped once its file is written:
 
-* to a memtree directory, the Level goes through :func:`memtree.store.write.write_tree` unchanged:
+* to a memtree directory, the Level goes through :func:`memtree.store.writing.write.write_tree` unchanged:
   the same plan, staging directory and atomic commit as ``TensorTree.memmap`` (no second commit
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`
@@ -24,9 +24,9 @@ pages would stay resident), is cast if asked, and is dropped once its file is wr
 * to a model directory, :func:`~memtree.interop.sharded.write_model_directory` splits the
   tensors as ``huggingface_hub`` does and writes each file with the same ``write_safetensors``,
   in a staging directory published by the commit of ``write_tree``
-  (:func:`~memtree.store.staged.staged_directory`); tied ``torch.save`` tensors (the same view
+  (:func:`~memtree.store.writing.staged.staged_directory`); tied ``torch.save`` tensors (the same view
   of one storage) are written once, under the first name, as ``save_pretrained`` does;
-* to a tensordict directory, :func:`~memtree.store.tensordict_write.write_tensordict_dir`
+* to a tensordict directory, :func:`~memtree.store.foreign.tensordict_write.write_tensordict_dir`
   writes tensordict's layout, published the same way.
 
 Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"`` ->
@@ -74,18 +74,18 @@ from ..errors import (
     KeyCollisionError,
     NotAMemtreeError,
 )
-from ..store.files import FileRange, open_checked, read_fd
+from ..store.primitives.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
 from ..format.schema import MAX_META_BYTES, MAX_TUPLE_PATHS
-from ..store.mapped import MemoryMappedTensor
+from ..store.reading.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
-from ..store.progress import Progress
-from ..store.read import read_tree
-from ..store.options import ReadOptions, WriteOptions
-from ..store.storage import local_path
-from ..store.write import write_tree
-from ..store.tensordict_write import write_tensordict_dir
+from ..store.primitives.progress import Progress
+from ..store.reading.read import read_tree
+from ..store.reading.options import ReadOptions, WriteOptions
+from ..store.reading.storage import local_path
+from ..store.writing.write import write_tree
+from ..store.foreign.tensordict_write import write_tensordict_dir
 from .checkpoint import Checkpoint, checkpoint_kind, open_file
 from .lazy import LazyLeaf
 from .pickle_guard import PickleLimits
@@ -98,7 +98,7 @@ from .sharded import (
     parse_shard_size,
     write_model_directory,
 )
-from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
+from ..store.foreign.tensordict import is_tensordict_dir, read_tensordict_dir
 from .torchsave import TorchSaveReader
 
 __all__ = ["ConvertResult", "FORMATS", "convert", "source_kind", "parse_dtype"]

@@ -59,9 +59,9 @@ from ..errors import (
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..store.files import FileRange, replacing_file, write_fd
-from ..store.mapped import to_storable
-from ..store.storage import local_path
+from ..store.primitives.files import FileRange, replacing_file, write_fd
+from ..store.reading.mapped import to_storable
+from ..store.reading.storage import local_path
 from ..format.level import as_level
 from .checkpoint_file import CheckpointFile, Closing
 
@@ -320,7 +320,7 @@ class SafetensorsReader(Closing):
         return out
 
     def fill_range(self, key: str) -> tuple[FileRange, None]:
-        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.fill.fill`
+        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.primitives.fill.fill`
         (valid while the reader is open; no checksum to check)."""
         e = self.entry(key)
         return FileRange(self._file.fd, e.begin, e.end - e.begin, f"tensor {key!r} of {self.path}"), None

@@ -31,7 +31,7 @@ does: ``model.safetensors`` when everything fits in ``max_shard_size``, else sha
 and ``weight_map``, sorted, indented by 2), split by :func:`plan_shards` with the rule of
 ``huggingface_hub.split_state_dict_into_shards_factory`` (tensors in order; a new shard when the
 next tensor would overflow; a tensor larger than the limit alone in its own shard). The directory
-is published atomically (:func:`~memtree.store.staged.staged_directory`).
+is published atomically (:func:`~memtree.store.writing.staged.staged_directory`).
 
 Example:
     >>> import json, os, tempfile, torch
@@ -67,8 +67,8 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.dtypes import itemsize
-from ..store.commit import write_small_file
-from ..store.staged import staged_directory
+from ..store.primitives.commit import write_small_file
+from ..store.writing.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
 from .torchsave import TorchSaveReader, skipped_error

@@ -67,9 +67,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError
-from ..store.files import map_fd
-from ..store.mapped import MemoryMappedTensor
-from ..tree.bind import bind, module_groups, names_list, plan
+from ..store.primitives.files import map_fd
+from ..store.reading.mapped import MemoryMappedTensor
+from ..tree.parts.bind import bind, module_groups, names_list, plan
 from .loading import LoadResult, as_source
 
 __all__ = ["OffloadedTensor", "offload", "DISK"]

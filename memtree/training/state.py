@@ -51,7 +51,7 @@ from ..errors import (
 from ..format.level import Level, as_level
 from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_problem
-from ..store.read import PendingLevel
+from ..store.reading.read import PendingLevel
 from ..tree.tensortree import TensorTree
 
 __all__ = ["MAX_STATE_ITEMS", "state_to_level", "array_leaf", "level_to_state", "tensor_slots", "copy_values"]
