@@ -7,6 +7,9 @@ GPT-2 "model ready" rows) no longer makes for every leaf.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +67,82 @@ def test_a_tree_of_mapped_leaves_is_built_without_torch_function(saved, monkeypa
     copy = memtree.TensorTree({"a": tree["0"]["weight"], "b": {"c": tree["1"]["bias"]}})
     assert calls == []
     assert type(copy["a"]) is MemoryMappedTensor and copy["b", "c"].shape == (4,)
+
+
+# ---------------------------------------------------------------------------------------------
+# meta.json validated once per process for the same bytes (store/reading/storage.read_meta)
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """The paths of the meta.json files validated (parse_level), in order, from an empty cache."""
+    from memtree.store.reading import storage
+
+    monkeypatch.setattr(storage, "_PARSED", OrderedDict(), raising=False)
+    monkeypatch.setattr(storage, "_parsed_bytes", 0, raising=False)
+    seen: list[str] = []
+    original = storage.parse_level
+
+    def counting(data, where, *, depth=0):
+        seen.append(where)
+        return original(data, where, depth=depth)
+
+    monkeypatch.setattr(storage, "parse_level", counting)
+    return seen
+
+
+def _levels(path) -> int:
+    return sum(1 for _, _, files in os.walk(path) if "meta.json" in files)
+
+
+def test_a_tree_loaded_again_validates_each_meta_json_once(saved, parses):
+    path, original = saved
+    for _ in range(3):
+        with memtree.empty_init():
+            model = _model()
+        memtree.load_memmap(path).to_module(model)
+        assert all(torch.equal(t, original.state_dict()[k]) for k, t in model.state_dict().items())
+    assert len(parses) == len(set(parses)) == _levels(path)
+
+
+def test_new_bytes_are_validated_again_and_bad_bytes_every_time(tmp_path, parses):
+    d = tmp_path / "t"
+    memtree.TensorTree({"a": {"x": torch.zeros(2)}}).memmap(d)
+    assert memtree.load_memmap(d)["a", "x"].tolist() == [0.0, 0.0]
+    memtree.TensorTree({"a": {"x": torch.ones(3)}}).memmap(d, existsok=True)  # new bytes
+    assert memtree.load_memmap(d)["a", "x"].tolist() == [1.0, 1.0, 1.0]
+    assert len(parses) == 4
+    sub = d / "a" / "meta.json"
+    sub.write_bytes(sub.read_bytes().replace(b'"shape":[3]', b'"shape":[-3]'))
+    parses.clear()
+    for _ in range(2):  # a failed validation is never kept: raised every time
+        with pytest.raises(memtree.MetaFormatError, match="shape"):
+            memtree.load_memmap(d)["a", "x"]
+    assert parses.count(str(sub)) == 2
+
+
+def test_the_same_bytes_at_another_depth_are_validated_there(tmp_path):
+    # the root's meta.json (with its tree_hash, allowed only at the root) copied into a sub-level:
+    # the cache holds it as a root's, and the sub-level still refuses it
+    d = tmp_path / "t"
+    memtree.TensorTree({"x": torch.zeros(2), "a": {"y": torch.ones(1)}}).memmap(d)
+    memtree.load_memmap(d)["x"]
+    root = (d / "meta.json").read_bytes()
+    assert b"tree_hash" in root
+    (d / "a" / "meta.json").write_bytes(root)
+    with pytest.raises(memtree.MetaFormatError, match="tree_hash"):
+        memtree.load_memmap(d)["a"]["x"]
+
+
+def test_the_kept_levels_stay_within_their_bound(tmp_path, monkeypatch):
+    from memtree.store.reading import storage
+
+    monkeypatch.setattr(storage, "PARSED_CACHE_BYTES", 2000)
+    monkeypatch.setattr(storage, "_PARSED", OrderedDict())
+    monkeypatch.setattr(storage, "_parsed_bytes", 0)
+    for i in range(20):
+        d = tmp_path / str(i)
+        memtree.TensorTree({"x": torch.full((2,), float(i)), "a": {"y": torch.ones(1)}}).memmap(d)
+        assert memtree.load_memmap(d)["a", "y"].tolist() == [1.0]
+        assert storage._parsed_bytes == sum(len(data) for data, _ in storage._PARSED) <= 2000
+    assert 0 < len(storage._PARSED) < 40
