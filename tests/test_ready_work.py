@@ -146,3 +146,22 @@ def test_the_kept_levels_stay_within_their_bound(tmp_path, monkeypatch):
         assert memtree.load_memmap(d)["a", "y"].tolist() == [1.0]
         assert storage._parsed_bytes == sum(len(data) for data, _ in storage._PARSED) <= 2000
     assert 0 < len(storage._PARSED) < 40
+
+
+def test_a_json_value_changed_by_its_reader_is_read_from_the_file_again(tmp_path):
+    d = tmp_path / "t"
+    memtree.TensorTree({"betas": [0.9, {"eps": [1e-8]}], "w": torch.ones(1)}).memmap(d)
+    first = memtree.load_memmap(d)["betas"]
+    first[1]["eps"].append(7.0)  # the reader's own list: a later load must not see this
+    first.append(1.0)
+    again = memtree.load_memmap(d)["betas"]
+    assert again == [0.9, {"eps": [1e-8]}] and again is not first
+
+
+def test_a_restored_state_changed_by_the_loop_is_restored_as_saved(tmp_path):
+    ckpt = memtree.Checkpointer(tmp_path)
+    ckpt.save(1, {"groups": [{"lr": 0.1, "params": [0, 1]}], "w": torch.ones(2)})
+    state = ckpt.restore(1)
+    state["groups"][0]["lr"] = 0.5
+    state["groups"][0]["params"].append(2)
+    assert ckpt.restore(1)["groups"] == [{"lr": 0.1, "params": [0, 1]}]
