@@ -42,7 +42,7 @@ from typing import Any, Callable, cast
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ...format.dtypes import dtype_name, itemsize
+from ...format.dtypes import byte_dtype, dtype_name, itemsize
 from ...errors import DtypeError, MissingLeafError, ReadOnlyError
 from ..primitives.files import map_fd, open_checked, pwrite_from, shared_file_error, storage_error, write_file_replace
 from .options import check_mode
@@ -103,6 +103,9 @@ def to_storable(tensor: torch.Tensor, where: str) -> torch.Tensor:
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
+        copyable = byte_dtype(t.dtype)  # int4, bits8...: torch copies them only as bytes
+        if copyable != t.dtype:
+            return t.view(copyable).to("cpu").contiguous().view(t.dtype)
         return t.to("cpu").contiguous()
 
 
@@ -112,6 +115,10 @@ class MemoryMappedTensor(torch.Tensor):
     Create one with :meth:`from_tensor`, :meth:`empty`, :meth:`zeros`, :meth:`ones`,
     :meth:`full` or :meth:`from_filename`; trees create them with ``memmap``/``load_memmap``.
     """
+
+    #: A plain tensor's data to a writer, not a tensor subclass to store as a group
+    #: (:func:`memtree.format.subclass_registry.is_plain`).
+    _memtree_plain = True
 
     _file: MappedFile | None  # None: anonymous shared memory
     _readonly: bool

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from math import prod
 from typing import Any
 
@@ -38,6 +39,8 @@ from ...format.values import NonTensor, check_nesting
 from ...store.reading.mapped import MemoryMappedTensor
 from ...store.reading.read import PendingLevel, loading_lock
 from . import bind
+from ...format import subclass_registry as registry
+from .subclasses import dtensor_leaf
 from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
 from .numpy_view import numpy_value
 from .registry import class_for, class_for_foreign
@@ -75,7 +78,12 @@ class TreeCore:
             level, unknown_classes = self._pending
             entries: dict[str, Any] = {}
             for k, v in level.load().items():
-                entries[k] = self._base()._lazy(v, self._device, unknown_classes) if isinstance(v, PendingLevel) else v
+                if isinstance(v, PendingLevel):
+                    entries[k] = self._base()._lazy(v, self._device, unknown_classes)
+                elif isinstance(v, Level):  # a tensor subclass's group
+                    entries[k] = self._base()._subclass_value(v, unknown_classes, level.keys + (k,))
+                else:
+                    entries[k] = v
             self._data = entries
 
     @classmethod
@@ -643,11 +651,18 @@ class TreeCore:
         return self
 
     # ------------------------------------------------------------------------------ disk
-    def _to_level(self) -> Level:
-        return Level(
-            tuple(self._batch_size),
-            {k: v._to_level() if isinstance(v, TreeCore) else v for k, v in self._data.items()},
-        )
+    def _to_level(self, path: tuple[str, ...] = ()) -> Level:
+        level = Level(tuple(self._batch_size))
+        for k, v in self._data.items():
+            if isinstance(v, TreeCore):
+                v = v._to_level(path + (k,))
+            elif isinstance(v, torch.Tensor) and not registry.is_plain(v):
+                if registry.is_dtensor(v):  # its full tensor, with its layout
+                    v, level.layouts[k] = dtensor_leaf(v, path + (k,))
+                else:
+                    v = registry.to_group(v, path + (k,))
+            level.entries[k] = v
+        return level
 
     __memtree_level__ = _to_level  # the protocol of memtree.format.level.as_level
 
@@ -666,17 +681,30 @@ class TreeCore:
             target = class_for_foreign(level.foreign_type) or target
         out = target._empty(torch.Size(level.batch_size), device)
         for k, v in level.entries.items():
-            if isinstance(v, Level):
+            if isinstance(v, Level) and v.subclass is not None:
+                out._data[k] = cls._base()._subclass_value(v, unknown_classes, path + (k,))
+            elif isinstance(v, Level):
                 out._data[k] = cls._base()._from_level(v, device, unknown_classes, path + (k,))
             else:
                 out._data[k] = v
         return out
 
+    @classmethod
+    def _subclass_value(cls, level: Level, unknown_classes: str, path: tuple[str, ...]) -> Any:
+        """The tensor subclass a group stands for; with ``unknown_classes="tree"``, a group of a
+        class this process cannot rebuild is a plain tree of its inner tensors instead."""
+        assert level.subclass is not None
+        if unknown_classes == "tree" and not registry.is_known(level.subclass.type):
+            return cls._from_level(replace(level, subclass=None), None, unknown_classes, path)
+        return registry.rebuild(level, path)
+
     def _adopt(self, level: Level | PendingLevel) -> None:
         if isinstance(level, PendingLevel):  # the sub-trees this tree holds map their files now
             level = level.load_all()
         for k, v in level.entries.items():
-            if isinstance(v, Level):
+            if isinstance(v, Level) and v.subclass is not None:
+                self._data[k] = registry.rebuild(v, (k,))  # its inner tensors: the mapped files
+            elif isinstance(v, Level):
                 self._data[k]._adopt(v)
             else:
                 self._data[k] = v
