@@ -227,6 +227,23 @@ def test_tensors_the_one_call_cannot_copy_are_copied_one_by_one(monkeypatch):
         assert torch.equal(level.entries[key], t.resolve_conj().resolve_neg()), key
 
 
+def test_dtypes_without_a_copy_kernel_are_left_out_of_the_one_call(monkeypatch):
+    seen = []
+    original = torch._foreach_copy_
+
+    def recording(dests, sources):
+        seen.extend(t.dtype for t in sources)
+        return original(dests, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    tensors = {"w": torch.randn(3), "q": random_tensor((6,), torch.int4, seed=1), "b": torch.ones(2)}
+    level = Level((), dict(tensors))
+    StagingBuffer().take(level).wait()
+    assert seen == [torch.float32, torch.float32]  # int4 copied as bytes, on its own
+    for key, t in tensors.items():
+        assert torch.equal(level.entries[key].view(torch.uint8), t.view(torch.uint8)), key
+
+
 def test_copies_of_parameters_that_require_grad_are_plain_tensors():
     w = torch.nn.Parameter(torch.randn(4, 3))
     level = Level((), {"w": w, "t": w.t()})

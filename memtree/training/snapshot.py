@@ -133,7 +133,7 @@ class StagingBuffer:
                     if t.is_cuda:
                         devices[t.device] = None
                         _copy_values(copy, t)
-                    elif type(t) in _PLAIN:
+                    elif type(t) in _PLAIN and _has_copy_kernel(t.dtype):
                         host_dst.append(copy)
                         host_src.append(t)
                     else:
@@ -201,6 +201,18 @@ def _copy_values(dest: torch.Tensor, t: torch.Tensor) -> None:
     if copyable != src.dtype:
         dest, src = dest.view(copyable), src.view(copyable)
     dest.copy_(src, non_blocking=src.is_cuda)
+
+
+def _has_copy_kernel(dtype: torch.dtype) -> bool:
+    """Whether torch copies tensors of ``dtype`` element by element (not int4, bits8...:
+    :func:`~memtree.format.dtypes.byte_dtype`), remembered per dtype."""
+    known = _COPY_KERNEL.get(dtype)
+    if known is None:
+        known = _COPY_KERNEL[dtype] = byte_dtype(dtype) == dtype
+    return known
+
+
+_COPY_KERNEL: dict[torch.dtype, bool] = {}
 
 
 def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
