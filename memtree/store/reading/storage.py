@@ -61,7 +61,7 @@ from ...errors import (
 )
 from ...format.record import Record
 from ...format.names import META_NAME, is_safe_name, is_uncommitted_name
-from ...format.schema import MAX_META_BYTES, JsonMeta, LevelMeta, parse_level
+from ...format.schema import MAX_META_BYTES, ChildMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
 from ..primitives.files import open_leaf, storage_error
 
 __all__ = [
@@ -274,12 +274,14 @@ def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
 
 
 #: Bytes of ``meta.json`` files that :func:`read_meta` keeps with their validated level (the
-#: newest used first; a larger file is not kept, nor a level holding JSON values, which loads
-#: hand out as they are), so that a process loading a tree again (an evaluation loop, a resume,
+#: newest used first; a larger file is not kept, nor a level holding JSON values or subclass
+#: contexts, lists and dicts that loads hand out), so that a process loading a tree again (an evaluation loop, a resume,
 #: a reload) validates each file once. The level is an immutable record and depends only on the
 #: bytes and the depth; only a file's validation is skipped, never its opening, checks or reading.
 PARSED_CACHE_BYTES = 1 << 20
 _PARSED: OrderedDict[tuple[bytes, int], LevelMeta] = OrderedDict()
+#: The entries whose every field is immutable (str, int, tuples, records of those).
+_IMMUTABLE_ENTRIES = (LeafMeta, ChildMeta, PickleMeta)
 _PARSED_LOCK = threading.Lock()
 _parsed_bytes = 0
 
@@ -287,8 +289,8 @@ _parsed_bytes = 0
 def _keep_parsed(key: tuple[bytes, int], meta: LevelMeta) -> None:
     global _parsed_bytes
     size = len(key[0])
-    if size > PARSED_CACHE_BYTES or any(type(e) is JsonMeta for e in meta.entries):
-        return  # a JSON value is a list or dict that a load hands out as it is: never shared
+    if size > PARSED_CACHE_BYTES or not all(type(e) in _IMMUTABLE_ENTRIES for e in meta.entries):
+        return  # a JSON value (or a subclass's context) is a list or dict: never shared between loads
     with _PARSED_LOCK:
         if key in _PARSED:
             return
