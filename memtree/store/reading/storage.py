@@ -275,9 +275,10 @@ def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
 
 #: Bytes of ``meta.json`` files that :func:`read_meta` keeps with their validated level (the
 #: newest used first; a larger file is not kept, nor a level holding JSON values or subclass
-#: contexts, lists and dicts that loads hand out), so that a process loading a tree again (an evaluation loop, a resume,
-#: a reload) validates each file once. The level is an immutable record and depends only on the
-#: bytes and the depth; only a file's validation is skipped, never its opening, checks or reading.
+#: contexts, lists and dicts that loads hand out), so that a process loading a tree again (an
+#: evaluation loop, a resume, a reload) validates each file once. The level is an immutable
+#: record and depends only on the bytes and the depth; only a file's validation is skipped,
+#: never its opening, checks or reading.
 PARSED_CACHE_BYTES = 1 << 20
 _PARSED: OrderedDict[tuple[bytes, int], LevelMeta] = OrderedDict()
 #: The entries whose every field is immutable (str, int, tuples, records of those).
