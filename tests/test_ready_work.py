@@ -165,3 +165,16 @@ def test_a_restored_state_changed_by_the_loop_is_restored_as_saved(tmp_path):
     state["groups"][0]["lr"] = 0.5
     state["groups"][0]["params"].append(2)
     assert ckpt.restore(1)["groups"] == [{"lr": 0.1, "params": [0, 1]}]
+
+
+def test_a_level_holding_a_subclass_is_validated_on_every_load(tmp_path, parses):
+    from subclassutil import same_subclass, scaled
+
+    d = tmp_path / "t"
+    w = scaled(cfg={"k": (1, 2)})  # a context of lists and dicts in the level's meta.json
+    memtree.TensorTree({"w": w, "a": {"x": torch.ones(2)}}).memmap(d)
+    for _ in range(2):
+        tree = memtree.load_memmap(d)
+        assert same_subclass(tree["w"], w) and tree["a", "x"].tolist() == [1.0, 1.0]
+    levels = [str(d / "meta.json"), str(d / "w" / "meta.json"), str(d / "a" / "meta.json")]
+    assert [parses.count(p) for p in levels] == [2, 1, 1]  # the group's level holds plain leaves
