@@ -25,9 +25,12 @@ URL): ``load_memmap(..., verify=True)`` runs it for a local tree and a remote on
 ``memtree verify`` computes the same hash (:func:`stored_tree_hash`) over what it has read.
 
 A leaf whose bytes no longer match its checksum is *damaged*, unless the file was modified after
-its level's ``meta.json`` was written (:func:`changed_after_meta`): then it was written in place
-(through a ``mode="r+"`` mapping, say) and its checksum is *stale*: memtree cannot tell an
-intended write from damage, and says so instead of calling it corruption.
+its level's ``meta.json`` was written (:func:`changed_after_meta`) and the ``meta.json`` files are
+intact (the root's ``tree_hash``, when it records one, matches them: ``load_memmap(verify=True)``
+checks it before any leaf, ``verify_tree`` before it classifies a mismatch): then it was written in
+place (through a ``mode="r+"`` mapping, say) and its checksum is *stale*: memtree cannot tell an
+intended write from damage, and says so instead of calling it corruption. A ``meta.json`` changed
+since the save (a tree hash mismatch) makes every mismatching leaf damage, whatever the times.
 
 Example:
     >>> from memtree.format.schema import LevelMeta, JsonMeta
