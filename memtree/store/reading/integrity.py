@@ -51,7 +51,7 @@ from ...errors import IntegrityError
 from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
 from ..primitives.checksums import new_digest
-from .storage import FileInfo, Storage
+from .storage import FileInfo, Storage, join_rel
 from .walk import WalkedLevel, walk
 
 __all__ = [
@@ -90,9 +90,10 @@ def tree_hash_lines(
         rel, path, name = todo.pop()
         meta = metas[rel]
         if rel == "":
-            data = dump_level(replace(meta, tree_hash=None, mac=None))  # an encrypted root's mac covers the hash
+            # an encrypted root's mac covers the hash
+            data = dump_level(replace(meta, tree_hash=None, mac=None), META_NAME)
         else:
-            data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta)
+            data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta, join_rel(rel, META_NAME))
         rows.append((path, 0, [orjson.dumps([path, name]), data]))
         for e in meta.entries:
             if isinstance(e, ChildMeta):
