@@ -68,6 +68,7 @@ import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
+    check_keywords,
     DestinationExistsError,
     DtypeError,
     InvalidArgumentError,
@@ -515,6 +516,7 @@ def _flatten(
             dropped.append(".".join(path))
 
 
+@check_keywords
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

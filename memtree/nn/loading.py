@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, SourceError
+from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, SourceError, check_keywords
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
@@ -465,6 +465,7 @@ def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
 
+@check_keywords
 def load_into_module(
     module: nn.Module,
     source: Any,

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import (
+    check_keywords,
     DtypeError,
     LeafSizeError,
     LimitError,
@@ -353,6 +354,7 @@ def _file_kind(storage: Storage, rel: str) -> str | None:
     return "a regular file"
 
 
+@check_keywords
 def verify_tree(
     prefix: str | os.PathLike[str],
     *,

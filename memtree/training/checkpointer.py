@@ -57,6 +57,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from ..errors import (
+    check_keywords,
     CheckpointNotFoundError,
     CheckpointSaveError,
     DecryptionError,
@@ -161,6 +162,7 @@ class Checkpointer:
         (True, 10)
     """
 
+    @check_keywords
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -271,6 +273,7 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------
 
+    @check_keywords
     def save(
         self, step: int, state: Any, *, blocking: bool = True, overwrite: bool = False, discard_newer: bool = False
     ) -> str | Future[str]:
@@ -498,6 +501,7 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------------
 
+    @check_keywords
     def restore(
         self,
         step: int | None = None,
