@@ -71,8 +71,9 @@ class LoadResult(_Keys):
     """What :func:`load_into_module` could not match, as dotted ``state_dict()`` names.
 
     A 2-tuple ``(missing, unexpected)`` like the result of ``nn.Module.load_state_dict``
-    (``missing, unexpected = result`` works); ``mismatched`` is an attribute, not a tuple item,
-    and is left out of ``==`` (a tuple comparison).
+    (``missing, unexpected = result`` works, and ``missing_keys``/``unexpected_keys`` are
+    ``load_state_dict``'s names of the two lists); ``mismatched`` is an attribute, not a tuple
+    item, and is left out of ``==`` (a tuple comparison).
 
     Attributes:
         missing: the module's tensors that the source does not provide (they keep their
@@ -84,11 +85,21 @@ class LoadResult(_Keys):
     Example:
         >>> r = LoadResult(["head.weight"], [], mismatched=["fc.weight"])
         >>> missing, unexpected = r
-        >>> missing, r.mismatched
-        (['head.weight'], ['fc.weight'])
+        >>> missing, r.mismatched, r.missing_keys is r.missing
+        (['head.weight'], ['fc.weight'], True)
     """
 
     mismatched: list[str]
+
+    @property
+    def missing_keys(self) -> list[str]:
+        """``missing``, by the name ``nn.Module.load_state_dict``'s result gives it."""
+        return self.missing
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        """``unexpected``, by the name ``nn.Module.load_state_dict``'s result gives it."""
+        return self.unexpected
 
     def __new__(
         cls, missing: list[str], unexpected: list[str], mismatched: list[str] | None = None

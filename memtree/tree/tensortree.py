@@ -3,7 +3,8 @@ leading ``batch_size`` dims, and writes itself to disk as one raw file per leaf.
 
 The class is assembled from one module per concern: :mod:`~memtree.tree.parts.core` (entries, keys,
 batch indexing, equality, locking), :mod:`~memtree.tree.parts.shape_ops`,
-:mod:`~memtree.tree.parts.persistence` (memmap, load_memmap, growth, modules) and
+:mod:`~memtree.tree.parts.persistence` (memmap, load_memmap, growth, modules),
+:mod:`~memtree.tree.parts.tensor_ops` (``float()``, ``split``, ``masked_fill_``... on every leaf) and
 :mod:`~memtree.tree.parts.repr`.
 
 Example:
@@ -30,6 +31,7 @@ from ..store.reading.options import KeySelection
 from .parts.args import Key
 from .parts.persistence import Persistence
 from .parts.repr import TreeRepr
+from .parts.tensor_ops import TensorOps
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorTree", "load_memmap", "Key"]
 
 
-class TensorTree(Persistence, TreeRepr):
+class TensorTree(Persistence, TensorOps, TreeRepr):
     """A nested mapping of str keys to tensors, sub-trees and small non-tensor values.
 
     Every tensor leaf's shape starts with ``batch_size``; indexing the tree indexes every leaf
