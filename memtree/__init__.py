@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from .tree.ops import cat, stack
     from .store.writing.recovery import recover
     from .tree.records import tensorclass
+    from .format.subclass_registry import register_subclass
     from .tree.tensortree import TensorTree, load_memmap
     from .store.verify import Problem, VerifyReport, verify_tree
     from .training import Checkpointer
@@ -61,6 +62,7 @@ _LAZY: dict[str, str] = {
     "stack": "tree.ops",
     "recover": "store.writing.recovery",
     "tensorclass": "tree.records",
+    "register_subclass": "format.subclass_registry",
     "TensorTree": "tree.tensortree",
     "load_memmap": "tree.tensortree",
     "Problem": "store.verify",
@@ -79,6 +81,7 @@ __all__ = [
     "cat",
     "load_memmap",
     "tensorclass",
+    "register_subclass",
     "collate",
     "BatchIndexSampler",
     "batch_loader",

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Tests fork children (kill -9 matrix, fuzz workers, disk-full checks) from a pytest process whose
 # earlier tests already ran parallel torch ops. GNU OpenMP is not fork-safe: a parallel op in the
@@ -37,3 +38,11 @@ def _torch_switches_restored() -> Iterator[None]:
         deterministic, warn_only, dtype = _SWITCHES
         torch.use_deterministic_algorithms(bool(deterministic), warn_only=bool(warn_only))
         torch.set_default_dtype(dtype)  # type: ignore[arg-type]
+
+
+# Hypothesis' default deadline (200 ms per example) and its input-generation health check (1 s
+# when a deadline is set) are wall-clock limits: on a loaded machine a test that asserts neither
+# fails with DeadlineExceeded, Flaky or FailedHealthCheck. Tests bound their time with
+# pytest-timeout (setup.cfg) instead; a test's own @settings still overrides these defaults.
+settings.register_profile("memtree", deadline=None)
+settings.load_profile("memtree")

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md"]
-SCRIPT_PAGES = ["guide/models.md"]
+PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md", "guide/subclasses.md"]
+#: Pages whose examples need an optional package (a test dependency): skipped without it.
+NEEDS = {"guide/subclasses.md": "torchao"}
+SCRIPT_PAGES = ["guide/models.md", "guide/datasets.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
@@ -29,6 +31,8 @@ def run_page(page: Path) -> doctest.TestResults:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_the_examples_of_the_page_run(page, tmp_path, monkeypatch, capsys):
+    if page in NEEDS:
+        pytest.importorskip(NEEDS[page])
     monkeypatch.chdir(tmp_path)
     results = run_page(DOCS / page)
     report = capsys.readouterr().out
@@ -44,7 +48,7 @@ def test_the_code_blocks_of_the_page_run_as_one_script(page, tmp_path, monkeypat
     for block in blocks:
         if "transformers" in block:
             pytest.importorskip("transformers")
-    code = compile("\n".join(blocks), str(DOCS / page), "exec")
+    code = compile("\n".join(blocks), str(DOCS / page), "exec", dont_inherit=True)  # not this file's __future__
     exec(code, {"__name__": "__doc_page__"})
 
 

@@ -124,6 +124,7 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     capacity: int | None = None
     chunk_bytes: int | None = None
     int_key: bool = False
+    layout: Any = None  # a DTensor's layout (format version 3)
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)

@@ -48,6 +48,7 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
+from ..format.subclass import SubclassMeta, level_version
 from ..store.reading.steps import list_steps
 from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
 from ..store.reading.walk import WalkedLevel, walk
@@ -116,6 +117,11 @@ def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], 
             if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
                 item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
             totals.tensor(e.dtype_name, e.nbytes, e.checksum)
+        elif isinstance(e, SubclassMeta):  # a tensor subclass: its class, then its inner tensors
+            sub = e.subclass
+            item.update(kind="subclass", type=sub.type, dtype=sub.dtype_name, shape=list(sub.shape),
+                        dir=rel + e.dir + "/")
+            _entries(levels, dirs + (e.dir,), path + [e.key], rel + e.dir + "/", entries, totals)
         elif isinstance(e, ChildMeta):
             child = levels[dirs + (e.dir,)].meta
             item.update(kind="tree", dir=rel + e.dir + "/", batch_size=list(child.batch_size),
@@ -134,8 +140,9 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     """Every level through the walker; ``data``: the root ``meta.json``, if already read."""
     data = storage.read_meta("") if data is None else data
     root: LevelMeta = parse_level(data, storage.describe(META_NAME))
-    version = orjson.loads(data)["version"]  # the tree's own (parse_level accepted it)
     levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
+    # the root's version (parse_level accepted it), or 3 where a level holds what version 3 added
+    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta, 0) for lvl in levels.values()])
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
@@ -248,11 +255,12 @@ def describe(
         ``type``, ``batch_size``, ``save_id``, ``totals`` (``tensors``, ``bytes``, ``levels``,
         ``json_values``, ``pickled_values``, ``checksummed``, ``dtypes``: name ->
         ``{"tensors", "bytes"}``) and ``entries``: every key depth-first, each with ``key`` (the
-        list of keys from the root), ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per
-        kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and for a growable leaf
-        ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``, ``batch_size``,
-        ``type`` / ``value`` / ``file`` (paths relative to ``path``; ``None`` where the format has
-        no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
+        list of keys from the root), ``kind`` (``tensor``/``tree``/``subclass``/``json``/
+        ``pickle``) and per kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and
+        for a growable leaf ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``,
+        ``batch_size``, ``type`` / ``type`` (the class's registered name), ``dtype``, ``shape``,
+        ``dir``, its inner tensors following as the entries below its key / ``value`` / ``file``
+        (paths relative to ``path``; ``None`` where the format has no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
         ``files`` (its files, relative to the directory of ``path``) and ``metadata`` (a
         safetensors header's ``__metadata__``).
 
@@ -450,6 +458,9 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
             if e.get("capacity") is not None:
                 size += f"  (file: {e['capacity']:,} rows, {format_bytes(e['file_nbytes'])})"
             rows.append((name, e["dtype"], str(e["shape"]), size))
+        elif kind == "subclass":
+            n, nbytes = below.get(tuple(e["key"]), [0, 0])
+            rows.append((name + "/", e["type"], f"{e['dtype']}{e['shape']}", f"{_plural(n, 'inner tensor')}, {format_bytes(nbytes)}"))
         elif kind == "tree":
             n, nbytes = below.get(tuple(e["key"]), [0, 0])
             collapsed = max_depth is not None and depth >= max_depth

@@ -40,6 +40,10 @@ __all__ = [
     "ChildMeta",
     "JsonMeta",
     "PickleMeta",
+    "Subclass",
+    "SubclassMeta",
+    "Placement",
+    "DTensorLayout",
     "Entry",
     "EncryptionMeta",
     "LevelMeta",
@@ -69,6 +73,63 @@ _set = object.__setattr__
 
 
 @dataclass(init=False, repr=False, eq=False)
+class Placement(Record):
+    """One mesh dim of a DTensor: ``"replicate"``, ``"shard"`` along ``dim``, or
+    ``"strided_shard"`` along ``dim`` with ``split_factor`` (torch's ``_StridedShard``)."""
+
+    kind: str
+    dim: int | None = None
+    split_factor: int | None = None
+
+    def __init__(self, kind: str, dim: int | None = None, split_factor: int | None = None) -> None:
+        _set(self, "kind", kind)
+        _set(self, "dim", dim)
+        _set(self, "split_factor", split_factor)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class DTensorLayout(Record):
+    """How a DTensor stored as its full tensor was laid out: mesh shape, dim names, placements."""
+
+    mesh: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    dim_names: tuple[str, ...] | None = None
+
+    def __init__(
+        self, mesh: tuple[int, ...], placements: tuple[Placement, ...], dim_names: tuple[str, ...] | None = None
+    ) -> None:
+        _set(self, "mesh", mesh)
+        _set(self, "placements", placements)
+        _set(self, "dim_names", dim_names)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class Subclass(Record):
+    """What a subclass group records besides its inner tensors.
+
+    Attributes:
+        type: the registered name of the class (``"torchao.Int8Tensor"``), never an import path.
+        dtype_name: the outer tensor's dtype (a leaf dtype, or a quantized one).
+        shape: the outer tensor's shape; its leading dims are the level's batch dims.
+        stride: the outer tensor's stride (what ``__tensor_unflatten__`` is given).
+        context: the flatten context as tagged JSON (:func:`check_context`).
+    """
+
+    type: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    context: Any
+
+    def __init__(self, type: str, dtype_name: str, shape: tuple[int, ...], stride: tuple[int, ...], context: Any) -> None:
+        _set(self, "type", type)
+        _set(self, "dtype_name", dtype_name)
+        _set(self, "shape", shape)
+        _set(self, "stride", stride)
+        _set(self, "context", context)
+
+
+@dataclass(init=False, repr=False, eq=False)
 class LeafMeta(Record):
     """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
 
@@ -87,6 +148,9 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    #: How the DTensor this leaf holds the full tensor of was laid out (format version 3,
+    #: :mod:`memtree.format.subclass`), else None.
+    layout: DTensorLayout | None = None
 
     def __init__(
         self,
@@ -98,6 +162,7 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        layout: DTensorLayout | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -107,6 +172,7 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "layout", layout)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,6 +223,17 @@ class ChildMeta(Record):
         _set(self, "key", key)
         _set(self, "dir", dir)
         _set(self, "int_key", int_key)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class SubclassMeta(ChildMeta):
+    """A subclass leaf: its group's directory ``dir`` (walked like a sub-tree's) and ``subclass``."""
+
+    subclass: Subclass = None  # type: ignore[assignment]  # always given: after ChildMeta's defaults
+
+    def __init__(self, key: str, dir: str, subclass: Subclass, int_key: bool = False) -> None:
+        super().__init__(key, dir, int_key)
+        _set(self, "subclass", subclass)
 
 
 @dataclass(init=False, repr=False, eq=False)

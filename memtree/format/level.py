@@ -19,6 +19,7 @@ from typing import Any, Union
 import torch
 
 from .schema import TREE_TYPE
+from .subclass import DTensorLayout, Subclass
 from .values import NonTensor
 
 __all__ = ["Level", "Value", "as_level", "fmt_key"]
@@ -29,7 +30,8 @@ class Level:
     """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values).
 
     Training state (format version 2, :mod:`memtree.training.state`) also records which keys are
-    int dict keys (``int_keys``).
+    int dict keys (``int_keys``). A tensor subclass is a level of its inner tensors with
+    ``subclass`` set (:mod:`memtree.format.subclass_registry` makes and rebuilds them).
     """
 
     batch_size: tuple[int, ...]
@@ -41,6 +43,11 @@ class Level:
     #: writes it back; memtree's own ``meta.json`` does not record it.
     foreign_type: str | None = None
     int_keys: frozenset[str] = frozenset()
+    #: A tensor subclass's group (format version 3, :mod:`memtree.format.subclass`): what the
+    #: subclass records; the entries are its inner tensors (or nested groups), by attribute name.
+    subclass: Subclass | None = None
+    #: The DTensor layouts of this level's tensors that hold a DTensor's full tensor, by key.
+    layouts: dict[str, DTensorLayout] = field(default_factory=dict)
 
 
 Value = Union[torch.Tensor, Level, NonTensor]

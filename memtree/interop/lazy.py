@@ -52,6 +52,8 @@ class LazyLeaf(torch.Tensor):
 
     _load: Callable[[], torch.Tensor]
     _file_range: Callable[[], FileRange | None] | None
+    #: Written as the plain tensor it reads, not as a tensor subclass's group.
+    _memtree_plain = True
     # torch's stubs declare this builtin as a plain function, which mypy binds as a method
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, SourceError, check_keywords
+from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, ShapeMismatchError, SourceError, check_keywords
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
@@ -57,6 +57,8 @@ from ..tree.parts.bind import (
     source_from_leaves,
     unmatched_prefixes,
 )
+from ..format.subclass_registry import is_plain
+from ..tree.parts.subclasses import fill_dests, layout_problem
 from ..tree.tensortree import TensorTree, load_memmap
 
 __all__ = ["LoadResult", "as_source", "load_into_module"]
@@ -317,7 +319,8 @@ def _read_into_place(
                 rest.append((group, name))
                 if group.kind == "extra" or not on_ring(dev) or key in staged or not src.is_tensor(name):
                     continue  # bound by bind(); a tensor under several names is bound once
-            where = locate(name) if locate is not None else None
+            # a tensor subclass or a DTensor: filled by bind(), inner tensor by inner tensor
+            where = locate(name) if locate is not None and is_plain(group.tensor) else None
             if where is None:
                 if live:  # bind() copies it (from host memory into CUDA: through the ring too)
                     rest.append((group, name))
@@ -375,7 +378,15 @@ def _leaf_targets(
             return None
         if sum(n in src.entries for n in group.names) > 1:
             return None  # several names of one tied tensor: plan() compares their data
-        targets.setdefault(path, []).append((_dest(group), src.spec(name)[1]))
+        problem = layout_problem(src.entries[name], group.tensor)
+        if problem is not None:
+            raise ShapeMismatchError(f"load_into_module: {group.names[0]!r}: {problem}. Nothing was changed")
+        dests = fill_dests(group.tensor)
+        if dests is None:  # a DTensor holding part of its tensor: its part is sliced out by bind()
+            return None
+        stored = src.spec(name)[1]
+        for inner, dest in dests:  # a subclass: each inner tensor from its own leaf, as it is
+            targets.setdefault(path + inner, []).append((dest, dest.dtype if inner else stored))
     return targets
 
 
@@ -408,7 +419,7 @@ def _shared_memory(found: Plan) -> list[list[tuple[Group, str]]]:
     by_storage: dict[tuple[torch.device, int], list[tuple[Group, str]]] = {}
     for group, name in found.pairs:
         t = group.tensor
-        if is_live(group) and t.numel():
+        if is_live(group) and t.numel() and is_plain(t):  # a subclass: filled by its inner tensors
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((group, name))
     clusters: list[list[tuple[Group, str]]] = []
     for pairs in by_storage.values():

@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
+from ..format.subclass import SubclassMeta, check_group
 from .primitives.files import leaf_size_error
 from .reading.integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
 from .primitives.progress import Progress
@@ -228,10 +229,15 @@ class _Walker:
     def jobs(self, storage: Storage, levels: list[WalkedLevel]) -> list[tuple[WalkedLevel, LeafMeta | PickleMeta]]:
         """The files to check, in walk order; nesting problems recorded on the way."""
         metas: dict[tuple[str, ...], LevelMeta] = {lvl.dirs: lvl.meta for lvl in levels}
+        groups = {lvl.dirs + (e.dir,): e for lvl in levels for e in lvl.meta.entries if isinstance(e, SubclassMeta)}
         out: list[tuple[WalkedLevel, LeafMeta | PickleMeta]] = []
         for lvl in levels:
             parent = metas.get(lvl.dirs[:-1]) if lvl.dirs else None
-            if parent is not None and lvl.meta.batch_size[: len(parent.batch_size)] != parent.batch_size:
+            group = groups.get(lvl.dirs)
+            problem = check_group(group, lvl.meta, storage.describe(lvl.file(META_NAME))) if group else None
+            if problem is not None:  # a tensor subclass's group: its own rules, not the batch rule
+                self.add(storage.describe(lvl.file(META_NAME)), lvl.keys, "structure", problem)
+            elif group is None and parent is not None and lvl.meta.batch_size[: len(parent.batch_size)] != parent.batch_size:
                 self.add(
                     storage.describe(lvl.file(META_NAME)), lvl.keys, "structure",
                     f"batch_size {list(lvl.meta.batch_size)} does not start with the parent's "

@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 import torch
 
-from ...errors import DtypeError, InvalidArgumentError, InvalidKeyError, check_keywords
+from ...errors import DtypeError, InvalidArgumentError, InvalidKeyError, SubclassError, check_keywords
 from ...format.dtypes import itemsize
 from ...format.level import Level, as_level
 from ...format.names import META_NAME
@@ -109,6 +109,7 @@ def write_tensordict_dir(
         DestinationExistsError: ``prefix`` exists and may not be replaced.
         DtypeError: a dtype tensordict cannot read (float8), or a tensor that cannot be
             stored (sparse, meta...).
+        SubclassError: a tensor subclass (tensordict's layout would lose its type).
     """
     report = TensordictWrite()
     writer = _Writer(report, fsync)
@@ -173,6 +174,13 @@ class _Writer:
                 raise InvalidKeyError(
                     f"key {where!r:.100} makes a file name longer than {_NAME_MAX} bytes in "
                     "tensordict's layout (which does not shorten names); rename it first"
+                )
+            if isinstance(value, Level) and value.subclass is not None:
+                raise SubclassError(
+                    f"key {where!r} is a tensor subclass ({value.subclass.type}): tensordict's layout "
+                    "holds plain tensors only, and would lose its type (tensordict itself stores a "
+                    "quantized tensor dequantized or as a plain tensor); keep a memtree directory, or "
+                    "convert to safetensors (torchao's convention)"
                 )
             if isinstance(value, Level):
                 self.check(value, path + (key,))

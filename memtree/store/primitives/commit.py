@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import shutil
 import stat
@@ -308,15 +309,19 @@ class WriterLock:
         assert self.fd is not None, "read_journal() needs the lock"
         try:
             data = os.pread(self.fd, JOURNAL_BYTES, 0)
-            record = orjson.loads(data) if data.strip() else {}
-        except (OSError, orjson.JSONDecodeError):
+            record = json.loads(data.decode("utf-8", "surrogateescape")) if data.strip() else {}
+        except (OSError, ValueError, RecursionError):
             return {}
         return record if type(record) is dict else {}
 
     def write_journal(self, record: dict[str, str], *, fsync: bool) -> None:
-        """Replace the journal with ``record`` in one ``pwrite`` (fsynced when asked)."""
+        """Replace the journal with ``record`` in one ``pwrite`` (fsynced when asked).
+
+        JSON whose strings are written as the bytes they stand for: a name that is not UTF-8
+        (``os.fsdecode``'s lone surrogates) comes back from :meth:`read_journal` unchanged.
+        """
         assert self.fd is not None, "write_journal() needs the lock"
-        data = orjson.dumps(record)
+        data = json.dumps(record, ensure_ascii=False).encode("utf-8", "surrogateescape")
         if len(data) > JOURNAL_BYTES:
             raise ValueError(f"journal record too large ({len(data)} bytes)")
         os.pwrite(self.fd, data.ljust(JOURNAL_BYTES), 0)

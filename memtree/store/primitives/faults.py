@@ -32,14 +32,15 @@ EXIT_CODE = 137
 #: Every point the writer calls, in the order a write reaches them.
 POINTS = (
     "after_lock",  # the lock is held, recovery of a previous crash done
-    "staging_created",  # the staging directory exists (and is recorded in the lock's journal)
+    "staging_created",  # the staging directory (one file's temporary file) exists, named in the journal
     "before_leaves",  # sub-directories made, no leaf written yet
-    "after_leaf",  # after each complete leaf file (use after_leaf:<k> for the k-th)
+    "after_leaf",  # after each complete leaf file (a safetensors file: each tensor; after_leaf:<k>)
     "before_meta",  # before each level's meta.json, deepest first (before_meta:<k>)
     "before_root_meta",  # every leaf and child meta.json written, root meta.json not yet
     "after_root_meta",  # the staging tree is complete, not yet published
     "before_publish",  # fsynced (if asked), about to rename
-    "after_publish",  # renamed/exchanged onto the destination, parent not yet fsynced
+    "after_publish",  # renamed/exchanged onto the destination, parent not yet fsynced (a single
+    # file written without existsok: linked, its temporary name not yet removed)
     "before_old_removed",  # overwrite: the old tree sits in the staging name, not yet deleted
     "between_renames",  # fallback overwrite: destination moved to the old copy, new not yet in
 )

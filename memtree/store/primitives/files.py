@@ -55,6 +55,7 @@ from ...errors import (
     UnsafePathError,
 )
 from .checksums import DIGEST_SLICE, Digest, new_digest
+from .faults import point
 from .memory import PYBUF_READ, byte_view, is_plain_memory, view_of_memory
 
 if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and checksumming
@@ -479,14 +480,20 @@ def create_leaf(
 
 @contextmanager
 def replacing_file(
-    path: str, *, existsok: bool, hint: str = "pass existsok=True to replace it"
+    path: str, *, existsok: bool, hint: str = "pass existsok=True to replace it", tmp: str | None = None
 ) -> Iterator[str]:
     """Yield a temporary path next to ``path``; once the block succeeds, commit it in one rename.
 
     The new file gets a new inode: an existing file is replaced (``existsok``) but never
     truncated in place, so mappings of the old one stay valid; without ``existsok`` the
     destination is refused, and a file that appears meanwhile is never clobbered (``link``).
-    On any failure the temporary file is removed and ``path`` is left as it was.
+    On any failure the temporary file is removed and ``path`` is left as it was. A process
+    killed meanwhile leaves the temporary file: :func:`memtree.store.writing.staged.staged_file` (this,
+    under the destination's writer lock, with the name in its journal) is what lets the next
+    write and :func:`memtree.recover` remove it.
+
+    Args:
+        tmp: the temporary path (default: a fresh staging name next to ``path``).
 
     Example:
         >>> import os, tempfile
@@ -499,13 +506,16 @@ def replacing_file(
     if not existsok and os.path.lexists(path):
         raise DestinationExistsError(f"{path} already exists; {hint}")
     directory, base = os.path.split(os.path.abspath(path))
-    tmp = staging_path(directory, base)
+    tmp = staging_path(directory, base) if tmp is None else tmp
     try:
         yield tmp
+        point("before_publish")
         if existsok:
             os.replace(tmp, path)
+            point("after_publish")
         else:
             os.link(tmp, path)
+            point("after_publish")  # the temporary name is still a second name of the file
             os.unlink(tmp)
     except FileExistsError:
         _unlink_quiet(tmp)

@@ -42,7 +42,7 @@ from typing import Any, Callable, cast
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ...format.dtypes import dtype_name, itemsize
+from ...format.dtypes import byte_dtype, dtype_name, itemsize
 from ...errors import DtypeError, MissingLeafError, ReadOnlyError
 from ..primitives.files import map_fd, open_checked, pwrite_from, shared_file_error, storage_error, write_file_replace
 from .options import check_mode
@@ -103,6 +103,9 @@ def to_storable(tensor: torch.Tensor, where: str) -> torch.Tensor:
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
+        copyable = byte_dtype(t.dtype)  # int4, bits8...: torch copies them only as bytes
+        if copyable != t.dtype:
+            return t.view(copyable).to("cpu").contiguous().view(t.dtype)
         return t.to("cpu").contiguous()
 
 
@@ -112,6 +115,10 @@ class MemoryMappedTensor(torch.Tensor):
     Create one with :meth:`from_tensor`, :meth:`empty`, :meth:`zeros`, :meth:`ones`,
     :meth:`full` or :meth:`from_filename`; trees create them with ``memmap``/``load_memmap``.
     """
+
+    #: A plain tensor's data to a writer, not a tensor subclass to store as a group
+    #: (:func:`memtree.format.subclass_registry.is_plain`).
+    _memtree_plain = True
 
     _file: MappedFile | None  # None: anonymous shared memory
     _readonly: bool
@@ -664,9 +671,11 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
 
     ``index_select`` copies whole rows; torch's advanced indexing copies element by element,
     several times slower on rows of kilobytes (W3: 256 images of 12 KiB). Same values, shape
-    and dtype. Negative or out-of-range rows, which ``index_select`` refuses, are left to
-    torch's indexing (it wraps the negative ones and raises its own ``IndexError``); no bounds
-    are computed beforehand, as small temporaries between the large batches fragment the heap.
+    and dtype. Negative or out-of-range rows, which ``index_select`` refuses (with an
+    ``IndexError``, or a ``RuntimeError`` for rows of no elements), and dtypes it has no kernel
+    for are left to torch's indexing (it wraps the negative rows and raises its own
+    ``IndexError``); no bounds are computed beforehand, as small temporaries between the large
+    batches fragment the heap.
     """
     if isinstance(idx, tuple) and len(idx) == 1:
         idx = idx[0]
@@ -680,7 +689,7 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
         return None
     try:
         return torch.index_select(src, 0, idx)
-    except IndexError:
+    except (IndexError, RuntimeError):  # NotImplementedError (a dtype) is a RuntimeError
         return None
 
 

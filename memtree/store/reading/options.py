@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 from ...errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError, UnknownKeywordError, keyword_names
 from ...format.record import Record
-from ...format.schema import ChildMeta, LevelMeta
+from ...format.schema import ChildMeta, LevelMeta, SubclassMeta
 from ..primitives.checksums import check_checksum_option, default_checksum
 
 if TYPE_CHECKING:  # imported where a device is made: walking levels needs no torch
@@ -162,11 +162,12 @@ def select_entries(meta: LevelMeta, selection: Selection | None, path: tuple[str
             f"(keys there: {sorted(by_key)[:20]})"
         )
     for k, sub in selection.items():
-        if sub is not None and not isinstance(by_key[k], ChildMeta):
+        if sub is not None and (not isinstance(by_key[k], ChildMeta) or isinstance(by_key[k], SubclassMeta)):
             full = path + (k,)
+            what = "a tensor subclass leaf" if isinstance(by_key[k], SubclassMeta) else "a leaf"
             raise MemtreeKeyError(
-                f"keys= asks for keys inside {full if len(full) > 1 else full[0]!r} at {where}, but it is a "
-                f"leaf, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
+                f"keys= asks for keys inside {full if len(full) > 1 else full[0]!r} at {where}, but it is "
+                f"{what}, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
             )
     return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
 

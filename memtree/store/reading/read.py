@@ -58,6 +58,7 @@ from ...errors import (
 from ..primitives.files import FileRange
 from .storage import META_FLAGS, LocalStorage, open_dir, read_meta, read_meta_bytes
 from ...format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, starts_with_batch
+from ...format.subclass import Subclass, SubclassMeta, check_group
 from ...format.names import META_NAME
 from ...format.level import Level, Value
 from .integrity import check_tree_hash as check_stored_tree_hash
@@ -460,6 +461,7 @@ class PendingLevel:
         keys: the key path from the root.
         meta: the validated ``meta.json``, with only the selected entries.
         selection: the ``keys=`` selection below this level (``None``: everything).
+        subclass: a tensor subclass's group (its entry's record), else ``None``.
     """
 
     source: _Source
@@ -468,6 +470,7 @@ class PendingLevel:
     keys: tuple[str, ...]
     meta: LevelMeta
     selection: Selection | None
+    subclass: Subclass | None = None
     #: The level's directory, kept open from its parent's load (see :data:`MAX_HELD_DIRS`).
     _fd: int | None = dataclasses.field(default=None, repr=False)
     _loaded: dict[str, Value | PendingLevel] | None = dataclasses.field(default=None, repr=False)
@@ -553,24 +556,34 @@ class PendingLevel:
                 child_fd = open_dir(entry.dir, where, fd)
                 try:
                     meta = self.source.meta(dirs, where, child_fd)
-                    if not starts_with_batch(meta.batch_size, self.meta.batch_size):
-                        raise MetaFormatError(
-                            f"{os.path.join(where, META_NAME)}: batch_size {list(meta.batch_size)} "
-                            f"does not start with the parent's {list(self.meta.batch_size)}; the "
-                            "tree is damaged"
-                        )
+                    self._check_nesting(entry, meta, where)
                     meta = select_entries(meta, sub, path, where)
                 except BaseException:
                     os.close(child_fd)
                     raise
-                child = PendingLevel(self.source, dirs, where, path, meta, sub)
+                subclass = entry.subclass if isinstance(entry, SubclassMeta) else None
+                child = PendingLevel(self.source, dirs, where, path, meta, sub, subclass)
                 _hold_dir(child, child_fd)
-                out[entry.key] = child
+                # a subclass is one leaf: its inner tensors load with its level
+                out[entry.key] = child if subclass is None else child._level_of_all()
             elif isinstance(entry, JsonMeta):
                 out[entry.key] = NonTensor(lists_to_tuples(entry.value, entry.tuples))
             else:
                 out[entry.key] = NonTensor(reader.pickled(fd, self.where, entry))
         return out
+
+    def _check_nesting(self, entry: ChildMeta, meta: LevelMeta, where: str) -> None:
+        """A sub-level's batch size starts with this level's; a subclass group follows its rules."""
+        meta_path = os.path.join(where, META_NAME)
+        if isinstance(entry, SubclassMeta):
+            problem = check_group(entry, meta, meta_path)
+            if problem is not None:
+                raise MetaFormatError(f"{problem}; the tree is damaged")
+        elif not starts_with_batch(meta.batch_size, self.meta.batch_size):
+            raise MetaFormatError(
+                f"{meta_path}: batch_size {list(meta.batch_size)} does not start with the parent's "
+                f"{list(self.meta.batch_size)}; the tree is damaged"
+            )
 
     def load_all(self) -> Level:
         """This level and every level below it, loaded now."""
@@ -581,4 +594,4 @@ class PendingLevel:
         entries = {
             k: v._level_of_all() if isinstance(v, PendingLevel) else v for k, v in self.load().items()
         }
-        return Level(self.meta.batch_size, entries, self.meta.type)
+        return Level(self.meta.batch_size, entries, self.meta.type, subclass=self.subclass)

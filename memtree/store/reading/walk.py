@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 from ...errors import InvalidArgumentError, MemtreeError, MetaFormatError
 from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LevelMeta, parse_level, starts_with_batch
+from ...format.subclass import SubclassMeta, check_group
 from .options import Selection, select_entries
 from .storage import Storage, join_rel
 
@@ -106,9 +107,11 @@ def read_level(
     *,
     selection: Selection | None = None,
     parent: LevelMeta | None = None,
+    entry: ChildMeta | None = None,
 ) -> WalkedLevel:
-    """Read and validate the level at ``dirs``, check that its batch size starts with
-    ``parent``'s, and keep its ``selection``.
+    """Read and validate the level at ``dirs``, check that it nests in ``parent`` (whose
+    ``entry`` it is: its batch size starts with the parent's, or it is a subclass group), and
+    keep its ``selection``.
 
     Raises:
         MetaFormatError: the ``meta.json`` is malformed, or its batch size does not nest.
@@ -116,7 +119,7 @@ def read_level(
         MemtreeError: as the storage raises (missing, unsafe, over the size limit...).
     """
     meta = _parse(storage, dirs)
-    problem = _nesting_problem(storage, dirs, meta, parent)
+    problem = _nesting_problem(storage, dirs, meta, parent, entry)
     if problem is not None:
         raise problem
     return _select(storage, dirs, keys, meta, selection)
@@ -128,8 +131,11 @@ def _parse(storage: Storage, dirs: tuple[str, ...]) -> LevelMeta:
 
 
 def _nesting_problem(
-    storage: Storage, dirs: tuple[str, ...], meta: LevelMeta, parent: LevelMeta | None
+    storage: Storage, dirs: tuple[str, ...], meta: LevelMeta, parent: LevelMeta | None, entry: ChildMeta | None
 ) -> NestingError | None:
+    if isinstance(entry, SubclassMeta):  # a tensor subclass's group: its own rules
+        problem = check_group(entry, meta, storage.describe(join_rel(*dirs, META_NAME)))
+        return None if problem is None else NestingError(f"{problem}; the tree is damaged")
     if parent is None or starts_with_batch(meta.batch_size, parent.batch_size):
         return None
     return NestingError(
@@ -145,14 +151,17 @@ def _select(
     return WalkedLevel(dirs, keys, select_entries(meta, selection, keys, where), selection)
 
 
-def _children(storage: Storage, level: WalkedLevel) -> list[tuple[tuple[str, ...], tuple[str, ...], Selection | None]]:
-    """``(dirs, keys, selection)`` of the sub-levels to read below ``level``."""
-    out = []
+_Job = tuple[tuple[str, ...], tuple[str, ...], "Selection | None", "LevelMeta | None", "ChildMeta | None"]
+
+
+def _children(level: WalkedLevel) -> list[_Job]:
+    """``(dirs, keys, selection, parent, entry)`` of the sub-levels to read below ``level``."""
+    out: list[_Job] = []
     sel = level.selection
     for e in level.meta.entries:
         sub = sel.get(e.key) if sel is not None else None
         if isinstance(e, ChildMeta):  # keys inside a leaf were refused by select_entries
-            out.append((level.dirs + (e.dir,), level.keys + (e.key,), sub))
+            out.append((level.dirs + (e.dir,), level.keys + (e.key,), sub, level.meta, e))
     return out
 
 
@@ -183,8 +192,8 @@ def walk(
     if order not in ("breadth", "depth"):
         raise InvalidArgumentError(f"order must be 'breadth' or 'depth', got {order!r}")
 
-    def load(job: tuple[tuple[str, ...], tuple[str, ...], Selection | None, LevelMeta | None]) -> WalkedLevel | None:
-        dirs, path, sel, parent = job
+    def load(job: _Job) -> WalkedLevel | None:
+        dirs, path, sel, parent, entry = job
         try:
             meta = root if root is not None and not dirs else _parse(storage, dirs)
         except MemtreeError as err:
@@ -192,14 +201,14 @@ def walk(
                 raise
             on_error(storage.describe(join_rel(*dirs, META_NAME)), path, err)
             return None
-        problem = _nesting_problem(storage, dirs, meta, parent)
+        problem = _nesting_problem(storage, dirs, meta, parent, entry)
         if problem is not None:
             if on_error is None:
                 raise problem
             on_error(storage.describe(join_rel(*dirs, META_NAME)), path, problem)
         return _select(storage, dirs, path, meta, sel)
 
-    first = load(((), (), selection, None))
+    first = load(((), (), selection, None, None))
     if first is None:
         return
     if order == "depth":
@@ -207,14 +216,14 @@ def walk(
         while stack:
             level = stack.pop()
             yield level
-            subs = [load((d, k, s, level.meta)) for d, k, s in _children(storage, level)]
+            subs = [load(job) for job in _children(level)]
             stack.extend(reversed([s for s in subs if s is not None]))
         return
     frontier = [first]
     while frontier:
-        jobs: list[tuple[tuple[str, ...], tuple[str, ...], Selection | None, LevelMeta | None]] = []
+        jobs: list[_Job] = []
         for level in frontier:
             yield level
-            jobs.extend((d, k, s, level.meta) for d, k, s in _children(storage, level))
+            jobs.extend(_children(level))
         found = map_all(pool, load, jobs) if pool is not None and len(jobs) > 1 else [load(j) for j in jobs]
         frontier = [lvl for lvl in found if lvl is not None]

@@ -71,6 +71,7 @@ from ...errors import (
 from ...format.level import Level, as_level, fmt_key
 from ...format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
 from ...format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
+from ...format.subclass import SubclassMeta
 from ...format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..primitives import faults
 from ..writing.cache import Download, entry_name, find_entry
@@ -437,7 +438,9 @@ def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, to
                     t = tensors[lvl.file(e.file)]
                     out.entries[e.key] = t if device.type == "cpu" else t.to(device)
             elif isinstance(e, ChildMeta):
-                out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])
+                child = out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])
+                if isinstance(e, SubclassMeta):  # a tensor subclass's group
+                    child.subclass = e.subclass
             elif isinstance(e, JsonMeta):
                 out.entries[e.key] = NonTensor(lists_to_tuples(e.value, e.tuples))
             elif device.type == "meta":

@@ -95,7 +95,7 @@ from ..primitives.files import (
     write_fd,
 )
 from ..primitives.commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
-from ...format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, dump_level
+from ...format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, SubclassMeta, dump_level
 from ...format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ...format.level import Level, fmt_key
 from ..reading.mapped import MemoryMappedTensor, map_leaf, to_storable
@@ -344,6 +344,11 @@ class _Growth:
             new = rows.entries[entry.key] if rows is not None else None
             if isinstance(entry, LeafMeta):
                 self._plan_leaf(entry, value, new, rel, key, length)
+            elif isinstance(entry, SubclassMeta):
+                raise NotGrowableError(
+                    f"cannot grow: {fmt_key(key)} is a tensor subclass ({entry.subclass.type}), whose "
+                    "inner tensors have no rows to append; write the grown tree anew with memmap()"
+                )
             elif isinstance(entry, ChildMeta):
                 if not isinstance(value, Level):
                     raise self._changed(f"{fmt_key(key)} is a sub-tree on disk")

@@ -3,7 +3,9 @@
 A write of ``<parent>/<name>`` (``docs/format.md``, "How a write is committed") uses three kinds
 of siblings of the destination, all hidden (leading ``.``) and all in the same directory:
 
-* ``.<name>.memtree-tmp-<32 hex>/``: the staging directory the new tree is written into;
+* ``.<name>.memtree-tmp-<32 hex>/``: the staging directory the new tree is written into (for a
+  single file, such as a ``.safetensors`` file: the temporary file it is written into,
+  :func:`memtree.store.writing.staged.staged_file`);
 * ``.<name>.memtree-old-<32 hex>/``: the old tree, only during an overwrite on a filesystem
   without ``renameat2(RENAME_EXCHANGE)`` (between the two renames of the fallback);
 * ``.<name>.memtree.lock``: the writer lock; it exists while a writer holds it, or after a
@@ -90,6 +92,25 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_staging(path: str) -> str | None:
+    """Remove a staging directory, or a single file's temporary file (never what a symbolic
+    link names); returns what was done, or None when there is no such entry."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        _remove(path)
+        return f"removed staging directory: {path}"
+    if stat.S_ISREG(mode):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
+        return f"removed temporary file: {path}"
+    return None
+
+
 def recover_locked(parent: str, name: str, lock: WriterLock) -> list[str]:
     """Replay the journal of a crashed writer of ``<parent>/<name>`` (the caller holds ``lock``).
 
@@ -112,9 +133,8 @@ def recover_locked(parent: str, name: str, lock: WriterLock) -> list[str]:
             _remove(os.path.join(parent, old))
             actions.append(f"removed old copy: {os.path.join(parent, old)}")
     staging = _journal_name(record.get("staging"), name, "tmp")
-    if staging is not None and _is_real_dir(os.path.join(parent, staging)):
-        _remove(os.path.join(parent, staging))
-        actions.append(f"removed staging directory: {os.path.join(parent, staging)}")
+    if staging is not None and (done := _remove_staging(os.path.join(parent, staging))):
+        actions.append(done)
     meta_tmp = record.get("meta_tmp")
     if type(meta_tmp) is str and META_TMP.fullmatch(meta_tmp):
         path = os.path.join(dst, meta_tmp)
@@ -235,13 +255,21 @@ def _recover_name(parent: str, name: str, left: _Leftovers) -> list[str]:
         for old in olds:
             _remove(os.path.join(parent, old))
             actions.append(f"removed old copy: {os.path.join(parent, old)}")
+        unnamed = []  # temporary files no journal names: their writers take no lock
         for staging in sorted(left.staging):
-            if _is_real_dir(os.path.join(parent, staging)):
-                _remove(os.path.join(parent, staging))
-                actions.append(f"removed staging directory: {os.path.join(parent, staging)}")
+            path = os.path.join(parent, staging)
+            if _is_real_dir(path):
+                _remove(path)
+                actions.append(f"removed staging directory: {path}")
+            elif os.path.isfile(path) and not os.path.islink(path):
+                unnamed.append(
+                    f"left {path}: a temporary file that no crashed writer's journal names (a "
+                    "MemoryMappedTensor file being written, or one left by a memtree older than "
+                    "the journaled single-file writes); delete it if no process is writing it"
+                )
         if left.lock and not actions:
             actions.append(f"removed stale lock file: {lock.path}")
-        return actions
+        return actions + unnamed
     finally:
         lock.release()
 
@@ -252,7 +280,10 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     For the destination ``path`` itself (``path`` is a tree's prefix, even a missing one) and, if
     ``path`` is a directory, for every destination inside it: restore a destination whose
     overwrite was interrupted between its two renames (the recovery rule in the module
-    docstring), then delete stale staging directories, old copies and lock files. Destinations
+    docstring), then delete stale staging directories, old copies and lock files, and the
+    temporary file of a single-file write (a ``.safetensors`` file) that a crashed writer's
+    journal names (a temporary file no journal names is left, with a line that says so: its
+    writer may still be writing it). Destinations
     whose lock is held by a live writer are skipped, and so are those whose lock file is not a
     regular file with a single name (a link, a FIFO...: memtree would write its journal into
     it), each with a line that says why. Writers do the same for their own

@@ -20,6 +20,12 @@ An existing destination is refused unless ``existsok``; even then only an empty 
 memtree tree, or a directory that ``replaceable(path)`` accepts (one that holds what the caller
 writes: a model directory, a tensordict directory) is replaced, never an arbitrary directory.
 
+:func:`staged_file` is the same for one file (a ``.safetensors`` file): under the destination's
+writer lock, the temporary file ``.<name>.memtree-tmp-<hex>`` is named in the lock's journal
+before it is created, and renamed onto the destination when complete. A writer killed at any
+point leaves the destination as it was or complete; its temporary file is removed by the next
+write of the same destination (which replays the journal) and by :func:`memtree.recover`.
+
 Example:
     >>> import os, tempfile
     >>> d = os.path.join(tempfile.mkdtemp(), "out")
@@ -41,12 +47,12 @@ from ...format.names import lock_path, staging_path
 from ..primitives import commit
 from ..primitives.commit import WriterLock, destination_state, fsync_dir, publish
 from ..primitives.faults import point
-from ..primitives.files import check_free_space, storage_error
+from ..primitives.files import check_free_space, replacing_file, storage_error
 from ..reading.read import load_pending_at
 from .recovery import recover_locked
 from ..reading.storage import local_path
 
-__all__ = ["Staging", "staged_commit", "staged_directory"]
+__all__ = ["Staging", "staged_commit", "staged_directory", "staged_file"]
 
 
 class Staging:
@@ -202,3 +208,53 @@ def staged_directory(
             for here, _dirs, _files in os.walk(staging.path):  # the files were fsynced by their writers
                 fsync_dir(here)
         staging.publish(fsync=fsync)
+
+
+@contextmanager
+def staged_file(
+    dest: str | os.PathLike[str],
+    *,
+    existsok: bool,
+    hint: str = "pass existsok=True to replace it",
+) -> Iterator[str]:
+    """Hold ``dest``'s writer lock and yield a temporary path next to it, named in the lock's
+    journal; when the block succeeds, the complete file is renamed onto ``dest``.
+
+    A previous writer of ``dest`` that was killed is cleaned up first (its temporary file
+    removed: :func:`~memtree.store.writing.recovery.recover_locked`). The commit is
+    :func:`~memtree.store.primitives.files.replacing_file`'s: a new inode, an existing file replaced only
+    with ``existsok``; on any failure the temporary file is removed and ``dest`` is unchanged.
+
+    Args:
+        dest: the file to create (its directory must exist).
+        existsok: replace an existing file instead of refusing it.
+        hint: the fix a refusal of an existing ``dest`` suggests.
+
+    Raises:
+        DestinationExistsError: ``dest`` exists and ``existsok`` is False.
+        LockError: another memtree writer holds ``dest``.
+        StorageError: the filesystem refused something.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> with staged_file(os.path.join(d, "m.bin"), existsok=False) as tmp:
+        ...     _ = open(tmp, "wb").write(b"complete")
+        >>> os.listdir(d), open(os.path.join(d, "m.bin"), "rb").read()
+        (['m.bin'], b'complete')
+    """
+    where = local_path(dest, remote="this writes a local file; write it locally, then copy it")
+    path = os.path.abspath(os.fspath(where))
+    parent, name = os.path.split(path)
+    with WriterLock(lock_path(parent, name), path, timeout=commit.LOCK_TIMEOUT) as lock:
+        try:
+            recover_locked(parent, name, lock)
+            point("after_lock")
+            tmp = staging_path(parent, name)
+            lock.write_journal({"staging": os.path.basename(tmp)}, fsync=False)
+        except MemtreeError:
+            raise
+        except OSError as err:
+            raise storage_error(err, f"preparing to write {path}") from err
+        with replacing_file(path, existsok=existsok, hint=hint, tmp=tmp) as staging:
+            yield staging

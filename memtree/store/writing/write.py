@@ -47,6 +47,7 @@ import torch
 
 from ...format.dtypes import dtype_name
 from ...errors import (
+    BatchSizeError,
     DtypeError,
     ExistingMemmapError,
     InvalidArgumentError,
@@ -70,8 +71,10 @@ from ...format.schema import (
     LeafMeta,
     LevelMeta,
     PickleMeta,
+    SubclassMeta,
     dump_level,
     extent_bytes,
+    starts_with_batch,
 )
 from ...format.names import META_NAME, encode_level
 from ...format.level import Level, as_level, fmt_key
@@ -195,9 +198,17 @@ def _plan_level(
         name = next(names) if suffix is not None else ""
         child_rel = f"{rel}/{name}" if rel else name
         if isinstance(value, torch.Tensor):
-            entries.append(_plan_leaf(plan, value, key, name, child_rel, kpath, dest, like, copy_existing))
+            leaf = _plan_leaf(plan, value, key, name, child_rel, kpath, dest, like, copy_existing)
+            layout = level.layouts.get(key)
+            entries.append(leaf if layout is None else replace(leaf, layout=layout))
         elif isinstance(value, Level):
-            entries.append(ChildMeta(key, name))
+            if value.subclass is not None and not starts_with_batch(value.subclass.shape, level.batch_size):
+                raise BatchSizeError(
+                    f"tensor subclass {fmt_key(kpath)} has shape {list(value.subclass.shape)}, which does "
+                    f"not start with its level's batch_size {list(level.batch_size)}"
+                )
+            sub = value.subclass
+            entries.append(ChildMeta(key, name) if sub is None else SubclassMeta(key, name, sub))
             _plan_level(plan, value, child_rel, kpath, depth + 1, dest, like, allow_pickle, copy_existing)
         elif suffix == PICKLE_SUFFIX:
             data = value.data if isinstance(value, NonTensor) else value
@@ -546,7 +557,7 @@ def share_tree(level: Level, *, like: bool = False) -> Level:
 
     Leaves that are already ``MemoryMappedTensor`` stay where they are.
     """
-    out = Level(level.batch_size, {}, level.type)
+    out = replace(level, entries={})  # the same level: type, subclass, layouts
     for key, value in level.entries.items():
         if isinstance(value, Level):
             out.entries[key] = share_tree(value, like=like)

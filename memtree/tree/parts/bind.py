@@ -86,6 +86,8 @@ from ...errors import MemtreeKeyError, ShapeMismatchError, SourceError
 from ...format.names import TIED_KEY
 from ...format.values import NonTensor
 from ...store.reading.mapped import MemoryMappedTensor
+from ...format.subclass_registry import is_plain
+from .subclasses import as_dtensor_like, fill_into, layout_problem
 
 __all__ = [
     "TIED_KEY",
@@ -587,8 +589,7 @@ def _put_back(group: Group, value: Any) -> None:
 
 
 def _copy_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    with torch.no_grad():
-        tensor.copy_(value)
+    fill_into(tensor, value)
 
 
 def bind(
@@ -632,6 +633,10 @@ def bind(
     extras: list[tuple[Group, Any, Any]] = []
     for group, name in plan.pairs:
         if not assign and is_live(group):
+            if src.lazy is None or not is_plain(group.tensor):  # a lazy source is read when filled
+                problem = layout_problem(plain(src.get(name)), group.tensor)
+                if problem is not None:  # a quantized module and another source: before any change
+                    raise ShapeMismatchError(f"{where}: {group.names[0]!r}: {problem}. Nothing was changed")
             before = plain(group.tensor).detach().clone() if keep_old else None
             fills.append((group, name, before))
             if keep_old:
@@ -643,7 +648,10 @@ def bind(
         key = (group.kind, src.key(name))
         value = made.get(key)
         if value is None:
-            value = made[key] = _bound_value(group, convert(group.kind, name, src.get(name)), track_gradients)
+            value = convert(group.kind, name, src.get(name))
+            if group.kind != "extra":  # a DTensor slot gets a DTensor: its part of the full tensor
+                value = as_dtensor_like(value, group.tensor)
+            value = made[key] = _bound_value(group, value, track_gradients)
         if group.kind == "extra":
             extras.append((group, value, current))
         else:
@@ -705,8 +713,8 @@ def _fill_in_place(fills: list[tuple[Group, Any]]) -> None:
                 from ...store.primitives.fill import memory_job  # imported only where a CUDA tensor is filled
 
                 job = memory_job(dest, plain(value).detach(), f"tensor {group.names[0]!r}")
-            if job is None:
-                group.tensor.copy_(plain(value))
+            if job is None:  # a subclass inner tensor by inner tensor, a DTensor its part
+                fill_into(group.tensor, plain(value))
             else:
                 jobs.append(job)
         if jobs:
