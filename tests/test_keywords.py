@@ -56,6 +56,8 @@ def _calls(d):
         "remote.load": (lambda: memtree.remote.load("memory://kw/t", cache_dri=d), "cache_dir"),
         "remote.upload": (lambda: memtree.remote.upload(tree, "memory://kw/u", exists_ok=True), "existsok"),
         "dcp.save": (lambda: memtree.dcp.save({"w": torch.ones(2)}, d / "dcp", fsnc=False), "fsync"),
+        "register_subclass": (lambda: memtree.register_subclass(torch.Tensor, nmae="x"), "name"),
+        "named_apply": (lambda: tree.named_apply(lambda k, v: v, nested_key=True), "nested_keys"),
     }
 
 

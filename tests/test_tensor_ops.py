@@ -211,3 +211,21 @@ def test_load_result_has_load_state_dicts_names():
     assert result.unexpected_keys == result.unexpected == ["extra"]
     missing, unexpected = result
     assert (missing, unexpected) == (["bias"], ["extra"])
+
+
+def test_a_tensorclass_field_may_take_the_name_of_one_of_these_methods():
+    @memtree.tensorclass
+    class Image:
+        pixels: torch.Tensor
+        split: str = "train"
+        view: str = "front"
+
+    images = Image(torch.zeros(4, 2), batch_size=[4])
+    assert images.split == "train" and images.view == "front" and images[1].split == "train"
+    parts = TensorTree.split(images, 2)  # the method, through the class
+    assert [type(p) for p in parts] == [Image, Image] and parts[0].split == "train"
+    assert [len(p) for p in images.chunk(2)] == [2, 2] and images.half().pixels.dtype is torch.float16
+    with pytest.raises(memtree.TensorclassError, match="would hide TensorTree.apply"):
+        @memtree.tensorclass
+        class Bad:
+            apply: str = "x"

@@ -44,7 +44,7 @@ from .args import Key
 from .core import TreeCore
 from .shape_ops import ShapeOps
 
-__all__ = ["TensorCasts", "TensorOps"]
+__all__ = ["TensorCasts", "TensorOps", "FIELD_NAMES"]
 
 
 class TensorCasts(ShapeOps):
@@ -152,7 +152,7 @@ class TensorOps(TensorCasts):
         if type(chunks) is not int or chunks < 1:
             raise InvalidArgumentError(f"chunk: chunks must be an int >= 1, got {chunks!r}")
         size = -(-self._batch_size[d] // chunks) if self._batch_size[d] else 1
-        return self.split(size, d)
+        return TensorOps.split(self, size, d)  # (a @tensorclass field may be named split)
 
     def unbind(self, dim: int = 0) -> tuple[Self, ...]:
         """The trees along batch dim ``dim``, that dim removed (``tree[i]`` for ``dim=0``), as
@@ -220,7 +220,7 @@ class TensorOps(TensorCasts):
         a, b = self._dim(dim0, "transpose"), self._dim(dim1, "transpose")
         order = list(range(self.ndim))
         order[a], order[b] = order[b], order[a]
-        return self.permute(order)
+        return TensorOps.permute(self, order)
 
     # ------------------------------------------------------------------------------ in place
     def _leaves(self) -> list[tuple[Key, torch.Tensor]]:
@@ -376,3 +376,10 @@ class TensorOps(TensorCasts):
             return td
 
         return convert(self)
+
+
+#: The names of these methods, which a ``@tensorclass`` field may take (a record with a field
+#: ``split: str`` or ``view: torch.Tensor`` predates them): the field wins on that class, and the
+#: method is reached as ``memtree.TensorTree.split(record, ...)``. The methods above call each
+#: other through their class for that reason.
+FIELD_NAMES = frozenset(n for cls in (TensorCasts, TensorOps) for n in vars(cls) if not n.startswith("_"))
