@@ -500,8 +500,10 @@ class Persistence(ShapeOps):
     def __getitems__(self, indices: list[int]) -> Self:
         """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
 
-        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
-        (default collation does not know trees; see :mod:`memtree.tree.dataset`).
+        The DataLoader passes this batch to its ``collate_fn``; the default one returns it as
+        it is (importing memtree registers trees with torch's default collation, and
+        :func:`memtree.collate`, as an explicit ``collate_fn``, does the same; see
+        :mod:`memtree.tree.dataset`).
 
         Example:
             >>> import torch, memtree
