@@ -68,6 +68,7 @@ import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
+    check_keywords,
     DestinationExistsError,
     DtypeError,
     InvalidArgumentError,
@@ -77,9 +78,9 @@ from ..errors import (
 from ..store.primitives.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
-from ..format.schema import MAX_META_BYTES, MAX_TUPLE_PATHS
+from ..format.schema import MAX_META_BYTES
 from ..store.reading.mapped import MemoryMappedTensor
-from ..format.values import NonTensor, json_problem
+from ..format.values import MAX_TUPLE_PATHS, NonTensor, json_problem
 from ..store.primitives.progress import Progress
 from ..store.reading.read import read_tree
 from ..store.reading.options import ReadOptions, WriteOptions
@@ -268,7 +269,7 @@ def _json_problem(value: Any) -> str | None:
     finite ``float``, ``str`` and exact ``list``, ``tuple`` (recorded as such: ``tuples``) and
     ``dict`` with ``str`` keys (:func:`~memtree.format.values.json_problem`), without a cycle,
     nesting at most 200 levels, within the size of a meta.json and at most
-    :data:`~memtree.format.schema.MAX_TUPLE_PATHS` tuples. Anything else (``torch.Size``, an
+    :data:`~memtree.format.values.MAX_TUPLE_PATHS` tuples. Anything else (``torch.Size``, an
     ``OrderedDict``, a set, bytes...) would come back changed. Each distinct container is
     checked once (memoised by identity) and its size remembered, so a part shared by many
     places costs its size once in time while its repetitions still count towards the size of
@@ -537,6 +538,7 @@ def _flatten(level: Level, leaves: dict[str, LazyLeaf], dropped: list[str]) -> d
     return metadata
 
 
+@check_keywords
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

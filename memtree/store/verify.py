@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import (
+    check_keywords,
     DtypeError,
     LeafSizeError,
     LimitError,
@@ -91,7 +92,8 @@ class Problem:
         key: the key path of the leaf or sub-tree (``()`` for the root).
         kind: ``"checksum"`` (the bytes differ from the recorded checksum), ``"stale"`` (they
             differ, and the file was modified after its ``meta.json``: written in place, e.g.
-            through a ``mode="r+"`` mapping, so the checksum no longer describes it),
+            through a ``mode="r+"`` mapping, so the checksum no longer describes it; only while
+            the ``meta.json`` files are intact: ``tree_hash`` ``"ok"`` or ``"absent"``),
             ``"tree-hash"`` (the root's ``tree_hash`` does not match the ``meta.json`` files),
             ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
             ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
@@ -129,6 +131,13 @@ class VerifyReport:
             an encrypted tree's sealed names).
         problems: every problem found: those of the ``meta.json`` files, then those of the
             leaf files, each in walk order (breadth first).
+        encrypted: the tree is encrypted (``memmap(..., encryption=key)``). Without the key, a
+            leaf's checksum is compared with its ciphertext: a damaged file is found, but
+            nothing is decrypted or authenticated (``load_memmap(path, encryption=key,
+            verify=True)`` does both).
+        sealed: the tree was written with ``encrypt_names=True``: its levels' entries are
+            sealed, so no key, sub-level or leaf below the root is listed or checked without the
+            key (``leaves`` is 0).
     """
 
     path: str
@@ -137,6 +146,8 @@ class VerifyReport:
     checksummed: int = 0
     tree_hash: str = "absent"
     problems: list[Problem] = field(default_factory=list)
+    encrypted: bool = False
+    sealed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -152,6 +163,8 @@ class VerifyReport:
             "leaves": self.leaves,
             "checksummed": self.checksummed,
             "tree_hash": self.tree_hash,
+            "encrypted": self.encrypted,
+            "sealed": self.sealed,
             "problems": [{**asdict(p), "key": list(p.key)} for p in self.problems],
         }
 
@@ -297,28 +310,39 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum and entry.chunk_bytes is None and _written_in_place(storage, lvl, rel):
-            problem(
-                "stale",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}, "
-                "and the file was modified after its meta.json: it was written in place (e.g. "
-                "through a mode='r+' mapping), so its checksum no longer describes it and memtree "
-                "cannot tell that write from damage; re-save the tree to record new checksums",
-                entry.checksum, digest,
-            )
-        elif digest != entry.checksum:
-            problem(
-                "checksum",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}; "
-                "the file changed after it was written",
-                entry.checksum, digest,
-            )
+        if digest != entry.checksum:
+            stale = entry.chunk_bytes is None and _written_in_place(storage, lvl, rel)
+            found.append(_mismatch(path, key, entry.checksum, digest, stale=stale))
         return found
 
     def advance(self, n: int) -> None:
         if self.bar is not None:
             with self.lock:
                 self.bar.update(n)
+
+
+def _mismatch(path: str, key: tuple[str, ...], recorded: str, digest: str, *, stale: bool) -> Problem:
+    """A leaf whose bytes differ from its recorded checksum: ``"stale"`` when it was written in
+    place after its ``meta.json`` (and the tree's ``meta.json`` files are intact), else damage."""
+    if stale:
+        return Problem(
+            path, key, "stale", recorded, digest,
+            f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}, and the "
+            "file was modified after its meta.json: it was written in place (e.g. through a "
+            "mode='r+' mapping), so its checksum no longer describes it and memtree cannot tell "
+            "that write from damage; re-save the tree to record new checksums",
+        )
+    return Problem(
+        path, key, "checksum", recorded, digest,
+        f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}; the file "
+        "changed after it was written",
+    )
+
+
+#: The tree hash results that leave the ``meta.json`` files trusted: only then can a leaf be
+#: merely stale (a ``meta.json`` edited since the save makes its leaves' mismatches damage,
+#: whatever the files' times say).
+_META_INTACT = frozenset({"ok", "absent"})
 
 
 def _written_in_place(storage: Storage, lvl: WalkedLevel, rel: str) -> bool:
@@ -359,6 +383,7 @@ def _file_kind(storage: Storage, rel: str) -> str | None:
     return "a regular file"
 
 
+@check_keywords
 def verify_tree(
     prefix: str | os.PathLike[str],
     *,
@@ -409,7 +434,7 @@ def verify_tree(
     root = str(prefix).rstrip("/") if remote else os.path.realpath(os.fspath(prefix))
     report = VerifyReport(root)
     walker = _Walker(report, checksums)
-    if not remote:
+    if not remote and not _written_by_memtree(root):  # (torch is imported only for tensordict's)
         from .foreign.tensordict import check_tensordict_dir, is_tensordict_dir
 
         if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
@@ -434,6 +459,16 @@ def verify_tree(
     return report
 
 
+def _written_by_memtree(root: str) -> bool:
+    """A hint, never a check: ``root/meta.json`` starts as memtree writes it (the checks are the
+    walk's, which opens the file again as the loader does)."""
+    try:
+        with open(os.path.join(root, META_NAME), "rb") as f:
+            return f.read(19) == b'{"format":"memtree"'
+    except OSError:
+        return False
+
+
 def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | None,
                   timeout: float | None) -> Storage:
     if not remote:
@@ -450,6 +485,9 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
         root = next((lvl.meta for lvl in levels if not lvl.dirs), None)
         if root is not None and root.tree_hash is not None:
             walker.tree_algorithm = root.tree_hash.partition(":")[0]
+        if root is not None:
+            walker.report.encrypted = root.encryption is not None
+            walker.report.sealed = root.sealed is not None
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
         walker.report.leaves = len(leaves)
@@ -464,3 +502,8 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
                     bar.update()
         walker.bar = None
     walker.check_tree_hash(storage, levels)
+    if walker.report.tree_hash not in _META_INTACT:  # meta.json files changed too: no leaf is merely stale
+        walker.report.problems = [
+            _mismatch(p.path, p.key, str(p.expected), str(p.found), stale=False) if p.kind == "stale" else p
+            for p in walker.report.problems
+        ]

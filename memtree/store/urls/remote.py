@@ -53,11 +53,12 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import (
+    check_keywords,
     SourceError,
     InvalidArgumentError,
     DestinationExistsError,
@@ -78,7 +79,7 @@ from ..primitives.files import check_free_space, storage_error
 from ..primitives.checksums import check_checksum_option, file_checksum, tensor_checksum
 from ..primitives.memory import byte_view
 from ..reading.mapped import to_storable
-from ..reading.options import ReadOptions, WriteOptions
+from ..reading.options import ReadOptions, RemoteKeywords, WriteOptions, check_remote_keywords
 from ..primitives.progress import Progress
 from ..reading.read import read_tree
 from .fsspec_storage import FsspecStorage
@@ -119,33 +120,11 @@ class RemoteLeaf:
     info: FileInfo | None = None  # its stat, once done
 
 
-class RemoteKeywords(TypedDict, total=False):
-    """The keywords of a remote load besides the reading options (:func:`load`, and
-    ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list of
-    them. Each is described in :func:`load`; a keyword left out takes the default of the
-    function it is for (:class:`~memtree.store.urls.fsspec_storage.FsspecStorage` for the first four,
-    :func:`fetch_tree` for the others).
-
-    Example:
-        >>> sorted(RemoteKeywords.__annotations__)[:3]
-        ['allow_redirects', 'cache_dir', 'chunk_bytes']
-    """
-
-    storage_options: Mapping[str, Any] | None
-    retries: int
-    timeout: float | None
-    allow_redirects: str
-    cache_dir: str | os.PathLike[str] | None
-    num_threads: int
-    chunk_bytes: int
-    fsync: bool
-    progress: bool | None
-
-
 #: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
 _STORAGE_KEYWORDS = frozenset({"storage_options", "retries", "timeout", "allow_redirects"})
 
 
+@check_keywords
 def load(
     url: str,
     *,
@@ -211,6 +190,7 @@ def load(
         >>> sorted(load("memory://ex/t", keys=[("b", "c")]).entries)
         ['b']
     """
+    check_remote_keywords(load, remote)
     options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
     return load_url(url, options, **remote)
 
@@ -497,6 +477,7 @@ def build_level(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[st
 # uploading
 
 
+@check_keywords
 def upload(
     tree: Any,
     url: str,

@@ -24,10 +24,10 @@ from typing_extensions import Self
 import torch
 
 from ...format.level import Level
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, check_keywords
 from ...store.reading.mapped import MemoryMappedTensor
 from ...store.open import open_prefix
-from ...store.reading.options import KeySelection, ReadOptions, WriteOptions
+from ...store.reading.options import KeySelection, ReadOptions, WriteOptions, check_remote_keywords
 from ...store.reading.read import PendingLevel
 from ...dist.dtensor import has_dtensor, is_dtensor
 from . import bind
@@ -35,7 +35,10 @@ from .core import TreeCore
 from .shape_ops import ShapeOps
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ...store.primitives.crypto import EncryptionKey
+    from ...store.reading.options import RemoteKeywords
 
 # Imported on first use, so that a process that only loads never imports them:
 # ...store.writing.write (writing), .growth (append_, extend_, resize_).
@@ -56,6 +59,7 @@ class Persistence(ShapeOps):
             if isinstance(v, torch.Tensor)
         )
 
+    @check_keywords
     def memmap_(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -67,6 +71,7 @@ class Persistence(ShapeOps):
         allow_pickle: bool = False,
         checksum: str | None = "auto",
         progress: bool | None = None,
+        link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
 
@@ -87,6 +92,19 @@ class Persistence(ShapeOps):
                 ``meta.json``; ``None``: no checksum.
             progress: a progress bar of the bytes written: ``None`` (default) only on a
                 terminal outside CI, ``True``/``False`` forced (tqdm optional).
+            link_from: an incremental save: a committed tree (the previous checkpoint) whose
+                leaf files are hard-linked instead of written wherever a leaf at the same key
+                has the same dtype, shape and bytes (compared, not only checksummed; see
+                :mod:`memtree.store.writing.linking`). Nothing is linked where no process can
+                be proved not to write the old files (a tree loaded with ``mode="r+"`` maps
+                them read-write) or across filesystems: those leaves are written. The leaves
+                are then mapped read-only (``mode="r"``): a write through this tree must never
+                change the tree it shares files with (``load_memmap(prefix)`` maps them
+                read-write, each linked file getting its own copy when first used).
+
+        Raises:
+            NotAMemtreeError, NotCommittedError: ``link_from`` is not a committed tree
+                (nothing written).
 
         Example:
             >>> import tempfile, torch, memtree
@@ -98,10 +116,12 @@ class Persistence(ShapeOps):
             self._write(prefix, WriteOptions.of(
                 copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
                 allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
+                link_from=link_from,
             ))
         )
         return self
 
+    @check_keywords
     def memmap(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -115,6 +135,7 @@ class Persistence(ShapeOps):
         progress: bool | None = None,
         encryption: EncryptionKey | None = None,
         encrypt_names: bool = False,
+        link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
@@ -124,6 +145,10 @@ class Persistence(ShapeOps):
         (``docs/guide/encryption.md``). Keys, shapes, dtypes and non-tensor values stay
         readable without the key, unless ``encrypt_names=True``: then each level's entries are
         sealed too and files get random names.
+
+        ``link_from=previous`` saves incrementally: each leaf whose bytes equal those of the same
+        key in the committed tree ``previous`` is a hard link to its file, and the tree returned
+        is mapped read-only (see :meth:`memmap_`).
 
         Example:
             >>> import tempfile, torch, memtree
@@ -135,16 +160,23 @@ class Persistence(ShapeOps):
             >>> e = t.memmap(tempfile.mkdtemp() + "/e", encryption=key)
             >>> e.is_memmap(), e["w"].tolist()
             (False, [1.0, 1.0, 1.0])
+            >>> import os
+            >>> d = tempfile.mkdtemp()
+            >>> _ = t.memmap(d + "/step1")
+            >>> n = t.memmap(d + "/step2", link_from=d + "/step1")      # unchanged: linked
+            >>> os.stat(n["w"].filename).st_nlink
+            2
         """
         if encryption is not None and prefix is None:
             raise InvalidArgumentError("encryption= needs a prefix: shared memory (prefix=None) is never encrypted")
         level = self._write(prefix, WriteOptions.of(
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
             allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
-            encryption=encryption, encrypt_names=encrypt_names,
+            encryption=encryption, encrypt_names=encrypt_names, link_from=link_from,
         ))
         return type(self)._from_level(level, self._device)
 
+    @check_keywords
     def memmap_like(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -202,10 +234,20 @@ class Persistence(ShapeOps):
             dest = write_collective(prefix, level, options)
             return load_sharded(dest, targets_like(level))
         if prefix is None:
+            if options.link_from is not None:
+                raise InvalidArgumentError("link_from= needs a prefix: shared memory (prefix=None) has no files to link")
             return share_tree(level, like=options.like)
+        if options.link_from is not None:
+            from ...store.writing.linking import check_link_source
+
+            check_link_source(options.link_from)
+            # mapped read-write, a linked file would get its own copy as soon as it is used
+            # (a write into this tree must never change the other): the tree comes back read-only
+            return write_tree(prefix, level, options, mode="r")
         return write_tree(prefix, level, options)
 
     @classmethod
+    @check_keywords
     def load_memmap(
         cls,
         prefix: str | os.PathLike[str],
@@ -221,7 +263,7 @@ class Persistence(ShapeOps):
         encryption: EncryptionKey | None = None,
         mesh: Any = None,
         placements: Any = None,
-        **remote: Any,
+        **remote: Unpack[RemoteKeywords],
     ) -> Self:
         """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
 
@@ -283,6 +325,8 @@ class Persistence(ShapeOps):
             >>> memtree.TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
+        if remote:
+            check_remote_keywords(cls.load_memmap, remote)
         if mesh is not None or placements is not None:
             from ...dist.read import load_sharded, load_sharded_remote, targets_for
             from ...store.reading.storage import is_url, local_path
@@ -296,7 +340,9 @@ class Persistence(ShapeOps):
                 )
             target = targets_for(mesh, placements)
             if is_url(where):
-                level = load_sharded_remote(str(where), target, verify=verify, keys=keys, **remote)
+                level = load_sharded_remote(
+                    str(where), target, verify=verify, keys=keys, storage_options=remote.get("storage_options")
+                )
             else:
                 level = load_sharded(where, target, mode=mode, mmap=mmap, verify=verify, keys=keys)
             return cls._from_level(level, None, unknown_classes)
@@ -316,6 +362,7 @@ class Persistence(ShapeOps):
         return tree
 
     @classmethod
+    @check_keywords
     def from_module(cls, module: Any, *, use_state_dict: bool = False) -> Self:
         """A tree of ``module``'s parameters and persistent buffers, nested by module path.
 
@@ -343,6 +390,7 @@ class Persistence(ShapeOps):
         tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
         return cast(Self, tree) if cls is base else cls(tree)
 
+    @check_keywords
     def to_module(self, module: Any, *, return_swap: bool = True, inplace: bool = False) -> TreeCore | None:
         """Bind this tree's tensors as ``module``'s parameters and buffers, zero-copy.
 
@@ -512,8 +560,10 @@ class Persistence(ShapeOps):
     def __getitems__(self, indices: list[int]) -> Self:
         """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
 
-        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
-        (default collation does not know trees; see :mod:`memtree.tree.dataset`).
+        The DataLoader passes this batch to its ``collate_fn``; the default one returns it as
+        it is (importing memtree registers trees with torch's default collation, and
+        :func:`memtree.collate`, as an explicit ``collate_fn``, does the same; see
+        :mod:`memtree.tree.dataset`).
 
         Example:
             >>> import torch, memtree
