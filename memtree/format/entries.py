@@ -24,6 +24,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import DtypeError
+from .chunks import ChunkSums, leaf_sums
 from .record import Record
 from .dtypes import DTYPE_ITEMSIZES, dtype_from_name
 from .dtypes import dtype_name as name_of_dtype
@@ -70,12 +71,14 @@ _set = object.__setattr__
 
 @dataclass(init=False, repr=False, eq=False)
 class LeafMeta(Record):
-    """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
+    """A tensor leaf: its key, file name, dtype, shape, optional checksum(s) and capacity.
 
     The dtype is kept as its format name (``dtype_name``; a ``torch.dtype`` given to the
     constructor is turned into its name), so that metadata is parsed without torch; the
     ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
     of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
+    ``chunks`` (format version 3, instead of ``checksum``) holds the checksum of each chunk of
+    a leaf larger than one chunk (:mod:`memtree.format.chunks`).
     """
 
     key: str
@@ -87,6 +90,7 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    chunks: ChunkSums | None = None
 
     def __init__(
         self,
@@ -98,6 +102,7 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        chunks: ChunkSums | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -107,6 +112,7 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "chunks", chunks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,6 +149,34 @@ class LeafMeta(Record):
         """Bytes from the file's start that ``checksum`` covers: the tensor's bytes, or the whole
         file of an encrypted leaf (its ciphertext, which can be checked without the key)."""
         return self.file_nbytes if self.chunk_bytes is not None else self.nbytes
+
+    @property
+    def sums(self) -> ChunkSums | None:
+        """The leaf's checksums as chunks, whichever way it records them (its one ``checksum``
+        is one chunk of ``checksum_nbytes``): :func:`~memtree.format.chunks.leaf_sums`; ``None``
+        when it records none."""
+        if self.chunks is not None:
+            return self.chunks
+        return leaf_sums(self.checksum, None, self.checksum_nbytes) if self.checksum is not None else None
+
+    def with_sums(self, sums: str | ChunkSums | None) -> LeafMeta:
+        """This leaf recording ``sums`` instead of what it records: a ``"<algorithm>:<hex>"``
+        ``checksum``, or the checksums of its chunks (:class:`~memtree.format.chunks.ChunkSums`;
+        one chunk is recorded as its ``checksum``), or none.
+
+        Example:
+            >>> leaf = LeafMeta("w", "w.memmap", "uint8", (3,))
+            >>> leaf.with_sums(ChunkSums("crc32", 3, "0854897f")).checksum
+            'crc32:0854897f'
+        """
+        chunks = sums if isinstance(sums, ChunkSums) else None
+        if chunks is not None and chunks.count == 1:
+            sums, chunks = chunks.digest(0), None
+        checksum = sums if isinstance(sums, str) else None
+        return LeafMeta(
+            self.key, self.file, self.dtype_name, self.shape, checksum, self.capacity, self.chunk_bytes,
+            self.int_key, chunks,
+        )
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -227,6 +261,10 @@ class LevelMeta(Record):
     ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
     encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
     real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
+
+    ``version`` is the format version the level declares beyond what its fields need (0: none;
+    :func:`~memtree.format.schema.level_version`): a write gives every level of a tree that holds
+    a version-3 field ``version=3``, so that a reader of version 2 refuses the tree at its root.
     """
 
     batch_size: tuple[int, ...]
@@ -238,6 +276,7 @@ class LevelMeta(Record):
     encryption: EncryptionMeta | None = None
     mac: str | None = None
     sealed: str | None = None
+    version: int = 0
 
     def __init__(
         self,
@@ -249,6 +288,7 @@ class LevelMeta(Record):
         encryption: EncryptionMeta | None = None,
         mac: str | None = None,
         sealed: str | None = None,
+        version: int = 0,
     ) -> None:
         _set(self, "batch_size", batch_size)
         _set(self, "entries", entries)
@@ -258,3 +298,4 @@ class LevelMeta(Record):
         _set(self, "encryption", encryption)
         _set(self, "mac", mac)
         _set(self, "sealed", sealed)
+        _set(self, "version", version)

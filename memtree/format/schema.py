@@ -1,4 +1,4 @@
-"""The ``meta.json`` schema (format versions 1 and 2): data classes, serialisation, validation.
+"""The ``meta.json`` schema (format versions 1, 2 and 3): data classes, serialisation, validation.
 
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .chunks import CHECKSUM_DIGITS, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks
 from .dtypes import DTYPE_ITEMSIZES, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .entries import (
@@ -52,7 +53,10 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "VERSION",
+    "CHUNKS_VERSION",
     "READ_VERSIONS",
+    "level_version",
+    "needed_version",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
     "TREE_TYPE",
@@ -82,11 +86,14 @@ __all__ = [
 ]
 
 FORMAT = "memtree"
-#: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
-#: ``tree_hash``; ``docs/format.md``, "Version 2").
+#: The version memtree writes in a level that needs no later one (version 2 adds the
+#: ``xxh3``/``crc32c`` checksums and the root's ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
+#: The version of a level holding a leaf with per-chunk checksums (``chunks``;
+#: ``docs/format.md``, "Version 3"): :func:`level_version`.
+CHUNKS_VERSION = 3
 #: The versions memtree reads.
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
 CONTAINER_TYPES = frozenset({"dict", "list", "tuple"})
@@ -102,7 +109,7 @@ MAX_DIM = 2**63 - 1
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
 MAX_META_NESTING = MAX_JSON_DEPTH + 3
 #: Checksum algorithms and the hex digits of their digests (``"<algorithm>:<hex>"``).
-CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
+CHECKSUM_ALGORITHMS = CHECKSUM_DIGITS
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
@@ -167,6 +174,8 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
+        if e.chunks is not None:
+            d["chunks"] = dump_chunks(e.chunks)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -177,14 +186,39 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
 
+def level_version(meta: LevelMeta) -> int:
+    """The version a level is written with: :data:`CHUNKS_VERSION` when one of its leaves records
+    per-chunk checksums, else :data:`VERSION`; or ``meta.version`` when it is later (a writer
+    gives every level of a tree that needs version 3 that version, so that a reader of version
+    2 refuses the tree at its root, not at the first level it loads).
+
+    Example:
+        >>> from memtree.format.chunks import ChunkSums
+        >>> leaf = LeafMeta("w", "w.memmap", "uint8", (131072,))
+        >>> level_version(LevelMeta((), (leaf,)))
+        2
+        >>> level_version(LevelMeta((), (replace(leaf, chunks=ChunkSums("crc32", 65536, "0" * 16)),)))
+        3
+    """
+    return max(meta.version, needed_version(meta))
+
+
+def needed_version(meta: LevelMeta) -> int:
+    """The earliest version that holds the fields of ``meta`` (2 or 3; see :func:`level_version`)."""
+    for e in meta.entries:
+        if type(e) is LeafMeta and e.chunks is not None:
+            return CHUNKS_VERSION
+    return VERSION
+
+
 def dump_level(meta: LevelMeta) -> bytes:
-    """Serialise one level's ``meta.json`` (compact orjson bytes).
+    """Serialise one level's ``meta.json`` (compact orjson bytes), with :func:`level_version`.
 
     JSON values must already have passed :func:`memtree.format.values.check_json`.
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": level_version(meta),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -357,7 +391,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     tree_hash = doc.get("tree_hash")
     if tree_hash is not None or "tree_hash" in doc:
         if depth != 0 or doc["version"] < 2:
-            raise c.fail("tree_hash", "is only allowed in the root meta.json of a version 2 tree")
+            raise c.fail("tree_hash", "is only allowed in the root meta.json of a tree of version 2 or later")
         if not is_checksum(tree_hash):
             raise c.fail("tree_hash", f"must be '<algorithm>:<hex digest>', got {tree_hash!r:.80}")
     batch_size = c.ints(doc["batch_size"], "batch_size")
@@ -384,6 +418,8 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
+    if doc["version"] < CHUNKS_VERSION and any(type(e) is LeafMeta and e.chunks is not None for e in entries):
+        raise c.fail("entries", "record per-chunk checksums (chunks), which only a version 3 level has")
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
@@ -393,6 +429,8 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     if encryption is not None and doc["version"] < 2:
         raise c.fail("encryption", "is only allowed in a version 2 tree")
     meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
+    if doc["version"] > needed_version(meta):  # declared for the tree (a level of a version 3 tree)
+        meta = replace(meta, version=doc["version"])
     sealed = doc.get("sealed")
     if encryption is None:
         if sealed is not None:
@@ -403,7 +441,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             raise c.fail(
                 "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
             )
-        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash):
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash, version=meta.version):
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
         return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
     if sealed is not None:
@@ -435,6 +473,8 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
         if isinstance(e, LeafMeta):
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
+            if e.chunks is not None:
+                raise c.fail(f"entries[{i}].chunks", "is set, but an encrypted leaf records one checksum of its file")
             e = replace(e, chunk_bytes=encryption.chunk_bytes)
         entries.append(e)
     return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
@@ -553,7 +593,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -703,4 +743,16 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
-    return LeafMeta(key, file, dtype, shape, checksum, capacity)
+    chunks = _parse_chunks(c, raw, p, prod(shape) * DTYPE_ITEMSIZES[dtype]) if "chunks" in raw else None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks)
+
+
+def _parse_chunks(c: _Checker, raw: dict[str, Any], p: str, nbytes: int) -> ChunkSums:
+    """A leaf's ``chunks`` (version 3): :func:`~memtree.format.chunks.parse_chunks`, and never
+    next to a ``checksum`` (a leaf records one or the other)."""
+    if "checksum" in raw:
+        raise c.fail(f"{p}", "records both checksum and chunks; a leaf records one or the other")
+    try:
+        return parse_chunks(raw["chunks"], nbytes)
+    except ChunksFormatError as err:
+        raise c.fail(f"{p}.chunks" + (f".{err.field}" if err.field else ""), err.problem) from None

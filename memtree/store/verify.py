@@ -4,7 +4,7 @@
 a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.walk.walk`:
 same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
 file, not a link, exact size), but instead of stopping at the first problem it records each one
-and goes on, and it compares every leaf's recorded checksum with the file's bytes (:func:`memtree.store.integrity.storage_checksum`), and the root's ``tree_hash``
+and goes on, and it compares every leaf's recorded checksum (each chunk's, for per-chunk checksums) with the file's bytes (:func:`memtree.store.chunk_check.hash_chunks`), and the root's ``tree_hash``
 (format version 2) with the hash of every ``meta.json`` (the one computation of
 :mod:`memtree.store.integrity`, over what it has read). The same code verifies a local tree
 and a remote one. It never maps a file, never unpickles, and never writes. A directory written by tensordict's
@@ -53,6 +53,7 @@ from ..errors import (
 )
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
+from .chunk_check import differing, hash_chunks, mismatch_words
 from .files import leaf_size_error
 from .integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
 from .progress import Progress
@@ -278,12 +279,13 @@ class _Walker:
         if info.size != entry.file_nbytes:
             size_error = leaf_size_error(path, info.size, entry.file_nbytes)
             return problem("size", str(size_error), expected, f"{info.size:,} bytes")
-        if not (self.checksums and entry.checksum is not None):  # a checksum covers the tensor's bytes
+        sums = entry.sums  # a checksum covers the tensor's bytes; an encrypted leaf's, its ciphertext
+        if not self.checksums or sums is None:
             return found
         try:
-            digest = storage_checksum(  # an encrypted leaf's checksum covers its ciphertext
-                storage, rel, entry.checksum.partition(":")[0], info=info, nbytes=entry.checksum_nbytes,
-                advance=self.advance,
+            digests = hash_chunks(
+                lambda offset, view: storage.read_into(rel, offset, view, info), sums, entry.checksum_nbytes,
+                range(sums.count), advance=self.advance,
             )
         except MemtreeError as err:
             return problem(_kind(err), str(err))
@@ -291,21 +293,25 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum and entry.chunk_bytes is None and _written_in_place(storage, lvl, rel):
+        bad = differing(sums, digests)
+        if not bad:
+            return found
+        words = mismatch_words(sums, digests, bad, entry.checksum_nbytes)
+        recorded, got = sums.digest(bad[0]), f"{sums.algorithm}:{digests[bad[0]]}"
+        if entry.chunk_bytes is None and _written_in_place(storage, lvl, rel):
             problem(
                 "stale",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}, "
+                f"leaf {key!r} at {path}: meta.json records {words}, "
                 "and the file was modified after its meta.json: it was written in place (e.g. "
                 "through a mode='r+' mapping), so its checksum no longer describes it and memtree "
                 "cannot tell that write from damage; re-save the tree to record new checksums",
-                entry.checksum, digest,
+                recorded, got,
             )
-        elif digest != entry.checksum:
+        else:
             problem(
                 "checksum",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}; "
-                "the file changed after it was written",
-                entry.checksum, digest,
+                f"leaf {key!r} at {path}: meta.json records {words}; the file changed after it was written",
+                recorded, got,
             )
         return found
 
@@ -447,7 +453,7 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
         walker.report.leaves = len(leaves)
-        hashed = [e for e in leaves if walker.checksums and e.checksum is not None]
+        hashed = [e for e in leaves if walker.checksums and (e.checksum is not None or e.chunks is not None)]
         by_bytes = bool(hashed)
         total = sum(e.nbytes for e in hashed) if by_bytes else len(jobs)
         with Progress(total=total, desc="verify", unit="B" if by_bytes else "leaf", progress=progress) as bar:
