@@ -49,9 +49,9 @@ def _one_key(name: str, layout: Layout) -> Key:
 
 def _wait_for_removals() -> None:
     """memtree deletes an overwritten tree's old copy in the background: never during a run."""
-    import memtree.store.write
+    import memtree.store.writing.write
 
-    memtree.store.write.wait_for_removals()
+    memtree.store.writing.write.wait_for_removals()
 
 
 class StoreWorkload:

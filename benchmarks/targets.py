@@ -61,7 +61,8 @@ class Target:
     ref: tuple[str, ...] = ()  # the reference (several: see ``vs``)
     bound: float = 1.0
     kind: str = "ratio"  # "ratio" (mine / ref <= bound), "speed" (ref / mine >= bound),
-    #                      "seconds" (median <= bound), "metric" (Row.metrics[metric] <= bound)
+    #                      "seconds" (median <= bound), "metric" (Row.metrics[metric] <= bound),
+    #                      "report" (mine / ref, reported: the issue asks for the ratio, sets no bound)
     stat: str = "median"  # over the rounds: "median", or "max" (every round must meet it)
     vs: str = "best"  # several refs: "best" (lowest median), "each" (every one), "slowest"
     #                   (the slowest of them in each round: min(disk, PCIe) as a bandwidth)
@@ -172,6 +173,24 @@ TARGETS: list[Target] = [
     Target("W7 10 fine-tuning checkpoints where only adapters change occupy ≤ 1.2× one", "w7",
            "10 adapter checkpoints", "", ("memtree incremental",), bound=1.2, kind="metric",
            metric="disk all / disk first", min_rounds=1, issue="18"),
+    # issue 26: tensor subclasses (benchmarks/w8_quantized.py: a GPT-2-sized int8 weight-only model)
+    *[
+        Target(f"load_into_module into a quantized model: GiB/s within 10% of a plain-tensor load of the "
+               f"same bytes ({cache})", "w8", "load_into_module", cache, ("memtree quantized",),
+               ("memtree plain, same bytes",), 1.1, issue="26")
+        for cache in ("cold", "warm")
+    ],
+    *[
+        Target(f"GPT-2-sized int8 weight-only {what}: memtree vs {ref} (ratio reported; the issue sets no "
+               f"bound){f', {cache}' if cache else ''}", "w8", op, cache, (mine,), (ref,), kind="report",
+               issue="26")
+        for what, op, caches, mine, refs in (
+            ("save", "save", ("",), "memtree memmap", ("torch.save", "torchao safetensors")),
+            ("load, ready to run", "load, ready to run", ("cold", "warm"), "memtree load_into_module",
+             ("torch.load(weights_only=True) + assign", "torchao safetensors + assign")),
+        )
+        for cache in caches for ref in refs
+    ],
     # issue 25: GPU loads (benchmarks/gpu_load.py)
     *[
         t
@@ -260,6 +279,8 @@ def judge(t: Target, run: Run) -> Judgement:
     if run.info.get("quick"):
         return Judgement(t, "not judged", measured, "a --quick run (tiny sizes)", (run,))
     why = _problems(run, used, t.cache == "cold", t.min_rounds)
+    if t.kind == "report":  # no bound to meet: the ratio, and what keeps it from being a result
+        return Judgement(t, "reported" if not why else "not judged", measured, "; ".join(why), (run,))
     if ok and why:
         return Judgement(t, "not judged", measured, "; ".join(why), (run,))
     if ok:

@@ -43,11 +43,14 @@ __all__ = [
     "chunk_span",
     "chunks_covering",
     "leaf_sums",
-    "any_chunked",
+    "CHUNKS_VERSION",
+    "level_version",
     "parse_chunks",
     "dump_chunks",
 ]
 
+#: The format version of a level that holds a leaf with per-chunk checksums.
+CHUNKS_VERSION = 3
 #: Checksum algorithms a ``meta.json`` may record, and the hex digits of one digest.
 CHECKSUM_DIGITS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
 #: The chunk size a writer records by default: a leaf of at most this many bytes records one
@@ -113,7 +116,7 @@ class ChunkSums(Record):
         return len(self.digests) // self.digits
 
     def digest(self, i: int) -> str:
-        """``"<algorithm>:<hex>"`` of chunk ``i`` (as :func:`~memtree.store.checksums.tensor_checksum`
+        """``"<algorithm>:<hex>"`` of chunk ``i`` (as :func:`~memtree.store.primitives.checksums.tensor_checksum`
         would give for its bytes)."""
         d = self.digits
         return f"{self.algorithm}:{self.digests[i * d : (i + 1) * d]}"
@@ -185,15 +188,21 @@ def leaf_sums(checksum: str | None, chunks: ChunkSums | None, nbytes: int) -> Ch
     return ChunkSums(algorithm, max(nbytes, 1), digest)
 
 
-def any_chunked(sums: Iterable[object]) -> bool:
-    """True when one of a tree's leaf checksums is per-chunk (a :class:`ChunkSums` of several
-    chunks): the tree is then version 3 (``docs/format.md``, "Version 3").
+def level_version(entries: Iterable[object], base: int) -> int:
+    """The version a level of ``entries`` is written as: ``base``, or :data:`CHUNKS_VERSION` when
+    one of its leaves records per-chunk checksums (a level needs no later version than its
+    fields do, so that a reader of version 2 reads every other level of the tree).
 
     Example:
-        >>> any_chunked(["crc32:00000000", ChunkSums("crc32", 4096, "0" * 8)]), any_chunked([ChunkSums("crc32", 4096, "0" * 16)])
-        (False, True)
+        >>> from memtree.format.entries import LeafMeta
+        >>> leaf = LeafMeta("w", "w.memmap", "uint8", (131072,))
+        >>> level_version([leaf], 2), level_version([leaf.with_sums(ChunkSums("crc32", 65536, "0" * 16))], 2)
+        (2, 3)
     """
-    return any(isinstance(s, ChunkSums) and s.count > 1 for s in sums)
+    for e in entries:
+        if getattr(e, "chunks", None) is not None:
+            return max(base, CHUNKS_VERSION)
+    return base
 
 
 def parse_chunks(raw: Any, nbytes: int) -> ChunkSums:

@@ -1,4 +1,4 @@
-"""The ``meta.json`` schema (format versions 1, 2 and 3): data classes, serialisation, validation.
+"""The ``meta.json`` schema (format versions 1 to 3): data classes, serialisation, validation.
 
 Pure functions, no I/O. :func:`parse_level` is the only place that turns bytes read from a
 ``meta.json`` into a :class:`LevelMeta`, and it trusts nothing: every field's type and range is
@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .chunks import CHECKSUM_DIGITS, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks
+from .chunks import CHUNKS_VERSION
+from .chunks import level_version as chunks_level_version
 from .dtypes import DTYPE_ITEMSIZES, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .entries import (
@@ -45,6 +47,16 @@ from .entries import (
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
+from .subclass import (
+    SUBCLASS_KIND,
+    SUBCLASS_VERSION,
+    SubclassMeta,
+    layout_dict,
+    level_version,
+    parse_layout,
+    parse_subclass,
+    subclass_fields,
+)
 from .values import MAX_JSON_DEPTH, json_depth
 
 if TYPE_CHECKING:
@@ -53,10 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "VERSION",
-    "CHUNKS_VERSION",
     "READ_VERSIONS",
-    "level_version",
-    "needed_version",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
     "TREE_TYPE",
@@ -70,6 +79,7 @@ __all__ = [
     "ChildMeta",
     "JsonMeta",
     "PickleMeta",
+    "SubclassMeta",
     "Entry",
     "EncryptionMeta",
     "ENCRYPTION_ALGORITHM",
@@ -86,13 +96,12 @@ __all__ = [
 ]
 
 FORMAT = "memtree"
-#: The version memtree writes in a level that needs no later one (version 2 adds the
-#: ``xxh3``/``crc32c`` checksums and the root's ``tree_hash``; ``docs/format.md``, "Version 2").
+#: The version memtree writes (version 2 adds the ``xxh3``/``crc32c`` checksums and the root's
+#: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
-#: The version of a level holding a leaf with per-chunk checksums (``chunks``;
-#: ``docs/format.md``, "Version 3"): :func:`level_version`.
-CHUNKS_VERSION = 3
-#: The versions memtree reads.
+#: The versions memtree reads (a level is written as version 3 only when it holds what version 3
+#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``;
+#: :func:`memtree.format.subclass.level_version`).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -162,6 +171,8 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
 
 
 def _entry_fields(e: Entry) -> dict[str, Any]:
+    if isinstance(e, SubclassMeta):
+        return subclass_fields(e)
     if isinstance(e, LeafMeta):
         d: dict[str, Any] = {
             "key": e.key,
@@ -174,6 +185,8 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
+        if e.layout is not None:
+            d["dtensor"] = layout_dict(e.layout)
         if e.chunks is not None:
             d["chunks"] = dump_chunks(e.chunks)
         return d
@@ -186,39 +199,14 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
 
-def level_version(meta: LevelMeta) -> int:
-    """The version a level is written with: :data:`CHUNKS_VERSION` when one of its leaves records
-    per-chunk checksums, else :data:`VERSION`; or ``meta.version`` when it is later (a writer
-    gives every level of a tree that needs version 3 that version, so that a reader of version
-    2 refuses the tree at its root, not at the first level it loads).
-
-    Example:
-        >>> from memtree.format.chunks import ChunkSums
-        >>> leaf = LeafMeta("w", "w.memmap", "uint8", (131072,))
-        >>> level_version(LevelMeta((), (leaf,)))
-        2
-        >>> level_version(LevelMeta((), (replace(leaf, chunks=ChunkSums("crc32", 65536, "0" * 16)),)))
-        3
-    """
-    return max(meta.version, needed_version(meta))
-
-
-def needed_version(meta: LevelMeta) -> int:
-    """The earliest version that holds the fields of ``meta`` (2 or 3; see :func:`level_version`)."""
-    for e in meta.entries:
-        if type(e) is LeafMeta and e.chunks is not None:
-            return CHUNKS_VERSION
-    return VERSION
-
-
 def dump_level(meta: LevelMeta) -> bytes:
-    """Serialise one level's ``meta.json`` (compact orjson bytes), with :func:`level_version`.
+    """Serialise one level's ``meta.json`` (compact orjson bytes).
 
     JSON values must already have passed :func:`memtree.format.values.check_json`.
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": level_version(meta),
+        "version": chunks_level_version(meta.entries, level_version(meta, VERSION)),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -391,7 +379,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     tree_hash = doc.get("tree_hash")
     if tree_hash is not None or "tree_hash" in doc:
         if depth != 0 or doc["version"] < 2:
-            raise c.fail("tree_hash", "is only allowed in the root meta.json of a tree of version 2 or later")
+            raise c.fail("tree_hash", "is only allowed in the root meta.json of a version 2 tree")
         if not is_checksum(tree_hash):
             raise c.fail("tree_hash", f"must be '<algorithm>:<hex digest>', got {tree_hash!r:.80}")
     batch_size = c.ints(doc["batch_size"], "batch_size")
@@ -418,8 +406,13 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    if doc["version"] < CHUNKS_VERSION and any(type(e) is LeafMeta and e.chunks is not None for e in entries):
-        raise c.fail("entries", "record per-chunk checksums (chunks), which only a version 3 level has")
+    if doc["version"] < CHUNKS_VERSION and chunks_level_version(entries, 0) >= CHUNKS_VERSION:
+        raise c.fail("entries", f"record per-chunk checksums (chunks), which only a version {CHUNKS_VERSION} level has")
+    if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
+        raise c.fail(
+            "entries",
+            f"hold a tensor subclass, a DTensor annotation or a dtype that only a version {SUBCLASS_VERSION} tree has",
+        )
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
@@ -429,8 +422,6 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     if encryption is not None and doc["version"] < 2:
         raise c.fail("encryption", "is only allowed in a version 2 tree")
     meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
-    if doc["version"] > needed_version(meta):  # declared for the tree (a level of a version 3 tree)
-        meta = replace(meta, version=doc["version"])
     sealed = doc.get("sealed")
     if encryption is None:
         if sealed is not None:
@@ -441,7 +432,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             raise c.fail(
                 "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
             )
-        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash, version=meta.version):
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash):
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
         return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
     if sealed is not None:
@@ -593,7 +584,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor", "chunks"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -669,7 +660,22 @@ def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     if kind == "pickle":
         raw = c.obj(raw, p, {"key", "kind", "file"}, set())
         return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))
-    raise c.fail(f"{p}.kind", f"must be tensor, tree, json or pickle, got {kind!r:.40}")
+    if kind == SUBCLASS_KIND:
+        return _parse_subclass(c, raw, p, batch_size)
+    raise c.fail(f"{p}.kind", f"must be tensor, tree, json, pickle or subclass, got {kind!r:.40}")
+
+
+def _parse_subclass(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> SubclassMeta:
+    """A subclass entry (:mod:`memtree.format.subclass`): its outer shape follows a tensor's rules."""
+    shape = c.ints(raw.get("shape"), f"{p}.shape")
+    if not starts_with_batch(shape, batch_size):
+        raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
+    if extent_bytes(shape, "uint8") > MAX_NBYTES:
+        raise c.fail(f"{p}.shape", _too_large(shape, extent_bytes(shape, "uint8")))
+    return parse_subclass(
+        raw, p, c.fail, c.string(raw.get("key"), f"{p}.key"), c.name(raw.get("dir"), f"{p}.dir", ""), shape,
+        c.ints(raw.get("stride"), f"{p}.stride"),
+    )
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
@@ -743,8 +749,9 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
+    layout = parse_layout(raw["dtensor"], f"{p}.dtensor", c.fail, shape) if "dtensor" in raw else None
     chunks = _parse_chunks(c, raw, p, prod(shape) * DTYPE_ITEMSIZES[dtype]) if "chunks" in raw else None
-    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks)
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, layout=layout, chunks=chunks)
 
 
 def _parse_chunks(c: _Checker, raw: dict[str, Any], p: str, nbytes: int) -> ChunkSums:
