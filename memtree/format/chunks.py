@@ -122,15 +122,17 @@ class ChunkSums(Record):
         return f"{self.algorithm}:{self.digests[i * d : (i + 1) * d]}"
 
 
-def chunk_bytes_for(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int | None:
+def chunk_bytes_for(nbytes: int, chunk_bytes: int | None = None) -> int | None:
     """The chunk size a writer records for a leaf of ``nbytes`` bytes: ``None`` when it is one
-    chunk (a plain ``checksum``), else ``chunk_bytes``, doubled until the leaf has at most
-    :data:`MAX_CHUNKS` chunks.
+    chunk (a plain ``checksum``), else ``chunk_bytes`` (default :data:`CHUNK_BYTES`), doubled
+    until the leaf has at most :data:`MAX_CHUNKS` chunks.
 
     Example:
         >>> chunk_bytes_for(4 << 20), chunk_bytes_for((4 << 20) + 1), chunk_bytes_for(1 << 40)
         (None, 4194304, 16777216)
     """
+    if chunk_bytes is None:
+        chunk_bytes = CHUNK_BYTES
     if nbytes <= chunk_bytes:
         return None
     while -(-nbytes // chunk_bytes) > MAX_CHUNKS:
