@@ -19,6 +19,7 @@ import torch
 import memtree
 import memtree.format.chunks as chunks_mod
 from memtree.store.primitives.checksums import view_sums
+from treeutil import files_of, without_save_id
 
 GOLDEN = Path(__file__).parent / "golden" / "v3-chunks"
 CHUNK = 64 * 1024
@@ -33,17 +34,6 @@ def golden_tree() -> memtree.TensorTree:
         "plain": {"x": torch.tensor([1, -2, 3], dtype=torch.int16)},  # a level of version 2
         "deep": {"w": deep, "n": 7},
     })
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def without_save_id(data: bytes) -> dict:
-    doc = orjson.loads(data)
-    doc.pop("save_id", None)
-    doc.pop("tree_hash", None)
-    return doc
 
 
 def test_golden_v3_chunks_directory_loads_bit_exactly_and_verifies():
