@@ -312,6 +312,9 @@ def test_read_range_reads_the_covering_chunks_once(tmp_path, small_chunks):
             assert got == reader.bytes == want
         with pytest.raises(memtree.InvalidArgumentError, match="not within"):
             read_range(file_reader(fd, "x"), entry, 0, 7 * CHUNK, memoryview(bytearray(7 * CHUNK)), "x")
+        for start, stop in [(-1, 5), (5, 4), (0, data.numel() + 1)]:
+            with pytest.raises(memtree.InvalidArgumentError, match=r"x: bytes .* not within .* 0 <= start <= stop"):
+                check_range(file_reader(fd, "x"), entry, start, stop, "x")
     finally:
         os.close(fd)
 

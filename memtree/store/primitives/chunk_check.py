@@ -165,6 +165,17 @@ def _damaged(entry: LeafMeta, where: str, words: str) -> IntegrityError:
     )
 
 
+def _covering(start: int, stop: int, nbytes: int, chunk_bytes: int, where: str) -> range:
+    """The chunks that cover bytes ``[start, stop)`` of a leaf of ``nbytes`` bytes, after checking
+    that the range lies within it."""
+    if not 0 <= start <= stop <= nbytes:
+        raise InvalidArgumentError(
+            f"{where}: bytes [{start}, {stop}) are not within the leaf's {nbytes} bytes; pass a "
+            f"range with 0 <= start <= stop <= {nbytes}"
+        )
+    return chunks_covering(start, stop, nbytes, chunk_bytes)
+
+
 def check_range(read: Reader, entry: LeafMeta, start: int, stop: int, where: str) -> int:
     """Check bytes ``[start, stop)`` of a leaf against its recorded checksums, reading only the
     chunks that cover them (a leaf of one checksum: all of it); returns the bytes read.
@@ -176,10 +187,7 @@ def check_range(read: Reader, entry: LeafMeta, start: int, stop: int, where: str
     """
     sums = _recorded(entry, where)
     nbytes = entry.nbytes
-    try:
-        chunks = chunks_covering(start, stop, nbytes, sums.chunk_bytes)
-    except ValueError as err:
-        raise InvalidArgumentError(f"{where}: {err}") from None
+    chunks = _covering(start, stop, nbytes, sums.chunk_bytes, where)
     found = hash_chunks(read, sums, nbytes, chunks)
     bad = differing(sums, found)
     if bad:
@@ -217,10 +225,7 @@ def read_range(read: Reader, entry: LeafMeta, start: int, stop: int, out: memory
     nbytes, size = entry.nbytes, sums.chunk_bytes
     if len(out) != stop - start:
         raise InvalidArgumentError(f"{where}: bytes [{start}, {stop}) do not fit a buffer of {len(out)} bytes")
-    try:
-        chunks = chunks_covering(start, stop, nbytes, size)
-    except ValueError as err:
-        raise InvalidArgumentError(f"{where}: {err}") from None
+    chunks = _covering(start, stop, nbytes, size, where)
     factory = digest_factory(sums.algorithm)
     edge: memoryview | None = None
     found: dict[int, str] = {}
