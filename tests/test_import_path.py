@@ -125,6 +125,7 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     chunk_bytes: int | None = None
     int_key: bool = False
     layout: Any = None  # a DTensor's layout (format version 3)
+    chunks: Any = None  # the checksums of its chunks (format version 3)
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)

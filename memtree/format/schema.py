@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .chunks import CHECKSUM_DIGITS, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks
+from .chunks import CHUNKS_VERSION
+from .chunks import level_version as chunks_level_version
 from .dtypes import DTYPE_ITEMSIZES, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .entries import (
@@ -116,7 +119,7 @@ MAX_DIM = 2**63 - 1
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
 MAX_META_NESTING = MAX_JSON_DEPTH + 3
 #: Checksum algorithms and the hex digits of their digests (``"<algorithm>:<hex>"``).
-CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
+CHECKSUM_ALGORITHMS = CHECKSUM_DIGITS
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
@@ -185,6 +188,8 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["checksum"] = e.checksum
         if e.layout is not None:
             d["dtensor"] = layout_dict(e.layout)
+        if e.chunks is not None:
+            d["chunks"] = dump_chunks(e.chunks)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -231,7 +236,7 @@ def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": level_version(meta, VERSION),
+        "version": chunks_level_version(meta.entries, level_version(meta, VERSION)),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -438,6 +443,8 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
+    if doc["version"] < CHUNKS_VERSION and chunks_level_version(entries, 0) >= CHUNKS_VERSION:
+        raise c.fail("entries", f"record per-chunk checksums (chunks), which only a version {CHUNKS_VERSION} level has")
     if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
         raise c.fail(
             "entries",
@@ -494,6 +501,8 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
         if isinstance(e, LeafMeta):
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
+            if e.chunks is not None:
+                raise c.fail(f"entries[{i}].chunks", "is set, but an encrypted leaf records one checksum of its file")
             e = replace(e, chunk_bytes=encryption.chunk_bytes)
         entries.append(e)
     return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
@@ -612,7 +621,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor", "chunks"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -774,4 +783,16 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             f"got {checksum!r:.80}",
         )
     layout = parse_layout(raw["dtensor"], f"{p}.dtensor", c.fail, shape) if "dtensor" in raw else None
-    return LeafMeta(key, file, dtype, shape, checksum, capacity, layout=layout)
+    chunks = _parse_chunks(c, raw, p, prod(shape) * DTYPE_ITEMSIZES[dtype]) if "chunks" in raw else None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, layout=layout, chunks=chunks)
+
+
+def _parse_chunks(c: _Checker, raw: dict[str, Any], p: str, nbytes: int) -> ChunkSums:
+    """A leaf's ``chunks`` (version 3): :func:`~memtree.format.chunks.parse_chunks`, and never
+    next to a ``checksum`` (a leaf records one or the other)."""
+    if "checksum" in raw:
+        raise c.fail(f"{p}", "records both checksum and chunks; a leaf records one or the other")
+    try:
+        return parse_chunks(raw["chunks"], nbytes)
+    except ChunksFormatError as err:
+        raise c.fail(f"{p}.chunks" + (f".{err.field}" if err.field else ""), err.problem) from None
