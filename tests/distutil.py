@@ -21,8 +21,10 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,7 @@ import torch.distributed.tensor.parallel  # noqa: E402,F401
 
 import memtree.dist.read  # noqa: E402,F401
 import memtree.dist.write  # noqa: E402,F401
+import memtree.format.chunks  # noqa: E402
 
 FORK = mp.get_context("fork")
 #: How long a collective waits for the other ranks (a killed rank is noticed at once; this bounds
@@ -43,6 +46,20 @@ FORK = mp.get_context("fork")
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 #: How long the parent waits for a whole run.
 RUN_TIMEOUT = 240.0
+
+
+#: The checksummed chunk size of the collective writes in the tests (a writer's default is
+#: ``memtree.format.chunks.CHUNK_BYTES``, 4 MiB): leaves of a few MiB span several chunks.
+TEST_CHUNK_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def mib_chunks() -> Iterator[int]:
+    """Writes of the test module (the forked ranks inherit it) record chunks of
+    :data:`TEST_CHUNK_BYTES`; a module imports it as ``pytestmark``'s ``usefixtures``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memtree.format.chunks, "CHUNK_BYTES", TEST_CHUNK_BYTES)
+        yield TEST_CHUNK_BYTES
 
 
 class RankError(AssertionError):

@@ -202,7 +202,6 @@ _INTERNAL = {
     ("store/primitives/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them
     ("store/reading/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
-    ("format/chunks.py", "ValueError"),  # chunks_from_json: the schema turns it into MetaFormatError
     ("format/placement.py", "ValueError"),  # check_layout: memtree.dist turns it into PlacementError
 }
 _BUILTINS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "OSError",

@@ -43,7 +43,7 @@ LOAD_IDS = ["default", "mode_r", "no_mmap"]
 A_BYTES = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # leaf "a": float32 [2, 3]
 A_CRC = f"crc32:{zlib.crc32(A_BYTES):08x}"
 DTENSOR = {"mesh": [2], "placements": [{"kind": "shard", "dim": 0}]}  # a DTensor leaf's annotation
-CHUNKS = {"bytes": 4096, "sums": [A_CRC[6:]]}
+CHUNKS = {"algorithm": "crc32", "chunk_bytes": 65536, "digests": A_CRC[6:]}  # a's 24 bytes: one chunk
 C_BYTES = torch.tensor([7, -8], dtype=torch.int64).numpy().tobytes()  # leaf "b/c": int64 [2]
 
 
@@ -389,7 +389,7 @@ SCHEMA_MUTATIONS = {
     "tensor_file_is_meta_json": _mut(lambda m: _entry(m, "a").update(file="meta.json")),
     # version 3 fields (a DTensor leaf's annotation, per-chunk checksums)
     "dtensor_in_version_1": _mut(lambda m: _entry(m, "a").update(dtensor=DTENSOR)),
-    "chunks_in_version_1": _mut(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks=CHUNKS)),
+    "chunks_in_version_1": _mut(lambda m: _entry(m, "a").update(chunks=CHUNKS)),
     "v3_dtensor_partial": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": [{"kind": "partial"}]})),
     "v3_dtensor_dim_beyond_shape": _v3(lambda m: _entry(m, "a").update(
         dtensor={"mesh": [2], "placements": [{"kind": "shard", "dim": 2}]})),
@@ -404,14 +404,13 @@ SCHEMA_MUTATIONS = {
         dtensor={"mesh": [2], "placements": [{"kind": "torch.distributed.tensor.Shard", "dim": 0}]})),
     "v3_dtensor_torch_short_form": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": ["S(0)"]})),
     "v3_placement_field": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["S(0)"]})),
-    "v3_chunks_without_checksum": _v3(lambda m: _entry(m, "a").update(chunks=CHUNKS)),
-    "v3_chunks_count": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["0" * 8] * 2})),
-    "v3_chunks_bad_hex": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 4096, "sums": ["XYZ" * 3]})),
-    "v3_chunks_digits_of_another_algorithm": _v3(lambda m: _entry(m, "a").update(
-        checksum=A_CRC, chunks={"bytes": 4096, "sums": ["0" * 16]})),
-    "v3_chunks_tiny": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 16, "sums": ["0" * 8] * 2})),
-    "v3_chunks_huge": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={"bytes": 2**41, "sums": ["0" * 8]})),
-    "v3_chunks_extra_field": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks={**CHUNKS, "algorithm": "crc32"})),
+    "v3_chunks_beside_checksum": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks=CHUNKS)),
+    "v3_chunks_of_one_chunk": _v3(lambda m: _entry(m, "a").update(chunks=CHUNKS)),  # records checksum instead
+    "v3_chunks_unknown_algorithm": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "algorithm": "md5"})),
+    "v3_chunks_tiny": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "chunk_bytes": 16})),
+    "v3_chunks_huge": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "chunk_bytes": 2**41})),
+    "v3_chunks_extra_field": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "sums": ["0" * 8]})),
+    "v3_chunks_of_dist_draft": _v3(lambda m: _entry(m, "a").update(chunks={"bytes": 4096, "sums": [A_CRC[6:]]})),
 }
 
 
@@ -424,10 +423,11 @@ def test_schema_violation_in_root_meta(tree_dir, name, kw):
 
 
 def test_version_3_fields_that_fit_load(tree_dir):
-    """The control of the v3 mutations above: a valid DTensor annotation and chunk checksums load."""
+    """The control of the v3 mutations above: a valid DTensor annotation loads (valid per-chunk
+    checksums load in tests/test_golden_v3_chunks.py)."""
     m = root_meta()
     m["version"] = 3
-    _entry(m, "a").update(dtensor=DTENSOR, checksum=A_CRC, chunks=CHUNKS)
+    _entry(m, "a").update(dtensor=DTENSOR, checksum=A_CRC)
     set_root(tree_dir, m)
     assert memtree.load_memmap(str(tree_dir), verify=True)["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 

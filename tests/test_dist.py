@@ -18,11 +18,12 @@ from torch import nn
 
 import memtree
 import memtree.interop
-from distutil import run_ranks
+from distutil import TEST_CHUNK_BYTES, run_ranks, mib_chunks  # noqa: F401 - a fixture
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
     pytest.mark.timeout(600),
+    pytest.mark.usefixtures("mib_chunks"),  # chunks of 1 MiB: the leaves of a few MiB span several
 ]
 
 
@@ -171,9 +172,10 @@ def saved(tmp_path_factory) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_a_collective_save_is_one_plain_tree(saved, n):
+def test_a_collective_save_is_one_plain_tree(saved, n, tmp_path):
     """One process loads the tree of N ranks as full tensors, zero-copy; every checksum (made from
-    the ranks' pieces) verifies; each DTensor leaf records its mesh and placements."""
+    the ranks' pieces) verifies, and is what one process writing the full tensors records (the
+    same chunks, the same digests); each DTensor leaf records its mesh and placements."""
     d = saved[n]
     tree = memtree.load_memmap(d, mode="r")
     for key, value in full_tensors().items():
@@ -188,9 +190,14 @@ def test_a_collective_save_is_one_plain_tree(saved, n):
     assert leaves["cols"]["dtensor"] == {"mesh": [n], "placements": [{"kind": "shard", "dim": 1}]}
     assert leaves["rep"]["dtensor"] == {"mesh": [n], "placements": [{"kind": "replicate"}]}
     assert "dtensor" not in leaves["step"]
-    assert leaves["big"]["chunks"]["bytes"] == 1 << 20 and len(leaves["big"]["chunks"]["sums"]) == 3
-    algorithm = leaves["big"]["checksum"].partition(":")[0]
-    assert algorithm in ("crc32c", "crc32")
+    chunks = leaves["big"]["chunks"]  # per-chunk checksums (2.4 MB), no whole-leaf checksum
+    assert "checksum" not in leaves["big"] and chunks["algorithm"] in ("crc32c", "crc32")
+    assert chunks["chunk_bytes"] == TEST_CHUNK_BYTES and len(chunks["digests"]) == 3 * 8
+    assert leaves["rows"]["checksum"].startswith(chunks["algorithm"] + ":") and "chunks" not in leaves["rows"]
+    memtree.TensorTree(full_tensors()).memmap(tmp_path / "one", checksum=chunks["algorithm"])
+    one = {e["key"]: e for e in orjson.loads((tmp_path / "one" / "meta.json").read_bytes())["entries"]}
+    for key in full_tensors():
+        assert (leaves[key].get("checksum"), leaves[key].get("chunks")) == (one[key].get("checksum"), one[key].get("chunks"))
     if n == 4:
         assert leaves["grid"]["dtensor"] == {
             "mesh": [2, 2], "placements": [{"kind": "shard", "dim": 0}, {"kind": "shard", "dim": 1}]

@@ -1,4 +1,4 @@
-"""The pure parts of a collective write (memtree.dist): a leaf's checksums combined from the pieces
+"""The pure parts of a collective write (memtree.dist): a leaf's chunk checksums combined from the pieces
 the ranks wrote, and the first difference between the ranks' trees; no process group.
 """
 
@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from memtree.dist.compare import first_difference, summary_digest, tree_summary
 from memtree.dist.sums import combine_pieces
 from memtree.errors import DistributedCheckpointError
-from memtree.format.chunks import chunks_from_json, chunks_to_json
 from memtree.format.placement import split_runs
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta
 from memtree.store.primitives import checksums
@@ -33,23 +32,22 @@ def _crc(algorithm: str, data: bytes) -> int:
     algorithm=st.sampled_from([a for a in checksums.COMBINABLE if a in checksums.available_checksums()]),
     order=st.randoms(use_true_random=False),
 )
-def test_pieces_in_any_order_make_the_leafs_and_its_chunks_checksums(data, cuts, chunk, algorithm, order):
+def test_pieces_in_any_order_make_the_leafs_chunks_checksums(data, cuts, chunk, algorithm, order):
     """However the ranks cut the file (pieces cut again at chunk boundaries, sent in any order),
-    rank 0's checksum is the file's, and each chunk's is that chunk's."""
+    rank 0's checksums are what a writer hashing the whole file records: each chunk's is that
+    chunk's, and a leaf of one chunk records the checksum of its bytes."""
     bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
     runs = [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
     pieces = [(o, n, _crc(algorithm, data[o : o + n])) for o, n in split_runs(iter(runs), chunk)]
     order.shuffle(pieces)
-    checksum, chunks = combine_pieces(algorithm, len(data), chunk, pieces, "leaf 'w'")
-    assert checksum == f"{algorithm}:{_crc(algorithm, data):08x}"
-    count = max(1, -(-len(data) // chunk))
-    if count == 1:
-        assert chunks is None
+    sums = combine_pieces(algorithm, len(data), chunk, pieces, "leaf 'w'")
+    assert sums == checksums.view_sums(memoryview(data), algorithm, chunk)
+    assert sums.count == max(1, -(-len(data) // chunk))
+    entry = LeafMeta("w", "w.memmap", "uint8", (len(data),)).with_sums(sums)
+    if sums.count == 1:
+        assert entry.chunks is None and entry.checksum == f"{algorithm}:{_crc(algorithm, data):08x}"
     else:
-        assert chunks is not None and chunks.nbytes == chunk
-        assert list(chunks.sums) == [f"{_crc(algorithm, data[i * chunk : (i + 1) * chunk]):08x}" for i in range(count)]
-        if chunk >= 4096:  # what a reader accepts
-            assert chunks_from_json(chunks_to_json(chunks), len(data), 8) == chunks
+        assert entry.checksum is None and entry.chunks == sums
 
 
 @pytest.mark.parametrize("pieces, problem", [
@@ -64,7 +62,8 @@ def test_pieces_that_do_not_tile_the_leaf_are_refused(pieces, problem):
 
 
 def test_an_empty_leaf_has_the_checksum_of_no_bytes():
-    assert combine_pieces("crc32", 0, 4096, [], "leaf 'w'") == (f"crc32:{zlib.crc32(b''):08x}", None)
+    sums = combine_pieces("crc32", 0, 1, [], "leaf 'w'")
+    assert LeafMeta("w", "w.memmap", "uint8", (0,)).with_sums(sums).checksum == f"crc32:{zlib.crc32(b''):08x}"
 
 
 def _summary(**change):
@@ -139,3 +138,55 @@ def test_a_column_shards_bookkeeping_does_not_grow_with_its_rows(tmp_path):
     memory beside the shard."""
     small, large = _column_read_peak(tmp_path, 1024), _column_read_peak(tmp_path, 16384)
     assert large < 2 * small, (small, large)
+
+
+# -- a rank's checked read of its ranges (chunk_check.read_ranges): each covering chunk once -----
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.binary(min_size=1, max_size=3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=10),
+    keep=st.lists(st.booleans(), max_size=11),
+    chunk=st.sampled_from([64, 256, 1 << 20]),
+    buffer=st.sampled_from([16, 100, 1 << 20]),
+    flip=st.none() | st.integers(0, 2999),
+)
+def test_read_ranges_reads_each_covering_chunk_once_and_checks_it(data, cuts, keep, chunk, buffer, flip):
+    """Any ranges of a leaf (a rank's rows), any chunk and buffer size: the bytes of the ranges
+    come back, each chunk that covers one is read once and no other byte is read; a bit flipped
+    in a covering chunk raises IntegrityError naming that chunk, one flipped elsewhere is never
+    seen."""
+    from memtree.errors import IntegrityError
+    from memtree.store.primitives.chunk_check import read_ranges
+
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    runs = [(a, b - a) for (a, b), k in zip(zip(bounds, bounds[1:]), keep + [True] * len(bounds)) if k]
+    entry = LeafMeta("w", "w.memmap", "uint8", (len(data),)).with_sums(
+        checksums.view_sums(memoryview(data), "crc32", chunk if len(data) > chunk else None)
+    )
+    stored = bytearray(data)
+    if flip is not None:
+        flip %= len(data)
+        stored[flip] ^= 1
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, view: memoryview) -> None:
+        reads.append((offset, len(view)))
+        view[:] = stored[offset : offset + len(view)]
+
+    size = chunk if len(data) > chunk else len(data)
+    covering = sorted({k for o, n in runs for k in range(o // size, (o + n - 1) // size + 1) if n})
+    out = bytearray(sum(n for _, n in runs))
+    if flip is not None and flip // size in covering:
+        with pytest.raises(IntegrityError, match=f"leaf 'w' at w.memmap is damaged.*crc32") as err:
+            read_ranges(read, entry, runs, memoryview(out), "w.memmap")
+        if entry.chunks is not None:
+            assert f"chunk {flip // size} of" in str(err.value)
+        return
+    done = read_ranges(read, entry, runs, memoryview(out), "w.memmap", buffer=buffer)
+    assert bytes(out) == b"".join(data[o : o + n] for o, n in runs)
+    read_bytes = sorted(b for o, n in reads for b in range(o, o + n))
+    want = [b for k in covering for b in range(k * size, min((k + 1) * size, len(data)))]
+    assert read_bytes == want and done == len(want)  # each covering chunk's bytes once, nothing else
+    assert all(n <= max(buffer, 1) for _, n in reads)

@@ -4,7 +4,6 @@ If one of these tests fails, the on-disk format changed. That needs a new format
 docs/format.md update and a new golden directory, never a silent edit of this one.
 """
 
-import os
 from pathlib import Path
 
 import orjson
@@ -14,6 +13,7 @@ import torch
 import memtree
 from memtree.format.schema import parse_level
 from memtree.store.reading.integrity import tree_hash
+from treeutil import files_of, without_save_id
 
 GOLDEN = Path(__file__).parent / "golden" / "v1"
 GOLDEN_V2 = Path(__file__).parent / "golden" / "v2"
@@ -32,22 +32,6 @@ def golden_tree() -> memtree.TensorTree:
         },
         batch_size=[2],
     )
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = Path(dirpath) / name
-            out[str(path.relative_to(root))] = path.read_bytes()
-    return out
-
-
-def without_save_id(data: bytes) -> dict:
-    doc = orjson.loads(data)
-    doc.pop("save_id", None)
-    doc.pop("tree_hash", None)  # a hash over the save_id too
-    return doc
 
 
 @pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V2], ids=["v1", "v2"])

@@ -19,6 +19,7 @@ from memtree.format.subclass import DTensorLayout, Placement
 from memtree.store.reading.options import WriteOptions
 from memtree.store.writing.write import write_tree
 from subclassutil import Cfg, Mode, ScaledInt8, Span, Wrapped, same_subclass
+from treeutil import files_of, without_save_id
 
 GOLDEN = Path(__file__).parent / "golden" / "v3-subclass"
 
@@ -41,17 +42,6 @@ def golden_level() -> Level:
     level.entries["sharded"] = torch.arange(8, dtype=torch.int16).reshape(2, 4)
     level.layouts["sharded"] = DTensorLayout((2, 2), (Placement("shard", 0), Placement("replicate")), ("dp", "tp"))
     return level
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def without_save_id(data: bytes) -> dict:
-    doc = orjson.loads(data)
-    doc.pop("save_id", None)
-    doc.pop("tree_hash", None)
-    return doc
 
 
 def test_golden_v3_directory_loads_bit_exactly_and_verifies():

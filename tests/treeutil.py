@@ -1,5 +1,6 @@
 """Helpers shared by the test files: random tensors of any dtype, bit-exact comparison of tensors
-and trees, and snapshots of a directory (to assert that a call changed nothing on disk)."""
+and trees, snapshots of a directory (to assert that a call changed nothing on disk), and the
+files of a directory as the golden tests compare them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 import stat
 
+import orjson
 import torch
 
 from memtree import TensorTree
@@ -88,6 +90,25 @@ def flip_bit(path, offset: int = 0) -> None:
         f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
     os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+def files_of(root) -> dict[str, bytes]:
+    """The bytes of every file under ``root``, by path relative to it."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = open(path, "rb").read()
+    return out
+
+
+def without_save_id(data: bytes) -> dict:
+    """A ``meta.json``'s document without what differs between two writes of the same tree: its
+    ``save_id`` and the ``tree_hash`` over it."""
+    doc = orjson.loads(data)
+    doc.pop("save_id", None)
+    doc.pop("tree_hash", None)
+    return doc
 
 
 def snapshot(root) -> dict:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..errors import CheckpointSaveError
 from ..nn.empty_init import empty_init
 from ..training.checkpointer import Checkpointer
 from ..tree.tensortree import TensorTree, load_memmap
@@ -145,7 +146,10 @@ def _killed_and_resumed(root: str, say: Callable[[str], None]) -> None:
         child.kill()
         child.wait()
     if len(saved) < 4:
-        raise RuntimeError(f"the demo's training subprocess exited with status {child.returncode} before 4 saves")
+        raise CheckpointSaveError(
+            f"the demo's training subprocess (saving into {ckpt_dir}) exited with status {child.returncode} "
+            "before 4 saves; run it again, or with --workdir on a filesystem with free space"
+        )
     model = nn.Linear(256, 256)
     optim = torch.optim.AdamW(model.parameters())
     ckpt = Checkpointer(ckpt_dir)

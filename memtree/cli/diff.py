@@ -3,9 +3,10 @@
 Every level of both trees is read (validated as a load validates it); leaves are matched by key
 path (a tensor subclass by its class, dtype, shape and flatten context, and by its inner tensors
 as leaves). Two tensor leaves with the same dtype and shape are compared by their recorded checksums
-when both record one of the same algorithm: no leaf data is read. Otherwise (no checksum, another
-algorithm, a growable leaf) their bytes are hashed: one side with the other's recorded algorithm
-when it has one, both with the fastest installed one otherwise; two names of the same file (hard
+when both record one of the same algorithm (and, for per-chunk checksums, the same chunks): no
+leaf data is read. Otherwise (no checksum, another algorithm or chunk size, a growable leaf)
+their bytes are hashed: one side as the other records it when it does, both with the fastest
+installed algorithm otherwise; two names of the same file (hard
 links, e.g. made by ``link_from``) are equal without reading. JSON values are compared as values,
 pickled ones by their bytes (never unpickled). Exit code :data:`~memtree.cli.output.EXIT_OK`
 (0) when the trees hold the same keys and values, :data:`~memtree.cli.output.EXIT_FAILED` (1) when they differ;
@@ -26,9 +27,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..format.chunks import ChunkSums, chunk_count
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
 from ..format.subclass import Subclass, SubclassMeta
 from ..store.primitives.checksums import DIGEST_SLICE, default_checksum, new_digest
+from ..store.primitives.chunk_check import hash_chunks
 from ..store.reading.storage import LocalStorage, join_rel
 from ..store.reading.walk import walk
 from .output import EXIT_FAILED, EXIT_OK, add_json_flag, emit_json, emit_text
@@ -103,6 +106,12 @@ class _Side:
             digest.update(view[:n])
             done += n
         return f"{algorithm}:{digest.hexdigest()}"
+
+    def sums(self, rel: str, nbytes: int, like: ChunkSums) -> ChunkSums:
+        """The checksums of the first ``nbytes`` of file ``rel`` in the algorithm and chunks of ``like``."""
+        count = chunk_count(nbytes, like.chunk_bytes)
+        found = hash_chunks(lambda offset, view: self.storage.read_into(rel, offset, view), like, nbytes, range(count))
+        return ChunkSums(like.algorithm, like.chunk_bytes, "".join(found[k] for k in range(count)))
 
 
 def _same_inode(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> bool:
@@ -212,7 +221,7 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
             sa, sb = _leaf_sums(left, join_rel(ra, ea.file), ea, right, join_rel(rb, eb.file), eb, report)
             if sa != sb:
                 what.append("data")
-                desc_a, desc_b = sa, sb
+                desc_a, desc_b = _texts(sa, sb)
     else:
         assert isinstance(ea, PickleMeta) and isinstance(eb, PickleMeta)
         fa, fb = join_rel(ra, ea.file), join_rel(rb, eb.file)
@@ -231,26 +240,36 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
 
 def _leaf_sums(
     left: _Side, fa: str, ea: LeafMeta, right: _Side, fb: str, eb: LeafMeta, report: DiffReport
-) -> tuple[str, str]:
-    """Checksums of two same-shaped leaves in one algorithm, reading as little as possible."""
-    ca = ea.checksum if ea.capacity is None else None
-    cb = eb.checksum if eb.capacity is None else None
-    algo_a = ca.partition(":")[0] if ca else None
-    algo_b = cb.partition(":")[0] if cb else None
-    if ca and cb and algo_a == algo_b:
+) -> tuple[ChunkSums | str, ChunkSums | str]:
+    """Checksums of two same-shaped leaves in one algorithm and chunk size, reading as little as
+    possible (``"same file"`` for two names of one file)."""
+    ca = ea.sums if ea.capacity is None else None
+    cb = eb.sums if eb.capacity is None else None
+    if ca and cb and (ca.algorithm, ca.chunk_bytes) == (cb.algorithm, cb.chunk_bytes):
         return ca, cb
     if _same_inode(left.identity(fa), right.identity(fb)):
         return "same file", "same file"
     nbytes = ea.nbytes
     if ca:
         report.bytes_read += nbytes
-        return ca, right.hash(fb, nbytes, algo_a or "")
+        return ca, right.sums(fb, nbytes, ca)
     if cb:
         report.bytes_read += nbytes
-        return left.hash(fa, nbytes, algo_b or ""), cb
-    algo = default_checksum()
+        return left.sums(fa, nbytes, cb), cb
+    like = ChunkSums(default_checksum(), max(nbytes, 1), "")
     report.bytes_read += 2 * nbytes
-    return left.hash(fa, nbytes, algo), right.hash(fb, nbytes, algo)
+    return left.sums(fa, nbytes, like), right.sums(fb, nbytes, like)
+
+
+def _texts(a: ChunkSums | str, b: ChunkSums | str) -> tuple[str, str]:
+    """Two different leaves' checksums for the report: ``"<algorithm>:<hex>"``; for per-chunk
+    checksums, the first chunk that differs."""
+    if isinstance(a, str) or isinstance(b, str):  # never both "same file" here
+        return str(a), str(b)
+    if a.count == 1 and b.count == 1:
+        return a.digest(0), b.digest(0)
+    first = next((k for k in range(min(a.count, b.count)) if a.digest(k) != b.digest(k)), 0)
+    return f"{a.digest(first)} (chunk {first} of {a.count})", f"{b.digest(first)} (chunk {first} of {b.count})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

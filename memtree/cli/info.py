@@ -47,8 +47,8 @@ import orjson
 
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
-from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..format.subclass import SubclassMeta, level_version
+from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, level_version, parse_level
+from ..format.subclass import SubclassMeta
 from ..store.reading.steps import list_steps
 from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
 from ..store.reading.walk import WalkedLevel, walk
@@ -97,7 +97,7 @@ class _Totals:
             "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(self.dtypes.items())},
         }
 
-    def tensor(self, dtype: str, nbytes: int, checksum: str | None) -> None:
+    def tensor(self, dtype: str, nbytes: int, checksum: object) -> None:
         self.tensors += 1
         self.nbytes += nbytes
         self.checksummed += checksum is not None
@@ -118,7 +118,10 @@ def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], 
                         file=rel + e.file, checksum=e.checksum)
             if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
                 item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
-            totals.tensor(e.dtype_name, e.nbytes, e.checksum)
+            if e.chunks is not None:  # per-chunk checksums (format version 3)
+                item.update(chunks={"algorithm": e.chunks.algorithm, "chunk_bytes": e.chunks.chunk_bytes,
+                                    "count": e.chunks.count})
+            totals.tensor(e.dtype_name, e.nbytes, e.checksum or e.chunks)
         elif isinstance(e, SubclassMeta):  # a tensor subclass: its class, then its inner tensors
             sub = e.subclass
             item.update(kind="subclass", type=sub.type, dtype=sub.dtype_name, shape=list(sub.shape),
@@ -144,7 +147,7 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     root: LevelMeta = parse_level(data, storage.describe(META_NAME))
     levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
     # the root's version (parse_level accepted it), or 3 where a level holds what version 3 added
-    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta, 0) for lvl in levels.values()])
+    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta.entries, 0) for lvl in levels.values()])
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
@@ -270,7 +273,8 @@ def describe(
         ``{"tensors", "bytes"}``) and ``entries``: every key depth-first, each with ``key`` (the
         list of keys from the root), ``kind`` (``tensor``/``tree``/``subclass``/``json``/
         ``value``/``pickle``) and per kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and
-        for a growable leaf ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``,
+        for a growable leaf ``capacity``, the rows its file holds, and ``file_nbytes``; for
+        per-chunk checksums ``chunks``: ``algorithm``, ``chunk_bytes``, ``count``) / ``dir``,
         ``batch_size``, ``type`` / ``type`` (the class's registered name), ``dtype``, ``shape``,
         ``dir``, its inner tensors following as the entries below its key / ``value`` /
         ``type`` (e.g. ``set``, ``torch.device``) and ``value`` (its ``repr``) / ``file``

@@ -6,7 +6,7 @@
 * :func:`load_sharded` is ``load_memmap(prefix, mesh=...)``: each leaf a ``DTensor`` holding this
   rank's shard (:class:`ShardReader`); a shard that is one range of its file is mapped
   (zero-copy), others are read into memory; ``verify=True`` reads and checks the chunks its
-  ranges touch (:func:`~memtree.store.reading.ranges.read_ranges`) and returns the bytes it checked;
+  ranges touch (:func:`~memtree.store.primitives.chunk_check.read_ranges`) and returns the bytes it checked;
 * :func:`load_sharded_remote` is the same from a URL, by ranged requests (:mod:`memtree.dist.remote`);
 * :func:`targets_for`, :func:`targets_like`: which leaves become ``DTensor`` s (:mod:`memtree.dist.targets`).
 
@@ -33,11 +33,11 @@ from ..format.dtypes import itemsize
 from ..format.level import Level, fmt_key
 from ..format.placement import Box, box_runs, box_shape, local_box
 from ..format.schema import LeafMeta
+from ..store.primitives.chunk_check import file_reader, read_ranges
 from ..store.primitives.files import FileRange, open_checked
 from ..store.reading.leaf_reader import MAX_PENDING_READS, LeafReader
 from ..store.primitives.memory import byte_view
 from ..store.reading.options import KeySelection, ReadOptions
-from ..store.reading.ranges import file_reader, read_ranges
 from ..store.reading.read import open_tree
 from .dtensor import dist_leaf, from_local, mesh_device
 from .remote import load_sharded_remote
@@ -146,7 +146,7 @@ class ShardReader(LeafReader):
         first = list(islice(box_runs(entry.shape, size, box), 2))
         shape, device = box_shape(box), mesh_device(target.mesh)
         path = os.path.join(where, entry.file)
-        if len(first) == 1 and self.mmap and not (self.verify and entry.checksum is not None) and device.type == "cpu":
+        if len(first) == 1 and self.mmap and not (self.verify and entry.sums is not None) and device.type == "cpu":
             full = super().leaf(dir_fd, where, entry, parents, dirs)  # checked, mapped: no byte read
             with torch._C.DisableTorchFunctionSubclass():
                 flat = full.as_subclass(torch.Tensor).view(-1)
@@ -154,7 +154,7 @@ class ShardReader(LeafReader):
             return from_local(flat[start // size : (start + nbytes) // size].view(shape),
                               target.mesh, target.placements, entry.shape)
         fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
-        if self.verify and entry.checksum is not None:  # what is checked is what is returned
+        if self.verify and entry.sums is not None:  # what is checked is what is returned
             local = torch.empty(shape, dtype=entry.dtype)
             try:
                 read_ranges(file_reader(fd, f"leaf {path}"), entry, list(box_runs(entry.shape, size, box)),

@@ -28,9 +28,10 @@ from ..format.names import META_NAME
 from ..format.placement import box_runs, box_shape, split_runs
 from ..format.schema import LeafMeta, PickleMeta, parse_level
 from ..store.reading.integrity import check_tree_hash
+from ..store.primitives.chunk_check import read_ranges
 from ..store.primitives.memory import byte_view
 from ..store.reading.options import KeySelection, ReadOptions
-from ..store.reading.ranges import SPAN_BYTES, read_ranges, read_runs
+from ..store.reading.ranges import SPAN_BYTES, read_runs
 from ..store.urls.remote import DEFAULT_NUM_THREADS, RemoteLeaf, build_level, check_size, final_checks
 from ..store.reading.storage import Storage
 from ..store.reading.walk import map_all, walk
@@ -115,8 +116,8 @@ def load_sharded_remote(
                 leaf.info = info
                 check_size(storage, leaf)
             parts = [_plan(key, leaf, targets.resolve(key, leaf.meta)) for key, leaf in found]
-            checked = [p for p in parts if p.leaf.meta.checksum is not None and (verify or p.target is None)]
-            unchecked = [p for p in parts if p.leaf.meta.checksum is None or not (verify or p.target is None)]
+            checked = [p for p in parts if p.leaf.meta.sums is not None and (verify or p.target is None)]
+            unchecked = [p for p in parts if p.leaf.meta.sums is None or not (verify or p.target is None)]
             map_all(pool, lambda p: _read_checked(storage, p), checked)
             map_all(pool, lambda batch: _read_batch(storage, *batch), [b for p in unchecked for b in _batches(p)])
             final_checks(storage, pool, leaves, root_info)

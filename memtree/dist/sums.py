@@ -1,19 +1,21 @@
-"""A leaf's checksum and its chunks' checksums from the CRCs of the pieces the ranks wrote.
+"""A leaf's per-chunk checksums from the CRCs of the pieces the ranks wrote.
 
 Each rank of a collective write hashes the bytes it writes as it writes them, one piece per
 range and chunk (a piece never crosses a chunk boundary: :func:`~memtree.format.placement.split_runs`),
 and sends ``(offset, length, crc)`` of each piece to rank 0. The pieces of a leaf tile its file
-exactly; rank 0 sorts them by offset and chains their CRCs (``crc(a + b) = shift(crc(a)) ^
-crc(b)``, :func:`~memtree.store.primitives.checksums.crc_shifter`) into each chunk's CRC, then the chunks'
-into the leaf's: nothing is read again. Pure: no I/O.
+exactly; rank 0 sorts them by offset and chains the CRCs of each chunk's pieces (``crc(a + b) =
+shift(crc(a)) ^ crc(b)``, :func:`~memtree.store.primitives.checksums.crc_shifter`) into that
+chunk's CRC: the leaf's :class:`~memtree.format.chunks.ChunkSums` (format version 3, one chunk:
+its plain ``checksum``), exactly what a writer hashing the whole file records, with nothing read
+again. Pure: no I/O.
 
 Example:
     >>> import zlib
     >>> data = bytes(range(200)) * 50                      # 10,000 bytes, chunks of 4,096
     >>> pieces = [(o, n, zlib.crc32(data[o : o + n])) for o, n in [(0, 4096), (4096, 100), (4196, 3996), (8192, 1808)]]
-    >>> checksum, chunks = combine_pieces("crc32", len(data), 4096, pieces, "leaf 'w'")
-    >>> checksum == f"crc32:{zlib.crc32(data):08x}", len(chunks.sums)
-    (True, 3)
+    >>> sums = combine_pieces("crc32", len(data), 4096, pieces, "leaf 'w'")
+    >>> sums.count, sums.digest(2) == f"crc32:{zlib.crc32(data[8192:]):08x}"
+    (3, True)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import DistributedCheckpointError
-from ..format.chunks import ChunkSums, chunk_count
+from ..format.chunks import ChunkSums
 from ..store.primitives.checksums import crc_shifter
 
 __all__ = ["combine_pieces"]
@@ -29,10 +31,10 @@ __all__ = ["combine_pieces"]
 
 def combine_pieces(
     algorithm: str, nbytes: int, chunk: int, pieces: Iterable[tuple[int, int, int]], what: str
-) -> tuple[str, ChunkSums | None]:
-    """The leaf's ``checksum`` and its ``chunks`` (``None`` for a leaf of one chunk) from the
-    ``(offset, length, crc)`` pieces of its ``nbytes`` bytes, each within one chunk of ``chunk``
-    bytes.
+) -> ChunkSums:
+    """The checksums of the chunks of ``chunk`` bytes of a leaf of ``nbytes`` bytes, from the
+    ``(offset, length, crc)`` pieces of its bytes, each within one chunk (``chunk >= nbytes``:
+    one chunk, recorded as the leaf's ``checksum``).
 
     Raises:
         DistributedCheckpointError: the pieces do not tile the leaf (a rank's bytes missing or
@@ -61,8 +63,4 @@ def combine_pieces(
             "were written by no rank); nothing was committed"
         )
     sums.append(crc)
-    whole = 0
-    for i, value in enumerate(sums):
-        whole = crc_shifter(algorithm, min(chunk, nbytes - i * chunk))(whole) ^ value
-    chunks = ChunkSums(chunk, tuple(f"{s:08x}" for s in sums)) if chunk_count(nbytes, chunk) > 1 else None
-    return f"{algorithm}:{whole:08x}", chunks
+    return ChunkSums(algorithm, chunk, "".join(f"{s:08x}" for s in sums))

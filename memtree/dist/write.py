@@ -19,10 +19,12 @@ which each ``DTensor`` is stored as its full tensor, with its layout recorded be
    and every leaf file at its full size;
 3. **writing the shards**: each rank ``pwrite`` s the ranges of the shards it writes into the
    shared files (``Shard(0)``: one range; ``Shard(d > 0)``: one per row), each range cut at the
-   chunk boundaries and hashed as it is written (with ``fsync=True``, each file fsynced), and
+   boundaries of the leaf's checksummed chunks (:func:`~memtree.format.chunks.chunk_bytes_for`,
+   as any write) and hashed as it is written (with ``fsync=True``, each file fsynced), and
    sends the CRCs of its pieces to rank 0;
-4. **committing**: rank 0 combines the pieces' CRCs into each leaf's checksum and its chunks'
-   (:mod:`memtree.dist.sums`; nothing read again), writes every ``meta.json`` (the root's last,
+4. **committing**: rank 0 combines the pieces' CRCs into the checksum of each chunk of each
+   leaf (:mod:`memtree.dist.sums`; nothing read again; a leaf of one chunk records its
+   ``checksum``), writes every ``meta.json`` (the root's last,
    :func:`~memtree.store.writing.write.write_levels`) and renames the staging directory onto the
    destination: the tree is committed once, atomically.
 
@@ -97,7 +99,7 @@ class _Leaf:
     shape: tuple[int, ...]
     itemsize: int
     nbytes: int
-    chunk: int  # bytes per checksummed chunk
+    chunk: int  # bytes per checksummed chunk (the whole leaf when it is one chunk)
     shards: list[Shard]  # the distinct shards, each written by one rank
     dist: DistLeaf | None  # a DTensor's layout and this rank's shard
     data: torch.Tensor | None  # a plain tensor's bytes (contiguous, on the CPU; None for memmap_like)
@@ -195,7 +197,7 @@ def _host_bytes(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def _set_leaf_field(write: WritePlan, name: str, values: dict[str, Any]) -> None:
-    """Set the field ``name`` (``layout``, ``chunks``) of each planned leaf entry whose file
+    """Set the field ``name`` (``layout``) of each planned leaf entry whose file
     (relative to the root) ``values`` names."""
 
     def updated(entry: Entry, rel: str) -> Entry:
@@ -204,6 +206,12 @@ def _set_leaf_field(write: WritePlan, name: str, values: dict[str, Any]) -> None
 
     for lp in write.levels:
         lp.meta = replace(lp.meta, entries=tuple(updated(e, lp.rel) for e in lp.meta.entries))
+
+
+def _chunk_bytes(nbytes: int) -> int:
+    """The bytes of a leaf's checksummed chunks: those of any write
+    (:func:`~memtree.format.chunks.chunk_bytes_for`), or the whole leaf when it is one chunk."""
+    return chunk_bytes_for(nbytes) or max(nbytes, 1)
 
 
 def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, world: int, out: list[_Plan]) -> str:
@@ -227,7 +235,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
             data = None if options.like else _host_bytes(job.tensor, where)
             found = [Shard(full_box(shape), tuple(range(world)), job.nbytes)] if job.nbytes else []
             tensors[job.rel] = (None, None if data is None else crc32(byte_view(data)))
-        leaves.append(_Leaf(job.rel, where, shape, size, job.nbytes, chunk_bytes_for(job.nbytes), found, dist, data))
+        leaves.append(_Leaf(job.rel, where, shape, size, job.nbytes, _chunk_bytes(job.nbytes), found, dist, data))
     _set_leaf_field(write, "layout", layouts)
     settings = {"dest": dest, "existsok": options.existsok, "checksum": checksum, "fsync": options.fsync,
                 "like": options.like, "reserve": options.reserve}
@@ -339,19 +347,15 @@ def _write_shards(
 
 def _commit(staging: Staging, plan: _Plan, checksum: str | None, gathered: list[Any] | None, options: WriteOptions) -> None:
     """Combine the ranks' pieces into checksums, write every ``meta.json`` and publish."""
-    sums: dict[str, str] = {}
+    sums: dict[str, str | ChunkSums] = {}
     if checksum is not None:
         assert gathered is not None
         pieces: list[list[tuple[int, int, int]]] = [[] for _ in plan.leaves]
         for rows in gathered:
             for row in rows:
                 pieces[row[0]].extend(zip(row[1::3], row[2::3], row[3::3]))
-        chunks: dict[str, ChunkSums] = {}
         for leaf, found in zip(plan.leaves, pieces):
-            sums[leaf.rel], leaf_chunks = combine_pieces(checksum, leaf.nbytes, leaf.chunk, found, leaf.where)
-            if leaf_chunks is not None:
-                chunks[leaf.rel] = leaf_chunks
-        _set_leaf_field(plan.write, "chunks", chunks)
+            sums[leaf.rel] = combine_pieces(checksum, leaf.nbytes, leaf.chunk, found, leaf.where)
     write_levels(staging.path, plan.write, checksum=checksum, sums=sums, fsync=options.fsync,
                  num_threads=options.num_threads)
     staging.publish(fsync=options.fsync, background_removal=plan.write.total_files >= BACKGROUND_REMOVAL_FILES)

@@ -1,102 +1,242 @@
-"""Per-chunk checksums of a leaf (format version 3): verify a byte range without reading the rest.
+"""Per-chunk checksums of a leaf (format version 3, ``docs/format.md`` "Per-chunk checksums").
 
-A leaf's file is cut into chunks of ``chunk_bytes`` (the last one shorter); ``chunks`` records
-the checksum of each, in the algorithm of the leaf's own ``checksum``, so that a reader of part of
-the leaf (a rank reading its shard) checks the chunks its ranges touch and nothing else
-(``docs/format.md``, "Version 3"). Pure: no I/O.
+A leaf larger than one chunk records, instead of one ``checksum`` over all its bytes, the
+checksum of each ``chunk_bytes`` of them (the last chunk shorter): the ``chunks`` field of its
+entry, ``{"algorithm": "xxh3", "chunk_bytes": 4194304, "digests": "<hex><hex>..."}``. Each
+chunk is hashed on its own, so that
+
+* a writer hashes the chunks of one large leaf in several threads (and while it writes);
+* a reader checks a byte range (a slice, one rank's shard, a range fetched from a remote store)
+  by reading only the chunks that cover it (:func:`chunks_covering`);
+* a leaf of one chunk keeps the plain ``checksum`` of versions 1 and 2: :func:`leaf_sums` shows
+  either as a :class:`ChunkSums`, so that readers need one code path.
+
+Pure: no I/O. :func:`parse_chunks` checks every field of a ``chunks`` object read from a file;
+:func:`chunk_bytes_for` is the writer's choice of chunk size.
 
 Example:
-    >>> chunk_bytes_for(3 << 20), chunk_bytes_for(4 << 30)
-    (1048576, 4194304)
-    >>> chunk_span_of(ChunkSums(1 << 20, ("0" * 8,) * 3), 3 << 20, 1_500_000, 10)
-    (1, 1)
+    >>> sums = ChunkSums("crc32", 4096, "00000000" + "ffffffff")
+    >>> sums.count, sums.digest(1), chunk_span(1, 5000, 4096)
+    (2, 'crc32:ffffffff', (4096, 5000))
+    >>> list(chunks_covering(4000, 4100, 5000, 4096))
+    [0, 1]
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .record import Record
 
-__all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNKS", "ChunkSums", "chunk_bytes_for", "chunk_count", "chunk_span_of",
-           "chunks_to_json", "chunks_from_json"]
+__all__ = [
+    "CHECKSUM_DIGITS",
+    "CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "MAX_CHUNK_BYTES",
+    "MAX_CHUNKS",
+    "ChunkSums",
+    "ChunksFormatError",
+    "chunk_bytes_for",
+    "chunk_count",
+    "chunk_span",
+    "chunks_covering",
+    "leaf_sums",
+    "CHUNKS_VERSION",
+    "uses_chunks",
+    "parse_chunks",
+    "dump_chunks",
+]
 
-#: Smallest chunk memtree writes (a verified range reads at most one chunk more at each end).
-MIN_CHUNK_BYTES = 1 << 20
-#: Chunks a leaf has at most: larger leaves get larger chunks (a power of two).
-MAX_CHUNKS = 1024
-#: Bounds a reader accepts for ``chunks.bytes``.
-_READ_MIN, _READ_MAX = 4096, 1 << 40
+#: The format version of a level that holds a leaf with per-chunk checksums.
+CHUNKS_VERSION = 3
+#: Checksum algorithms a ``meta.json`` may record, and the hex digits of one digest.
+CHECKSUM_DIGITS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
+#: The chunk size a writer records by default: a leaf of at most this many bytes records one
+#: ``checksum``. 4 MiB: per-chunk work (a ``pwrite``, a digest object, 16 hex digits in
+#: ``meta.json``) is about 1% of hashing and writing the chunk; a chunk stays in the CPU's
+#: last-level cache between its ``pwrite`` and its hash; a ranged check reads at most two
+#: chunks it did not ask for; 1 GiB of leaves records 256 digests (4 KiB of ``meta.json`` with
+#: ``xxh3``). ``docs/format.md`` gives the measurements.
+CHUNK_BYTES = 4 * 1024 * 1024
+#: Bounds of a recorded ``chunk_bytes`` (a power of two).
+MIN_CHUNK_BYTES = 64 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024 * 1024
+#: Most chunks a writer gives one leaf: a larger leaf gets larger chunks (:func:`chunk_bytes_for`),
+#: so that a 1 TiB leaf records 65,536 digests (1 MiB of ``meta.json``), not 262,144.
+MAX_CHUNKS = 65_536
+
+_HEX = "0123456789abcdef"
+_set = object.__setattr__
+
+
+class ChunksFormatError(ValueError):
+    """A ``chunks`` object that breaks a rule: ``field`` (``""``: the object) and ``problem``.
+
+    The parser of ``meta.json`` turns it into a :class:`~memtree.errors.MetaFormatError` naming
+    the file and the entry.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}" if field else problem)
+        self.field = field
+        self.problem = problem
 
 
 @dataclass(init=False, repr=False, eq=False)
 class ChunkSums(Record):
-    """The checksums of a leaf's chunks: ``sums[i]`` covers bytes ``[i * nbytes, (i+1) * nbytes)``.
+    """The checksums of a leaf's chunks: chunk ``i`` is bytes ``[i * chunk_bytes, (i + 1) *
+    chunk_bytes)`` of the tensor's data (the last one ends with the data).
 
     Attributes:
-        nbytes: bytes per chunk (the last chunk is shorter).
-        sums: hex digests, in the algorithm of the leaf's ``checksum``.
+        algorithm: one of :data:`CHECKSUM_DIGITS`.
+        chunk_bytes: bytes per chunk.
+        digests: the chunks' digests, lowercase hex, concatenated in chunk order (each
+            ``CHECKSUM_DIGITS[algorithm]`` digits).
     """
 
-    nbytes: int
-    sums: tuple[str, ...]
+    algorithm: str
+    chunk_bytes: int
+    digests: str
 
-    def __init__(self, nbytes: int, sums: tuple[str, ...]) -> None:
-        object.__setattr__(self, "nbytes", nbytes)
-        object.__setattr__(self, "sums", tuple(sums))
+    def __init__(self, algorithm: str, chunk_bytes: int, digests: str) -> None:
+        _set(self, "algorithm", algorithm)
+        _set(self, "chunk_bytes", chunk_bytes)
+        _set(self, "digests", digests)
 
+    @property
+    def digits(self) -> int:
+        """Hex digits of one digest."""
+        return CHECKSUM_DIGITS[self.algorithm]
 
-def chunk_bytes_for(nbytes: int) -> int:
-    """The chunk size memtree writes for a leaf of ``nbytes``: at least :data:`MIN_CHUNK_BYTES`,
-    a power of two, and at most :data:`MAX_CHUNKS` chunks."""
-    size = MIN_CHUNK_BYTES
-    while size * MAX_CHUNKS < nbytes:
-        size *= 2
-    return size
+    @property
+    def count(self) -> int:
+        """Number of chunks."""
+        return len(self.digests) // self.digits
 
-
-def chunk_count(nbytes: int, chunk: int) -> int:
-    """How many chunks of ``chunk`` bytes a leaf of ``nbytes`` has (an empty leaf has one)."""
-    return max(1, -(-nbytes // chunk))
-
-
-def chunk_span_of(chunks: ChunkSums, nbytes: int, offset: int, length: int) -> tuple[int, int]:
-    """The chunks ``[first, last]`` that the range ``[offset, offset + length)`` of a leaf of
-    ``nbytes`` touches (``length > 0``)."""
-    last = min(chunk_count(nbytes, chunks.nbytes) - 1, (offset + length - 1) // chunks.nbytes)
-    return offset // chunks.nbytes, last
+    def digest(self, i: int) -> str:
+        """``"<algorithm>:<hex>"`` of chunk ``i`` (as :func:`~memtree.store.primitives.checksums.tensor_checksum`
+        would give for its bytes)."""
+        d = self.digits
+        return f"{self.algorithm}:{self.digests[i * d : (i + 1) * d]}"
 
 
-def chunks_to_json(chunks: ChunkSums) -> dict[str, Any]:
-    """The ``chunks`` field of a leaf in ``meta.json``.
+def chunk_bytes_for(nbytes: int, chunk_bytes: int | None = None) -> int | None:
+    """The chunk size a writer records for a leaf of ``nbytes`` bytes: ``None`` when it is one
+    chunk (a plain ``checksum``), else ``chunk_bytes`` (default :data:`CHUNK_BYTES`), doubled
+    until the leaf has at most :data:`MAX_CHUNKS` chunks.
 
     Example:
-        >>> chunks_to_json(ChunkSums(4096, ("00000001", "00000002")))
-        {'bytes': 4096, 'sums': ['00000001', '00000002']}
+        >>> chunk_bytes_for(4 << 20), chunk_bytes_for((4 << 20) + 1), chunk_bytes_for(1 << 40)
+        (None, 4194304, 16777216)
     """
-    return {"bytes": chunks.nbytes, "sums": list(chunks.sums)}
+    if chunk_bytes is None:
+        chunk_bytes = CHUNK_BYTES
+    if nbytes <= chunk_bytes:
+        return None
+    while -(-nbytes // chunk_bytes) > MAX_CHUNKS:
+        chunk_bytes *= 2
+    return chunk_bytes
 
 
-def chunks_from_json(raw: Any, nbytes: int, digits: int) -> ChunkSums:
-    """Parse the ``chunks`` field of a leaf of ``nbytes`` whose checksum has ``digits`` hex digits.
+def chunk_count(nbytes: int, chunk_bytes: int) -> int:
+    """Chunks of a leaf of ``nbytes`` bytes (an empty leaf has one, empty).
+
+    Example:
+        >>> chunk_count(0, 4096), chunk_count(4096, 4096), chunk_count(4097, 4096)
+        (1, 1, 2)
+    """
+    return max(1, -(-nbytes // chunk_bytes))
+
+
+def chunk_span(i: int, nbytes: int, chunk_bytes: int) -> tuple[int, int]:
+    """Byte range ``(start, stop)`` of chunk ``i`` of a leaf of ``nbytes`` bytes."""
+    start = i * chunk_bytes
+    return start, min(start + chunk_bytes, nbytes)
+
+
+def chunks_covering(start: int, stop: int, nbytes: int, chunk_bytes: int) -> range:
+    """The chunks that hold bytes ``[start, stop)`` of a leaf of ``nbytes`` bytes (none for an
+    empty range), what a ranged check reads; the caller has checked that
+    ``0 <= start <= stop <= nbytes``.
+
+    Example:
+        >>> list(chunks_covering(0, 1, 10_000, 4096)), list(chunks_covering(4096, 8193, 10_000, 4096))
+        ([0], [1, 2])
+    """
+    if start == stop:
+        return range(0)
+    return range(start // chunk_bytes, (stop - 1) // chunk_bytes + 1)
+
+
+def leaf_sums(checksum: str | None, chunks: ChunkSums | None, nbytes: int) -> ChunkSums | None:
+    """A leaf's checksums as chunks, whichever way its entry records them: its ``chunks``, or
+    its one ``checksum`` as a single chunk of all ``nbytes`` (``None`` when it records none).
+
+    Example:
+        >>> leaf_sums("crc32:0854897f", None, 3)
+        ChunkSums(algorithm='crc32', chunk_bytes=3, digests='0854897f')
+    """
+    if chunks is not None:
+        return chunks
+    if checksum is None:
+        return None
+    algorithm, _, digest = checksum.partition(":")
+    return ChunkSums(algorithm, max(nbytes, 1), digest)
+
+
+def uses_chunks(entries: Iterable[object]) -> bool:
+    """Whether one of a level's ``entries`` records per-chunk checksums, which needs
+    :data:`CHUNKS_VERSION` (the rule of :func:`memtree.format.schema.level_version`).
+
+    Example:
+        >>> from memtree.format.entries import LeafMeta
+        >>> leaf = LeafMeta("w", "w.memmap", "uint8", (131072,))
+        >>> uses_chunks([leaf]), uses_chunks([leaf.with_sums(ChunkSums("crc32", 65536, "0" * 16))])
+        (False, True)
+    """
+    return any(getattr(e, "chunks", None) is not None for e in entries)
+
+
+def parse_chunks(raw: Any, nbytes: int) -> ChunkSums:
+    """Check a ``chunks`` object read from a ``meta.json`` for a leaf of ``nbytes`` bytes.
 
     Raises:
-        ValueError: what is wrong with it.
+        ChunksFormatError: a field is missing, unknown or of the wrong type; ``chunk_bytes`` is
+            not a power of two in ``[MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]``; the leaf fits in one
+            chunk (it records ``checksum``); ``digests`` is not one lowercase hex digest per chunk.
 
     Example:
-        >>> chunks_from_json({"bytes": 4096, "sums": ["00000001", "00000002"]}, 5000, 8).nbytes
-        4096
+        >>> parse_chunks({"algorithm": "crc32", "chunk_bytes": 65536, "digests": "0" * 16}, 65537).count
+        2
     """
-    if type(raw) is not dict or raw.keys() != {"bytes", "sums"}:
-        raise ValueError(f"must be an object with 'bytes' and 'sums', got {raw!r:.80}")
-    size, sums = raw["bytes"], raw["sums"]
-    if type(size) is not int or not _READ_MIN <= size <= _READ_MAX:
-        raise ValueError(f"bytes must be an int in [{_READ_MIN}, 2**40], got {size!r:.40}")
-    want = chunk_count(nbytes, size)
-    if type(sums) is not list or len(sums) != want:
-        raise ValueError(f"sums must list {want} checksums (one per chunk of the leaf), got {str(sums):.80}")
-    for s in sums:
-        if type(s) is not str or len(s) != digits or s.strip("0123456789abcdef"):
-            raise ValueError(f"sums must be {digits} lowercase hex digits each, got {s!r:.40}")
-    return ChunkSums(size, tuple(sums))
+    if type(raw) is not dict:
+        raise ChunksFormatError("", f"must be a JSON object, got {type(raw).__name__}")
+    fields = {"algorithm", "chunk_bytes", "digests"}
+    if raw.keys() != fields:
+        missing, extra = sorted(fields - raw.keys()), sorted(raw.keys() - fields)
+        raise ChunksFormatError("", f"must have exactly the fields {sorted(fields)} (missing {missing}, unknown {extra})")
+    algorithm, size, digests = raw["algorithm"], raw["chunk_bytes"], raw["digests"]
+    if type(algorithm) is not str or algorithm not in CHECKSUM_DIGITS:
+        raise ChunksFormatError("algorithm", f"must be one of {sorted(CHECKSUM_DIGITS)}, got {algorithm!r:.40}")
+    if type(size) is not int or not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES or size & (size - 1):
+        raise ChunksFormatError(
+            "chunk_bytes", f"must be a power of two in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {size!r:.40}"
+        )
+    if nbytes <= size:
+        raise ChunksFormatError(
+            "chunk_bytes", f"is {size}, but the leaf has {nbytes} bytes: a leaf of one chunk records 'checksum'"
+        )
+    want = chunk_count(nbytes, size) * CHECKSUM_DIGITS[algorithm]
+    if type(digests) is not str or len(digests) != want or digests.strip(_HEX):
+        got = f"{len(digests)} characters" if type(digests) is str else type(digests).__name__
+        raise ChunksFormatError(
+            "digests", f"must be {want} lowercase hex digits (one {algorithm} digest per chunk), got {got}"
+        )
+    return ChunkSums(algorithm, size, digests)
+
+
+def dump_chunks(sums: ChunkSums) -> dict[str, Any]:
+    """The ``chunks`` object of a ``meta.json`` entry (fields in the order of ``docs/format.md``)."""
+    return {"algorithm": sums.algorithm, "chunk_bytes": sums.chunk_bytes, "digests": sums.digests}

@@ -24,14 +24,13 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import DtypeError
+from .chunks import ChunkSums, leaf_sums
 from .record import Record
 from .dtypes import DTYPE_ITEMSIZES, dtype_from_name
 from .dtypes import dtype_name as name_of_dtype
 
 if TYPE_CHECKING:
     import torch
-
-    from .chunks import ChunkSums
 
 __all__ = [
     "TREE_TYPE",
@@ -133,14 +132,12 @@ class Subclass(Record):
 
 @dataclass(init=False, repr=False, eq=False)
 class LeafMeta(Record):
-    """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
+    """A tensor leaf: its key, file name, dtype, shape, optional checksum(s) and capacity.
 
     The dtype is kept as its format name (``dtype_name``; a ``torch.dtype`` given to the
     constructor is turned into its name), so that metadata is parsed without torch; the
     ``dtype`` property gives the torch dtype. ``capacity`` (growable leaves only) is the number
     of rows along dim 0 that the file holds; the tensor is the first ``shape[0]`` of them.
-    Version 3: ``chunks`` (:class:`~memtree.format.chunks.ChunkSums`), the checksum of each
-    chunk of the file.
     """
 
     key: str
@@ -152,10 +149,12 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
-    chunks: ChunkSums | None = None
     #: How the DTensor this leaf holds the full tensor of was laid out (format version 3,
     #: :mod:`memtree.format.subclass`), else None.
     layout: DTensorLayout | None = None
+    #: The checksum of each chunk of a leaf larger than one chunk (format version 3, instead of
+    #: ``checksum``; :mod:`memtree.format.chunks`), else None.
+    chunks: ChunkSums | None = None
 
     def __init__(
         self,
@@ -167,8 +166,8 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
-        chunks: ChunkSums | None = None,
         layout: DTensorLayout | None = None,
+        chunks: ChunkSums | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -178,8 +177,8 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
-        _set(self, "chunks", chunks)
         _set(self, "layout", layout)
+        _set(self, "chunks", chunks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,6 +215,34 @@ class LeafMeta(Record):
         """Bytes from the file's start that ``checksum`` covers: the tensor's bytes, or the whole
         file of an encrypted leaf (its ciphertext, which can be checked without the key)."""
         return self.file_nbytes if self.chunk_bytes is not None else self.nbytes
+
+    @property
+    def sums(self) -> ChunkSums | None:
+        """The leaf's checksums as chunks, whichever way it records them (its one ``checksum``
+        is one chunk of ``checksum_nbytes``): :func:`~memtree.format.chunks.leaf_sums`; ``None``
+        when it records none."""
+        if self.chunks is not None:
+            return self.chunks
+        return leaf_sums(self.checksum, None, self.checksum_nbytes) if self.checksum is not None else None
+
+    def with_sums(self, sums: str | ChunkSums | None) -> LeafMeta:
+        """This leaf recording ``sums`` instead of what it records: a ``"<algorithm>:<hex>"``
+        ``checksum``, or the checksums of its chunks (:class:`~memtree.format.chunks.ChunkSums`;
+        one chunk is recorded as its ``checksum``), or none.
+
+        Example:
+            >>> leaf = LeafMeta("w", "w.memmap", "uint8", (3,))
+            >>> leaf.with_sums(ChunkSums("crc32", 3, "0854897f")).checksum
+            'crc32:0854897f'
+        """
+        chunks = sums if isinstance(sums, ChunkSums) else None
+        if chunks is not None and chunks.count == 1:
+            sums, chunks = chunks.digest(0), None
+        checksum = sums if isinstance(sums, str) else None
+        return LeafMeta(
+            self.key, self.file, self.dtype_name, self.shape, checksum, self.capacity, self.chunk_bytes,
+            self.int_key, self.layout, chunks,
+        )
 
 
 @dataclass(init=False, repr=False, eq=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from math import prod
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .chunks import CHECKSUM_DIGITS, CHUNKS_VERSION, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks, uses_chunks
 from .dtypes import DTYPE_ITEMSIZES, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .entries import (
@@ -44,16 +45,15 @@ from .entries import (
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
-from .chunks import chunks_from_json, chunks_to_json
 from .subclass import (
     SUBCLASS_KIND,
     SUBCLASS_VERSION,
     SubclassMeta,
     layout_dict,
-    level_version,
     parse_layout,
     parse_subclass,
     subclass_fields,
+    uses_subclass_fields,
 )
 from .values import MAX_JSON_DEPTH, MAX_TUPLE_PATHS, json_depth
 
@@ -64,6 +64,9 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "READ_VERSIONS",
+    "VERSION_RULES",
+    "level_version",
+    "version_refusal",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
     "TREE_TYPE",
@@ -99,9 +102,8 @@ FORMAT = "memtree"
 #: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
 #: The versions memtree reads (a level is written as version 3 only when it holds what version 3
-#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``, a leaf's
-#: ``chunks``;
-#: :func:`memtree.format.subclass.level_version`).
+#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``, per-chunk
+#: checksums; :func:`level_version`).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -118,7 +120,7 @@ MAX_DIM = 2**63 - 1
 #: (:data:`~memtree.format.values.MAX_JSON_DEPTH`) sits 3 levels down; 254 is what orjson writes.
 MAX_META_NESTING = MAX_JSON_DEPTH + 3
 #: Checksum algorithms and the hex digits of their digests (``"<algorithm>:<hex>"``).
-CHECKSUM_ALGORITHMS = {"crc32": 8, "sha256": 64, "crc32c": 8, "xxh3": 16}
+CHECKSUM_ALGORITHMS = CHECKSUM_DIGITS
 #: Longest ``type`` (registered class name) a level may carry.
 TYPE_NAME_MAX = 200
 _TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
@@ -185,10 +187,10 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
-        if e.chunks is not None:
-            d["chunks"] = chunks_to_json(e.chunks)
         if e.layout is not None:
             d["dtensor"] = layout_dict(e.layout)
+        if e.chunks is not None:
+            d["chunks"] = dump_chunks(e.chunks)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -225,6 +227,47 @@ def check_writable(meta: LevelMeta, where: str, depth: int) -> None:
         )
 
 
+#: The rules of the versions after 2, one per field a later version added:
+#: ``(version, uses, refusal)``, ``uses(entries)`` saying whether a level's entries hold it and
+#: ``refusal`` what a reader says of an older level that does (``{version}`` filled in).
+#: :func:`level_version` is the one place that decides a level's version from them, so that a
+#: level needs no later version than its fields do (a reader of version 2 reads every other level
+#: of the tree); a new field of the format adds its rule here. ``docs/format.md``, "Version 3".
+VERSION_RULES: tuple[tuple[int, Callable[[Sequence[Entry]], bool], str], ...] = (
+    (CHUNKS_VERSION, uses_chunks, "record per-chunk checksums (chunks), which only a version {version} level has"),
+    (
+        SUBCLASS_VERSION,
+        uses_subclass_fields,
+        "hold a tensor subclass, a DTensor annotation or a dtype that only a version {version} tree has",
+    ),
+)
+
+
+def level_version(entries: Sequence[Entry], base: int) -> int:
+    """The version a level of ``entries`` is written as: ``base``, or the latest version of a
+    rule of :data:`VERSION_RULES` whose field it holds.
+
+    Example:
+        >>> level_version([LeafMeta("x", "x.memmap", "int4", (2,))], 2), level_version([], 2)
+        (3, 2)
+    """
+    return max([base, *(version for version, uses, _ in VERSION_RULES if uses(entries))])
+
+
+def version_refusal(entries: Sequence[Entry], version: int) -> str | None:
+    """What is wrong with a level of ``version`` that holds ``entries``: the first field it holds
+    that only a later version has, else ``None``.
+
+    Example:
+        >>> version_refusal([LeafMeta("x", "x.memmap", "int4", (2,))], 2)
+        'hold a tensor subclass, a DTensor annotation or a dtype that only a version 3 tree has'
+    """
+    for needed, uses, refusal in VERSION_RULES:
+        if version < needed and uses(entries):
+            return refusal.format(version=needed)
+    return None
+
+
 def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """Serialise one level's ``meta.json`` (compact orjson bytes); ``where`` names it in errors.
 
@@ -235,7 +278,7 @@ def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": level_version(meta, VERSION),
+        "version": level_version(meta.entries, VERSION),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -442,12 +485,9 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
-        raise c.fail(
-            "entries",
-            f"hold a tensor subclass, a DTensor annotation, a dtype, or a leaf's chunks that only a "
-            f"version {SUBCLASS_VERSION} tree has",
-        )
+    refusal = version_refusal(entries, doc["version"])
+    if refusal is not None:
+        raise c.fail("entries", refusal)
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
@@ -482,8 +522,7 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
     """``meta`` as a level of an encrypted tree: its leaves know the chunk size.
 
     Raises:
-        MetaFormatError: a pickle, a growable leaf or chunk checksums, which an encrypted level
-            never holds.
+        MetaFormatError: a pickle or a growable leaf, which an encrypted level never holds.
 
     Example:
         >>> import torch
@@ -501,7 +540,7 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
             if e.chunks is not None:
-                raise c.fail(f"entries[{i}].chunks", "is set, but an encrypted leaf's chunks are authenticated instead")
+                raise c.fail(f"entries[{i}].chunks", "is set, but an encrypted leaf records one checksum of its file")
             e = replace(e, chunk_bytes=encryption.chunk_bytes)
         entries.append(e)
     return replace(meta, entries=tuple(entries), encryption=encryption, mac=mac)
@@ -620,7 +659,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "chunks", "dtensor"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor", "chunks"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
@@ -781,14 +820,17 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
-    chunks = None
-    if "chunks" in raw:
-        if checksum is None or capacity is not None:
-            raise c.fail(f"{p}.chunks", "needs the leaf's checksum (whose algorithm it uses) and no capacity")
-        try:
-            nbytes = prod(shape) * DTYPE_ITEMSIZES[dtype]
-            chunks = chunks_from_json(raw["chunks"], nbytes, CHECKSUM_ALGORITHMS[checksum.partition(":")[0]])
-        except ValueError as err:
-            raise c.fail(f"{p}.chunks", str(err)) from None
     layout = parse_layout(raw["dtensor"], f"{p}.dtensor", c.fail, shape) if "dtensor" in raw else None
-    return LeafMeta(key, file, dtype, shape, checksum, capacity, chunks=chunks, layout=layout)
+    chunks = _parse_chunks(c, raw, p, prod(shape) * DTYPE_ITEMSIZES[dtype]) if "chunks" in raw else None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, layout=layout, chunks=chunks)
+
+
+def _parse_chunks(c: _Checker, raw: dict[str, Any], p: str, nbytes: int) -> ChunkSums:
+    """A leaf's ``chunks`` (version 3): :func:`~memtree.format.chunks.parse_chunks`, and never
+    next to a ``checksum`` (a leaf records one or the other)."""
+    if "checksum" in raw:
+        raise c.fail(f"{p}", "records both checksum and chunks; a leaf records one or the other")
+    try:
+        return parse_chunks(raw["chunks"], nbytes)
+    except ChunksFormatError as err:
+        raise c.fail(f"{p}.chunks" + (f".{err.field}" if err.field else ""), err.problem) from None

@@ -4,7 +4,8 @@
 a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.reading.walk.walk`:
 same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
 file, not a link, exact size), but instead of stopping at the first problem it records each one
-and goes on, and it compares every leaf's recorded checksum with the file's bytes (:func:`memtree.store.reading.integrity.storage_checksum`), and the root's ``tree_hash``
+and goes on, and it compares every leaf's recorded checksum (each chunk's, for per-chunk
+checksums) with the file's bytes (:func:`memtree.store.primitives.chunk_check.hash_chunks`), and the root's ``tree_hash``
 (format version 2) with the hash of every ``meta.json`` (the one computation of
 :mod:`memtree.store.reading.integrity`, over what it has read). The same code verifies a local tree
 and a remote one. It never maps a file, never unpickles, and never writes. A directory written by tensordict's
@@ -33,7 +34,7 @@ import os
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import (
@@ -55,10 +56,11 @@ from ..errors import (
 from ..format.names import META_NAME
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
 from ..format.subclass import SubclassMeta, check_group
+from .primitives.chunk_check import differing, hash_chunks, mismatch_words
 from .primitives.files import leaf_size_error
 from .reading.integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
 from .primitives.progress import Progress
-from .reading.storage import LocalStorage, Storage, is_url, local_path
+from .reading.storage import META_FLAGS, LocalStorage, Storage, is_url, local_path
 from .reading.walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
@@ -297,12 +299,13 @@ class _Walker:
         if info.size != entry.file_nbytes:
             size_error = leaf_size_error(path, info.size, entry.file_nbytes)
             return problem("size", str(size_error), expected, f"{info.size:,} bytes")
-        if not (self.checksums and entry.checksum is not None):  # a checksum covers the tensor's bytes
+        sums = entry.sums  # a checksum covers the tensor's bytes; an encrypted leaf's, its ciphertext
+        if not self.checksums or sums is None:
             return found
         try:
-            digest = storage_checksum(  # an encrypted leaf's checksum covers its ciphertext
-                storage, rel, entry.checksum.partition(":")[0], info=info, nbytes=entry.checksum_nbytes,
-                advance=self.advance,
+            digests = hash_chunks(
+                lambda offset, view: storage.read_into(rel, offset, view, info), sums, entry.checksum_nbytes,
+                range(sums.count), advance=self.advance,
             )
         except MemtreeError as err:
             return problem(_kind(err), str(err))
@@ -310,9 +313,13 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum:
-            stale = entry.chunk_bytes is None and _written_in_place(storage, lvl, rel)
-            found.append(_mismatch(path, key, entry.checksum, digest, stale=stale))
+        bad = differing(sums, digests)
+        if not bad:
+            return found
+        words = mismatch_words(sums, digests, bad, entry.checksum_nbytes)
+        stale = entry.chunk_bytes is None and _written_in_place(storage, lvl, rel)
+        got = f"{sums.algorithm}:{digests[bad[0]]}"
+        found.append(_mismatch(path, key, words, sums.digest(bad[0]), got, stale=stale))
         return found
 
     def advance(self, n: int) -> None:
@@ -321,22 +328,27 @@ class _Walker:
                 self.bar.update(n)
 
 
-def _mismatch(path: str, key: tuple[str, ...], recorded: str, digest: str, *, stale: bool) -> Problem:
-    """A leaf whose bytes differ from its recorded checksum: ``"stale"`` when it was written in
-    place after its ``meta.json`` (and the tree's ``meta.json`` files are intact), else damage."""
+_STALE = (
+    ", and the file was modified after its meta.json: it was written in place (e.g. through a "
+    "mode='r+' mapping), so its checksum no longer describes it and memtree cannot tell that write "
+    "from damage; re-save the tree to record new checksums"
+)
+_DAMAGED = "; the file changed after it was written"
+
+
+def _mismatch(path: str, key: tuple[str, ...], words: str, recorded: str, got: str, *, stale: bool) -> Problem:
+    """A leaf whose bytes differ from its recorded checksum (``words``: what differs, from
+    :func:`mismatch_words`): ``"stale"`` when it was written in place after its ``meta.json``
+    (and the tree's ``meta.json`` files are intact), else damage."""
+    message = f"leaf {key!r} at {path}: meta.json records {words}"
     if stale:
-        return Problem(
-            path, key, "stale", recorded, digest,
-            f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}, and the "
-            "file was modified after its meta.json: it was written in place (e.g. through a "
-            "mode='r+' mapping), so its checksum no longer describes it and memtree cannot tell "
-            "that write from damage; re-save the tree to record new checksums",
-        )
-    return Problem(
-        path, key, "checksum", recorded, digest,
-        f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}; the file "
-        "changed after it was written",
-    )
+        return Problem(path, key, "stale", recorded, got, message + _STALE)
+    return Problem(path, key, "checksum", recorded, got, message + _DAMAGED)
+
+
+def _as_damage(p: Problem) -> Problem:
+    """A "stale" problem reported as damage (the ``meta.json`` files changed too)."""
+    return replace(p, kind="checksum", message=p.message.removesuffix(_STALE) + _DAMAGED)
 
 
 #: The tree hash results that leave the ``meta.json`` files trusted: only then can a leaf be
@@ -463,10 +475,15 @@ def _written_by_memtree(root: str) -> bool:
     """A hint, never a check: ``root/meta.json`` starts as memtree writes it (the checks are the
     walk's, which opens the file again as the loader does)."""
     try:
-        with open(os.path.join(root, META_NAME), "rb") as f:
-            return f.read(19) == b'{"format":"memtree"'
+        fd = os.open(os.path.join(root, META_NAME), META_FLAGS)  # a FIFO or link: never blocks
     except OSError:
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, 19, 0) == b'{"format":"memtree"'
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | None,
@@ -491,7 +508,7 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
         walker.report.leaves = len(leaves)
-        hashed = [e for e in leaves if walker.checksums and e.checksum is not None]
+        hashed = [e for e in leaves if walker.checksums and (e.checksum is not None or e.chunks is not None)]
         by_bytes = bool(hashed)
         total = sum(e.nbytes for e in hashed) if by_bytes else len(jobs)
         with Progress(total=total, desc="verify", unit="B" if by_bytes else "leaf", progress=progress) as bar:
@@ -504,6 +521,6 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
     walker.check_tree_hash(storage, levels)
     if walker.report.tree_hash not in _META_INTACT:  # meta.json files changed too: no leaf is merely stale
         walker.report.problems = [
-            _mismatch(p.path, p.key, str(p.expected), str(p.found), stale=False) if p.kind == "stale" else p
+            _as_damage(p) if p.kind == "stale" else p
             for p in walker.report.problems
         ]

@@ -1,9 +1,12 @@
 """Leaf checksums: the algorithms a ``meta.json`` may record, and computing them.
 
 ``"<algorithm>:<hex digest>"`` of a leaf's bytes, one of :data:`CHECKSUMS`; a write records
-:func:`default_checksum` (the fastest installed) unless told otherwise. :func:`crc32` is zlib's
+:func:`default_checksum` (the fastest installed) unless told otherwise, and for a leaf larger
+than one chunk the checksum of each chunk (:class:`ChunkDigest`, :func:`view_sums`,
+:func:`file_sums`; the format's side is :mod:`memtree.format.chunks`). :func:`crc32` is zlib's
 CRC-32, computed by ISA-L where the optional ``isal`` package is installed. The optional
-algorithms' packages are imported on first use (:func:`available_checksums`).
+algorithms' packages are imported on first use (:func:`available_checksums`). Every algorithm
+releases the GIL while it hashes a large buffer, so threads hash in parallel.
 
 Example:
     >>> import torch
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import InvalidArgumentError
+from ...format.chunks import ChunkSums
 from .memory import byte_view
 
 if TYPE_CHECKING:
@@ -35,6 +39,10 @@ __all__ = [
     "default_checksum",
     "check_checksum_option",
     "new_digest",
+    "digest_factory",
+    "ChunkDigest",
+    "view_sums",
+    "file_sums",
     "tensor_checksum",
     "file_checksum",
     "crc32",
@@ -184,9 +192,94 @@ def check_checksum_option(checksum: str | None) -> None:
 
 def new_digest(algorithm: str) -> Digest:
     """A running checksum for ``algorithm`` (one of :func:`available_checksums`)."""
+    return digest_factory(algorithm)()
+
+
+def digest_factory(algorithm: str) -> Callable[[], Digest]:
+    """What makes a running checksum for ``algorithm``, checked once (for a loop over leaves).
+
+    Raises:
+        InvalidArgumentError: ``algorithm`` is not one of :func:`available_checksums`.
+    """
     check_checksum_option(algorithm)
-    digest: Digest = _factories()[algorithm]()
-    return digest
+    factory: Callable[[], Digest] = _factories()[algorithm]
+    return factory
+
+
+class ChunkDigest:
+    """A running checksum of every ``chunk_bytes`` of a stream of bytes, fed in pieces of any
+    size (the :class:`Digest` interface, so :func:`~memtree.store.primitives.files.write_fd` and
+    :func:`~memtree.store.primitives.files.copy_range` hash with it as they write).
+
+    ``chunk_bytes=None`` makes one chunk of everything. :meth:`sums` gives the result.
+
+    Example:
+        >>> d = ChunkDigest("crc32", 2)
+        >>> d.update(b"abc"); d.update(b"d")
+        >>> d.sums() == view_sums(memoryview(b"abcd"), "crc32", 2)
+        True
+    """
+
+    def __init__(self, algorithm: str, chunk_bytes: int | None) -> None:
+        self.algorithm = algorithm
+        self.factory = digest_factory(algorithm)
+        self.chunk_bytes = chunk_bytes
+        self.current = self.factory()
+        self.filled = 0  # bytes in the current chunk
+        self.total = 0
+        self.digests: list[str] = []  # of the finished chunks
+
+    def update(self, data: Any) -> None:
+        """Add bytes (any buffer of bytes)."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        self.total += len(view)
+        size = self.chunk_bytes
+        if size is None:
+            self.current.update(view)
+            return
+        while len(view):
+            part = view[: size - self.filled]
+            self.current.update(part)
+            self.filled += len(part)
+            view = view[len(part) :]
+            if self.filled == size:
+                self.digests.append(self.current.hexdigest())
+                self.current, self.filled = self.factory(), 0
+
+    def hexdigest(self) -> str:
+        """Every chunk's digest so far, concatenated (the last chunk's as it stands)."""
+        return "".join(self.digests) + (self.current.hexdigest() if self.filled or not self.digests else "")
+
+    def sums(self) -> ChunkSums:
+        """The checksums of the chunks of all the bytes added (an empty stream is one empty chunk)."""
+        return ChunkSums(self.algorithm, self.chunk_bytes or max(self.total, 1), self.hexdigest())
+
+
+def view_sums(view: memoryview, algorithm: str, chunk_bytes: int | None) -> ChunkSums:
+    """The checksums of the ``chunk_bytes`` chunks of a buffer of bytes (``None``: one chunk).
+
+    Example:
+        >>> view_sums(memoryview(bytes(range(3))), "crc32", None).digest(0)
+        'crc32:0854897f'
+    """
+    digest = ChunkDigest(algorithm, chunk_bytes)
+    for start in range(0, len(view), DIGEST_SLICE):
+        digest.update(view[start : start + DIGEST_SLICE])
+    return digest.sums()
+
+
+def file_sums(
+    fd: int, nbytes: int, algorithm: str, chunk_bytes: int | None, offset: int = 0, buffer: int | None = None
+) -> ChunkSums:
+    """The checksums of the chunks of ``nbytes`` of an open file from ``offset``, read with
+    ``pread`` through one buffer of ``buffer`` bytes (default :data:`DIGEST_SLICE`).
+
+    Raises:
+        OSError: the file ends first (``EIO``), or a read fails.
+    """
+    digest = ChunkDigest(algorithm, chunk_bytes)
+    _hash_file(fd, nbytes, offset, buffer, digest)
+    return digest.sums()
 
 
 def tensor_checksum(tensor: torch.Tensor, algorithm: str) -> str:
@@ -204,6 +297,11 @@ def file_checksum(
     """``"<algorithm>:<hex>"`` of ``nbytes`` of an open file from ``offset``, read with ``pread``
     through one buffer of ``buffer`` bytes (default :data:`DIGEST_SLICE`)."""
     digest = new_digest(algorithm)
+    _hash_file(fd, nbytes, offset, buffer, digest)
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def _hash_file(fd: int, nbytes: int, offset: int, buffer: int | None, digest: Digest) -> None:
     buf = bytearray(min(nbytes, buffer or DIGEST_SLICE))
     view = memoryview(buf)
     done = 0
@@ -213,7 +311,6 @@ def file_checksum(
             raise OSError(errno.EIO, f"unexpected end of file after {done} of {nbytes} bytes")
         digest.update(view[:n])
         done += n
-    return f"{algorithm}:{digest.hexdigest()}"
 
 
 # ---------------------------------------------------------------------------------------------

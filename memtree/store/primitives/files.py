@@ -54,7 +54,8 @@ from ...errors import (
     StorageError,
     UnsafePathError,
 )
-from .checksums import DIGEST_SLICE, Digest, new_digest
+from ...format.chunks import ChunkSums
+from .checksums import DIGEST_SLICE, ChunkDigest, Digest, digest_factory
 from .faults import point
 from .memory import PYBUF_READ, byte_view, is_plain_memory, view_of_memory
 
@@ -64,9 +65,11 @@ if TYPE_CHECKING:  # imported by the functions that handle tensors; opening and 
 __all__ = [
     "CHUNK_BYTES",
     "write_fd",
+    "write_view",
     "pwrite_from",
     "FileRange",
     "copy_range",
+    "copy_from",
     "equal_bytes",
     "allocate_fd",
     "preallocate_fd",
@@ -187,10 +190,20 @@ def pwrite_from(
         >>> os.close(fd)
     """
     if nbytes:
-        _pwrite_view(fd, view_of_memory(address, nbytes, PYBUF_READ), offset, digest)
+        write_view(fd, view_of_memory(address, nbytes, PYBUF_READ), offset, digest)
 
 
-def _pwrite_view(fd: int, view: memoryview, offset: int, digest: Digest | None) -> None:
+def write_view(fd: int, view: memoryview, offset: int, digest: Digest | None = None) -> None:
+    """``pwrite`` a buffer of bytes at ``offset`` of ``fd`` (GIL released), in slices; with
+    ``digest``, each slice is hashed right after it is written (see :func:`write_fd`).
+
+    Example:
+        >>> import os, tempfile
+        >>> fd = os.open(os.path.join(tempfile.mkdtemp(), "f"), os.O_RDWR | os.O_CREAT)
+        >>> write_view(fd, memoryview(b"abc"), 2)
+        >>> os.pread(fd, 8, 0), os.close(fd)
+        (b'\\x00\\x00abc', None)
+    """
     step = CHUNK_BYTES if digest is None else DIGEST_SLICE
     done = 0
     total = len(view)
@@ -217,7 +230,7 @@ def write_fd(fd: int, tensor: torch.Tensor, offset: int = 0, digest: Digest | No
     if is_plain_memory(tensor):
         pwrite_from(fd, tensor.data_ptr(), tensor.nbytes, offset, digest)
     else:
-        _pwrite_view(fd, byte_view(tensor), offset, digest)
+        write_view(fd, byte_view(tensor), offset, digest)
 
 
 @dataclass(init=False, repr=False, eq=False)  # frozen: a Record (cheaper to define at import)
@@ -305,8 +318,25 @@ def copy_range(
         n = os.preadv(src_fd, [view[: min(len(buf), nbytes - done)]], src_offset + done)
         if n <= 0:
             raise EOFError(f"the file ends at byte {src_offset + done:,}")
-        _pwrite_view(dst_fd, view[:n], dst_offset + done, digest)
+        write_view(dst_fd, view[:n], dst_offset + done, digest)
         done += n
+
+
+def copy_from(src: FileRange, dst_fd: int, start: int, stop: int, digest: Digest | None = None) -> None:
+    """Copy bytes ``[start, stop)`` of the data in ``src`` to the same offsets of ``dst_fd``
+    (:func:`copy_range`, hashed into ``digest`` when given).
+
+    Raises:
+        StorageError: ``src``'s file ends before the range does (``EIO``, naming ``src.what``).
+    """
+    try:
+        copy_range(src.fd, src.offset + start, dst_fd, start, stop - start, digest)
+    except EOFError as err:
+        raise StorageError(
+            errno.EIO,
+            f"{src.what} spans bytes {src.offset:,}..{src.offset + src.nbytes:,}, but {err}: the "
+            "file was truncated or replaced while it was read; check it and try again",
+        ) from None
 
 
 def equal_bytes(
@@ -430,7 +460,8 @@ def create_leaf(
     reserve: bool = False,
     fsync: bool = False,
     checksum: str | None = None,
-) -> str | None:
+    chunk_bytes: int | None = None,
+) -> str | ChunkSums | None:
     """Create a new leaf file (never an existing one) and fill it.
 
     Args:
@@ -441,14 +472,19 @@ def create_leaf(
         nbytes: the file's size.
         checksum: one of :data:`~memtree.store.primitives.checksums.CHECKSUMS` to hash the bytes while writing them (needs
             ``tensor``).
+        chunk_bytes: with ``checksum``, hash each ``chunk_bytes`` of them on its own (``None``: one
+            checksum of all of them; :mod:`memtree.format.chunks`).
 
     Returns:
-        ``"<algorithm>:<hex>"`` of the written bytes when ``checksum`` is set, else None.
+        With ``checksum``: ``"<algorithm>:<hex>"`` of the written bytes, or with ``chunk_bytes``
+        the :class:`~memtree.format.chunks.ChunkSums` of their chunks; else None.
 
     Raises:
         StorageError: a :class:`FileRange`'s file ends before the range does (``EIO``).
     """
-    digest = new_digest(checksum) if checksum is not None else None
+    digest: Digest | None = None
+    if checksum is not None:
+        digest = digest_factory(checksum)() if chunk_bytes is None else ChunkDigest(checksum, chunk_bytes)
     if isinstance(tensor, FileRange) and tensor.nbytes != nbytes:
         raise ValueError(f"{tensor.what} has {tensor.nbytes:,} bytes, but the leaf needs {nbytes:,}")
     fd = new_file(name, dir_fd=dir_fd)
@@ -459,15 +495,7 @@ def create_leaf(
             allocate_fd(fd, nbytes, reserve=reserve)
         elif isinstance(tensor, FileRange):
             preallocate_fd(fd, nbytes)
-            try:
-                copy_range(tensor.fd, tensor.offset, fd, 0, nbytes, digest)
-            except EOFError as err:
-                raise StorageError(
-                    errno.EIO,
-                    f"{tensor.what} spans bytes {tensor.offset:,}..{tensor.offset + nbytes:,}, but "
-                    f"{err}: the file was truncated or replaced while it was read; check it and "
-                    "try again",
-                ) from None
+            copy_from(tensor, fd, 0, nbytes, digest)
         else:
             preallocate_fd(fd, nbytes)
             write_fd(fd, tensor, 0, digest)
@@ -475,6 +503,8 @@ def create_leaf(
             os.fsync(fd)
     finally:
         os.close(fd)
+    if isinstance(digest, ChunkDigest):
+        return digest.sums()
     return f"{checksum}:{digest.hexdigest()}" if digest is not None else None
 
 

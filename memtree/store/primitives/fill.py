@@ -29,7 +29,10 @@ copy in memory:
 Every range is checked against its file's size first (``fstat``): a file already too short
 raises before anything is written. A file that shrinks during the read raises the same error,
 and says that destinations may then be partly overwritten. A job may carry a checksum check
-(``(algorithm, callback)``): the callback gets the ``"algorithm:hex"`` of the bytes read.
+(``(algorithm, callback)``): the callback gets the ``"algorithm:hex"`` of the bytes read; or
+``(chunk sums, callback)`` (:class:`~memtree.format.chunks.ChunkSums`: per-chunk checksums):
+each chunk is hashed as soon as its bytes are read, by the thread that read them, and the
+callback gets the hex digest of every chunk.
 
 Example:
     >>> import os, tempfile, torch
@@ -53,14 +56,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Union, cast
 
 import torch
 
 from ...errors import InvalidArgumentError, MemtreeError, StorageError
+from ...format.chunks import ChunkSums, chunk_span, chunks_covering
 from ...format.dtypes import itemsize
 from .files import FileRange, storage_error
-from .checksums import crc32, crc_combine, file_checksum, tensor_checksum
+from .checksums import crc32, crc_combine, digest_factory, file_checksum, file_sums, tensor_checksum
 from .memory import byte_view, is_plain_memory, writable_view
 
 __all__ = [
@@ -124,7 +128,7 @@ PINNED_RING_BYTES = 512 * 1024 * 1024
 PINNED_CHUNK = 32 * 1024 * 1024
 _READ_ONLY = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _POLL = 0.05  # seconds a waiting reader sleeps between checks of the stop flag
-_Check = tuple[str, Callable[[str], None]]
+_Check = Union[tuple[str, Callable[[str], None]], tuple[ChunkSums, Callable[[dict[int, str]], None]]]
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,9 @@ class FillJob:
             :func:`fill`), or a :class:`MemoryRange` (always staged through the ring).
         dtype: the dtype of the bytes, when it differs from ``dest.dtype`` (they are cast).
         checksum: ``(algorithm, check)``: ``check("<algorithm>:<hex>")`` is called with the
-            checksum of the bytes once they are read (it raises on a mismatch); file ranges only.
+            checksum of the bytes once they are read (it raises on a mismatch); or ``(sums,
+            check)``: ``check`` gets the hex digest of each of the chunks of ``sums`` (a
+            :class:`~memtree.format.chunks.ChunkSums` of the range's bytes). File ranges only.
         max_gap: most bytes of the file between the end of the previous range and this one
             that a read may span to read both at once (the gap read and dropped): at most
             :data:`READ_GAP`; a rank reading one range per row of a column shard passes a
@@ -640,21 +646,33 @@ class _Sums:
     """The checksums of the jobs that carry one, made as their pieces are read.
 
     CRC-32 is computed piece by piece, by the thread that read the piece (its bytes still in
-    the CPU cache), and the pieces' CRCs are combined in order. Other algorithms hash the
-    whole destination once it is read (direct fills), or read the range again (staged fills).
+    the CPU cache), and the pieces' CRCs are combined in order. Per-chunk checksums
+    (:class:`_Chunks`) hash each chunk that a piece holds whole right away, in the thread that
+    read it. Other algorithms hash the whole destination once it is read (direct fills), or
+    read the range again (staged fills).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.parts: dict[int, list[tuple[int, int, int]]] = {}  # job -> (offset, crc, nbytes)
         self.done: dict[int, int] = {}
+        self.chunks: dict[int, _Chunks] = {}
 
     def empty(self, job: FillJob) -> None:
         if job.checksum is not None and job.source.nbytes == 0:
+            if isinstance(job.checksum[0], ChunkSums):  # never: a leaf of chunks has bytes
+                raise InvalidArgumentError(f"{job.source.what}: per-chunk checksums of no byte")
             self._finish(job, [], staged=not job.direct)
 
     def add(self, job: FillJob, offset: int, data: memoryview, *, staged: bool) -> None:
         if job.checksum is None:
+            return
+        if isinstance(job.checksum[0], ChunkSums):
+            with self.lock:
+                state = self.chunks.get(id(job))
+                if state is None:
+                    state = self.chunks[id(job)] = _Chunks(job, job.checksum[0])
+            state.add(offset, data, staged=staged)
             return
         crc = crc32(data) if job.checksum[0] == "crc32" else 0
         with self.lock:
@@ -667,7 +685,7 @@ class _Sums:
     @staticmethod
     def _finish(job: FillJob, parts: list[tuple[int, int, int]], *, staged: bool) -> None:
         assert job.checksum is not None
-        algorithm, check = job.checksum
+        algorithm, check = cast(tuple[str, Callable[[str], None]], job.checksum)
         src = job.source
         if algorithm == "crc32":
             crc = 0
@@ -682,16 +700,76 @@ class _Sums:
                 found = file_checksum(src.fd, src.nbytes, algorithm, src.offset)
             except OSError as err:
                 raise storage_error(err, f"checking {src.what}") from err
+        _report(check, found)
+
+
+def _report(check: Callable[[Any], None], found: Any) -> None:
+    """Call a job's check; its error says that the destination may be partly written."""
+    try:
+        check(found)
+    except MemtreeError as err:  # the bytes are in the destination already: say so
+        if len(err.args) == 1 and isinstance(err.args[0], str):
+            err.args = (
+                f"{err.args[0]}. The bytes were checked as they were read into place, so the "
+                "destination of this tensor (and others of the same load) may be partly "
+                "overwritten: load again from an intact file",
+            )
+        raise
+
+
+class _Chunks:
+    """The per-chunk checksums of one job, made as its pieces are read: a chunk that one piece
+    holds whole is hashed from the piece at once (by the thread that read it); a chunk that
+    pieces share is hashed once its last byte is read, from the destination (direct fills) or
+    read again from the file (staged fills). The job's check gets every chunk's digest."""
+
+    def __init__(self, job: FillJob, sums: ChunkSums) -> None:
+        assert job.checksum is not None
+        self.job = job
+        self.check = cast(Callable[[Any], None], job.checksum[1])
+        self.sums = sums
+        self.nbytes = job.source.nbytes
+        self.lock = threading.Lock()
+        self.filled = [0] * sums.count  # bytes read of each chunk
+        self.found: dict[int, str] = {}
+
+    def add(self, offset: int, data: memoryview, *, staged: bool) -> None:
+        size, end = self.sums.chunk_bytes, offset + len(data)
+        whole: list[tuple[int, memoryview]] = []
+        later: list[int] = []
+        with self.lock:
+            for k in chunks_covering(offset, end, self.nbytes, size):
+                a, b = chunk_span(k, self.nbytes, size)
+                if offset <= a and b <= end:
+                    whole.append((k, data[a - offset : b - offset]))
+                else:
+                    self.filled[k] += min(b, end) - max(a, offset)
+                    if self.filled[k] == b - a:
+                        later.append(k)
+        found = {k: self._hash(view) for k, view in whole}
+        found.update((k, self._again(k, staged)) for k in later)
+        with self.lock:
+            self.found.update(found)
+            complete = len(self.found) == self.sums.count and found
+        if complete:
+            _report(self.check, self.found)
+
+    def _hash(self, view: memoryview) -> str:
+        digest = digest_factory(self.sums.algorithm)()
+        digest.update(view)
+        return digest.hexdigest()
+
+    def _again(self, k: int, staged: bool) -> str:
+        """Chunk ``k``'s digest once all its bytes are read, in several pieces."""
+        a, b = chunk_span(k, self.nbytes, self.sums.chunk_bytes)
+        src = self.job.source
+        if not staged:
+            return self._hash(writable_view(self.job.dest)[a:b])
+        assert isinstance(src, FileRange)
         try:
-            check(found)
-        except MemtreeError as err:  # the bytes are in the destination already: say so
-            if len(err.args) == 1 and isinstance(err.args[0], str):
-                err.args = (
-                    f"{err.args[0]}. The bytes were checked as they were read into place, so the "
-                    "destination of this tensor (and others of the same load) may be partly "
-                    "overwritten: load again from an intact file",
-                )
-            raise
+            return file_sums(src.fd, b - a, self.sums.algorithm, None, src.offset + a).digests
+        except OSError as err:
+            raise storage_error(err, f"checking {src.what}") from err
 
 
 @dataclass

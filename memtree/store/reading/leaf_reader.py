@@ -45,9 +45,10 @@ from ...errors import (
     PickleNotAllowedError,
     UnsafePathError,
 )
+from ...format.chunks import ChunkSums
 from ...format.schema import LeafMeta, PickleMeta
 from ...format.values import UnloadedPickle
-from ..primitives.checksums import file_checksum
+from ..primitives.chunk_check import differing, file_reader, hash_chunks, mismatch_words
 from ..primitives.files import FileRange, open_checked, open_leaf, storage_error
 from .integrity import changed_after_meta
 from .mapped import map_leaf
@@ -101,7 +102,7 @@ class LeafReader:
             fd, st = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd, writable=writable)  # maps only nbytes
         except LeafSizeError:
             fd, st = self.open_grown(dir_fd, where, entry, path, writable=writable), None
-        check = self.verify and entry.checksum is not None
+        check = self.verify and (entry.checksum is not None or entry.chunks is not None)
         if not mapped:  # read, never mapped: into ordinary or device memory
             try:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
@@ -122,10 +123,7 @@ class LeafReader:
                         shared, st, entry.file, path, root=_tree_root(where, dirs), dir_fd=dir_fd, dirs=dirs
                     )
             if check:
-                self.check(
-                    file_checksum(fd, entry.nbytes, _algorithm(entry)), entry, path, parents,
-                    lambda: changed_after_meta(fd, dir_fd),
-                )
+                self.check_file(fd, entry, path, parents, lambda: changed_after_meta(fd, dir_fd))
             return map_leaf(fd, path, entry.dtype, entry.shape, readonly=self.readonly, st=st)
         except OSError as err:
             if isinstance(err, MemtreeError):
@@ -140,11 +138,20 @@ class LeafReader:
     ) -> None:
         """Queue reading the open leaf ``fd`` into ``dest`` (cast from ``entry.dtype`` if it
         differs); :meth:`flush` reads and closes ``fd``."""
-        checksum = None
+        checksum: Any = None
         try:
-            if self.verify and entry.checksum is not None:  # whether the file is newer than its
-                stale = changed_after_meta(fd, dir_fd)  # meta.json, known now (dir_fd closes before the read)
-                checksum = (_algorithm(entry), lambda found: self.check(found, entry, path, parents, lambda: stale))
+            sums = entry.sums if self.verify else None
+            if sums is not None:  # whether the file is newer than its meta.json, known now (dir_fd
+                stale = changed_after_meta(fd, dir_fd)  # closes before the read)
+
+                def found_all(found: dict[int, str]) -> None:
+                    assert sums is not None
+                    self.check(sums, found, entry, path, parents, lambda: stale)
+
+                if entry.chunks is not None:  # checked chunk by chunk as they are read
+                    checksum = (entry.chunks, found_all)
+                else:
+                    checksum = (sums.algorithm, lambda found: found_all({0: found.partition(":")[2]}))
             from ..primitives.fill import FillJob
 
             cast = entry.dtype if entry.dtype != dest.dtype else None
@@ -227,9 +234,7 @@ class LeafReader:
         fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
         try:
             if self.verify and entry.checksum is not None:  # the ciphertext's: checkable without the key
-                self.check(
-                    file_checksum(fd, entry.checksum_nbytes, _algorithm(entry)), entry, path, parents, lambda: False
-                )  # an encrypted leaf is never written in place
+                self.check_file(fd, entry, path, parents, lambda: False)  # never written in place
             tensor = self.cipher.read_leaf(fd, "/".join(dirs + (entry.file,)), entry, path, parents + (entry.key,))
         except OSError as err:
             if isinstance(err, MemtreeError):
@@ -261,16 +266,33 @@ class LeafReader:
             return open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)  # raises again
         return open_leaf(entry.file, now.file_nbytes, path, dir_fd=dir_fd, writable=writable)[0]
 
+    def check_file(
+        self, fd: int, entry: LeafMeta, path: str, parents: tuple[str, ...], stale: Callable[[], bool]
+    ) -> None:
+        """Hash the open leaf ``fd`` in its recorded chunks and :meth:`check` it."""
+        sums = entry.sums
+        assert sums is not None
+        found = hash_chunks(file_reader(fd, path), sums, entry.checksum_nbytes, range(sums.count))
+        self.check(sums, found, entry, path, parents, stale)
+
     @staticmethod
     def check(
-        found: str, entry: LeafMeta, path: str, parents: tuple[str, ...], stale: Callable[[], bool]
+        recorded: ChunkSums,
+        found: dict[int, str],
+        entry: LeafMeta,
+        path: str,
+        parents: tuple[str, ...],
+        stale: Callable[[], bool],
     ) -> None:
-        if found != entry.checksum:
+        """Raise unless ``found`` (hex digests by chunk) are the ``recorded`` checksums."""
+        bad = differing(recorded, found)
+        if bad:
             key = parents + (entry.key,)
+            words = mismatch_words(recorded, found, bad, entry.checksum_nbytes)
             if stale():
                 raise IntegrityError(
                     f"leaf {key if len(key) > 1 else key[0]!r} at {path} cannot be verified: its "
-                    f"meta.json records checksum {entry.checksum}, the file has {found}, and the "
+                    f"meta.json records checksum {words}, and the "
                     "file was modified after its meta.json (written in place, e.g. through a "
                     "mode='r+' mapping), so the checksum is stale and memtree cannot tell that "
                     "write from damage. Load without verify=True, or re-save the tree to record "
@@ -278,7 +300,7 @@ class LeafReader:
                 )
             raise IntegrityError(
                 f"leaf {key if len(key) > 1 else key[0]!r} at {path} is damaged: its meta.json "
-                f"records checksum {entry.checksum}, the file has {found}. The file changed "
+                f"records checksum {words}. The file changed "
                 "after it was written; restore it or re-save the tree (`memtree verify DIR` "
                 "lists every damaged leaf)"
             )
@@ -351,7 +373,3 @@ def _tree_root(where: str, dirs: tuple[str, ...]) -> str:
         where = os.path.dirname(where)
     return where
 
-
-def _algorithm(entry: LeafMeta) -> str:
-    assert entry.checksum is not None
-    return entry.checksum.partition(":")[0]

@@ -68,6 +68,7 @@ from ...errors import (
     PickleNotAllowedError,
     RemoteChangedError,
 )
+from ...format.chunks import ChunkSums, chunk_bytes_for
 from ...format.level import Level, as_level, fmt_key
 from ...format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
 from ...format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
@@ -76,7 +77,8 @@ from ...format.values import NonTensor, UnloadedPickle, lists_to_tuples
 from ..primitives import faults
 from ..writing.cache import Download, entry_name, find_entry
 from ..primitives.files import check_free_space, storage_error
-from ..primitives.checksums import check_checksum_option, file_checksum, tensor_checksum
+from ..primitives.checksums import check_checksum_option, file_checksum, view_sums
+from ..primitives.chunk_check import Reader, differing, file_reader, hash_chunks, mismatch_words
 from ..primitives.memory import byte_view
 from ..reading.mapped import to_storable
 from ..reading.options import ReadOptions, RemoteKeywords, WriteOptions, check_remote_keywords
@@ -357,15 +359,18 @@ def final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[Remote
     same((META_NAME, root_info, "the root meta.json"))
 
 
-def _check_digest(storage: Storage, leaf: RemoteLeaf, compute: Callable[[str], str]) -> None:
-    checksum = leaf.meta.checksum
-    if checksum is None:
+def _check_digest(storage: Storage, leaf: RemoteLeaf, read: Reader) -> None:
+    """Check the leaf's fetched bytes (``read`` gives them) against its recorded checksums."""
+    sums = leaf.meta.sums
+    if sums is None:
         return
-    got = compute(checksum.partition(":")[0])
-    if got != checksum:
+    nbytes = leaf.meta.nbytes
+    found = hash_chunks(read, sums, nbytes, range(sums.count))
+    bad = differing(sums, found)
+    if bad:
         raise IntegrityError(
-            f"leaf {leaf.label} at {storage.describe(leaf.rel)}: checksum {got} does not match "
-            f"{checksum} recorded in meta.json; the object is corrupt or was changed: nothing was loaded"
+            f"leaf {leaf.label} at {storage.describe(leaf.rel)}: meta.json records checksum "
+            f"{mismatch_words(sums, found, bad, nbytes)}; the object is corrupt or was changed: nothing was loaded"
         )
 
 
@@ -384,9 +389,15 @@ def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[Remote
 
     _fetch(storage, pool, leaves, chunk_bytes, allocate, read, progress=progress)
     final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
-    map_all(pool, lambda leaf: _check_digest(
-        storage, leaf, lambda algo: tensor_checksum(tensors[leaf.rel], algo)), leaves)
+    map_all(pool, lambda leaf: _check_digest(storage, leaf, _memory_reader(views[leaf.rel])), leaves)
     return tensors
+
+
+def _memory_reader(view: memoryview) -> Reader:
+    def read(offset: int, out: memoryview) -> None:
+        out[:] = view[offset : offset + len(out)]
+
+    return read
 
 
 def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
@@ -410,15 +421,17 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         for leaf in checked:
             download.create_file(leaf.rel, leaf.meta.nbytes)
 
-    def digest(leaf: RemoteLeaf) -> str:
-        algo = leaf.meta.checksum.partition(":")[0] if leaf.meta.checksum else "crc32"
+    def digest(leaf: RemoteLeaf) -> str | ChunkSums:
+        """The downloaded leaf's checksums: checked against the recorded ones; ``crc32`` of its
+        bytes when it records none."""
         fd = download.open_read(leaf.rel)
         try:
-            found = file_checksum(fd, leaf.meta.nbytes, algo)
+            read = file_reader(fd, f"the downloaded leaf {leaf.label}")
+            _check_digest(storage, leaf, read)
+            recorded = leaf.meta.chunks or leaf.meta.checksum  # over the tensor's bytes: the file's
+            return recorded if recorded is not None else file_checksum(fd, leaf.meta.nbytes, "crc32")
         finally:
             os.close(fd)
-        _check_digest(storage, leaf, lambda _: found)
-        return found
 
     try:
         for lvl in levels[1:]:  # breadth first: parents before children
@@ -430,7 +443,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
             download.write_file(rel, data)
         for lvl in levels:
             entries = tuple(
-                dataclasses.replace(e, checksum=sums[lvl.file(e.file)], capacity=None) if isinstance(e, LeafMeta) else e
+                dataclasses.replace(e.with_sums(sums[lvl.file(e.file)]), capacity=None) if isinstance(e, LeafMeta) else e
                 for e in lvl.meta.entries
             )
             meta = dataclasses.replace(lvl.meta, entries=entries, tree_hash=None)  # the remote's hash, checked there
@@ -533,12 +546,15 @@ def upload(
         for lp in plan.levels:
             fs.makedirs(storage.path(lp.rel) if lp.rel else storage.root, exist_ok=True)
 
-    def put_leaf(job: Any) -> tuple[str, str | None]:
+    def put_leaf(job: Any) -> tuple[str, str | ChunkSums | None]:
         path = storage.path(job.rel)
         data = to_storable(job.tensor, f"leaf {job.where}")
         view = byte_view(data)
         with_retries(lambda: _put(fs, path, view), f"uploading leaf {job.where} to {path}", retries)
-        return job.rel, tensor_checksum(data, checksum) if checksum else None
+        if checksum is None:
+            return job.rel, None
+        # a large leaf: per-chunk checksums, so that a range of it is checked alone
+        return job.rel, view_sums(view, checksum, chunk_bytes_for(len(view)))
 
     with ThreadPoolExecutor(max(num_threads, 1), thread_name_prefix="memtree-upload") as pool:
         sums = dict(map_all(pool, put_leaf, plan.leaves))
@@ -547,7 +563,8 @@ def upload(
     written = {storage.path(j.rel) for j in plan.leaves} | {storage.path(rel) for rel, _ in plan.pickles}
     metas: dict[str, LevelMeta] = {}
     for lp in plan.levels:  # deepest first, the root's meta.json last
-        meta = dataclasses.replace(lp.meta, entries=tuple(_with_sum(e, lp.rel, sums) for e in lp.meta.entries))
+        entries = tuple(_with_sum(e, lp.rel, sums) for e in lp.meta.entries)
+        meta = dataclasses.replace(lp.meta, entries=entries)
         path = storage.path(f"{lp.rel}/{META_NAME}" if lp.rel else META_NAME)
         written.add(path)
         if lp.rel:
@@ -598,11 +615,11 @@ def _put(fs: Any, path: str, view: memoryview) -> None:
             f.write(view[start : start + _UPLOAD_PART_BYTES])
 
 
-def _with_sum(e: Entry, rel: str, sums: Mapping[str, str | None]) -> Entry:
+def _with_sum(e: Entry, rel: str, sums: Mapping[str, str | ChunkSums | None]) -> Entry:
     if isinstance(e, LeafMeta):
         digest = sums.get(f"{rel}/{e.file}" if rel else e.file)
         if digest is not None:
-            return dataclasses.replace(e, checksum=digest)
+            return e.with_sums(digest)
     return e
 
 

@@ -405,6 +405,7 @@ class _Growth:
             shape=(length,) + entry.shape[1:],
             capacity=capacity if capacity > length else None,
             checksum=None,  # the content changes; a checksum would be stale
+            chunks=None,
         )
         self.leaves.append(_Leaf(rel, path, key, entry, new, rows, old_capacity))
 
@@ -485,7 +486,7 @@ class _Growth:
         by_file = {(leaf.rel, leaf.old.file): leaf.new.capacity or leaf.new.shape[0] for leaf in grown}
         metas = {
             rel: replace(meta, entries=tuple(
-                replace(e, capacity=by_file[(rel, e.file)], checksum=None)
+                replace(e, capacity=by_file[(rel, e.file)], checksum=None, chunks=None)
                 if isinstance(e, LeafMeta) and (rel, e.file) in by_file else e
                 for e in meta.entries
             ))
@@ -513,7 +514,7 @@ class _Growth:
                         pass
             raise
         for leaf in grown:
-            leaf.old = replace(leaf.old, capacity=leaf.new.capacity or leaf.new.shape[0], checksum=None)
+            leaf.old = replace(leaf.old, capacity=leaf.new.capacity or leaf.new.shape[0], checksum=None, chunks=None)
 
     def _new_generations(self, lock: WriterLock, kept: int) -> None:
         """Create the staging directory of the final commit, with each new generation in it.

@@ -9,7 +9,8 @@ saves"):
   symlink or a renamed directory can never lead a link outside the old tree;
 * a leaf is a candidate only if its key path exists there with the same dtype and shape, no
   capacity, and a recorded checksum of the write's algorithm equal to the new bytes' checksum
-  (a quick filter: equal checksums do not prove equal bytes);
+  (per-chunk checksums: every chunk's, in the old leaf's chunks; a quick filter: equal
+  checksums do not prove equal bytes);
 * the old file is opened without following links and must be a regular file of the exact size,
   with fewer than :data:`MAX_LINKS` links, and **no process may have it open for writing**
   (a tree loaded with ``mode="r+"`` maps its leaves read-write): a read lease proves it
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import MemtreeError
+from ...format.chunks import ChunkSums
 from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LeafMeta, LevelMeta
 from ..primitives.files import FileRange, _unlink_quiet, equal_bytes, open_leaf
@@ -214,8 +216,9 @@ class LinkSource:
             for e in meta.entries:
                 if isinstance(e, ChildMeta):
                     keys[dirs + (e.dir,)] = path + (e.key,)
-                elif isinstance(e, LeafMeta) and e.capacity is None and e.checksum is not None:
-                    if e.checksum.partition(":")[0] == self.algorithm:
+                elif isinstance(e, LeafMeta) and e.capacity is None:
+                    sums = e.sums
+                    if sums is not None and sums.algorithm == self.algorithm:
                         self.leaves[path + (e.key,)] = _Old(dirs, e, mtime)
 
         try:
@@ -234,7 +237,7 @@ class LinkSource:
     def link(
         self,
         key: tuple[str, ...],
-        checksum: str,
+        checksum: ChunkSums,
         target: str,
         data: torch.Tensor | FileRange,
         *,
@@ -243,8 +246,9 @@ class LinkSource:
         """Hard-link the old leaf at ``key`` to the new path ``target`` if it holds ``data``.
 
         ``checksum`` is the checksum of ``data`` (a contiguous CPU tensor, or a
-        :class:`~memtree.store.primitives.files.FileRange` of its bytes): the old leaf's recorded one must
-        equal it before anything is opened. ``fsync``: also flush the old file's data (the old
+        :class:`~memtree.store.primitives.files.FileRange` of its bytes) in the old leaf's chunks
+        (one chunk for a leaf that records one ``checksum``): the recorded ones must equal it
+        before anything is opened. ``fsync``: also flush the old file's data (the old
         tree may have been written without ``fsync``; the new one promises durability).
 
         Returns:
@@ -253,7 +257,7 @@ class LinkSource:
             links, a writer) or the link failed.
         """
         old = self.leaves[key]
-        if old.meta.checksum != checksum:
+        if old.meta.sums != checksum:
             return None
         where = os.path.join(self.root, *old.dirs, old.meta.file)
         dir_fd = self.root_fd

@@ -58,8 +58,9 @@ from ...errors import (
 from ..primitives.crypto import TreeCipher, hide_names
 from ..primitives.faults import point
 from ..primitives.files import FileRange, create_leaf, gc_paused, storage_error
-from ..primitives.checksums import file_checksum, tensor_checksum
-from ..primitives.memory import is_plain_memory
+from ..primitives.checksums import digest_factory, file_sums, view_sums
+from ..primitives.memory import byte_view, is_plain_memory
+from .pieces import PIECE_BYTES, Hasher, Pieces, write_piece
 from ..reading.integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
 from ..primitives.commit import fsync_dir, wait_for_removals, write_small_file
@@ -77,6 +78,7 @@ from ...format.schema import (
     extent_bytes,
     starts_with_batch,
 )
+from ...format.chunks import ChunkSums, chunk_bytes_for
 from ...format.names import META_NAME, encode_level
 from ...format.level import Level, as_level, fmt_key
 from ..reading.mapped import MemoryMappedTensor, to_storable
@@ -442,12 +444,19 @@ def _write_staging(
 ) -> dict[str, LevelMeta]:
     """Write the plan's files into ``staging`` (or link them from ``links``); returns each
     level's metadata as written (with checksums, the root's ``save_id`` and ``tree_hash``), by
-    directory relative to the root."""
+    directory relative to the root.
+
+    A leaf larger than one piece (a checksum chunk, or :data:`~memtree.store.writing.pieces.PIECE_BYTES`
+    without checksums) is written in pieces that the writer threads share
+    (:mod:`memtree.store.writing.pieces`); without writer threads, a :class:`~memtree.store.writing.pieces.Hasher`
+    hashes its chunks while the calling thread writes. Link candidates and encrypted leaves are
+    written whole, by one thread each."""
     like, num_threads, fsync = options.like, options.num_threads, options.fsync
     checksum = None if like else options.checksum
+    digest = digest_factory(checksum) if checksum is not None else None
     plan.make_dirs(staging)
     point("before_leaves")
-    sums: dict[str, str] = {}
+    sums: dict[str, str | ChunkSums] = {}
     key = options.encryption  # encryption at rest: store/primitives/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
 
@@ -455,44 +464,83 @@ def _write_staging(
         data = None if like else _storable(j)
         target = f"{staging}/{j.rel}"
         try:
-            digest = None
+            result: str | ChunkSums | None = None
             fallback = False
             if cipher is not None and data is not None:  # never with link_from (WriteOptions refuses it)
-                written = cipher.write_leaf(
+                result = cipher.write_leaf(
                     target, j.rel, data, j.tensor.dtype, tuple(j.tensor.shape), fsync=fsync, checksum=checksum
                 )
             else:
-                if links is not None and checksum is not None and links.candidate(j.key, j.tensor) is not None:
-                    assert data is not None
-                    digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
-                    linked = links.link(j.key, digest, target, data, fsync=fsync)
+                old = links.candidate(j.key, j.tensor) if links is not None and checksum is not None else None
+                layout = chunk_bytes_for(j.nbytes)  # the chunks this write records
+                if old is not None:
+                    assert data is not None and checksum is not None and links is not None
+                    old_layout = old.chunks.chunk_bytes if old.chunks is not None else None
+                    result = _data_sums(data, j.nbytes, checksum, old_layout)  # decide before writing
+                    linked = links.link(j.key, result, target, data, fsync=fsync)
                     if linked:
-                        sums[j.rel] = digest
+                        sums[j.rel] = result
                         if stats is not None:
                             stats.add(j.nbytes, linked=True)
                         point("after_leaf")
                         return j.nbytes
-                    fallback = linked is False  # the checksum matched, the link did not happen
-                written = create_leaf(
+                    fallback = linked is False  # the checksums matched, the link did not happen
+                    if old_layout != layout:
+                        result = None  # hashed again as written, in this write's chunks
+                made = create_leaf(
                     target, data, j.nbytes, reserve=options.reserve, fsync=fsync,
-                    checksum=checksum if digest is None else None,
+                    checksum=checksum if result is None else None, chunk_bytes=layout,
                 )
+                if result is None:
+                    result = made
         except MemtreeError:
             raise
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
-        digest = digest or written
-        if digest is not None:
-            sums[j.rel] = digest
+        if result is not None:
+            sums[j.rel] = result
         if stats is not None:
             stats.add(j.nbytes, linked=False, fallback=fallback)
         point("after_leaf")
         return j.nbytes
 
-    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
+    hasher: Hasher | None = None
+
+    def write_part(task: LeafJob | tuple[Pieces, int]) -> int:
+        if not isinstance(task, tuple):
+            return write_leaf(task)
+        leaf, i = task
+        try:
+            last = write_piece(leaf, i, digest, fsync=fsync, hasher=hasher)
+        except MemtreeError:
+            raise
+        except OSError as err:
+            raise storage_error(err, f"writing leaf {leaf.where}") from err
+        if last:
+            if stats is not None:
+                stats.add(leaf.nbytes, linked=False)
+            point("after_leaf")
+        start, stop = i * leaf.size, min((i + 1) * leaf.size, leaf.nbytes)
+        return stop - start
+
+    tasks, pieced = _tasks(plan, staging, options, links, cipher is not None)
     total = plan.total_bytes
+    threads = _thread_count(num_threads, len(tasks), 0 if like else total)
     with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
-        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+        try:
+            if threads == 0 and digest is not None and pieced and total >= THREAD_MIN_WORK:
+                hasher = Hasher(digest)  # hashes the chunks while this thread writes the next ones
+            _run(tasks, write_part, threads, bar)
+            if hasher is not None:
+                hasher.close()
+        finally:
+            if hasher is not None:
+                hasher.close(check=False)
+            for leaf in pieced:
+                leaf.close()
+    if checksum is not None:
+        for leaf in pieced:
+            sums[leaf.target[len(staging) + 1 :]] = leaf.sums(checksum)
     return write_levels(staging, plan, checksum=checksum, sums=sums, fsync=fsync, num_threads=num_threads,
                         cipher=cipher)
 
@@ -502,7 +550,7 @@ def write_levels(
     plan: WritePlan,
     *,
     checksum: str | None,
-    sums: dict[str, str],
+    sums: dict[str, str | ChunkSums],
     fsync: bool,
     num_threads: int = 0,
     cipher: TreeCipher | None = None,
@@ -515,7 +563,8 @@ def write_levels(
         staging: the staging directory of the write.
         plan: what :func:`plan_write` planned (its levels' entries as they are to be written).
         checksum: the algorithm of the leaves' checksums and of the tree hash, or ``None``.
-        sums: each leaf's checksum (``"<algorithm>:<hex>"``), by file path relative to the root.
+        sums: each leaf's checksum (``"<algorithm>:<hex>"``) or per-chunk checksums, by file path
+            relative to the root.
         fsync: fsync each file and directory.
         num_threads: threads for the levels below the root.
         cipher: seals each level of an encrypted tree.
@@ -531,7 +580,7 @@ def write_levels(
         directory = f"{staging}/{lp.rel}" if lp.rel else staging
         meta = lp.meta
         if sums:
-            meta = replace(meta, entries=tuple(_with_checksum(e, lp.rel, sums) for e in meta.entries))
+            meta = replace(meta, entries=tuple(_with_sums(e, lp.rel, sums) for e in meta.entries))
         if lp.rel:
             point("before_meta")
         else:
@@ -562,6 +611,29 @@ def write_levels(
     return written
 
 
+def _tasks(
+    plan: WritePlan, staging: str, options: WriteOptions, links: LinkSource | None, encrypted: bool
+) -> tuple[list[LeafJob | tuple[Pieces, int]], list[Pieces]]:
+    """The writer threads' tasks, biggest leaves first (so that they finish together): a leaf
+    written whole is one task, a leaf written in pieces one task per piece, its pieces in a row;
+    and the leaves written in pieces.
+
+    Pieces serve leaves larger than one piece whose data is at hand (not ``memmap_like``), that
+    are neither link candidates (decided on the whole leaf before writing) nor encrypted."""
+    tasks: list[LeafJob | tuple[Pieces, int]] = []
+    pieced: list[Pieces] = []
+    checksum = None if options.like else options.checksum
+    for j in sorted(plan.leaves, key=lambda j: -j.nbytes):
+        size = (chunk_bytes_for(j.nbytes) if checksum is not None else None) or PIECE_BYTES
+        if options.like or encrypted or j.nbytes <= size or (links is not None and links.candidate(j.key, j.tensor)):
+            tasks.append(j)
+            continue
+        leaf = Pieces(f"{staging}/{j.rel}", _storable(j), j.nbytes, size, j.where)
+        pieced.append(leaf)
+        tasks.extend((leaf, i) for i in range(leaf.count))
+    return tasks, pieced
+
+
 def _storable(job: LeafJob) -> torch.Tensor | FileRange:
     """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
     tensor; the :class:`~memtree.store.primitives.files.FileRange` its ``file_range()`` method names, for a
@@ -582,16 +654,17 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
     return to_storable(tensor, job.where)
 
 
-def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) -> str:
-    """The checksum of a leaf's data before it is written (to decide whether to link it)."""
+def _data_sums(data: torch.Tensor | FileRange, nbytes: int, algorithm: str, chunk_bytes: int | None) -> ChunkSums:
+    """The checksums of a leaf's data before it is written (to decide whether to link it), in
+    chunks of ``chunk_bytes`` (``None``: one chunk)."""
     if isinstance(data, FileRange):
-        return file_checksum(data.fd, nbytes, algorithm, data.offset)
-    return tensor_checksum(data, algorithm)
+        return file_sums(data.fd, nbytes, algorithm, chunk_bytes, data.offset)
+    return view_sums(byte_view(data), algorithm, chunk_bytes)
 
 
-def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
-    if isinstance(entry, LeafMeta):
-        return replace(entry, checksum=sums[f"{rel}/{entry.file}" if rel else entry.file])
+def _with_sums(entry: Entry, rel: str, sums: dict[str, str | ChunkSums]) -> Entry:
+    if type(entry) is LeafMeta:
+        return entry.with_sums(sums[f"{rel}/{entry.file}" if rel else entry.file])
     return entry
 
 
