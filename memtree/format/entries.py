@@ -42,6 +42,7 @@ __all__ = [
     "PickleMeta",
     "Entry",
     "EncryptionMeta",
+    "PackMeta",
     "LevelMeta",
 ]
 
@@ -87,6 +88,10 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    #: The pack file (at the tree's root) that holds the leaf's bytes from ``offset`` (format
+    #: version 3, :mod:`memtree.format.packs`); ``None`` for a leaf in its own ``file`` (then "").
+    pack: str | None = None
+    offset: int | None = None
 
     def __init__(
         self,
@@ -98,6 +103,8 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        pack: str | None = None,
+        offset: int | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -107,6 +114,8 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "pack", pack)
+        _set(self, "offset", offset)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,7 +127,7 @@ class LeafMeta(Record):
         dt = dtype_from_name(self.dtype_name)
         if dt is None:
             raise DtypeError(
-                f"leaf {self.key!r} ({self.file}) holds {self.dtype_name}, which this torch build "
+                f"leaf {self.key!r} ({self.file or self.pack}) holds {self.dtype_name}, which this torch build "
                 "does not have; upgrade torch to load it"
             )
         return dt
@@ -220,6 +229,19 @@ class EncryptionMeta(Record):
 
 
 @dataclass(init=False, repr=False, eq=False)
+class PackMeta(Record):
+    """A pack file of small leaves (format version 3, :mod:`memtree.format.packs`): its name at
+    the tree's root and its exact size in bytes."""
+
+    file: str
+    nbytes: int
+
+    def __init__(self, file: str, nbytes: int) -> None:
+        _set(self, "file", file)
+        _set(self, "nbytes", nbytes)
+
+
+@dataclass(init=False, repr=False, eq=False)
 class LevelMeta(Record):
     """One level of a tree: its batch size and its entries in key order.
 
@@ -238,6 +260,8 @@ class LevelMeta(Record):
     encryption: EncryptionMeta | None = None
     mac: str | None = None
     sealed: str | None = None
+    #: The root's pack files (format version 3, :mod:`memtree.format.packs`); empty elsewhere.
+    packs: tuple[PackMeta, ...] = ()
 
     def __init__(
         self,
@@ -249,6 +273,7 @@ class LevelMeta(Record):
         encryption: EncryptionMeta | None = None,
         mac: str | None = None,
         sealed: str | None = None,
+        packs: tuple[PackMeta, ...] = (),
     ) -> None:
         _set(self, "batch_size", batch_size)
         _set(self, "entries", entries)
@@ -258,3 +283,4 @@ class LevelMeta(Record):
         _set(self, "encryption", encryption)
         _set(self, "mac", mac)
         _set(self, "sealed", sealed)
+        _set(self, "packs", packs)

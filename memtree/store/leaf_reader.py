@@ -57,6 +57,7 @@ from .storage import META_FLAGS, read_meta
 if TYPE_CHECKING:
     from .crypto import TreeCipher
     from .fill import FillJob
+    from .pack_reader import PackReader
     from .read import PendingLevel
 
 __all__ = ["LeafReader", "MAX_PENDING_READS"]
@@ -77,6 +78,7 @@ class LeafReader:
         self.allow_pickle = options.allow_pickle
         self.verify = options.verify
         self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
+        self.packs: PackReader | None = None  # the tree's packs of small leaves, set by open_tree
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.levels: list[PendingLevel] = []  # the levels of the open batch
@@ -93,6 +95,8 @@ class LeafReader:
             if self.kept is not None and entry.chunk_bytes is None:
                 self.keep(dir_fd, where, entry, parents)
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if entry.pack is not None:
+            return self.packed_leaf(dir_fd, entry, parents)
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
@@ -149,7 +153,7 @@ class LeafReader:
             from .fill import FillJob
 
             cast = entry.dtype if entry.dtype != dest.dtype else None
-            job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
+            job = FillJob(dest, FileRange(fd, entry.offset or 0, entry.nbytes, f"leaf {path}"), cast, checksum)
         except BaseException:
             os.close(fd)
             raise
@@ -165,11 +169,16 @@ class LeafReader:
             for fd, _, _ in kept.values():
                 os.close(fd)
             return
-        path = os.path.join(where, entry.file)
-        try:
-            fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
-        except LeafSizeError:
-            fd = self.open_grown(dir_fd, where, entry, path)
+        if entry.pack is not None:
+            assert self.packs is not None
+            path = self.packs.path(entry.pack)
+            fd = os.dup(self.packs.fd(entry.pack))
+        else:
+            path = os.path.join(where, entry.file)
+            try:
+                fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+            except LeafSizeError:
+                fd = self.open_grown(dir_fd, where, entry, path)
         self.kept[parents + (entry.key,)] = (fd, entry, path)
         if fd >= self.fd_room:
             self.fd_room = _make_fd_room(fd)
@@ -215,6 +224,30 @@ class LeafReader:
         jobs, self.pending = self.pending, []
         for _, fd in jobs:
             os.close(fd)
+
+    def packed_leaf(self, dir_fd: int, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
+        """A packed leaf (format version 3): a view of its pack's mapping, or read from its
+        range of the pack (:mod:`memtree.store.pack_reader`); its level's ranges were checked."""
+        packs = self.packs
+        assert packs is not None and entry.pack is not None and entry.offset is not None
+        path = packs.path(entry.pack)
+        mapped = self.mmap and self.on_cpu
+        try:
+            if not mapped:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                self.queue(os.dup(packs.fd(entry.pack)), dir_fd, tensor, entry, path, parents)
+                return tensor
+            fd = packs.fd(entry.pack, writable=not self.readonly)
+            if self.verify and entry.checksum is not None:
+                self.check(
+                    file_checksum(fd, entry.nbytes, _algorithm(entry), entry.offset), entry, path, parents,
+                    lambda: changed_after_meta(fd, dir_fd),
+                )
+            return packs.view(entry, readonly=self.readonly)
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {parents + (entry.key,)!r} from {path}") from err
 
     def sealed_leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]

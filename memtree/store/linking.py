@@ -58,6 +58,7 @@ from ..format.names import META_NAME
 from ..format.schema import ChildMeta, LeafMeta, LevelMeta
 from .files import FileRange, _unlink_quiet, equal_bytes, open_leaf
 from .lease import Lease, lease_refusal, read_lease
+from .packing import PackJob
 from .read import open_dir, walk_levels
 
 __all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats"]
@@ -135,6 +136,11 @@ class LinkSource:
         #: Trust the recorded checksum instead of comparing bytes (``verify=False``, sha256 only).
         self.trust_checksums = not verify and algorithm in TRUSTED_CHECKSUMS
         self.leaves: dict[tuple[str, ...], _Old] = {}
+        #: packed leaves (format version 3) by key path, their packs' sizes, leaves per pack
+        self.packed: dict[tuple[str, ...], LeafMeta] = {}
+        self.packs: dict[str, int] = {}
+        self.pack_members: dict[str, int] = {}
+        self.root_mtime_ns = 0  # of the root meta.json, written after every pack
         self.error: str | None = None
 
     @classmethod
@@ -181,9 +187,16 @@ class LinkSource:
         def visit(dirs: tuple[str, ...], where: str, dir_fd: int, meta: LevelMeta) -> None:
             path = keys[dirs]
             mtime = os.stat(META_NAME, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+            if not dirs:
+                self.packs = {p.file: p.nbytes for p in meta.packs}
+                self.root_mtime_ns = mtime
             for e in meta.entries:
                 if isinstance(e, ChildMeta):
                     keys[dirs + (e.dir,)] = path + (e.key,)
+                elif isinstance(e, LeafMeta) and e.pack is not None:
+                    self.pack_members[e.pack] = self.pack_members.get(e.pack, 0) + 1
+                    if e.checksum is not None and e.checksum.partition(":")[0] == self.algorithm:
+                        self.packed[path + (e.key,)] = e
                 elif isinstance(e, LeafMeta) and e.capacity is None and e.checksum is not None:
                     if e.checksum.partition(":")[0] == self.algorithm:
                         self.leaves[path + (e.key,)] = _Old(dirs, e, mtime)
@@ -192,6 +205,7 @@ class LinkSource:
             walk_levels(self.root_fd, self.root, visit)
         except (MemtreeError, OSError) as err:
             self.leaves.clear()
+            self.packed.clear()
             self.error = f"{self.root} cannot be read as a tree: {err}"
 
     def candidate(self, key: tuple[str, ...], tensor: torch.Tensor) -> LeafMeta | None:
@@ -225,14 +239,65 @@ class LinkSource:
         old = self.leaves[key]
         if old.meta.checksum != checksum:
             return None
-        where = os.path.join(self.root, *old.dirs, old.meta.file)
+        return self._link_file(old.dirs, old.meta.file, old.meta.file_nbytes, old.meta.nbytes, old.meta_mtime_ns,
+                               target, data, fsync)
+
+    def link_pack(
+        self,
+        job: PackJob,
+        sums: dict[tuple[str, ...], str],
+        target: str,
+        data: torch.Tensor,
+        *,
+        fsync: bool = False,
+    ) -> bool | None:
+        """Hard-link the old tree's pack to ``target`` if it is this pack, byte for byte.
+
+        A candidate is an old pack that holds exactly the members of ``job`` (the same key
+        paths, and no other leaf), each at the same offset, of the same size and with a recorded
+        checksum equal to the new one in ``sums``, and has the new pack's size; the file is then
+        checked as :meth:`link` checks a leaf's (its bytes compared with ``data``, the pack's
+        bytes; no writer; the link verified).
+
+        Returns:
+            True when linked; None when no old pack matches (a leaf changed, moved or went);
+            False when one matched but the file failed a check or the link failed.
+        """
+        name = None
+        for m in job.members:
+            old = self.packed.get(m.key)
+            if old is None or old.offset != m.offset or old.nbytes != m.nbytes or old.checksum != sums.get(m.key):
+                return None
+            if name is None:
+                name = old.pack
+            elif old.pack != name:
+                return None
+        if name is None or self.packs.get(name) != job.nbytes or self.pack_members.get(name) != len(job.members):
+            return None
+        return self._link_file((), name, job.nbytes, job.nbytes, self.root_mtime_ns, target, data, fsync)
+
+    def _link_file(
+        self,
+        dirs: tuple[str, ...],
+        name: str,
+        file_nbytes: int,
+        nbytes: int,
+        meta_mtime_ns: int,
+        target: str,
+        data: torch.Tensor | FileRange,
+        fsync: bool,
+    ) -> bool:
+        """Link the old file ``name`` (in the directory ``dirs`` below the old root; exactly
+        ``file_nbytes`` bytes) to ``target`` if its first ``nbytes`` hold ``data`` and no process
+        writes it (see the module docstring); ``meta_mtime_ns``: its ``meta.json``'s time."""
+        where = os.path.join(self.root, *dirs, name)
         dir_fd = self.root_fd
         opened: list[int] = []
         try:
-            for name in old.dirs:
-                dir_fd = open_dir(name, where, dir_fd)
+            for d in dirs:
+                dir_fd = open_dir(d, where, dir_fd)
                 opened.append(dir_fd)
-            fd, st = open_leaf(old.meta.file, old.meta.file_nbytes, where, dir_fd=dir_fd)
+            fd, st = open_leaf(name, file_nbytes, where, dir_fd=dir_fd)
         except (MemtreeError, OSError):
             for d in opened:
                 os.close(d)
@@ -241,10 +306,10 @@ class LinkSource:
             if st.st_nlink >= MAX_LINKS:
                 return False
             with read_lease(fd) as lease:  # no writer now, and none until the link is made
-                if lease is None or not self._holds(fd, st, old, data, lease):
+                if lease is None or not self._holds(fd, st, nbytes, meta_mtime_ns, data, lease):
                     return False
                 try:
-                    os.link(old.meta.file, target, src_dir_fd=dir_fd, follow_symlinks=False)
+                    os.link(name, target, src_dir_fd=dir_fd, follow_symlinks=False)
                 except OSError:
                     return False
                 try:
@@ -262,13 +327,15 @@ class LinkSource:
             for d in opened:
                 os.close(d)
 
-    def _holds(self, fd: int, st: os.stat_result, old: _Old, data: torch.Tensor | FileRange, lease: Lease) -> bool:
+    def _holds(
+        self, fd: int, st: os.stat_result, nbytes: int, meta_mtime_ns: int, data: torch.Tensor | FileRange, lease: Lease
+    ) -> bool:
         """The old file holds ``data``: its bytes are compared (stopping if a writer opens it),
         or, trusting a sha256 checksum (``verify=False``), it was not modified after its
         ``meta.json``."""
         if self.trust_checksums:
-            return st.st_mtime_ns <= old.meta_mtime_ns
+            return st.st_mtime_ns <= meta_mtime_ns
         try:
-            return equal_bytes(fd, old.meta.nbytes, data, lease.intact)
+            return equal_bytes(fd, nbytes, data, lease.intact)
         except OSError:
             return False

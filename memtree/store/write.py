@@ -75,8 +75,10 @@ from ..format.schema import (
 )
 from ..format.names import META_NAME, encode_level
 from ..format.level import Level, as_level, fmt_key
+from ..format.packs import PACK_BELOW, PackMeta, layout_packs, packs_threshold
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
+from .packing import PackJob, PackMember, assemble, write_pack
 from .progress import Progress
 from .options import ReadOptions, WriteOptions, check_mode
 from .read import PendingLevel, open_tree
@@ -115,11 +117,12 @@ class LeafJob:
 
 @dataclass
 class LevelPlan:
-    """One level's directory (relative, ``""`` for the root) and its metadata."""
+    """One level's directory (relative, ``""`` for the root), its metadata and key path."""
 
     rel: str
     meta: LevelMeta
     depth: int
+    keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -129,16 +132,18 @@ class WritePlan:
     levels: list[LevelPlan] = field(default_factory=list)
     leaves: list[LeafJob] = field(default_factory=list)
     pickles: list[tuple[str, bytes]] = field(default_factory=list)
+    #: the pack files of small leaves (format version 3), at the root
+    packs: list[PackJob] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of leaf data the write needs on disk."""
-        return sum(j.nbytes for j in self.leaves)
+        """Bytes of leaf data the write needs on disk (leaf files and packs)."""
+        return sum(j.nbytes for j in self.leaves) + sum(p.nbytes for p in self.packs)
 
     @property
     def total_files(self) -> int:
-        """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
-        return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
+        """Files and directories the write creates (leaves, packs, pickles, ``meta.json`` files, levels)."""
+        return len(self.leaves) + len(self.packs) + len(self.pickles) + 2 * len(self.levels)
 
 
 def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) -> WritePlan:
@@ -148,13 +153,47 @@ def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) 
         level: the tree to write.
         options: ``like`` plans empty files of the same shapes and dtypes (``memmap_like``);
             ``allow_pickle`` pickles non-tensor values JSON cannot hold; ``copy_existing``
-            copies leaves that are already memory-mapped elsewhere.
+            copies leaves that are already memory-mapped elsewhere; ``pack_below`` packs the
+            leaves smaller than that (:func:`_pack_small_leaves`).
         dest: the final absolute prefix (to decide whether a memmapped leaf already lives there).
     """
     plan = WritePlan()
     _plan_level(plan, level, "", (), 0, dest, options.like, options.allow_pickle, options.copy_existing)
     plan.levels.sort(key=lambda lp: -lp.depth)  # deepest first, root last
+    if options.encryption is None:  # an encrypted leaf is never packed (WriteOptions refuses pack_below)
+        _pack_small_leaves(plan, options.pack_below)
     return plan
+
+
+def _pack_small_leaves(plan: WritePlan, pack_below: int | None) -> None:
+    """Move the leaves under the threshold (:func:`~memtree.format.packs.packs_threshold`) from
+    their own files into packs, in the order planned (so an unchanged tree gets the same packs),
+    and make their entries packed ones (the root lists the packs)."""
+    limit = pack_below if pack_below is not None else PACK_BELOW
+    small = [j for j in plan.leaves if j.nbytes < limit]
+    threshold = packs_threshold(pack_below, len(small))
+    if not threshold or not small:
+        return
+    layout = layout_packs([j.nbytes for j in small])
+    jobs = {name: PackJob(name, nbytes) for name, nbytes in layout.sizes}
+    places: dict[tuple[str, ...], tuple[str, int]] = {}
+    for j, (name, offset) in zip(small, layout.places):
+        jobs[name].members.append(PackMember(j.key, j.tensor, j.nbytes, offset))
+        places[j.key] = (name, offset)
+    plan.packs = list(jobs.values())
+    plan.leaves = [j for j in plan.leaves if j.key not in places]
+    for lp in plan.levels:
+        entries = tuple(
+            _packed(e, places.get(lp.keys + (e.key,))) if isinstance(e, LeafMeta) else e for e in lp.meta.entries
+        )
+        packs = tuple(PackMeta(name, nbytes) for name, nbytes in layout.sizes) if not lp.rel else ()
+        lp.meta = replace(lp.meta, entries=entries, packs=packs)
+
+
+def _packed(entry: LeafMeta, place: tuple[str, int] | None) -> LeafMeta:
+    if place is None:
+        return entry
+    return LeafMeta(entry.key, "", entry.dtype_name, entry.shape, int_key=entry.int_key, pack=place[0], offset=place[1])
 
 
 def _plan_level(
@@ -208,7 +247,7 @@ def _plan_level(
             entries.append(JsonMeta(key, data, tuples=tuple(tuples) or None))
     if level.int_keys:  # a dict of training state with int keys (format version 2)
         entries = [replace(e, int_key=True) if e.key in level.int_keys else e for e in entries]
-    plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth))
+    plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth, path))
 
 
 def _json_ok(value: object, path: tuple[str, ...], allow_pickle: bool) -> bool:
@@ -424,7 +463,7 @@ def _write_staging(
         if lp.rel:
             os.mkdir(f"{staging}/{lp.rel}")
     point("before_leaves")
-    sums: dict[str, str] = {}
+    sums: dict[tuple[str, ...], str] = {}  # each leaf's checksum, by key path
     written: dict[str, LevelMeta] = {}
     key = options.encryption  # encryption at rest: store/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
@@ -446,7 +485,7 @@ def _write_staging(
                     digest = _data_checksum(data, j.nbytes, checksum)  # decide before writing
                     linked = links.link(j.key, digest, target, data, fsync=fsync)
                     if linked:
-                        sums[j.rel] = digest
+                        sums[j.key] = digest
                         if stats is not None:
                             stats.add(j.nbytes, linked=True)
                         point("after_leaf")
@@ -462,7 +501,7 @@ def _write_staging(
             raise storage_error(err, f"writing leaf {j.where}") from err
         digest = digest or written
         if digest is not None:
-            sums[j.rel] = digest
+            sums[j.key] = digest
         if stats is not None:
             stats.add(j.nbytes, linked=False, fallback=fallback)
         point("after_leaf")
@@ -472,7 +511,7 @@ def _write_staging(
         directory = f"{staging}/{lp.rel}" if lp.rel else staging
         meta = lp.meta
         if sums:
-            meta = replace(meta, entries=tuple(_with_checksum(e, lp.rel, sums) for e in meta.entries))
+            meta = replace(meta, entries=tuple(_with_checksum(e, lp.keys, sums) for e in meta.entries))
         if lp.rel:
             point("before_meta")
         else:
@@ -492,10 +531,26 @@ def _write_staging(
         written[lp.rel] = meta
         return 0
 
-    jobs = sorted(plan.leaves, key=lambda j: -j.nbytes)  # the biggest first: they finish together
+    def write_one(job: LeafJob | PackJob) -> int:
+        if isinstance(job, LeafJob):
+            return write_leaf(job)
+        data, pack_sums = (None, {}) if like else assemble(job, _storable, checksum)
+        linked = None
+        if data is not None and links is not None and checksum is not None:
+            linked = links.link_pack(job, pack_sums, f"{staging}/{job.name}", data, fsync=fsync)
+        if not linked:
+            write_pack(staging, job, data, reserve=options.reserve, fsync=fsync)
+        sums.update(pack_sums)
+        if stats is not None:
+            stats.add(job.nbytes, linked=bool(linked), fallback=linked is False)
+        point("after_leaf")
+        return job.nbytes
+
+    jobs: list[LeafJob | PackJob] = [*plan.leaves, *plan.packs]
+    jobs.sort(key=lambda j: -j.nbytes)  # the biggest first: they finish together
     total = plan.total_bytes
     with Progress(total=total, desc="memmap", unit="B", progress=options.progress) as bar:
-        _run(jobs, write_leaf, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
+        _run(jobs, write_one, _thread_count(num_threads, len(jobs), 0 if like else total), bar)
     pickle_sums: dict[str, str] = {}
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
@@ -508,7 +563,7 @@ def _write_staging(
     return written
 
 
-def _storable(job: LeafJob) -> torch.Tensor | FileRange:
+def _storable(job: LeafJob | PackMember) -> torch.Tensor | FileRange:
     """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
     tensor; the :class:`~memtree.store.files.FileRange` its ``file_range()`` method names, for a
     leaf whose bytes lie in another file as they are (a
@@ -525,7 +580,7 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
         found: FileRange | None = file_range()
         if found is not None:
             return found
-    return to_storable(tensor, job.where)
+    return to_storable(tensor, fmt_key(job.key))
 
 
 def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) -> str:
@@ -535,9 +590,9 @@ def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) 
     return tensor_checksum(data, algorithm)
 
 
-def _with_checksum(entry: Entry, rel: str, sums: dict[str, str]) -> Entry:
+def _with_checksum(entry: Entry, keys: tuple[str, ...], sums: dict[tuple[str, ...], str]) -> Entry:
     if isinstance(entry, LeafMeta):
-        return replace(entry, checksum=sums[f"{rel}/{entry.file}" if rel else entry.file])
+        return replace(entry, checksum=sums[keys + (entry.key,)])
     return entry
 
 
