@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.dtypes import dtype_name
+from ..format.packs import leaf_location
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
 from ..store.checksums import DIGEST_SLICE, default_checksum, new_digest
 from ..store.storage import LocalStorage, join_rel
@@ -88,14 +89,14 @@ class _Side:
     def identity(self, rel: str) -> tuple[tuple[str, str], ...]:
         return self.storage.stat(rel).identity
 
-    def hash(self, rel: str, nbytes: int, algorithm: str) -> str:
+    def hash(self, rel: str, nbytes: int, algorithm: str, offset: int = 0) -> str:
         digest = new_digest(algorithm)
         buf = bytearray(min(nbytes, DIGEST_SLICE))
         view = memoryview(buf)
         done = 0
         while done < nbytes:
             n = min(len(buf), nbytes - done)
-            self.storage.read_into(rel, done, view[:n])
+            self.storage.read_into(rel, offset + done, view[:n])
             digest.update(view[:n])
             done += n
         return f"{algorithm}:{digest.hexdigest()}"
@@ -193,7 +194,7 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
         if ea.shape != eb.shape:
             what.append("shape")
         if not what:
-            sa, sb = _leaf_sums(left, join_rel(ra, ea.file), ea, right, join_rel(rb, eb.file), eb, report)
+            sa, sb = _leaf_sums(left, leaf_location(ra, ea), ea, right, leaf_location(rb, eb), eb, report)
             if sa != sb:
                 what.append("data")
                 desc_a, desc_b = sa, sb
@@ -214,27 +215,30 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
 
 
 def _leaf_sums(
-    left: _Side, fa: str, ea: LeafMeta, right: _Side, fb: str, eb: LeafMeta, report: DiffReport
+    left: _Side, la: tuple[str, int], ea: LeafMeta, right: _Side, lb: tuple[str, int], eb: LeafMeta,
+    report: DiffReport,
 ) -> tuple[str, str]:
-    """Checksums of two same-shaped leaves in one algorithm, reading as little as possible."""
+    """Checksums of two same-shaped leaves in one algorithm, reading as little as possible;
+    ``la``/``lb``: where each one's bytes are (file, offset: a packed leaf's range of its pack)."""
     ca = ea.checksum if ea.capacity is None else None
     cb = eb.checksum if eb.capacity is None else None
     algo_a = ca.partition(":")[0] if ca else None
     algo_b = cb.partition(":")[0] if cb else None
     if ca and cb and algo_a == algo_b:
         return ca, cb
-    if _same_inode(left.identity(fa), right.identity(fb)):
+    (fa, oa), (fb, ob) = la, lb
+    if oa == ob and _same_inode(left.identity(fa), right.identity(fb)):
         return "same file", "same file"
     nbytes = ea.nbytes
     if ca:
         report.bytes_read += nbytes
-        return ca, right.hash(fb, nbytes, algo_a or "")
+        return ca, right.hash(fb, nbytes, algo_a or "", ob)
     if cb:
         report.bytes_read += nbytes
-        return left.hash(fa, nbytes, algo_b or ""), cb
+        return left.hash(fa, nbytes, algo_b or "", oa), cb
     algo = default_checksum()
     report.bytes_read += 2 * nbytes
-    return left.hash(fa, nbytes, algo), right.hash(fb, nbytes, algo)
+    return left.hash(fa, nbytes, algo, oa), right.hash(fb, nbytes, algo, ob)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MetaFormatError
-from .entries import LeafMeta, LevelMeta, PackMeta
+from .entries import ChildMeta, LeafMeta, LevelMeta, PackMeta, PickleMeta
+from .names import LEAF_SUFFIX, PICKLE_SUFFIX, encode_level
 
 __all__ = [
     "PACK_VERSION",
@@ -50,6 +51,7 @@ __all__ = [
     "parse_packs",
     "parse_pack_ref",
     "leaf_location",
+    "unpacked_name",
     "PackRanges",
 ]
 
@@ -218,6 +220,39 @@ def leaf_location(level_rel: str, entry: LeafMeta) -> tuple[str, int]:
     if entry.pack is not None:
         return entry.pack, entry.offset or 0
     return (f"{level_rel}/{entry.file}" if level_rel else entry.file), 0
+
+
+def unpacked_name(meta: LevelMeta, key: str) -> str:
+    """The file name a packed leaf of the level ``meta`` gets when it moves out of its pack into
+    a file of its own (a growth): the name the writer gave it (:func:`~memtree.format.names.encode_level`
+    over the level's keys), or, if a file or directory of the level has that name already (a
+    tree written otherwise), a free one.
+
+    Example:
+        >>> from memtree.format.entries import LeafMeta, LevelMeta
+        >>> meta = LevelMeta((), (LeafMeta("w", "", "float32", (2,), pack="~pack-0.memmap", offset=0),
+        ...                       LeafMeta("W", "W~6c39a9cfd4ea0fca.memmap", "float32", (2,))))
+        >>> unpacked_name(meta, "w")
+        'w~50e721e49c013f00.memmap'
+    """
+    items = []
+    for e in meta.entries:
+        suffix = "" if isinstance(e, ChildMeta) else PICKLE_SUFFIX if isinstance(e, PickleMeta) else LEAF_SUFFIX
+        if not isinstance(e, (ChildMeta, PickleMeta, LeafMeta)):
+            continue  # a JSON value has no name
+        items.append((e.key, suffix))
+    names = dict(zip((k for k, _ in items), encode_level(items)))
+    taken = {p.file.lower() for p in meta.packs}
+    for e in meta.entries:
+        name = e.dir if isinstance(e, ChildMeta) else getattr(e, "file", "")
+        if name:
+            taken.add(name.lower())
+    name = names[key]
+    n = 0
+    while name.lower() in taken:  # only in a tree memtree did not write: a name of its own
+        n += 1
+        name = encode_level([(f"{key}\0{n}", LEAF_SUFFIX)])[0]
+    return name
 
 
 class PackRanges:

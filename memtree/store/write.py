@@ -75,7 +75,7 @@ from ..format.schema import (
 )
 from ..format.names import META_NAME, encode_level
 from ..format.level import Level, as_level, fmt_key
-from ..format.packs import PACK_BELOW, PackMeta, layout_packs, packs_threshold
+from ..format.packs import PACK_BELOW, PackMeta, is_pack_name, layout_packs, packs_threshold
 from .mapped import MemoryMappedTensor, to_storable
 from ..format.values import NonTensor, check_json, json_problem, tuples_to_lists
 from .packing import PackJob, PackMember, assemble, write_pack
@@ -286,7 +286,9 @@ def _plan_leaf(
             )
         if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
             target = os.path.join(dest, rel) if dest else None
-            if tensor.filename is not None and not copy_existing and tensor.filename != target:
+            if tensor.filename is not None and not copy_existing and tensor.filename != target and not (
+                dest and os.path.dirname(tensor.filename) == dest and is_pack_name(os.path.basename(tensor.filename))
+            ):  # (a packed leaf of the destination's tree: its pack, at the root)
                 raise ExistingMemmapError(
                     f"leaf {fmt_key(kpath)} is already memory-mapped from {tensor.filename}; "
                     "pass copy_existing=True to copy it into the new prefix"
