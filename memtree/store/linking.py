@@ -239,8 +239,7 @@ class LinkSource:
         old = self.leaves[key]
         if old.meta.checksum != checksum:
             return None
-        return self._link_file(old.dirs, old.meta.file, old.meta.file_nbytes, old.meta.nbytes, old.meta_mtime_ns,
-                               target, data, fsync)
+        return self._link_file(old, target, data, fsync)
 
     def link_pack(
         self,
@@ -274,30 +273,21 @@ class LinkSource:
                 return None
         if name is None or self.packs.get(name) != job.nbytes or self.pack_members.get(name) != len(job.members):
             return None
-        return self._link_file((), name, job.nbytes, job.nbytes, self.root_mtime_ns, target, data, fsync)
+        whole = _Old((), LeafMeta(name, name, "uint8", (job.nbytes,)), self.root_mtime_ns)  # the pack as one file
+        return self._link_file(whole, target, data, fsync)
 
-    def _link_file(
-        self,
-        dirs: tuple[str, ...],
-        name: str,
-        file_nbytes: int,
-        nbytes: int,
-        meta_mtime_ns: int,
-        target: str,
-        data: torch.Tensor | FileRange,
-        fsync: bool,
-    ) -> bool:
-        """Link the old file ``name`` (in the directory ``dirs`` below the old root; exactly
-        ``file_nbytes`` bytes) to ``target`` if its first ``nbytes`` hold ``data`` and no process
-        writes it (see the module docstring); ``meta_mtime_ns``: its ``meta.json``'s time."""
-        where = os.path.join(self.root, *dirs, name)
+    def _link_file(self, old: _Old, target: str, data: torch.Tensor | FileRange, fsync: bool) -> bool:
+        """Link the old file of ``old`` to ``target`` if it holds ``data`` and no process writes
+        it (see the module docstring)."""
+        name = old.meta.file
+        where = os.path.join(self.root, *old.dirs, name)
         dir_fd = self.root_fd
         opened: list[int] = []
         try:
-            for d in dirs:
+            for d in old.dirs:
                 dir_fd = open_dir(d, where, dir_fd)
                 opened.append(dir_fd)
-            fd, st = open_leaf(name, file_nbytes, where, dir_fd=dir_fd)
+            fd, st = open_leaf(name, old.meta.file_nbytes, where, dir_fd=dir_fd)
         except (MemtreeError, OSError):
             for d in opened:
                 os.close(d)
@@ -306,7 +296,7 @@ class LinkSource:
             if st.st_nlink >= MAX_LINKS:
                 return False
             with read_lease(fd) as lease:  # no writer now, and none until the link is made
-                if lease is None or not self._holds(fd, st, nbytes, meta_mtime_ns, data, lease):
+                if lease is None or not self._holds(fd, st, old, data, lease):
                     return False
                 try:
                     os.link(name, target, src_dir_fd=dir_fd, follow_symlinks=False)
@@ -327,15 +317,13 @@ class LinkSource:
             for d in opened:
                 os.close(d)
 
-    def _holds(
-        self, fd: int, st: os.stat_result, nbytes: int, meta_mtime_ns: int, data: torch.Tensor | FileRange, lease: Lease
-    ) -> bool:
+    def _holds(self, fd: int, st: os.stat_result, old: _Old, data: torch.Tensor | FileRange, lease: Lease) -> bool:
         """The old file holds ``data``: its bytes are compared (stopping if a writer opens it),
         or, trusting a sha256 checksum (``verify=False``), it was not modified after its
         ``meta.json``."""
         if self.trust_checksums:
-            return st.st_mtime_ns <= meta_mtime_ns
+            return st.st_mtime_ns <= old.meta_mtime_ns
         try:
-            return equal_bytes(fd, nbytes, data, lease.intact)
+            return equal_bytes(fd, old.meta.nbytes, data, lease.intact)
         except OSError:
             return False

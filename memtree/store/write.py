@@ -62,6 +62,7 @@ from .memory import is_plain_memory
 from .integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
 from .commit import fsync_dir, wait_for_removals, write_small_file
+from .durability import open_batch, sync_batch
 from ..format.schema import (
     MAX_NBYTES,
     ChildMeta,
@@ -378,10 +379,17 @@ def write_tree(
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
             hide_names(plan)
     with staged_commit(dest, existsok=options.existsok, nbytes=plan.total_bytes) as staging:
-        with LinkSource.open(options.link_from, options.checksum, staging.path, options.link_verify) as links:
-            if stats is not None:
-                stats.link_error = links.error if links is not None else None
-            metas = _write_staging(staging.path, plan, options, links, stats)
+        batch = open_batch(staging.path) if options.fsync else None  # one syncfs for every file
+        try:
+            with LinkSource.open(options.link_from, options.checksum, staging.path, options.link_verify) as links:
+                if stats is not None:
+                    stats.link_error = links.error if links is not None else None
+                metas = _write_staging(staging.path, plan, options, links, stats, fsync=options.fsync and batch is None)
+            if batch is not None:
+                sync_batch(batch, f"the new tree {dest}")
+        finally:
+            if batch is not None:
+                os.close(batch)
         staging.publish(fsync=options.fsync, background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES)
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
@@ -455,11 +463,14 @@ def _write_staging(
     options: WriteOptions,
     links: LinkSource | None = None,
     stats: WriteStats | None = None,
+    *,
+    fsync: bool = False,
 ) -> dict[str, LevelMeta]:
     """Write the plan's files into ``staging`` (or link them from ``links``); returns each
     level's metadata as written (with checksums, the root's ``save_id`` and ``tree_hash``), by
-    directory relative to the root."""
-    like, num_threads, fsync = options.like, options.num_threads, options.fsync
+    directory relative to the root. ``fsync``: fsync each file and directory (a durable write
+    whose filesystem cannot flush the whole staging directory at once, :mod:`memtree.store.durability`)."""
+    like, num_threads = options.like, options.num_threads
     checksum = None if like else options.checksum
     for lp in reversed(plan.levels):  # root first: parents before children
         if lp.rel:
