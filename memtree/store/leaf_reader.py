@@ -230,24 +230,22 @@ class LeafReader:
         range of the pack (:mod:`memtree.store.pack_reader`); its level's ranges were checked."""
         packs = self.packs
         assert packs is not None and entry.pack is not None and entry.offset is not None
-        path = packs.path(entry.pack)
-        mapped = self.mmap and self.on_cpu
         try:
-            if not mapped:
+            if not (self.mmap and self.on_cpu):
                 tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                self.queue(os.dup(packs.fd(entry.pack)), dir_fd, tensor, entry, path, parents)
+                self.queue(os.dup(packs.fd(entry.pack)), dir_fd, tensor, entry, packs.path(entry.pack), parents)
                 return tensor
-            fd = packs.fd(entry.pack, writable=not self.readonly)
             if self.verify and entry.checksum is not None:
+                fd = packs.fd(entry.pack, writable=not self.readonly)
                 self.check(
-                    file_checksum(fd, entry.nbytes, _algorithm(entry), entry.offset), entry, path, parents,
-                    lambda: changed_after_meta(fd, dir_fd),
+                    file_checksum(fd, entry.nbytes, _algorithm(entry), entry.offset), entry, packs.path(entry.pack),
+                    parents, lambda: changed_after_meta(fd, dir_fd),
                 )
             return packs.view(entry, readonly=self.readonly)
         except OSError as err:
             if isinstance(err, MemtreeError):
                 raise
-            raise storage_error(err, f"reading leaf {parents + (entry.key,)!r} from {path}") from err
+            raise storage_error(err, f"reading leaf {parents + (entry.key,)!r} from {packs.path(entry.pack)}") from err
 
     def sealed_leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]

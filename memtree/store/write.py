@@ -194,7 +194,8 @@ def _pack_small_leaves(plan: WritePlan, pack_below: int | None) -> None:
 def _packed(entry: LeafMeta, place: tuple[str, int] | None) -> LeafMeta:
     if place is None:
         return entry
-    return LeafMeta(entry.key, "", entry.dtype_name, entry.shape, int_key=entry.int_key, pack=place[0], offset=place[1])
+    packed: LeafMeta = entry.evolve(file="", pack=place[0], offset=place[1])
+    return packed
 
 
 def _plan_level(
@@ -605,7 +606,8 @@ def _data_checksum(data: torch.Tensor | FileRange, nbytes: int, algorithm: str) 
 
 def _with_checksum(entry: Entry, keys: tuple[str, ...], sums: dict[tuple[str, ...], str]) -> Entry:
     if isinstance(entry, LeafMeta):
-        return replace(entry, checksum=sums[keys + (entry.key,)])
+        summed: LeafMeta = entry.evolve(checksum=sums[keys + (entry.key,)])
+        return summed
     return entry
 
 
