@@ -534,7 +534,8 @@ def test_the_short_path_of_the_parser_agrees_with_the_full_checks_on_packed_entr
 
 def test_mutated_packed_meta_json_files_never_crash_a_load(tmp_path):
     """Every single-field mutation of a packed level (values of other types and sizes) gives a
-    MemtreeError or a correct load, never another exception, a crash or a write."""
+    MemtreeError or a load, never another exception, a crash or a write; and verify_tree reports
+    a problem exactly when load_memmap(verify=True) fails."""
     tree, d = packed_tree(tmp_path, many(64, groups=1))
     good = (d / "g0" / "meta.json").read_bytes()
     doc = orjson.loads(good)
@@ -547,10 +548,13 @@ def test_mutated_packed_meta_json_files_never_crash_a_load(tmp_path):
                 entry[field] = value
                 mutated = {**doc, "entries": doc["entries"][:i] + [entry] + doc["entries"][i + 1:]}
                 (d / "g0" / "meta.json").write_bytes(json.dumps(mutated).encode())  # (ints past 64 bits too)
+                ok = memtree.verify_tree(d).ok
                 try:
                     loaded = memtree.load_memmap(d, lazy=False, verify=True)
-                except memtree.MemtreeError:
+                except memtree.MemtreeError as err:
+                    assert not ok, (i, field, value, err)
                     continue
+                assert ok, (i, field, value)
                 for k, v in flat_leaves(loaded).items():
                     assert isinstance(v, torch.Tensor)
     (d / "g0" / "meta.json").write_bytes(good)
