@@ -442,7 +442,7 @@ def test_meta_naming_a_module_imports_nothing(tree_dir):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("version", 3), ("version", 0), ("version", 999), ("version", -1),
+    [("version", 4), ("version", 0), ("version", 999), ("version", -1),  # memtree reads 1 to 3
      ("format", "tensordict"), ("format", "memtree2"), ("format", "MEMTREE")],
 )
 def test_unknown_format_or_version(tree_dir, field, value):
@@ -474,7 +474,7 @@ def test_missing_format_or_version(tree_dir, field):
 
 def test_unknown_version_in_child(tree_dir):
     m = child_meta()
-    m["version"] = 3
+    m["version"] = 4
     set_child(tree_dir, m)
     expect_error(tree_dir, memtree.UnsupportedVersionError)
 

@@ -124,6 +124,8 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     capacity: int | None = None
     chunk_bytes: int | None = None
     int_key: bool = False
+    pack: str | None = None  # a packed leaf's pack and offset (format version 3)
+    offset: int | None = None
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
@@ -136,6 +138,8 @@ _leaves = st.tuples(
     st.none() | st.integers(0, 9),
     st.none() | st.integers(4096, 8192),
     st.booleans(),
+    st.none() | st.just("~pack-0.memmap"),
+    st.none() | st.integers(0, 1 << 20),
 )
 
 

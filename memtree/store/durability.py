@@ -1,7 +1,7 @@
 """Batched durability: one ``syncfs`` per commit instead of an ``fsync`` per file and directory.
 
 A write with ``fsync=True`` must make everything in its staging directory durable before the
-publishing rename, and the rename durable after it (``docs/format.md``, "Durability"). Nothing
+publishing rename, and the rename durable after it (``docs/format.md``, "How a write is committed"). Nothing
 in the staging directory is visible to a reader before that rename, so the order in which its
 files reach the disk does not matter: only that all of them have when the rename is made.
 ``syncfs`` (Linux) writes out and waits for every dirty page and every piece of metadata of one

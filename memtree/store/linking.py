@@ -284,13 +284,13 @@ class LinkSource:
         dir_fd = self.root_fd
         opened: list[int] = []
         try:
-            for d in old.dirs:
-                dir_fd = open_dir(d, where, dir_fd)
+            for dir_name in old.dirs:
+                dir_fd = open_dir(dir_name, where, dir_fd)
                 opened.append(dir_fd)
             fd, st = open_leaf(name, old.meta.file_nbytes, where, dir_fd=dir_fd)
         except (MemtreeError, OSError):
-            for d in opened:
-                os.close(d)
+            for held in opened:
+                os.close(held)
             return False
         try:
             if st.st_nlink >= MAX_LINKS:
@@ -314,8 +314,8 @@ class LinkSource:
             return True
         finally:
             os.close(fd)
-            for d in opened:
-                os.close(d)
+            for held in opened:
+                os.close(held)
 
     def _holds(self, fd: int, st: os.stat_result, old: _Old, data: torch.Tensor | FileRange, lease: Lease) -> bool:
         """The old file holds ``data``: its bytes are compared (stopping if a writer opens it),
