@@ -14,10 +14,13 @@ import sys
 import time
 
 import torch, memtree
-try:
-    from memtree.store.write import wait_for_removals
+try:  # the layouts of the checkouts compared: store/ in rooms, store/ flat, before store/
+    from memtree.store.writing.write import wait_for_removals
 except ImportError:
-    from memtree.write import wait_for_removals
+    try:
+        from memtree.store.write import wait_for_removals
+    except ImportError:
+        from memtree.write import wait_for_removals
 torch.manual_seed(0)
 # W1-like: 195 float32 tensors, ~1 GiB
 shapes = [(1088, 1088)] * 64 + [(1088, 4352)] * 64 + [(4352, 1088)] * 32 + [(1088,)] * 34 + [(32000, 1088)]

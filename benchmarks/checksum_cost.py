@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import memtree
-from memtree.store.checksums import available_checksums, tensor_checksum
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, wait_for_removals, write_tree
+from memtree.store.primitives.checksums import available_checksums, tensor_checksum
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, wait_for_removals, write_tree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stores import w1_layout  # noqa: E402

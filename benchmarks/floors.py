@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import memtree  # noqa: E402
 from memtree.format.dtypes import dtype_from_name  # noqa: E402
-from memtree.store.commit import rename_noreplace  # noqa: E402
+from memtree.store.primitives.commit import rename_noreplace  # noqa: E402
 from pagecache import make_cold  # noqa: E402
 from stores import Store, make_tensors, nest, prepare_index, save, w1_layout, w2_layout  # noqa: E402
 
@@ -142,7 +142,7 @@ def _alternate(
             for k in names if i % 2 else names[::-1]:
                 p = os.path.join(wd, f"{k.replace(' ', '_')}-{i}")
                 if fresh:
-                    memtree.store.write.wait_for_removals()
+                    memtree.store.writing.write.wait_for_removals()
                     os.sync()
                 if before is not None:
                     before()

@@ -2,7 +2,7 @@
 
     python benchmarks/pack_incremental.py
 
-W8's tree (5,000 float32 leaves of 4 KiB in 50 groups) is saved, one leaf is changed, and the
+W10's tree (5,000 float32 leaves of 4 KiB in 50 groups) is saved, one leaf is changed, and the
 next save links from the first (``link_from``, as ``Checkpointer`` does): with ``pack_below=0``
 every unchanged leaf is a hard link to its old file and the changed one is written; packed, the
 pack holding the changed leaf (all 5,000 here: 20 MB) is written again, whole. Printed per
@@ -21,8 +21,8 @@ import tempfile
 import torch
 
 from memtree.format.level import Level
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 
 
 def _wchar() -> int:

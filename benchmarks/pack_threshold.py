@@ -21,8 +21,8 @@ import torch
 
 import memtree
 from memtree.format.level import Level
-from memtree.store.options import WriteOptions
-from memtree.store.write import write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import write_tree
 
 SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
 ROUNDS = 3

@@ -72,10 +72,12 @@ def table(judgements: list[Judgement]) -> str:
 def section(runs: list[Run]) -> str:
     """The generated part of RESULTS.md: a summary line and the table."""
     judged = evaluate(runs)
-    counts = {v: sum(1 for j in judged if j.verdict == v) for v in ("met", "missed", "not judged", "not measured")}
+    counts = {v: sum(1 for j in judged if j.verdict == v)
+              for v in ("met", "missed", "reported", "not judged", "not measured")}
     summary = (
-        f"{len(judged)} targets: **{counts['met']} met, {counts['missed']} missed**, {counts['not judged']} "
-        f"not judged, {counts['not measured']} not measured, from {len(runs)} stored run(s). A target is met "
+        f"{len(judged)} targets: **{counts['met']} met, {counts['missed']} missed**, {counts['reported']} ratios "
+        f"reported, {counts['not judged']} not judged, {counts['not measured']} not measured, from {len(runs)} "
+        f"stored run(s). A target is met "
         f"only from a checked run of at least its rounds whose load stayed at or under {QUIET_LOAD} "
         "(`benchmarks/targets.py` says how each is computed)."
     )

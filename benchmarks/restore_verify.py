@@ -27,9 +27,9 @@ import time
 import torch
 
 import memtree
-from memtree.store.checksums import default_checksum
-from memtree.store.options import WriteOptions
-from memtree.store.write import write_tree
+from memtree.store.primitives.checksums import default_checksum
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import write_tree
 from memtree.training.state import state_to_level
 
 TENSORS = 125

@@ -52,10 +52,11 @@ WORKLOADS = {
     "w5": ("w5_convert", None),
     "w6": ("w6_resume", None),
     "w7": ("w7_pause", None),
-    "w8": ("w8_small_leaves", "W8"),
+    "w8": ("w8_quantized", None),
+    "w10": ("w10_small_leaves", "W10"),
     "gpu": ("gpu_load", None),
 }
-ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"]
+ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w10"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -49,9 +49,9 @@ def _one_key(name: str, layout: Layout) -> Key:
 
 def _wait_for_removals() -> None:
     """memtree deletes an overwritten tree's old copy in the background: never during a run."""
-    import memtree.store.write
+    import memtree.store.writing.write
 
-    memtree.store.write.wait_for_removals()
+    memtree.store.writing.write.wait_for_removals()
 
 
 class StoreWorkload:
@@ -62,7 +62,7 @@ class StoreWorkload:
         self.layout = layout
 
     def stores(self) -> list[Store]:
-        return store_systems(many_files=self.name != "w1")  # W2, W8: the bare file creation too
+        return store_systems(many_files=self.name != "w1")  # W2, W10: the bare file creation too
 
     def describe(self, cfg: dict[str, Any]) -> str:
         layout = self.layout(cfg)

@@ -67,7 +67,7 @@ class Store:
         except Exception as err:  # noqa: BLE001 - any import failure means "not available"
             return f"N/A: {mod} not importable ({type(err).__name__}: {err})"
         if self.checksum not in ("default", None):
-            from memtree.store.checksums import available_checksums
+            from memtree.store.primitives.checksums import available_checksums
 
             if self.checksum not in available_checksums():
                 return f"N/A: checksum {self.checksum!r} not installed (the fast-checksums extra)"

@@ -5,7 +5,7 @@ second step hard-links every leaf of the first. ``load_memmap(step 2, lazy=False
 
 * ``mode="r"``: copy-on-write mappings, nothing copied;
 * ``mode="r+"`` (the default), first time: each shared leaf gets its own copy first
-  (``memtree.store.unshare``: ``copy_file_range`` into a new file, ``fsync``, rename);
+  (``memtree.store.reading.unshare``: ``copy_file_range`` into a new file, ``fsync``, rename);
 * ``mode="r+"`` again: the leaves have their own files already, nothing copied.
 
 Prints the median and minimum over ``ROUNDS`` rounds (a new root each), and the load average,

@@ -63,8 +63,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import memtree  # noqa: E402
 from memtree.cli.du import disk_usage  # noqa: E402
 from memtree.errors import NotAMemtreeError  # noqa: E402
-from memtree.store.files import regular_files  # noqa: E402
-from memtree.store.checksums import default_checksum, new_digest  # noqa: E402
+from memtree.store.primitives.files import regular_files  # noqa: E402
+from memtree.store.primitives.checksums import default_checksum, new_digest  # noqa: E402
 
 
 def wchar() -> int:

@@ -21,16 +21,17 @@ from .errors import __all__ as _errors_all
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
     from .tree.dataset import BatchIndexSampler, batch_loader, collate
     from .interop import convert, open_checkpoint, save_safetensors, save_tensordict
-    from .store.crypto import EncryptionKey
+    from .store.primitives.crypto import EncryptionKey
     from .routing import loading, saving
-    from .store.mapped import MemoryMappedTensor
+    from .store.reading.mapped import MemoryMappedTensor
     from .nn.empty_init import empty_init, init_missing
     from .nn.loading import LoadResult, load_into_module
     from .format.values import NonTensor
     from .nn.offloading import OffloadedTensor, offload
     from .tree.ops import cat, stack
-    from .store.recovery import recover
+    from .store.writing.recovery import recover
     from .tree.records import tensorclass
+    from .format.subclass_registry import register_subclass
     from .tree.tensortree import TensorTree, load_memmap
     from .store.verify import Problem, VerifyReport, verify_tree
     from .training import Checkpointer
@@ -46,10 +47,10 @@ _LAZY: dict[str, str] = {
     "open_checkpoint": "interop",
     "save_safetensors": "interop",
     "save_tensordict": "interop",
-    "EncryptionKey": "store.crypto",
+    "EncryptionKey": "store.primitives.crypto",
     "saving": "routing",
     "loading": "routing",
-    "MemoryMappedTensor": "store.mapped",
+    "MemoryMappedTensor": "store.reading.mapped",
     "empty_init": "nn.empty_init",
     "init_missing": "nn.empty_init",
     "LoadResult": "nn.loading",
@@ -59,8 +60,9 @@ _LAZY: dict[str, str] = {
     "offload": "nn.offloading",
     "cat": "tree.ops",
     "stack": "tree.ops",
-    "recover": "store.recovery",
+    "recover": "store.writing.recovery",
     "tensorclass": "tree.records",
+    "register_subclass": "format.subclass_registry",
     "TensorTree": "tree.tensortree",
     "load_memmap": "tree.tensortree",
     "Problem": "store.verify",
@@ -79,6 +81,7 @@ __all__ = [
     "cat",
     "load_memmap",
     "tensorclass",
+    "register_subclass",
     "collate",
     "BatchIndexSampler",
     "batch_loader",

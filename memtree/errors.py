@@ -54,6 +54,7 @@ __all__ = [
     "RemoteChangedError",
     "DistributedCheckpointError",
     "TensorclassError",
+    "SubclassError",
     "UnknownClassError",
     "NotGrowableError",
     "InvalidArgumentError",
@@ -224,6 +225,12 @@ class DistributedCheckpointError(MemtreeError, RuntimeError):
 
 class TensorclassError(MemtreeError, TypeError):
     """A ``@tensorclass`` is defined, named or constructed wrongly (bad field, name taken...)."""
+
+
+class SubclassError(MemtreeError, TypeError):
+    """A tensor subclass cannot be stored or rebuilt: no flatten protocol, a class not registered
+    (``memtree.register_subclass``), a flatten context JSON cannot hold, a ``Partial`` DTensor, or
+    a group on disk that does not rebuild into the class, shape and dtype it records."""
 
 
 class UnknownClassError(MetaFormatError):

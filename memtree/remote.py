@@ -1,6 +1,6 @@
 """Remote trees over fsspec (the optional extra ``memtree[remote]``): :func:`upload` and :func:`load`.
 
-The implementation is the remote store, :mod:`memtree.store.remote`; ``memtree.load_memmap(url)``
+The implementation is the remote store, :mod:`memtree.store.urls.remote`; ``memtree.load_memmap(url)``
 reads through it too. This module is the public name for its two entry points.
 
 Example:
@@ -13,6 +13,6 @@ Example:
 
 from __future__ import annotations
 
-from .store.remote import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_THREADS, load, upload
+from .store.urls.remote import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_THREADS, load, upload
 
 __all__ = ["load", "upload", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]

@@ -192,16 +192,16 @@ def test_repr_of_a_memory_mapped_leaf_names_its_device(saved: Path) -> None:
 #: Internal raises that never reach a caller as they are (caught and converted, or asserting a
 #: programming error inside the package), as (file relative to memtree/, exception name).
 _INTERNAL = {
-    ("store/files.py", "OSError"),  # EIO of short reads/writes: converted by storage_error()
-    ("store/files.py", "ValueError"),  # create_leaf's preconditions
-    ("store/checksums.py", "OSError"),  # file_checksum's EIO of a short file: storage_error() converts it
-    ("store/commit.py", "OSError"),  # renameat2's errno: converted by the callers' storage_error()
-    ("store/commit.py", "ValueError"),  # the journal's size: a programming error
-    ("store/cache.py", "FileExistsError"),  # caught two lines below: another download won
-    ("store/recovery.py", "FileExistsError"),  # caught by recover(), reported as a problem
-    ("store/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
+    ("store/primitives/files.py", "OSError"),  # EIO of short reads/writes: converted by storage_error()
+    ("store/primitives/files.py", "ValueError"),  # create_leaf's preconditions
+    ("store/primitives/checksums.py", "OSError"),  # file_checksum's EIO of a short file: storage_error() converts it
+    ("store/primitives/commit.py", "OSError"),  # renameat2's errno: converted by the callers' storage_error()
+    ("store/primitives/commit.py", "ValueError"),  # the journal's size: a programming error
+    ("store/writing/cache.py", "FileExistsError"),  # caught two lines below: another download won
+    ("store/writing/recovery.py", "FileExistsError"),  # caught by recover(), reported as a problem
+    ("store/primitives/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them
-    ("store/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
+    ("store/reading/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
 }
 _BUILTINS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "OSError",
              "FileNotFoundError", "FileExistsError", "Exception", "AttributeError", "LookupError"}

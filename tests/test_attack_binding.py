@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from memtree import MemtreeError, TensorTree
-from memtree.tree.bind import TIED_KEY
+from memtree.tree.parts.bind import TIED_KEY
 from treeutil import random_tensor, raw_bytes
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -88,7 +88,7 @@ def test_the_previous_step_deleted_by_the_user_mid_save(ckpt, monkeypatch):
     """The link source disappears between choosing it and linking: the leaf is written."""
     import shutil
 
-    from memtree.store import linking
+    from memtree.store.writing import linking
 
     w = torch.arange(32.0)
     ckpt.save(1, {"w": w})
@@ -681,8 +681,8 @@ def test_a_hostile_root_record_is_refused_clearly(tmp_path, key, kind, error):
 def test_encrypted_steps_of_a_root_without_record_are_refused(tmp_path, key):
     """Steps encrypted with the key itself (memtree before step authentication, or a record
     deleted): their number and root are not authenticated, so the root is refused."""
-    from memtree.store.options import WriteOptions
-    from memtree.store.write import write_tree
+    from memtree.store.reading.options import WriteOptions
+    from memtree.store.writing.write import write_tree
     from memtree.training.state import state_to_level
 
     write_tree(tmp_path / "4", state_to_level(_w(4)), WriteOptions.of(encryption=key))
@@ -693,7 +693,7 @@ def test_encrypted_steps_of_a_root_without_record_are_refused(tmp_path, key):
 
 
 def test_a_plain_step_planted_in_an_encrypted_root_is_refused_on_restore(tmp_path, key):
-    from memtree.store.write import write_tree
+    from memtree.store.writing.write import write_tree
     from memtree.training.state import state_to_level
 
     ckpt = memtree.Checkpointer(tmp_path, encryption=key)
@@ -709,7 +709,7 @@ def test_a_plain_step_planted_in_an_encrypted_root_is_refused_on_restore(tmp_pat
 def test_two_checkpointers_making_the_record_of_an_empty_root_at_once(tmp_path, key, monkeypatch):
     """Both read "no record", one writes it first: the other reads the winner's and is refused
     with another key (accepted with the same one); a record is never written over another."""
-    from memtree.store.steps import list_steps
+    from memtree.store.reading.steps import list_steps
     from memtree.training import root as root_module
 
     memtree.Checkpointer(tmp_path, encryption=key)  # the winner

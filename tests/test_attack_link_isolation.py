@@ -37,9 +37,11 @@ from torch import nn
 import memtree
 from memtree.cli.main import main as cli
 from memtree.format.level import Level
-from memtree.store import lease, linking, unshare
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.primitives import lease
+from memtree.store.reading import unshare
+from memtree.store.writing import linking
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 from treeutil import raw_bytes, snapshot
 
 FORK = mp.get_context("fork")
@@ -606,7 +608,7 @@ def test_a_write_over_a_tree_maps_its_pending_shared_levels_under_its_own_lock(t
 
 def test_a_thread_loading_a_tree_another_thread_writes_gets_a_lock_error_not_a_deadlock(tmp_path):
     from memtree.format.names import lock_path
-    from memtree.store.commit import WriterLock
+    from memtree.store.primitives.commit import WriterLock
 
     other, written, key = _link_from(tmp_path)
     t = memtree.load_memmap(written)

@@ -1,4 +1,4 @@
-"""Attacks on ``WriteOptions.link_from`` (store/linking.py): a hostile previous tree.
+"""Attacks on ``WriteOptions.link_from`` (store/writing/linking.py): a hostile previous tree.
 
 Whatever was done to the old tree (its meta.json edited to name another file or another
 checksum, a leaf replaced by a symlink, a FIFO, a directory, a truncated or bit-rotted file, a
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree.format.level import Level
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 from treeutil import raw_bytes
 
 

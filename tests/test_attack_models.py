@@ -26,7 +26,7 @@ from torch import nn
 
 import memtree
 import memtree.nn.loading as loading_mod
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.fill as fill_mod
 from memtree import (
     CheckpointFormatError,
     MemtreeError,

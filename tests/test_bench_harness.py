@@ -284,6 +284,20 @@ def test_a_loaded_run_cannot_meet_a_target() -> None:
     assert missed.verdict == "missed" and "load 3.20" in missed.why
 
 
+def test_a_reported_ratio_is_shown_and_never_met_or_missed() -> None:
+    """A ratio an issue asks for without a bound (issue 26's GPT-2-sized save and load)."""
+    from dataclasses import replace
+
+    from targets import judge
+
+    t = replace(_target(), kind="report")
+    for mine in ([2.0] * 5, [0.5] * 5):
+        j = judge(t, _run(0.5, mine, [1.0] * 5))
+        assert j.verdict == "reported" and j.measured.startswith(f"{mine[0]:.4f}")
+    loaded = judge(t, _run(3.2, [2.0] * 5, [1.0] * 5))
+    assert loaded.verdict == "not judged" and "load 3.20" in loaded.why
+
+
 def test_a_target_is_computed_from_raw_times_without_rounding() -> None:
     """1.105× against a 1.10 bound is a miss (it was once reported as 1.10×, met)."""
     from targets import judge
@@ -430,7 +444,7 @@ def test_every_target_names_a_known_workload_and_an_existing_op() -> None:
     for t in targets.TARGETS:
         assert t.workload == "*" or f'"{t.workload}"' in run_py, t
         assert t.kind in ("ratio", "speed", "seconds", "metric", "metric_ratio", "rss_flat", "rss_of_model",
-                          "memory"), t
+                          "memory", "report"), t
         assert t.stat in ("median", "max") and t.vs in ("best", "each", "slowest"), t
 
 

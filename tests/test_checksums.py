@@ -15,9 +15,9 @@ import memtree
 from memtree import IntegrityError, MemtreeError, TensorTree, verify_tree
 from memtree.errors import MetaFormatError
 from memtree.format.schema import VERSION, LevelMeta, dump_level, parse_level
-from memtree.store import checksums
-from memtree.store.checksums import available_checksums, default_checksum, tensor_checksum
-from memtree.store.integrity import tree_hash
+from memtree.store.primitives import checksums
+from memtree.store.primitives.checksums import available_checksums, default_checksum, tensor_checksum
+from memtree.store.reading.integrity import tree_hash
 from treeutil import raw_bytes
 
 

@@ -25,7 +25,7 @@ from memtree.cli import main as cli_main
 from memtree.cli.main import COMMANDS as COMMAND_MODULES
 
 COMMANDS = [importlib.import_module(f"memtree.cli.{m}") for m in COMMAND_MODULES.values()]
-from memtree.store.checksums import default_checksum, tensor_checksum
+from memtree.store.primitives.checksums import default_checksum, tensor_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -352,3 +352,93 @@ def test_main_returns_1_for_library_errors_in_process(tmp_path: Path, capsys: py
     assert cli_main(["info", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("memtree: error: ") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------- paths that are not UTF-8
+
+#: A directory name of bytes that are not UTF-8 (Linux allows any bytes but "/" and NUL).
+RAW = b"caf\xe9\xff"
+SHOWN = "caf\\xe9\\xff"  # how every command prints it, in text and in JSON
+
+
+@pytest.fixture
+def raw_dir(tmp_path: Path) -> Path:
+    """A directory whose name is not UTF-8, holding two trees, a torch.save file and a step root."""
+    where = tmp_path / os.fsdecode(RAW)
+    TensorTree({"w": torch.ones(4), "s": 1}).memmap(where / os.fsdecode(b"a\xff"))
+    TensorTree({"w": torch.zeros(4), "s": 1}).memmap(where / "b")
+    TensorTree({"w": torch.zeros(4)}).memmap(where / "root" / "10")
+    torch.save({"w": torch.ones(2)}, where / os.fsdecode(b"m\xfe.pt"))
+    return where
+
+
+#: (argv, exit code, error, what the output shows): ``{d}`` is the directory above; ``error``: a
+#: MemtreeError (a one-line error on standard error, ``{"error": ...}`` with ``--json``) rather
+#: than a report. One case per command, and a missing path for each command that reads one.
+RAW_CASES = {
+    "info": (["info", "{d}/a\udcff"], 0, False, SHOWN + "/a\\xff"),
+    "info-root": (["info", "{d}/root"], 0, False, SHOWN + "/root"),
+    "verify": (["verify", "{d}/a\udcff"], 0, False, SHOWN + "/a\\xff"),
+    "verify-damaged": (["verify", "{d}/b"], 1, False, SHOWN + "/b"),
+    "du": (["du", "{d}/a\udcff"], 0, False, SHOWN + "/a\\xff"),
+    "diff": (["diff", "{d}/a\udcff", "{d}/b"], 1, False, "w"),
+    "convert": (["convert", "{d}/m\udcfe.pt", "{d}/out\udcff"], 0, False, "torch"),
+    "convert-safetensors": (["convert", "{d}/m\udcfe.pt", "{d}/out\udcff.safetensors"], 0, False, "safetensors"),
+    "convert-exists": (["convert", "{d}/m\udcfe.pt", "{d}/b"], 1, True, SHOWN + "/b already exists"),
+    "info-missing": (["info", "{d}/gone\udcff"], 1, True, SHOWN + "/gone\\xff"),
+    "verify-missing": (["verify", "{d}/gone\udcff"], 1, False, SHOWN + "/gone\\xff"),
+    "du-missing": (["du", "{d}/gone\udcff"], 1, True, SHOWN + "/gone\\xff"),
+    "diff-missing": (["diff", "{d}/b", "{d}/gone\udcff"], 1, True, SHOWN + "/gone\\xff"),
+    "convert-missing": (["convert", "{d}/gone\udcff.pt", "{d}/x"], 1, True, SHOWN + "/gone\\xff.pt"),
+}
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("case", list(RAW_CASES))
+def test_every_command_shows_a_path_that_is_not_utf8_escaped(
+    raw_dir: Path, case: str, as_json: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv, code, error, shown = RAW_CASES[case]
+    argv = [a.replace("{d}", str(raw_dir)) for a in argv] + (["--json"] if as_json else [])
+    if case == "verify-damaged":
+        (raw_dir / "b" / "w.memmap").write_bytes(b"\0" * 3)
+    assert cli_main(argv) == code
+    captured = capsys.readouterr()
+    for stream in (captured.out, captured.err):
+        stream.encode("utf-8")  # valid UTF-8: no lone surrogate reaches a stream
+    if as_json:
+        import orjson  # strict: refuses what is not UTF-8
+
+        doc = orjson.loads(captured.out)
+        assert ("error" in doc) == error and captured.err == ""
+        assert shown in json.dumps(doc, ensure_ascii=False).replace("\\\\", "\\"), doc
+    else:
+        assert shown in (captured.err if error else captured.out), captured
+        assert captured.err.startswith("memtree: error: ") if error else not captured.err
+
+
+def test_demo_in_a_directory_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = str(tmp_path / os.fsdecode(RAW))
+    assert cli_main(["demo", "--workdir", work, "--items", "8", "--json"]) == 0
+    import orjson
+
+    report = orjson.loads(capsys.readouterr().out)["report"]
+    assert report[0] == f"memtree demo in {tmp_path}/{SHOWN}"
+    assert cli_main(["demo", "--workdir", work, "--items", "8"]) == 0
+    assert capsys.readouterr().out.startswith(f"memtree demo in {tmp_path}/{SHOWN}\n")
+
+
+def test_a_path_that_is_not_utf8_end_to_end(raw_dir: Path) -> None:
+    """The real streams of ``python -m memtree``: valid UTF-8, no traceback, the right exit code."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    tree = os.fsencode(raw_dir) + b"/a\xff"
+    for argv, code in [(["info", tree], 0), (["info", tree + b"x", "--json"], 1)]:  # info: no torch import
+        proc = subprocess.run([sys.executable, "-m", "memtree", *argv], capture_output=True, timeout=180, env=env)
+        assert proc.returncode == code, proc.stderr
+        out, err = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")  # strict
+        assert "Traceback" not in err
+        if "--json" in argv:
+            doc = json.loads(out)
+            assert SHOWN + "/a\\xff" in (doc["path"] if code == 0 else doc["error"]["message"])
+        else:
+            assert SHOWN + "/a\\xff" in out + err

@@ -13,8 +13,8 @@ from memtree.cli.diff import diff_trees
 from memtree.cli.du import disk_usage
 from memtree.cli.main import main
 from memtree.format.level import Level
-from memtree.store.options import WriteOptions
-from memtree.store.write import write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import write_tree
 
 
 def _level(w: torch.Tensor, **extra) -> Level:
@@ -91,6 +91,30 @@ def test_diff_after_growth_compares_data(tmp_path):
     assert [c["key"] for c in diff_trees(tmp_path / "a", tmp_path / "b").changed] == [["x"]]
 
 
+def test_diff_of_100k_entries_is_linear(tmp_path, capsys):
+    """100,000 entries in a few levels, 50,000 on each side only, values changed, a sub-tree on one
+    side, a kind change; every count exact (a sub-tree on one side is listed once). Linear: seconds
+    (under the suite's timeout even on a loaded machine); quadratic, as before: over ten minutes."""
+    values = lambda lo, hi, bump=0: {f"k{i}": i + (bump if i % 2 == 0 else 0) for i in range(lo, hi)}  # noqa: E731
+    a = Level((), {"shifted": Level((), values(0, 100_000)), "bumped": Level((), values(0, 1000)),
+                   "gone": Level((), values(0, 100)), "kind": Level((), values(0, 10)), "w": torch.arange(4)})
+    b = Level((), {"shifted": Level((), values(50_000, 150_000)), "bumped": Level((), values(0, 1000, bump=1)),
+                   "new": Level((), values(0, 100)), "kind": torch.zeros(1), "w": torch.arange(4) + 1})
+    write_tree(tmp_path / "a", a)
+    write_tree(tmp_path / "b", b)
+    code, out = _run(capsys, "diff", "--json", str(tmp_path / "a"), str(tmp_path / "b"))  # diff_trees, printed
+    report = json.loads(out)
+    assert code == 1 and not report["identical"]
+    assert [(c["key"], c["what"]) for c in report["changed"][:1] + report["changed"][-1:]] == [
+        (["kind"], ["kind"]), (["w"], ["data"])]
+    assert len(report["changed"]) == 2 + 500  # kind, w, and every even value of "bumped"
+    assert all(c["key"][0] == "bumped" and c["what"] == ["value"] for c in report["changed"][1:-1])
+    by_str = lambda lo, hi: [["shifted", f"k{i}"] for i in sorted(range(lo, hi), key=str)]  # noqa: E731
+    assert report["only_in_a"] == [["gone"]] + by_str(0, 50_000)
+    assert report["only_in_b"] == [["new"]] + by_str(100_000, 150_000)
+    assert report["same"] == 50_000 + 500 + 2 and report["bytes_read"] == 0  # + the levels bumped, shifted
+
+
 def test_diff_refuses_what_is_not_a_tree(tmp_path, capsys):
     write_tree(tmp_path / "a", _level(torch.zeros(2)))
     code = main(["diff", str(tmp_path / "a"), str(tmp_path / "missing")])
@@ -156,7 +180,7 @@ def test_du_step_names(tmp_path, name, is_step):
 
 def test_regular_files_counts_each_name_follows_no_link(tmp_path):
     from memtree.errors import StorageError
-    from memtree.store.files import regular_files
+    from memtree.store.primitives.files import regular_files
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "f").write_bytes(b"x" * 10)

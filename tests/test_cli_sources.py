@@ -239,8 +239,8 @@ def test_info_checkpoint_root(tmp_path: Path) -> None:
 
 def test_info_checkpoint_root_counts_what_hard_links_share(tmp_path: Path) -> None:
     from memtree.cli.du import disk_usage
-    from memtree.store.options import WriteOptions
-    from memtree.store.write import write_tree
+    from memtree.store.reading.options import WriteOptions
+    from memtree.store.writing.write import write_tree
 
     root = tmp_path / "ckpts"
     big = torch.arange(4096.0)

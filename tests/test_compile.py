@@ -1,7 +1,7 @@
 """torch.compile and torch.export of modules whose weights memtree bound or loaded.
 
 Bound weights (``to_module`` / ``load_into_module`` on an ``empty_init`` model) are plain
-tensors over the mapped files (``memtree.tree.bind.plain``), so dynamo and export see
+tensors over the mapped files (``memtree.tree.parts.bind.plain``), so dynamo and export see
 ordinary parameters; these tests keep it that way.
 """
 

@@ -342,7 +342,7 @@ def test_transformers_save_pretrained_shards_convert_and_load(tmp_path: Path, tf
 
 # -- kill -9 at each step of the commit (RELIABILITY §8a test 1, for model and tensordict dirs) ----
 def _convert_child(src: str, dst: str, fmt: str, fault: str) -> None:
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     os.environ[faults.ENV] = fault
     faults.reload()
@@ -380,7 +380,7 @@ def test_kill_during_the_commit_leaves_old_or_new_never_partial(
 ) -> None:
     import multiprocessing as mp
 
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     old_src, new_src = tmp_path / "old.pt", tmp_path / "new.pt"
     torch.save({f"w{i}": torch.full((300,), float(i)) for i in range(4)}, old_src)
@@ -405,3 +405,29 @@ def test_kill_during_the_commit_leaves_old_or_new_never_partial(
     memtree.recover(parent)
     assert os.listdir(parent) == ([] if expected == "absent" else ["out"])
     assert _content(dst, fmt) == got
+
+
+# -- a hostile index: nesting, whatever the recursion limit --------------------------------------
+@pytest.mark.parametrize("depth", [100_000, 1010, 17])
+@pytest.mark.parametrize("recursion_limit", [None, 50_000])
+def test_a_deeply_nested_index_is_refused_whatever_the_recursion_limit(
+    tmp_path: Path, depth: int, recursion_limit: int | None
+) -> None:
+    """Before: json.loads recursed into the index, so nesting past the recursion limit was a
+    RecursionError (not a MemtreeError: a traceback from ``memtree convert``), and a test or a
+    library that raised the limit (torch.compile raises it to 2000) changed what the same file
+    gave. Now its depth is measured first, without recursion."""
+    import sys
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"w": ' + "[" * depth + "]" * depth + "}}")
+    limit = sys.getrecursionlimit()
+    if recursion_limit is not None:
+        sys.setrecursionlimit(recursion_limit)
+    try:
+        for read in (lambda: open_checkpoint(index), lambda: memtree.convert(index, tmp_path / "out")):
+            with pytest.raises(memtree.CheckpointFormatError, match=str(index)):
+                read()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not (tmp_path / "out").exists()

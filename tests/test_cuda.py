@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memtree
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.fill as fill_mod
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -175,8 +175,8 @@ from typing import Any  # noqa: E402
 
 import memtree.nn.loading as loading_mod  # noqa: E402
 from memtree import StorageError, TensorTree, load_into_module, load_memmap  # noqa: E402
-from memtree.store.files import FileRange  # noqa: E402
-from memtree.store.fill import FillJob, fill, memory_job  # noqa: E402
+from memtree.store.primitives.files import FileRange  # noqa: E402
+from memtree.store.primitives.fill import FillJob, fill, memory_job  # noqa: E402
 
 from test_fill import fail_preadv_at, no_reader_threads  # noqa: E402
 from test_fill_bound import assert_written_privately, written_privately  # noqa: E402
@@ -326,7 +326,7 @@ def test_tied_weights_load_onto_cuda_tied_and_read_once(tmp_path, ring):
 @needs_cuda
 @pytest.mark.parametrize("mmap", [True, False])
 def test_load_memmap_onto_cuda_reuses_the_ring_across_its_batches_and_loads(tmp_path, monkeypatch, ring, mmap):
-    import memtree.store.leaf_reader as leaf_reader_mod
+    import memtree.store.reading.leaf_reader as leaf_reader_mod
 
     monkeypatch.setattr(leaf_reader_mod, "MAX_PENDING_READS", 4)  # one fill() every 4 leaves
     data = _tree(6)

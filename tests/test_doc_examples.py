@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md"]
+PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md", "guide/subclasses.md"]
+#: Pages whose examples need an optional package (a test dependency): skipped without it.
+NEEDS = {"guide/subclasses.md": "torchao"}
 SCRIPT_PAGES = ["guide/models.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
@@ -29,6 +31,8 @@ def run_page(page: Path) -> doctest.TestResults:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_the_examples_of_the_page_run(page, tmp_path, monkeypatch, capsys):
+    if page in NEEDS:
+        pytest.importorskip(NEEDS[page])
     monkeypatch.chdir(tmp_path)
     results = run_page(DOCS / page)
     report = capsys.readouterr().out

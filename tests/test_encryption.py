@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 import memtree
 from memtree.format.dtypes import DTYPE_NAMES
 from memtree.format.schema import LeafMeta, parse_level, sealed_nbytes
-from memtree.store import crypto
-from memtree.store.options import WriteOptions
+from memtree.store.primitives import crypto
+from memtree.store.reading.options import WriteOptions
 from treeutil import fingerprint, random_tensor, snapshot
 
 CHUNK = 4096
@@ -112,8 +112,8 @@ def test_leaves_lying_in_another_file_are_read_and_encrypted(tmp_path, key) -> N
     file, encrypted, and a source that ends early is a clear error."""
     from memtree.format.level import Level
     from memtree.interop.lazy import LazyLeaf
-    from memtree.store.files import FileRange
-    from memtree.store.write import write_tree
+    from memtree.store.primitives.files import FileRange
+    from memtree.store.writing.write import write_tree
 
     data = random_tensor((3 * CHUNK + 5,), torch.uint8, seed=9)
     src = tmp_path / "src.bin"

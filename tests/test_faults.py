@@ -25,8 +25,8 @@ import torch
 
 import memtree
 from memtree import TensorTree
-from memtree.store import faults as _faults
-from memtree.store import commit as commit_mod
+from memtree.store.primitives import faults as _faults
+from memtree.store.primitives import commit as commit_mod
 from treeutil import fingerprint
 
 pytestmark = pytest.mark.timeout(300)
@@ -297,3 +297,152 @@ def test_kill_at_random_times(tmp_path, write_seconds, outcomes, scenario, num_t
         parent.mkdir()
         got, code = kill_trial(parent, scenario, num_threads, no_flag, rng.uniform(0, 1.2 * write_seconds))
         outcomes[(scenario, got, "killed" if code == -signal.SIGKILL else "finished")] += 1
+
+
+# ----------------------------------------------------------------------------- single-file conversions
+
+def _convert_writer(src, dst, fault, existsok):
+    os.environ[_faults.ENV] = fault
+    _faults.reload()
+    memtree.convert(src, dst, existsok=existsok)
+
+
+def _sources(where: Path) -> tuple[Path, Path]:
+    old, new = where / "old.pt", where / "new.pt"
+    torch.save({f"w{i}": torch.full((64 << 10,), float(i)) for i in range(3)}, old)  # 256 KiB each
+    torch.save({"w0": torch.arange(64 << 10, dtype=torch.int64), "w1": torch.ones(3, dtype=torch.bfloat16),
+                "w2": torch.randn(64 << 10, generator=torch.Generator().manual_seed(0)), "w3": torch.zeros(0)}, new)
+    return old, new
+
+
+# (scenario, existsok, point, state right after the crash, a temporary file is left)
+FILE_CASES = [
+    ("new", False, "after_lock", "absent", False),
+    ("new", False, "staging_created", "absent", True),
+    ("new", True, "after_leaf:2", "absent", True),
+    ("new", False, "before_publish", "absent", True),
+    ("new", False, "after_publish", "new", True),  # linked: the temporary name is a second name of the file
+    ("new", True, "after_publish", "new", False),
+    ("overwrite", True, "after_lock", "old", False),
+    ("overwrite", True, "staging_created", "old", True),
+    ("overwrite", True, "after_leaf:1", "old", True),
+    ("overwrite", True, "after_leaf:3", "old", True),
+    ("overwrite", True, "before_publish", "old", True),
+    ("overwrite", True, "after_publish", "new", False),
+]
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", os.fsdecode(b"m\xff.safetensors")], ids=["utf8", "not-utf8"])
+@pytest.mark.parametrize("case", FILE_CASES, ids=[f"{c[0]}-{'existsok-' if c[1] else ''}{c[2]}" for c in FILE_CASES])
+def test_kill_during_a_single_file_conversion(tmp_path, case, name):
+    """kill -9 of ``convert(src, "m.safetensors")``: the file is the old one or the new one, byte for
+    byte, never partial; its full-size temporary file is removed by ``memtree.recover(parent)`` and
+    by the next conversion to the same file (the lock's journal names it)."""
+    scenario, existsok, point, expected, left_tmp = case
+    old_src, new_src = _sources(tmp_path)
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    memtree.convert(old_src, refs / "old.safetensors")
+    memtree.convert(new_src, refs / "new.safetensors")
+    content = {s: (refs / f"{s}.safetensors").read_bytes() for s in ("old", "new")}
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    dst = parent / name
+    if scenario == "overwrite":
+        memtree.convert(old_src, dst)
+    p = FORK.Process(target=_convert_writer, args=(str(new_src), str(dst), point, existsok))
+    p.start()
+    p.join(120)
+    assert p.exitcode == _faults.EXIT_CODE, f"the writer never reached {point} (exit code {p.exitcode})"
+    assert (dst.read_bytes() if dst.exists() else None) == content.get(expected)
+    tmps = [n for n in os.listdir(parent) if n.startswith(f".{name}.memtree-tmp-")]
+    assert len(tmps) == int(left_tmp)
+    if point.startswith(("after_leaf", "before_publish")):  # the issue: a full-size file was left for good
+        assert (parent / tmps[0]).stat().st_size == len(content["new"])
+    if FILE_CASES.index(case) % 2 == 0:
+        actions = memtree.recover(parent)
+        assert any(a.startswith("removed temporary file") for a in actions) == left_tmp
+        assert os.listdir(parent) == ([] if expected == "absent" else [name])
+        assert (dst.read_bytes() if dst.exists() else None) == content.get(expected)
+    else:
+        memtree.convert(old_src, dst, existsok=True)  # the next conversion replays the journal first
+        assert os.listdir(parent) == [name] and dst.read_bytes() == content["old"]
+
+
+def _blocked_writer(dst, started, hold):
+    from memtree.interop.safetensors_file import write_safetensors
+
+    def produce(key):
+        if key == "b":  # "a" is written: tell the parent, then wait to be killed
+            started.send(True)
+            hold.recv()
+        return torch.ones(1 << 16)
+
+    specs = [(k, (1 << 16,), torch.float32) for k in ("a", "b")]
+    write_safetensors(dst, specs, produce, existsok=True)
+
+
+def test_sigkill_mid_write_leaves_a_file_that_recover_and_the_next_write_remove(tmp_path):
+    """SIGKILL (no fault hook) while a safetensors file is half written: the full-size temporary
+    file is named in the lock's journal, so the next write of the file, or ``recover``, removes it."""
+    from memtree.interop.safetensors_file import save_safetensors
+
+    for how in ("recover", "next_write"):
+        parent = tmp_path / how
+        parent.mkdir()
+        dst = parent / "m.safetensors"
+        started, child_end = FORK.Pipe(duplex=False)
+        hold, hold_end = FORK.Pipe(duplex=False)
+        p = FORK.Process(target=_blocked_writer, args=(str(dst), child_end, hold))
+        p.start()
+        assert started.poll(120), "the writer never started"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(60)
+        tmps = [n for n in os.listdir(parent) if ".memtree-tmp-" in n]
+        assert len(tmps) == 1 and (parent / tmps[0]).stat().st_size > 2 * (1 << 18) and not dst.exists()
+        if how == "recover":
+            assert memtree.recover(parent) == [f"removed temporary file: {parent / tmps[0]}"]
+            assert os.listdir(parent) == []
+        else:
+            save_safetensors({"c": torch.zeros(2)}, dst)
+            assert os.listdir(parent) == ["m.safetensors"]
+
+
+def test_recover_leaves_the_temporary_file_of_a_live_writer(tmp_path):
+    """``recover`` takes each destination's lock before it removes anything: the temporary file of a
+    writer that holds it is left alone, and that writer still commits."""
+    from memtree.store.writing.staged import staged_file
+
+    dst = tmp_path / "m.safetensors"
+    with staged_file(dst, existsok=False) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(b"in progress")
+        assert memtree.recover(tmp_path) == [f"skipped {dst}: a writer holds its lock right now"]
+        assert os.path.exists(tmp)
+    assert dst.read_bytes() == b"in progress" and os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def test_recover_reports_a_temporary_file_no_journal_names(tmp_path):
+    """A temporary file whose writer took no lock (a ``MemoryMappedTensor`` file being written, or
+    one an older memtree left) may still be written: it is reported, never removed."""
+    stray = tmp_path / (".m.safetensors.memtree-tmp-" + "ab" * 16)
+    stray.write_bytes(b"x" * 10)
+    actions = memtree.recover(tmp_path)
+    assert len(actions) == 1 and actions[0].startswith(f"left {stray}: a temporary file that no crashed")
+    assert stray.read_bytes() == b"x" * 10
+
+
+@pytest.mark.parametrize("point", ["staging_created", "after_leaf:2"])
+def test_kill_while_writing_a_tree_whose_name_is_not_utf8(tmp_path, point):
+    """The lock's journal holds the staging name of a destination whose name is not UTF-8 (it was
+    a TypeError before anything was written): the next write and ``recover`` clean up after a kill."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    name = os.fsdecode(b"tree\xff")
+    new_tree = make_tree(2, "small")
+    assert run_writer(parent / name, new_tree, fault=point) == _faults.EXIT_CODE
+    assert any(n.startswith(f".{name}.memtree-tmp-") for n in os.listdir(parent))
+    assert [a.split(": ")[0] for a in memtree.recover(parent)] == ["removed staging directory"]
+    assert os.listdir(parent) == []
+    new_tree.memmap(parent / name)
+    assert fingerprint(memtree.load_memmap(parent / name)) == fingerprint(new_tree)

@@ -1,6 +1,6 @@
-"""store/fill.py: threaded preadv fills of existing tensors, the staging ring and its failures.
+"""store/primitives/fill.py: threaded preadv fills of existing tensors, the staging ring and its failures.
 
-The device copy of the ring is abstracted (a :class:`~memtree.store.fill.Copier`): here a fake
+The device copy of the ring is abstracted (a :class:`~memtree.store.primitives.fill.Copier`): here a fake
 copier that copies only when its copy is waited for (as an asynchronous device copy would
 finish later), so a buffer handed back to the readers before its copy was waited for shows
 up as wrong bytes; it also counts buffers, bytes held and releases.
@@ -18,10 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.fill as fill_mod
 from memtree import IntegrityError, InvalidArgumentError, StorageError
-from memtree.store.files import FileRange
-from memtree.store.fill import FillJob, fill, mapped_range, read_exact
+from memtree.store.primitives.files import FileRange
+from memtree.store.primitives.fill import FillJob, fill, mapped_range, read_exact
 
 DTYPES = [
     torch.float32,
@@ -410,7 +410,7 @@ def test_a_file_that_grows_while_read_is_read_only_within_its_range(tmp_path: An
 
 
 def test_checksums_are_checked_on_the_bytes_read(tmp_path: Any, threaded: None) -> None:
-    from memtree.store.checksums import tensor_checksum
+    from memtree.store.primitives.checksums import tensor_checksum
 
     src = torch.arange(300, dtype=torch.int32)
     path, (off,) = write_file(tmp_path, "f", [raw(src)])

@@ -2,7 +2,7 @@
 
 ``load_into_module(..., device="cuda")`` into a module built under ``empty_init``, with
 ``assign=True``, or from a ``TensorTree``/``state_dict`` in memory, allocates each tensor on the
-device and fills it through :func:`memtree.store.fill.fill` (from the file bytes, or from the
+device and fills it through :func:`memtree.store.primitives.fill.fill` (from the file bytes, or from the
 source's host memory), then binds it; ``to_module(inplace=True)`` fills live CUDA tensors the
 same way. Where there is no GPU these paths are run onto the CPU by counting the CPU as the
 ring's device (``on_ring``): the plumbing (which tensors are read, from where, ties, casts,
@@ -20,11 +20,11 @@ from torch import nn
 
 import memtree
 import memtree.nn.loading as loading_mod
-import memtree.store.fill as fill_mod
-import memtree.tree.bind as bind_mod
+import memtree.store.primitives.fill as fill_mod
+import memtree.tree.parts.bind as bind_mod
 from memtree import MemoryMappedTensor, StorageError, TensorTree, load_into_module, load_memmap
-from memtree.store.files import FileRange
-from memtree.store.fill import FillJob, MemoryRange
+from memtree.store.primitives.files import FileRange
+from memtree.store.primitives.fill import FillJob, MemoryRange
 
 from test_attack_models import Tied
 from test_fill import fail_preadv_at, no_reader_threads

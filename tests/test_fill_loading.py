@@ -2,7 +2,7 @@
 
 Every source kind (memtree directory, safetensors file, safetensors shards, torch.save file,
 torch.save shards) loads bit-exact into the module's own tensors, through
-:func:`memtree.store.fill.fill` (spied on), for every dtype; damaged and changing files raise
+:func:`memtree.store.primitives.fill.fill` (spied on), for every dtype; damaged and changing files raise
 clear errors and leave the module as it was when the damage is found before reading.
 """
 
@@ -22,8 +22,8 @@ from torch import nn
 
 import memtree
 import memtree.nn.loading as loading_mod
-import memtree.store.fill as fill_mod
-import memtree.store.leaf_reader as leaf_reader_mod
+import memtree.store.primitives.fill as fill_mod
+import memtree.store.reading.leaf_reader as leaf_reader_mod
 from memtree import (
     CheckpointFormatError,
     IntegrityError,
@@ -405,7 +405,7 @@ def test_mmap_false_verify_and_failures_leave_no_half_loaded_level(tmp_path: Any
         f.write(b"\x00\x01\x02")
     with pytest.raises(IntegrityError, match="t0"):
         load_memmap(d, mmap=False, verify=True)
-    from memtree.store.read import ReadOptions, open_tree
+    from memtree.store.reading.read import ReadOptions, open_tree
 
     root = open_tree(d, ReadOptions.of(mmap=False, verify=True))
     with pytest.raises(IntegrityError):

@@ -1,12 +1,12 @@
 """How fill() reads: in file order, neighbouring ranges of one file in one preadv, CRC-32 fast.
 
 Single-file checkpoints (safetensors, torch.save) hold hundreds of small tensors one after
-another; :func:`memtree.store.fill.fill` reads them in file order, a run of neighbours into
+another; :func:`memtree.store.primitives.fill.fill` reads them in file order, a run of neighbours into
 their several destinations with one ``preadv`` (the few bytes between two ``torch.save``
 records land in a scratch buffer). These tests pin that the destinations get exactly their
 bytes whatever the layout (gaps, overlapping views of one storage, any order of the jobs, any
 piece size, short reads at any buffer boundary), that checksums still see each tensor's own
-bytes, and that the number of reads is what the layout allows. Also :func:`memtree.store.checksums.crc32`
+bytes, and that the number of reads is what the layout allows. Also :func:`memtree.store.primitives.checksums.crc32`
 (ISA-L's where installed) against zlib's.
 """
 
@@ -25,12 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import memtree.store.checksums as checksums_mod
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.checksums as checksums_mod
+import memtree.store.primitives.fill as fill_mod
 from memtree import CheckpointFormatError, StorageError, load_into_module
-from memtree.store.files import FileRange
-from memtree.store.checksums import crc32
-from memtree.store.fill import FillJob, fill, read_views
+from memtree.store.primitives.files import FileRange
+from memtree.store.primitives.checksums import crc32
+from memtree.store.primitives.fill import FillJob, fill, read_views
 
 
 def raw(t: torch.Tensor) -> bytes:

@@ -1,4 +1,4 @@
-"""store/fill.py's pinned ring (:class:`~memtree.store.fill.PinnedRing`) and memory sources.
+"""store/primitives/fill.py's pinned ring (:class:`~memtree.store.primitives.fill.PinnedRing`) and memory sources.
 
 The ring's page-locking allocator is replaced by one that counts what it allocates (pageable
 buffers: the ring's bookkeeping is the same on any machine), and its device copies by a copier
@@ -19,10 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import memtree.store.fill as fill_mod
+import memtree.store.primitives.fill as fill_mod
 from memtree import InvalidArgumentError, StorageError
-from memtree.store.files import FileRange
-from memtree.store.fill import FillJob, MemoryRange, PinnedRing, fill, memory_job
+from memtree.store.primitives.files import FileRange
+from memtree.store.primitives.fill import FillJob, MemoryRange, PinnedRing, fill, memory_job
 
 from test_fill import MIXED, Case, FakeCopier, fail_preadv_at, no_reader_threads, raw, sample, write_file
 
@@ -249,7 +249,7 @@ def test_two_loads_at_once_never_share_a_buffer_and_stay_within_the_cap(
 
 
 def test_a_load_that_finds_the_ring_all_lent_gets_no_buffer_and_never_waits() -> None:
-    import memtree.store.fill as f
+    import memtree.store.primitives.fill as f
 
     alloc = Allocator()
     ring = ring_of(alloc)

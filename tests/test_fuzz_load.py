@@ -610,8 +610,8 @@ def rehash(tree: Path) -> None:
     import dataclasses
 
     from memtree.format.schema import dump_level
-    from memtree.store.integrity import tree_hash
-    from memtree.store.read import open_dir, walk_levels
+    from memtree.store.reading.integrity import tree_hash
+    from memtree.store.reading.read import open_dir, walk_levels
 
     metas = {}
     fd = open_dir(str(tree), str(tree), None)

@@ -13,7 +13,7 @@ import torch
 
 import memtree
 from memtree.format.schema import parse_level
-from memtree.store.integrity import tree_hash
+from memtree.store.reading.integrity import tree_hash
 
 GOLDEN = Path(__file__).parent / "golden" / "v1"
 GOLDEN_V2 = Path(__file__).parent / "golden" / "v2"

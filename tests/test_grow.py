@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.store import grow
+from memtree.store.writing import grow
 
 
 @memtree.tensorclass(name="tests.grow.Step")
@@ -467,7 +467,7 @@ def _shrink_child(path, fault):
         grow.copy_range = die
     else:
         os.environ["MEMTREE_FAULT"] = fault
-        from memtree.store import faults
+        from memtree.store.primitives import faults
         faults.reload()
     memtree.load_memmap(path).resize_(2)
     os._exit(0)

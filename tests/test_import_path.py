@@ -29,26 +29,26 @@ from torch import nn
 
 import memtree
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
-from memtree.store.options import ReadOptions, WriteOptions
-from memtree.store.checksums import default_checksum
+from memtree.store.reading.options import ReadOptions, WriteOptions
+from memtree.store.primitives.checksums import default_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 
 #: Modules that loading a tree into a module built under empty_init never needs.
 NOT_ON_THE_READY_PATH = (
-    "memtree.store.fill",  # threaded preadv: reads, not mappings
-    "memtree.store.write",
-    "memtree.store.commit",
-    "memtree.store.grow",
-    "memtree.store.crypto",
+    "memtree.store.primitives.fill",  # threaded preadv: reads, not mappings
+    "memtree.store.writing.write",
+    "memtree.store.primitives.commit",
+    "memtree.store.writing.grow",
+    "memtree.store.primitives.crypto",
     "memtree.store.verify",
-    "memtree.store.remote",
-    "memtree.store.linking",
-    "memtree.store.lease",
-    "memtree.store.unshare",  # only for a leaf another tree shares (imported on first use)
+    "memtree.store.urls.remote",
+    "memtree.store.writing.linking",
+    "memtree.store.primitives.lease",
+    "memtree.store.reading.unshare",  # only for a leaf another tree shares (imported on first use)
     "memtree.tree.dataset",
     "memtree.tree.ops",
-    "memtree.tree.growth",
+    "memtree.tree.parts.growth",
     "memtree.tree.records",
     "memtree.interop",
     "memtree.nn.loading",
@@ -124,6 +124,7 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     capacity: int | None = None
     chunk_bytes: int | None = None
     int_key: bool = False
+    layout: Any = None  # a DTensor's layout (format version 3)
     pack: str | None = None  # a packed leaf's pack and offset (format version 3)
     offset: int | None = None
 
@@ -138,6 +139,7 @@ _leaves = st.tuples(
     st.none() | st.integers(0, 9),
     st.none() | st.integers(4096, 8192),
     st.booleans(),
+    st.none(),  # layout
     st.none() | st.just("~pack-0.memmap"),
     st.none() | st.integers(0, 1 << 20),
 )

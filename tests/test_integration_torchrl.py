@@ -28,7 +28,7 @@ from memtree.errors import (  # noqa: E402
     ShapeMismatchError,
 )
 from memtree.integrations.torchrl import MemtreeStorage, MemtreeStorageCheckpointer  # noqa: E402
-from memtree.store.linking import WriteStats  # noqa: E402
+from memtree.store.writing.linking import WriteStats  # noqa: E402
 from treeutil import run_children  # noqa: E402
 
 FORK = mp.get_context("fork")
@@ -285,7 +285,7 @@ def test_kill_9_in_the_middle_of_a_dump_leaves_the_previous_dump_whole(tmp_path,
 
 
 def _killed_dump(rb: ReplayBuffer, path: str) -> None:
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     faults.reload()  # MEMTREE_FAULT was set after the import
     rb.storage.dumps(path)

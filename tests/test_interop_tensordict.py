@@ -368,7 +368,7 @@ def test_a_torchrl_dump_loads_only_the_rows_torchrl_wrote(torchrl_dump) -> None:
         assert tree["index"].shape == (6,)  # the buffer's own key, cut too
     assert memtree.load_memmap(root, device="meta")["obs"].shape == (6, 2)
     assert memtree.load_memmap(root, keys=[("next", "r")])["next", "r"].shape == (6, 3)
-    from memtree.store.tensordict import valid_rows
+    from memtree.store.foreign.tensordict import valid_rows
 
     assert valid_rows(root) == 6
 

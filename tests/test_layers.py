@@ -1,11 +1,17 @@
-"""The package's import graph keeps its layers: no import circle, and no import from a lower layer
-to a higher one (``docs/architecture.md``).
+"""The package's import graph keeps its layers and rooms: no import circle, and no import from a
+lower layer or room to a higher one (``docs/architecture.md``).
 
 Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
 ``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
-``memtree.routing`` and its modules) < ``cli/`` < ``integrations/``.
-Every ``import`` of a ``memtree`` module counts, at module level or inside a function; only
-imports under ``if TYPE_CHECKING:`` (annotations, never run) are left out.
+``routing/``) < ``cli/`` < ``integrations/``. Inside a layer, its rooms (sub-folders) are ordered
+the same way: ``store/``: ``primitives/`` < ``reading/`` < ``writing/`` < ``urls/`` and
+``foreign/`` < the layer's own modules (``store/open.py``, ``store/verify.py``); ``tree/``:
+``parts/`` < its own modules. A module imports from its own room and lower ones only; two rooms of
+one rank (``urls/`` and ``foreign/``, ``interop/`` and ``dcp/``) import neither from the other.
+
+Every ``import`` of a ``memtree`` module counts: at module level, inside a function, and under
+``if TYPE_CHECKING:`` (an annotation that names a module is a dependency on it, and a circle of
+them is a circle a reader has to hold in their head).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "memtree"
 
-#: rank of each layer; a module may import modules of its own rank or lower ones.
+#: rank of each layer (a top-level module or folder of memtree/); a module may import modules of
+#: its own layer or of a lower rank.
 LAYERS = {
     "errors": 0,
     "format": 1,
@@ -27,10 +34,22 @@ LAYERS = {
     "tree": 4,
     "nn": 5,
     "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface
-    "": 6,  # memtree/__init__.py, remote.py, routing/: the public surface
+    "": 6,  # memtree/__init__.py, remote.py and routing/ (TOP_FOLDERS): the public surface
     "cli": 7,
     "integrations": 8,  # Lightning, transformers, torchrl: may import any layer; none imports it
 }
+
+#: folders that belong to the public surface (layer ""): memtree.saving / memtree.loading.
+TOP_FOLDERS = {"routing"}
+
+#: rank of each room (sub-folder) of a layer; "" is the layer's own modules, above its rooms.
+ROOMS = {
+    "store": {"primitives": 0, "reading": 1, "writing": 2, "urls": 3, "foreign": 3, "": 4},
+    "tree": {"parts": 0, "": 1},
+}
+
+#: most modules (``__init__.py`` aside) one folder of the package may hold.
+MOST_MODULES_PER_FOLDER = 12
 
 
 def _module_name(path: Path) -> str:
@@ -40,38 +59,50 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+PATHS = sorted(PACKAGE.rglob("*.py"))
+MODULES = {_module_name(p) for p in PATHS}
+PACKAGES = {_module_name(p) for p in PATHS if p.name == "__init__.py"}
+
+
 def _layer(module: str) -> str:
+    """The layer of ``module``: its top-level folder, or "" for the public surface (``memtree``,
+    ``memtree.remote``, :data:`TOP_FOLDERS`); ``memtree.errors`` is a layer of its own. A new
+    folder is a layer of its own too, which fails the tests until it is ranked in LAYERS."""
     if module == "memtree.__main__":  # ``python -m memtree``: an entry point of the command line
         return "cli"
     parts = module.split(".")
-    if len(parts) == 1:
+    if len(parts) == 1 or parts[1] in TOP_FOLDERS or (f"memtree.{parts[1]}" not in PACKAGES and parts[1] != "errors"):
         return ""
-    if parts[1] in LAYERS:
-        return parts[1]
-    return ""  # a top-level module such as memtree.remote
+    return parts[1]
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            for child in node.body:
-                skip.update(id(n) for n in ast.walk(child))
-    return skip
+def _room(module: str) -> tuple[str, str]:
+    """(layer, room) of ``module``: the room is its folder inside the layer, "" for the layer's
+    own modules (and for a layer without rooms)."""
+    layer = _layer(module)
+    parts = module.split(".")
+    if layer in ROOMS and len(parts) > 2 and ".".join(parts[:3]) in PACKAGES:
+        return layer, parts[2]
+    return layer, ""
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The memtree modules ``path`` imports (a name imported from a package that is a module
-    counts as that module)."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+def _rank(module: str) -> tuple[float, float]:
+    layer, room = _room(module)
+    return LAYERS[layer], ROOMS.get(layer, {"": 0})[room]
+
+
+def may_import(importer: str, imported: str) -> bool:
+    """Whether ``importer`` may import ``imported``: same room, or a strictly lower one."""
+    return _room(importer) == _room(imported) or _rank(imported) < _rank(importer)
+
+
+def named_modules(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+    """The memtree modules that the module ``name`` (whose code is ``source``) names in an import,
+    wherever the import is (a name imported from a package that is a module counts as that
+    module), whether they exist or not."""
+    package = name if is_package else name.rsplit(".", 1)[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "memtree")
         elif isinstance(node, ast.ImportFrom):
@@ -86,30 +117,60 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
-    return {m for m in found if m in modules and m != name}
+    return found
+
+
+def imports_of(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+    """The memtree modules that the module ``name`` imports (see :func:`named_modules`)."""
+    return {m for m in named_modules(name, is_package, source, modules) if m in modules and m != name}
 
 
 def _graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_name(p) for p in paths}
-    return {_module_name(p): _imports(p, modules) for p in paths}
+    return {
+        _module_name(p): imports_of(_module_name(p), p.name == "__init__.py", p.read_text(), MODULES)
+        for p in PATHS
+    }
 
 
 GRAPH = _graph()
 
 
-def test_the_graph_sees_every_layer() -> None:
-    layers = {_layer(m) for m in GRAPH}
-    assert layers == set(LAYERS), f"a folder of memtree/ has no rank in LAYERS: {layers - set(LAYERS)}"
-    assert "memtree.store.read" in GRAPH["memtree.store.open"]  # the parser sees relative imports
+def test_the_graph_sees_every_layer_and_room() -> None:
+    unranked = {_layer(m) for m in GRAPH} - set(LAYERS)
+    assert not unranked, f"a folder of memtree/ has no rank in LAYERS: {unranked}"
+    for package in sorted(PACKAGES):
+        parts = package.split(".")
+        if len(parts) == 3:
+            assert parts[2] in ROOMS.get(parts[1], {}), f"the room {package} has no rank in ROOMS[{parts[1]!r}]"
+        assert len(parts) <= 3, f"{package}: a room inside a room; rank it, or keep rooms one level deep"
+    assert {(layer, room) for layer, rooms in ROOMS.items() for room in rooms} == {
+        _room(m) for m in GRAPH if _layer(m) in ROOMS
+    }, "a room in ROOMS has no folder"
+    open_ = GRAPH["memtree.store.open"]
+    assert "memtree.store.reading.read" in open_  # a relative import, two folders apart
+    assert "memtree.store.urls.remote" in open_  # an import inside a function
+    assert "memtree.training" in GRAPH["memtree"]  # an import under TYPE_CHECKING
     assert _layer("memtree.routing.save") == "" and "memtree.tree.tensortree" in GRAPH["memtree.routing.save"]
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
-def test_no_import_goes_up_a_layer(module: str) -> None:
-    rank = LAYERS[_layer(module)]
-    upward = sorted(m for m in GRAPH[module] if LAYERS[_layer(m)] > rank)
-    assert not upward, f"{module} (layer {_layer(module) or 'top'!r}) imports higher layers: {upward}"
+def test_no_import_goes_up_a_layer_or_a_room(module: str) -> None:
+    upward = sorted(m for m in GRAPH[module] if not may_import(module, m))
+    layer, room = _room(module)
+    assert not upward, f"{module} (layer {layer or 'top'!r}, room {room or 'own'!r}) imports higher or sibling rooms: {upward}"
+
+
+def test_the_order_of_the_rooms() -> None:
+    """The checker itself, on the rooms of ``store/``."""
+    assert may_import("memtree.store.reading.read", "memtree.store.reading.leaf_reader")  # same room
+    assert may_import("memtree.store.writing.write", "memtree.store.reading.read")  # lower room
+    assert may_import("memtree.store.open", "memtree.store.urls.remote")  # the layer's own modules
+    assert may_import("memtree.tree.parts.core", "memtree.store.reading.read")  # a lower layer
+    assert not may_import("memtree.store.reading.mapped", "memtree.store.writing.write")  # higher
+    assert not may_import("memtree.store.urls.remote", "memtree.store.foreign.tensordict")  # a sibling
+    assert not may_import("memtree.store.primitives.files", "memtree.store.open")  # the layer's own
+    assert not may_import("memtree.store", "memtree.tree.parts.core")  # a higher layer
+    assert not may_import("memtree.dcp.reader", "memtree.interop.checkpoint")  # sibling layers
 
 
 def test_no_import_circle() -> None:
@@ -145,6 +206,52 @@ def test_a_package_init_imported_by_its_children_is_a_circle_too() -> None:
             test_no_import_circle()
     finally:
         GRAPH = saved
+
+
+def test_imports_in_functions_and_for_type_checking_count() -> None:
+    """The checker itself: the shape of the old ``read.py`` <-> ``leaf_reader.py`` circle, whose
+    way back was an import inside a function and one under ``TYPE_CHECKING``."""
+    modules = {"memtree.s", "memtree.s.read", "memtree.s.leaf", "memtree.s.fill", "memtree.errors"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from .. import errors\n"
+        "if TYPE_CHECKING:\n    from .read import PendingLevel\n"
+        "def flush():\n    from .fill import fill\n"
+    )
+    assert imports_of("memtree.s.leaf", False, source, modules) == {"memtree.errors", "memtree.s.read", "memtree.s.fill"}
+
+
+def test_every_import_names_a_module_that_exists() -> None:
+    """An import of a memtree module that is not there (a relative import left pointing at a
+    module's old place after a move, or a package that was never committed) fails when it runs,
+    which for an import inside a function is only on the path that calls it; here it fails at once."""
+    missing = {
+        f"{_module_name(p)} imports {m}"
+        for p in PATHS
+        for m in named_modules(_module_name(p), p.name == "__init__.py", p.read_text(), MODULES) - MODULES
+    }
+    assert not missing, sorted(missing)
+    gone = named_modules("memtree.store.writing.staged", False, "def f():\n    from .faults import point\n", MODULES)
+    assert gone == {"memtree.store.writing.faults"}  # the checker itself: faults.py is in primitives/
+
+
+def test_no_folder_holds_more_than_a_dozen_modules() -> None:
+    """A folder is read in one sitting: past :data:`MOST_MODULES_PER_FOLDER` modules it gets
+    rooms (``docs/architecture.md``)."""
+    crowded = {}
+    for folder in sorted({p.parent for p in PATHS}):
+        count = sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")
+        if count > MOST_MODULES_PER_FOLDER:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = count
+    assert not crowded, f"split these into rooms: {crowded}"
+
+
+def test_importing_a_room_loads_none_of_its_modules() -> None:
+    """``store/__init__.py`` and each room's ``__init__.py`` import nothing: a room is a folder, not
+    an API, so importing one module of ``store/`` loads only what that module needs (the fresh
+    process's ready path, ``tests/test_import_path.py``)."""
+    inits = ["memtree.store"] + [f"memtree.{layer}.{room}" for layer, rooms in ROOMS.items() for room in rooms if room]
+    assert {init: GRAPH[init] for init in inits if GRAPH[init]} == {}
 
 
 def test_benchmarks_and_tutorials_import_no_private_name_of_memtree() -> None:

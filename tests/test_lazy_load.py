@@ -129,7 +129,7 @@ def test_resaving_the_prefix_in_this_process_keeps_the_opened_version(tmp_path):
 
 def test_any_writer_to_the_prefix_keeps_the_opened_version(tmp_path):
     from memtree.format.level import Level
-    from memtree.store.write import write_tree
+    from memtree.store.writing.write import write_tree
 
     old = nested(fill=0.0)
     old.memmap(tmp_path / "t")
@@ -216,7 +216,7 @@ def test_each_level_directory_is_opened_once_over_a_full_walk(tmp_path, opened):
 
 
 def test_held_level_directories_are_bounded_and_released(tmp_path, monkeypatch):
-    from memtree.store import read
+    from memtree.store.reading import read
 
     monkeypatch.setattr(read, "MAX_HELD_DIRS", 5)
     expected = TensorTree({f"s{i}": {"x": torch.full((2,), float(i))} for i in range(12)})

@@ -11,9 +11,10 @@ import torch
 import memtree
 from memtree import InvalidArgumentError, verify_tree
 from memtree.format.level import Level
-from memtree.store import durability, linking
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.primitives import durability
+from memtree.store.writing import linking
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 from treeutil import raw_bytes
 
 
@@ -224,7 +225,7 @@ def test_growth_of_a_linked_tree_leaves_the_other_tree_alone(tmp_path):
 
 def test_file_range_leaves_are_hashed_and_linked(tmp_path):
     from memtree.interop.lazy import LazyLeaf
-    from memtree.store.files import FileRange
+    from memtree.store.primitives.files import FileRange
 
     data = torch.arange(100.0)
     raw = tmp_path / "raw.bin"
@@ -355,7 +356,7 @@ def _collision(algorithm: str) -> tuple[bytes, bytes]:
 @pytest.mark.parametrize("verify", [True, False], ids=["link_verify", "no_link_verify"])
 @pytest.mark.parametrize("algorithm", ["xxh3", "crc32", "crc32c"])
 def test_different_bytes_with_the_same_checksum_are_written_not_linked(tmp_path, algorithm, verify):
-    from memtree.store.checksums import available_checksums, tensor_checksum
+    from memtree.store.primitives.checksums import available_checksums, tensor_checksum
 
     if algorithm not in available_checksums():
         pytest.skip(f"{algorithm} needs its optional package (memtree[fast-checksums])")
@@ -372,7 +373,7 @@ def test_different_bytes_with_the_same_checksum_are_written_not_linked(tmp_path,
 
 
 def test_the_default_checksum_collision_through_a_checkpointer(tmp_path):
-    from memtree.store.checksums import default_checksum
+    from memtree.store.primitives.checksums import default_checksum
 
     first, second = (torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in _collision(default_checksum()))
     ckpt = memtree.Checkpointer(tmp_path)

@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree import TensorTree
-from memtree.store.commit import JOURNAL_BYTES
-from memtree.store.recovery import GROWTH_JOURNAL
-from memtree.store.tensordict import is_tensordict_dir
+from memtree.store.primitives.commit import JOURNAL_BYTES
+from memtree.store.writing.recovery import GROWTH_JOURNAL
+from memtree.store.foreign.tensordict import is_tensordict_dir
 
 FORK = mp.get_context("fork")
 OUTSIDE_BYTES = b"precious bytes outside the tree\n" * 64

@@ -28,7 +28,7 @@ from memtree import (
     load_into_module,
     load_memmap,
 )
-from memtree.tree.bind import TIED_KEY
+from memtree.tree.parts.bind import TIED_KEY
 from treeutil import random_tensor, raw_bytes
 
 

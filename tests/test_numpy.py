@@ -126,7 +126,7 @@ def test_assign_object_array_raises(tree):
 def test_numpy_row_fill_into_mapped_tree_takes_pwrite(tmp_path, monkeypatch):
     """Filling a memory-mapped dataset with numpy rows: every row is one pwrite, never a
     write through the mapping (the dataset-filling fast path)."""
-    from memtree.store import mapped
+    from memtree.store.reading import mapped
 
     t = make_tree().memmap(tmp_path / "t")
     calls = []

@@ -19,8 +19,8 @@ import memtree
 from memtree import MetaFormatError, TensorTree
 from memtree.format import packs as packs_mod
 from memtree.format.packs import PACK_ALIGN, PACK_BELOW, PACK_MIN_LEAVES, layout_packs
-from memtree.store.options import WriteOptions
-from memtree.store.write import WriteStats, write_tree
+from memtree.store.reading.options import WriteOptions
+from memtree.store.writing.write import WriteStats, write_tree
 from treeutil import fingerprint, random_tensor, raw_bytes
 
 DTYPES = [

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import memtree
 from memtree import MemoryMappedTensor as MMT
 from memtree import TensorTree
-from memtree.store import mapped as mmap_tensor
+from memtree.store.reading import mapped as mmap_tensor
 from treeutil import plain
 from treeutil import raw_bytes as bits
 

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import memtree
-from memtree.store.options import WriteOptions
+from memtree.store.reading.options import WriteOptions
 from memtree import TensorTree
-from memtree.store import commit as commit_mod
-from memtree.store import files as fileio
-from memtree.store import write as write_mod
+from memtree.store.primitives import commit as commit_mod
+from memtree.store.primitives import files as fileio
+from memtree.store.writing import write as write_mod
 from treeutil import assert_tree_equal_to, leaf_dict
 
 pytestmark = pytest.mark.timeout(120)
@@ -413,7 +413,7 @@ def test_interpreter_exit_waits_for_the_removal(tmp_path):
 import shutil, time, threading
 import torch
 from memtree import TensorTree
-from memtree.store import write
+from memtree.store.writing import write
 write.BACKGROUND_REMOVAL_FILES = 0
 real = shutil.rmtree
 checked = threading.Event()

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from memtree.store import progress as progress_mod
-from memtree.store.progress import Progress, progress_enabled, track
+from memtree.store.primitives import progress as progress_mod
+from memtree.store.primitives.progress import Progress, progress_enabled, track
 
 
 class FakeTTY(io.StringIO):

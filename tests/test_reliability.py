@@ -34,15 +34,15 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 import memtree
-from memtree.store.options import WriteOptions
+from memtree.store.reading.options import WriteOptions
 from memtree import TensorTree
-from memtree.store import commit as commit_mod
-from memtree.store import durability as durability_mod
-from memtree.store import write as write_mod
+from memtree.store.primitives import commit as commit_mod
+from memtree.store.primitives import durability as durability_mod
+from memtree.store.writing import write as write_mod
 from treeutil import fingerprint, flat, plain
 from treeutil import raw_bytes as raw
 
-recover_mod = importlib.import_module("memtree.store.recovery")
+recover_mod = importlib.import_module("memtree.store.writing.recovery")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -731,7 +731,7 @@ def test_memmap_in_place_with_checksum(parent):
 
 
 def test_checksums_by_default_and_none_on_request(parent):
-    from memtree.store.checksums import default_checksum
+    from memtree.store.primitives.checksums import default_checksum
 
     sample().memmap(parent / "t")
     meta = json.loads((parent / "t" / "meta.json").read_bytes())
@@ -1122,7 +1122,7 @@ def tiny_tmpfs(tmp_path):
 
 def _write_past_free_space(prefix, skip_check):
     if skip_check:  # another process fills the disk after the up-front check
-        from memtree.store import staged
+        from memtree.store.writing import staged
 
         staged.check_free_space = lambda *a: None
     tree = TensorTree({"a": torch.ones(600 << 10, dtype=torch.uint8), "b": torch.ones(600 << 10, dtype=torch.uint8)})

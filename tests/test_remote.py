@@ -379,8 +379,8 @@ def test_s3_leaf_shorter_than_meta_is_refused(s3_options):
 
 
 def test_s3_second_writer_cannot_clobber_a_commit(s3_options):
-    from memtree.store.remote import commit_root
-    from memtree.store.fsspec_storage import FsspecStorage
+    from memtree.store.urls.remote import commit_root
+    from memtree.store.urls.fsspec_storage import FsspecStorage
 
     url = "s3://memtree-bucket/conflict"
     upload(TensorTree({"a": torch.ones(1)}), url, storage_options=s3_options)

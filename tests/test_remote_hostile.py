@@ -32,7 +32,7 @@ import memtree  # noqa: E402
 from memtree import TensorTree  # noqa: E402
 from memtree.format.names import META_NAME, SCRATCH_MARK  # noqa: E402
 from memtree.format.schema import MAX_META_BYTES, ChildMeta, LeafMeta, LevelMeta, dump_level  # noqa: E402
-from memtree.store import faults  # noqa: E402
+from memtree.store.primitives import faults  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 FORK = multiprocessing.get_context("fork")
@@ -120,7 +120,7 @@ def test_a_child_dir_that_decodes_to_dotdot_reaches_nothing(fresh, tmp_path):
 def test_every_url_decodes_once_to_the_recorded_name(name):
     """A server that decodes the path once gets the recorded name, inside the prefix."""
     from memtree.format.names import is_safe_name
-    from memtree.store.http import HttpTransport
+    from memtree.store.urls.http import HttpTransport
 
     t = HttpTransport(fsspec.filesystem("http"), "http://h:1/tree dir", timeout=5, allow_redirects="any")
     if not is_safe_name(name):
@@ -348,8 +348,8 @@ def test_fault_point_kill_leaves_no_entry_and_is_cleaned(fresh, tmp_path, fault)
 
 
 def test_stale_download_cleanup_takes_each_lock(tmp_path):
-    from memtree.store.cache import remove_stale_downloads
-    from memtree.store.commit import WriterLock
+    from memtree.store.writing.cache import remove_stale_downloads
+    from memtree.store.primitives.commit import WriterLock
 
     names = [f".{c * 32}{SCRATCH_MARK}{c * 32}" for c in "abc"]
     (tmp_path / names[0]).mkdir()  # a directory whose lock file never got written

@@ -50,7 +50,7 @@ def _tamper_cfg(fs, url: str) -> None:
 @pytest.fixture(params=["memory", "file"])
 def url(request, tmp_path):
     """Where to upload: an in-memory fsspec URL, or a ``file://`` URL (which memtree's readers
-    take as the local directory it names, mapped: ``store.storage.local_path``)."""
+    take as the local directory it names, mapped: ``store.reading.storage.local_path``)."""
     if request.param == "memory":
         base = "memory://memtree-tree-hash/" + request.node.name.replace("[", "-").replace("]", "")
         yield base

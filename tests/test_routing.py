@@ -578,7 +578,7 @@ FORK = __import__("multiprocessing").get_context("fork")
 
 def _killed_saver(path, fault):
     """Re-save ``path`` (value 1) and die with os._exit(137) at ``fault``."""
-    from memtree.store import faults
+    from memtree.store.primitives import faults
 
     def die(*a, **k):
         os._exit(137)

@@ -15,8 +15,8 @@ import torch
 
 import memtree
 from memtree import TensorTree
-from memtree.store.commit import WriterLock
-from memtree.store.staged import staged_commit, staged_directory
+from memtree.store.primitives.commit import WriterLock
+from memtree.store.writing.staged import staged_commit, staged_directory
 from memtree.format.names import lock_path
 
 

@@ -1,4 +1,4 @@
-"""The read seam (``memtree.store.storage``) and the level walker (``memtree.store.walk``).
+"""The read seam (``memtree.store.reading.storage``) and the level walker (``memtree.store.reading.walk``).
 
 A local directory and an fsspec URL holding the same tree must read the same: same levels in
 the same order, same bytes. ``LocalStorage`` keeps the loader's rules (no links, regular files,
@@ -19,9 +19,9 @@ import memtree
 from memtree import TensorTree
 from memtree.format.names import META_NAME
 from memtree.format.schema import MAX_META_BYTES, ChildMeta, LeafMeta, LevelMeta, dump_level
-from memtree.store.storage import LocalStorage, split_rel
-from memtree.store.options import ReadOptions, normalize_keys
-from memtree.store.walk import walk
+from memtree.store.reading.storage import LocalStorage, split_rel
+from memtree.store.reading.options import ReadOptions, normalize_keys
+from memtree.store.reading.walk import walk
 
 
 def nested_tree() -> TensorTree:
@@ -188,8 +188,8 @@ def test_local_and_fsspec_storage_walk_and_fetch_the_same(tmp_path_factory, data
     import fsspec
 
     from memtree.remote import upload
-    from memtree.store.fsspec_storage import FsspecStorage
-    from memtree.store.remote import fetch_tree
+    from memtree.store.urls.fsspec_storage import FsspecStorage
+    from memtree.store.urls.remote import fetch_tree
 
     tree = TensorTree(data)
     local = str(tmp_path_factory.mktemp("seam") / "t")

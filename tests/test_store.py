@@ -21,7 +21,7 @@ import torch
 
 import memtree
 from memtree import MemoryMappedTensor, NonTensor, TensorTree
-from memtree.store.checksums import default_checksum, tensor_checksum
+from memtree.store.primitives.checksums import default_checksum, tensor_checksum
 from treeutil import flat, plain, random_tensor, raw_bytes, snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -1153,13 +1153,17 @@ def test_write_after_failure_succeeds(tmp_path):
     assert os.listdir(parent) == ["tree"]
 
 
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
-def test_quantized_dtype_refused_before_anything_is_written(tmp_path):
+class _Opaque(torch.Tensor):  # a subclass without __tensor_flatten__: memtree cannot keep its type
+    pass
+
+
+def test_unstorable_subclass_refused_before_anything_is_written(tmp_path):
+    # a quantized tensor is stored now (tests/test_subclass_format.py); a tensor subclass
+    # without the flatten protocol is the leaf memtree refuses rather than demote
     parent, prefix = parent_and_prefix(tmp_path)
-    q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
     tree = TensorTree({"ok": torch.zeros(2)}, batch_size=[2])
-    tree["q"] = q
-    with pytest.raises(memtree.DtypeError):
+    tree["q"] = torch.randn(2, 3).as_subclass(_Opaque)
+    with pytest.raises(memtree.SubclassError, match="_Opaque"):
         tree.memmap(prefix)
     assert os.listdir(parent) == []
 

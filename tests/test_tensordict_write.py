@@ -19,7 +19,7 @@ from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
 from memtree.format.level import Level
 from memtree.format.values import NonTensor
 from memtree.interop import save_tensordict
-from memtree.store.tensordict_write import TENSORDICT_DTYPES, write_tensordict_dir
+from memtree.store.foreign.tensordict_write import TENSORDICT_DTYPES, write_tensordict_dir
 from treeutil import random_tensor
 from treeutil import raw_bytes as as_bytes
 
@@ -221,7 +221,7 @@ def test_tensordict_tensorclass_loads_as_the_registered_memtree_tensorclass(tmp_
 
 
 def test_an_unregistered_tensorclass_loads_as_a_plain_tree(tmp_path: Path) -> None:
-    from memtree.tree import registry
+    from memtree.tree.parts import registry
 
     saved = registry._CLASSES.pop("TDStep")
     try:
@@ -233,7 +233,7 @@ def test_an_unregistered_tensorclass_loads_as_a_plain_tree(tmp_path: Path) -> No
 
 
 def test_longest_registered_suffix_wins() -> None:
-    from memtree.tree.registry import class_for_foreign
+    from memtree.tree.parts.registry import class_for_foreign
 
     @memtree.tensorclass(name="test_tensordict_write.TDStep")
     class FullPath:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import memtree
-from memtree.format.dtypes import DTYPE_NAMES, dtype_from_name
+from memtree.format.dtypes import DTYPE_NAMES, V3_DTYPE_NAMES, dtype_from_name
 from memtree.format.level import Level
 from memtree.training.snapshot import StagingBuffer
 from test_training import assert_same
@@ -26,7 +26,9 @@ from treeutil import random_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
-DTYPES = [d for d in map(dtype_from_name, DTYPE_NAMES) if d is not None]
+# torch can neither torch.save nor print (hypothesis reprs its strategies) the dtypes of format
+# version 3; the Checkpointer stores them all: tests/test_subclass_format.py
+DTYPES = [d for d in map(dtype_from_name, DTYPE_NAMES) if d is not None and str(d)[6:] not in V3_DTYPE_NAMES]
 
 
 def _negatable(dtype):

@@ -144,7 +144,7 @@ def test_the_root_record_and_the_step_keys_are_as_the_format_says(tmp_path):
     import orjson
 
     from memtree.format.schema import parse_level
-    from memtree.store.crypto import derive_key, key_fingerprint, key_matches
+    from memtree.store.primitives.crypto import derive_key, key_fingerprint, key_matches
 
     key = memtree.EncryptionKey.generate()
     ckpt = memtree.Checkpointer(tmp_path, encryption=key)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import memtree
-from memtree.store import faults as _faults
+from memtree.store.primitives import faults as _faults
 from test_training import assert_same
 
 FORK = mp.get_context("fork")

@@ -270,7 +270,7 @@ def test_a_step_retired_or_replaced_while_restore_reads_it(tmp_path, monkeypatch
 
     monkeypatch.setattr(module, "open_tree", open_then_interfere)
     # the other writer stands for another process, whose retention cannot load this process's
-    # opened trees first (memtree.store.read.load_pending_at does, for trees of this process)
+    # opened trees first (memtree.store.reading.read.load_pending_at does, for trees of this process)
     monkeypatch.setattr(module, "load_pending_at", lambda path: None)
     if how == "retired":
         actions.append(lambda: other.save(2, expected_state(2)))  # step 1 deleted by retention

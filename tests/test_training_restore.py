@@ -112,8 +112,8 @@ def test_verify_false_and_true_return_the_same_state_of_a_sound_step(ckpt):
 
 
 def test_a_step_saved_without_checksums_is_reported_unverified(ckpt):
-    from memtree.store.options import WriteOptions
-    from memtree.store.write import write_tree
+    from memtree.store.reading.options import WriteOptions
+    from memtree.store.writing.write import write_tree
     from memtree.training.state import state_to_level
 
     write_tree(ckpt.path(3), state_to_level({"w": torch.ones(2)}), WriteOptions.of(checksum=None))

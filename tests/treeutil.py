@@ -35,7 +35,7 @@ def random_tensor(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
         b = torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g)
     else:
         b = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return b.view(dtype).reshape(shape).clone()
+    return b.clone().view(dtype).reshape(shape)  # int4, bits8...: torch copies them only as bytes
 
 
 def flat(tree, prefix=()) -> dict:
@@ -232,3 +232,15 @@ def run_children(context, target, *args_per_child, timeout: float = 300.0) -> No
         if p.is_alive():
             p.kill()
         assert p.exitcode == 0, recv.recv() if recv.poll(1) else f"exit code {p.exitcode}"
+
+
+def saveable_by_torch(dtype: torch.dtype) -> bool:
+    """True if ``torch.save`` can write a tensor of ``dtype`` (torch 2.13 has no storage type for
+    the shell dtypes ``int1``..``int7``, ``uint1``..``uint7``, which memtree stores)."""
+    import io
+
+    try:
+        torch.save(torch.empty(0, dtype=dtype), io.BytesIO())
+    except (KeyError, RuntimeError):
+        return False
+    return True

@@ -103,7 +103,7 @@ print(f"1. {len(names)} checkpoints, each a memtree tree")
 # --8<-- [start:links]
 import memtree
 
-trees = [memtree.load_memmap(os.path.join(run, "ckpt", n)) for n in names]
+trees = [memtree.load_memmap(os.path.join(run, "ckpt", n), mode="r") for n in names]
 frozen = {os.stat(t["state_dict"]["embed.weight"].filename).st_ino for t in trees}
 print(len(frozen), "file for the frozen weights of", len(trees), "checkpoints")
 # --8<-- [end:links]

@@ -82,7 +82,7 @@ print("1. checkpoint-4 and checkpoint-6: JSON files and a memtree tree each")
 import memtree
 
 inodes = {
-    os.stat(memtree.load_memmap(os.path.join(out, name, "state"))["model", "transformer.wpe.weight"].filename).st_ino
+    os.stat(memtree.load_memmap(os.path.join(out, name, "state"), mode="r")["model", "transformer.wpe.weight"].filename).st_ino
     for name in ("checkpoint-4", "checkpoint-6")
 }
 print(len(inodes), "file for the frozen embeddings of 2 checkpoints")

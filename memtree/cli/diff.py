@@ -1,7 +1,8 @@
 """``memtree diff A B``: which leaves of two trees differ, and how.
 
 Every level of both trees is read (validated as a load validates it); leaves are matched by key
-path. Two tensor leaves with the same dtype and shape are compared by their recorded checksums
+path (a tensor subclass by its class, dtype, shape and flatten context, and by its inner tensors
+as leaves). Two tensor leaves with the same dtype and shape are compared by their recorded checksums
 when both record one of the same algorithm: no leaf data is read. Otherwise (no checksum, another
 algorithm, a growable leaf) their bytes are hashed: one side with the other's recorded algorithm
 when it has one, both with the fastest installed one otherwise; two names of the same file (hard
@@ -28,9 +29,10 @@ from typing import Any
 from ..format.dtypes import dtype_name
 from ..format.packs import leaf_location
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
-from ..store.checksums import DIGEST_SLICE, default_checksum, new_digest
-from ..store.storage import LocalStorage, join_rel
-from ..store.walk import walk
+from ..format.subclass import Subclass, SubclassMeta
+from ..store.primitives.checksums import DIGEST_SLICE, default_checksum, new_digest
+from ..store.reading.storage import LocalStorage, join_rel
+from ..store.reading.walk import walk
 from .output import EXIT_FAILED, EXIT_OK, add_json_flag, emit_json, emit_text
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DiffReport", "diff_trees"]
@@ -80,10 +82,13 @@ class _Side:
         self.storage = storage
         self.entries: dict[tuple[str, ...], tuple[str, Entry]] = {}  # key path -> (level rel, entry)
         self.levels: dict[tuple[str, ...], Any] = {}
+        self.subclasses: dict[tuple[str, ...], Subclass] = {}  # the levels that are subclass groups
         for level in walk(storage):
             self.levels[level.keys] = level.meta
             for e in level.meta.entries:
-                if not isinstance(e, ChildMeta):
+                if isinstance(e, SubclassMeta):
+                    self.subclasses[level.keys + (e.key,)] = e.subclass
+                elif not isinstance(e, ChildMeta):
                     self.entries[level.keys + (e.key,)] = (level.rel, e)
 
     def identity(self, rel: str) -> tuple[tuple[str, str], ...]:
@@ -115,6 +120,10 @@ def _describe(e: Entry) -> str:
     return "pickle"
 
 
+def _describe_group(sub: Subclass | None) -> str:
+    return "tree" if sub is None else f"{sub.type} {sub.dtype_name}{list(sub.shape)}"
+
+
 def diff_trees(a: str, b: str) -> DiffReport:
     """Compare the trees at ``a`` and ``b`` (see the module docstring).
 
@@ -133,50 +142,58 @@ def diff_trees(a: str, b: str) -> DiffReport:
     with LocalStorage(a) as sa, LocalStorage(b) as sb:
         left, right = _Side(sa), _Side(sb)
         report = DiffReport(sa.root, sb.root)
-        kinds = _compare_levels(left, right, report)
+        whole = _compare_levels(left, right, report)
         for key in sorted(left.entries.keys() | right.entries.keys()):
-            if _under(key, kinds):
+            if _under(key, whole):
                 continue
             if key not in right.entries:
-                if not _under(key, report.only_in_a):
-                    report.only_in_a.append(list(key))
+                report.only_in_a.append(list(key))
             elif key not in left.entries:
-                if not _under(key, report.only_in_b):
-                    report.only_in_b.append(list(key))
+                report.only_in_b.append(list(key))
             else:
                 _compare(key, left, right, report)
     return report
 
 
-def _under(key: tuple[str, ...], listed: list[list[str]]) -> bool:
-    return any(tuple(p) == key[: len(p)] for p in listed)
+def _under(key: tuple[str, ...], whole: set[tuple[str, ...]]) -> bool:
+    """True when ``key`` or one of its ancestors is in ``whole`` (one set lookup per level)."""
+    return any(key[:depth] in whole for depth in range(1, len(key) + 1))
 
 
-def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> list[list[str]]:
-    """Compare the levels; returns the keys that are a sub-tree on one side and a leaf on the
-    other (reported as a ``kind`` change; nothing below them is compared)."""
-    kinds: list[list[str]] = []
+def _compare_levels(left: _Side, right: _Side, report: DiffReport) -> set[tuple[str, ...]]:
+    """Compare the levels; returns the keys reported as a whole, nothing below them compared:
+    a sub-tree on one side and a leaf on the other (a ``kind`` change), and a sub-tree present
+    on one side only (listed once, in ``only_in_a`` or ``only_in_b``)."""
+    whole: set[tuple[str, ...]] = set()
     for key in sorted((left.levels.keys() & right.entries.keys()) | (right.levels.keys() & left.entries.keys())):
         side_a = "tree" if key in left.levels else _describe(left.entries[key][1])
         side_b = "tree" if key in right.levels else _describe(right.entries[key][1])
         report.changed.append({"key": list(key), "what": ["kind"], "a": side_a, "b": side_b})
-        kinds.append(list(key))
-    for key in sorted(left.levels.keys() | right.levels.keys()):
-        if _under(key, kinds):
+        whole.add(key)
+    for key in sorted(left.levels.keys() | right.levels.keys()):  # parents before their children
+        if _under(key, whole):
             continue
         la, lb = left.levels.get(key), right.levels.get(key)
         if la is None or lb is None:
-            target = report.only_in_a if lb is None else report.only_in_b
-            if not _under(key, target):
-                target.append(list(key))
+            (report.only_in_a if lb is None else report.only_in_b).append(list(key))
+            whole.add(key)
             continue
         what = [w for w, x, y in (("batch_size", la.batch_size, lb.batch_size), ("type", la.type, lb.type)) if x != y]
+        sa, sb = left.subclasses.get(key), right.subclasses.get(key)
+        if sa is not None or sb is not None:  # a tensor subclass (its inner tensors are compared as leaves)
+            what = ["kind"] if sa is None or sb is None else [
+                w for w, x, y in (("type", sa.type, sb.type), ("dtype", sa.dtype_name, sb.dtype_name),
+                                  ("shape", sa.shape, sb.shape), ("context", sa.context, sb.context)) if x != y
+            ]
+            if what:
+                report.changed.append({"key": list(key), "what": what, "a": _describe_group(sa), "b": _describe_group(sb)})
+                continue
         if what:
             report.changed.append({"key": list(key), "what": what, "a": f"{la.type}{list(la.batch_size)}",
                                    "b": f"{lb.type}{list(lb.batch_size)}"})
         elif key:
             report.same += 1
-    return kinds
+    return whole
 
 
 def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport) -> None:

@@ -1,7 +1,7 @@
 """``memtree du PATH``: the disk a tree, or a checkpoint root, uses, and what hard links share.
 
 ``PATH`` is a tree (a directory with a ``meta.json``) or a checkpoint root: a directory of steps
-``root/<step>/``, each a tree, by the one rule of :mod:`memtree.store.steps` that
+``root/<step>/``, each a tree, by the one rule of :mod:`memtree.store.reading.steps` that
 ``Checkpointer.steps()`` applies (other entries, such as staging directories, lock files, stray
 directories and links named like steps, are left out). Every file below is counted once per
 name for the *apparent* bytes (their sizes), and once per file (inode) for the *allocated* bytes
@@ -28,9 +28,9 @@ from typing import Any
 
 from ..errors import NotAMemtreeError, StorageError
 from ..format.names import META_NAME
-from ..store.files import regular_files
-from ..store.steps import list_steps
-from ..store.storage import local_path
+from ..store.primitives.files import regular_files
+from ..store.reading.steps import list_steps
+from ..store.reading.storage import local_path
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "DuReport", "StepUsage", "disk_usage"]
@@ -101,8 +101,8 @@ def disk_usage(path: str | os.PathLike[str]) -> DuReport:
     Example:
         >>> import tempfile, torch
         >>> from memtree.format.level import Level
-        >>> from memtree.store.options import WriteOptions
-        >>> from memtree.store.write import write_tree
+        >>> from memtree.store.reading.options import WriteOptions
+        >>> from memtree.store.writing.write import write_tree
         >>> root = tempfile.mkdtemp()
         >>> _ = write_tree(root + "/1", Level((), {"w": torch.ones(1024)}))
         >>> _ = write_tree(root + "/2", Level((), {"w": torch.ones(1024)}), WriteOptions.of(link_from=root + "/1"))

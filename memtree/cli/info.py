@@ -3,13 +3,13 @@
 SOURCE may be:
 
 * a memtree directory, or a URL of one (``https://``, ``s3://``, any fsspec URL; the optional
-  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.storage`) by
-  the level walker (:mod:`memtree.store.walk`): every ``meta.json`` validated by the same
+  ``memtree[remote]`` extra), read through the storage seam (:mod:`memtree.store.reading.storage`) by
+  the level walker (:mod:`memtree.store.reading.walk`): every ``meta.json`` validated by the same
   parser as ``load_memmap``, no leaf file opened, no torch imported (``memtree info DIR`` answers
   in well under a second);
 * a directory written by tensordict's ``memmap`` (which ``load_memmap`` reads too);
 * a checkpoint root of :class:`memtree.Checkpointer` (sub-directories named by decimal step
-  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.steps` (the
+  numbers, each a memtree tree): its steps by the one rule of :mod:`memtree.store.reading.steps` (the
   rule of ``Checkpointer.steps()``), their sizes, which is the latest, and the entries named like
   steps that are not (ignored, with the reason);
 * a ``torch.save`` file, a ``.safetensors`` file, a shard index
@@ -48,9 +48,10 @@ import orjson
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
 from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..store.steps import list_steps
-from ..store.storage import LocalStorage, Storage, is_url, local_path
-from ..store.walk import WalkedLevel, walk
+from ..format.subclass import SubclassMeta, level_version
+from ..store.reading.steps import list_steps
+from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
+from ..store.reading.walk import WalkedLevel, walk
 from .du import disk_usage
 from .output import EXIT_OK, add_json_flag, emit_json, emit_text, format_bytes, to_json
 
@@ -118,6 +119,11 @@ def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], 
             if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
                 item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
             totals.tensor(e.dtype_name, e.nbytes, e.checksum)
+        elif isinstance(e, SubclassMeta):  # a tensor subclass: its class, then its inner tensors
+            sub = e.subclass
+            item.update(kind="subclass", type=sub.type, dtype=sub.dtype_name, shape=list(sub.shape),
+                        dir=rel + e.dir + "/")
+            _entries(levels, dirs + (e.dir,), path + [e.key], rel + e.dir + "/", entries, totals)
         elif isinstance(e, ChildMeta):
             child = levels[dirs + (e.dir,)].meta
             item.update(kind="tree", dir=rel + e.dir + "/", batch_size=list(child.batch_size),
@@ -136,8 +142,9 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     """Every level through the walker; ``data``: the root ``meta.json``, if already read."""
     data = storage.read_meta("") if data is None else data
     root: LevelMeta = parse_level(data, storage.describe(META_NAME))
-    version = orjson.loads(data)["version"]  # the tree's own (parse_level accepted it)
     levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
+    # the root's version (parse_level accepted it), or 3 where a level holds what version 3 added
+    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta, 0) for lvl in levels.values()])
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
@@ -189,7 +196,7 @@ def _walk_level(level: Level, path: list[str], entries: list[dict[str, Any]], to
 
 
 def _describe_tensordict(root: str) -> dict[str, Any]:
-    from ..store.tensordict import read_tensordict_dir
+    from ..store.foreign.tensordict import read_tensordict_dir
 
     level = read_tensordict_dir(root, device="meta")
     entries: list[dict[str, Any]] = []
@@ -251,11 +258,12 @@ def describe(
         ``type``, ``batch_size``, ``save_id``, ``totals`` (``tensors``, ``bytes``, ``levels``,
         ``json_values``, ``pickled_values``, ``checksummed``, ``dtypes``: name ->
         ``{"tensors", "bytes"}``) and ``entries``: every key depth-first, each with ``key`` (the
-        list of keys from the root), ``kind`` (``tensor``/``tree``/``json``/``pickle``) and per
-        kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and for a growable leaf
-        ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``, ``batch_size``,
-        ``type`` / ``value`` / ``file`` (paths relative to ``path``; ``None`` where the format has
-        no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
+        list of keys from the root), ``kind`` (``tensor``/``tree``/``subclass``/``json``/
+        ``pickle``) and per kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and
+        for a growable leaf ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``,
+        ``batch_size``, ``type`` / ``type`` (the class's registered name), ``dtype``, ``shape``,
+        ``dir``, its inner tensors following as the entries below its key / ``value`` / ``file``
+        (paths relative to ``path``; ``None`` where the format has no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
         ``files`` (its files, relative to the directory of ``path``) and ``metadata`` (a
         safetensors header's ``__metadata__``).
 
@@ -274,7 +282,7 @@ def describe(
     """
     source = local_path(source)  # file:///path is the local path
     if is_url(source):
-        from ..store.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+        from ..store.urls.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
         url = str(source)
         remote = FsspecStorage(url, storage_options=storage_options,
@@ -291,7 +299,7 @@ def describe(
     except FileNotFoundError:
         raise NotAMemtreeError(f"{path} does not exist; check the path") from None
     except OSError as err:
-        from ..store.files import storage_error
+        from ..store.primitives.files import storage_error
 
         raise storage_error(err, f"reading {path}") from err
     if not stat.S_ISDIR(mode):  # a checkpoint file or a shard index
@@ -308,7 +316,7 @@ def describe(
                 return _describe_checkpoint(path, allow_pickle)
             raise
         if not data.startswith(b'{"format":"memtree"'):  # tensordict's, or something else
-            from ..store.tensordict import is_tensordict_dir
+            from ..store.foreign.tensordict import is_tensordict_dir
 
             if is_tensordict_dir(path):
                 return _describe_tensordict(path)
@@ -316,7 +324,7 @@ def describe(
 
 
 def describe_root(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.steps`, which
+    """Describe a checkpoint root: its steps (by the rule of :mod:`memtree.store.reading.steps`, which
     ``Checkpointer.steps()`` applies: a directory, not a link, named by its decimal step, whose
     root ``meta.json`` parses), their sizes, and the latest one. Staging directories and lock
     files are left out; entries named like steps that are not steps are listed as ignored.
@@ -453,6 +461,9 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
             if e.get("capacity") is not None:
                 size += f"  (file: {e['capacity']:,} rows, {format_bytes(e['file_nbytes'])})"
             rows.append((name, e["dtype"], str(e["shape"]), size))
+        elif kind == "subclass":
+            n, nbytes = below.get(tuple(e["key"]), [0, 0])
+            rows.append((name + "/", e["type"], f"{e['dtype']}{e['shape']}", f"{_plural(n, 'inner tensor')}, {format_bytes(nbytes)}"))
         elif kind == "tree":
             n, nbytes = below.get(tuple(e["key"]), [0, 0])
             collapsed = max_depth is not None and depth >= max_depth

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..errors import MemtreeError
-from .output import EXIT_FAILED, EXIT_INTERRUPTED, emit_json, error_document
+from .output import EXIT_FAILED, EXIT_INTERRUPTED, emit_json, error_document, printable
 
 __all__ = ["main", "COMMANDS"]
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", False):
             emit_json(error_document(err))
         else:
-            print(f"memtree: error: {err}", file=sys.stderr)
+            print(f"memtree: error: {printable(str(err))}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("memtree: interrupted", file=sys.stderr)

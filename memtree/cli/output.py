@@ -7,6 +7,11 @@ is, with ``--json``, the object ``{"error": {"type": "<class name>", "message": 
 standard output (:func:`error_document`), and exit code 1. The schemas are documented in
 ``docs/guide/cli.md``.
 
+Paths are bytes on Linux and need not be UTF-8; Python holds such a byte as a lone surrogate
+(``os.fsdecode``), which neither a terminal nor JSON can hold. Every text and JSON string is
+written through :func:`printable`, which shows such a byte as ``\\xNN`` (its hex value): the
+JSON stays valid UTF-8, and the path reads as ``ls -b`` and Python's ``repr`` of bytes show it.
+
 Exit codes (the same for every command):
 
 * :data:`EXIT_OK` (0): done; for ``verify`` the tree is clean, for ``diff`` the trees are equal;
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any
 
@@ -47,6 +53,7 @@ __all__ = [
     "emit_text",
     "error_document",
     "format_bytes",
+    "printable",
     "to_json",
 ]
 
@@ -70,17 +77,62 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogate(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8, as os.fsdecode holds it
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}"  # any other lone surrogate
+
+
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8: each byte of a path that is not UTF-8 (held by ``os.fsdecode``
+    as a lone surrogate) becomes ``\\xNN``, any other lone surrogate ``\\uXXXX``; other text is
+    returned as it is.
+
+    Example:
+        >>> import os
+        >>> printable(os.fsdecode(b"/data/caf\\xe9/ckpt")), printable("/data/café")
+        ('/data/caf\\\\xe9/ckpt', '/data/café')
+    """
+    return _SURROGATE.sub(_escape_surrogate, text)
+
+
+def _printable_document(value: Any) -> Any:
+    """``value`` with every string (keys included) through :func:`printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_printable_document(k): _printable_document(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable_document(v) for v in value]
+    return value
+
+
+def _default(value: Any) -> str:
+    return printable(repr(value))
+
+
 def to_json(value: Any, *, indent: bool = False) -> str:
     """``value`` as JSON text. What JSON cannot hold is written as text: a key that is not a
     string as its ``str``, a value orjson does not know (``bytes``, ``complex``, a
-    ``torch.Size``...) as its ``repr``; NaN and infinities as ``null``.
+    ``torch.Size``...) as its ``repr``; NaN and infinities as ``null``; a string that is not
+    valid UTF-8 (a path with bytes that are not) through :func:`printable`.
 
     Example:
+        >>> import os
         >>> print(to_json({"a": (1, 2), 3: b"x", "c": 1j}))
         {"a":[1,2],"3":"b'x'","c":"1j"}
+        >>> print(to_json({"path": os.fsdecode(b"/data/caf\\xe9")}))
+        {"path":"/data/caf\\\\xe9"}
     """
     option = orjson.OPT_NON_STR_KEYS | (orjson.OPT_INDENT_2 if indent else 0)
-    return orjson.dumps(value, default=repr, option=option).decode()
+    try:
+        return orjson.dumps(value, default=_default, option=option).decode()
+    except orjson.JSONEncodeError:  # a str that is not UTF-8 (the rest fails the same way again)
+        return orjson.dumps(_printable_document(value), default=_default, option=option).decode()
 
 
 def format_bytes(n: int) -> str:
@@ -113,12 +165,14 @@ def emit_json(document: dict[str, Any]) -> None:
 
 
 def emit_text(text: str) -> None:
-    """Print ``text`` (a line break is added), degraded to what the terminal's encoding can show.
+    """Print ``text`` (a line break is added), degraded to what the terminal's encoding can show
+    (bytes of a path that are not UTF-8 as ``\\xNN``: :func:`printable`).
 
     Example:
         >>> emit_text("OK ckpt: 3 leaves")
         OK ckpt: 3 leaves
     """
+    text = printable(text)
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
     try:
         text.encode(encoding)

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import DistributedCheckpointError
 from .reader import Reader
-from .planners import LoadPlanner, SavePlanner
+from .planners import LoadPlanner, SavePlanner, check_subclasses
 from .writer import Writer
 from ..format.dcp_json import DCP_NAME
 
@@ -128,12 +128,14 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         [0.0, 1.0, 2.0]
     """
     reader = Reader(path)
+    planner = LoadPlanner()
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, planner=LoadPlanner(),
+            dcp.load(state_dict, storage_reader=reader, planner=planner,
                      process_group=process_group, no_dist=no_dist)
+        check_subclasses(planner.subclass_records, planner.flattened)
     except CheckpointException as err:
         raise _convert(err, f"loading the checkpoint {reader.path}") from None
     except torch.distributed.DistError as err:

@@ -24,8 +24,8 @@ from torch.futures import Future
 from ..errors import LimitError, MetaFormatError, NotAMemtreeError, UnsafePathError
 from ..format.level import Level
 from ..format.values import NonTensor
-from ..store.options import ReadOptions
-from ..store.read import read_tree
+from ..store.reading.options import ReadOptions
+from ..store.reading.read import read_tree
 from .planners import deliver_value
 from ..format.dcp_json import DCP_NAME, MAX_DCP_BYTES, parse_dcp
 

@@ -28,14 +28,14 @@ from torch.futures import Future
 
 from ..format.dtypes import dtype_name, itemsize
 from ..errors import DistributedCheckpointError, InvalidKeyError, MemtreeError, MetaFormatError
-from ..store.files import allocate_fd, storage_error
-from ..store.memory import byte_view
-from ..store.commit import LOCK_TIMEOUT, WriterLock, destination_state, fsync_dir, publish, write_small_file
+from ..store.primitives.files import allocate_fd, storage_error
+from ..store.primitives.memory import byte_view
+from ..store.primitives.commit import LOCK_TIMEOUT, WriterLock, destination_state, fsync_dir, publish, write_small_file
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, dump_level
 from ..format.names import META_NAME, encode_level
-from ..store.mapped import to_storable
+from ..store.reading.mapped import to_storable
 from ..format.names import lock_path, staging_path
-from ..store.recovery import recover_locked
+from ..store.writing.recovery import recover_locked
 from .planners import object_bytes
 from ..format.dcp_json import DCP_NAME, dump_dcp
 

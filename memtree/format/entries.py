@@ -40,6 +40,10 @@ __all__ = [
     "ChildMeta",
     "JsonMeta",
     "PickleMeta",
+    "Subclass",
+    "SubclassMeta",
+    "Placement",
+    "DTensorLayout",
     "Entry",
     "EncryptionMeta",
     "PackMeta",
@@ -70,6 +74,63 @@ _set = object.__setattr__
 
 
 @dataclass(init=False, repr=False, eq=False)
+class Placement(Record):
+    """One mesh dim of a DTensor: ``"replicate"``, ``"shard"`` along ``dim``, or
+    ``"strided_shard"`` along ``dim`` with ``split_factor`` (torch's ``_StridedShard``)."""
+
+    kind: str
+    dim: int | None = None
+    split_factor: int | None = None
+
+    def __init__(self, kind: str, dim: int | None = None, split_factor: int | None = None) -> None:
+        _set(self, "kind", kind)
+        _set(self, "dim", dim)
+        _set(self, "split_factor", split_factor)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class DTensorLayout(Record):
+    """How a DTensor stored as its full tensor was laid out: mesh shape, dim names, placements."""
+
+    mesh: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    dim_names: tuple[str, ...] | None = None
+
+    def __init__(
+        self, mesh: tuple[int, ...], placements: tuple[Placement, ...], dim_names: tuple[str, ...] | None = None
+    ) -> None:
+        _set(self, "mesh", mesh)
+        _set(self, "placements", placements)
+        _set(self, "dim_names", dim_names)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class Subclass(Record):
+    """What a subclass group records besides its inner tensors.
+
+    Attributes:
+        type: the registered name of the class (``"torchao.Int8Tensor"``), never an import path.
+        dtype_name: the outer tensor's dtype (a leaf dtype, or a quantized one).
+        shape: the outer tensor's shape; its leading dims are the level's batch dims.
+        stride: the outer tensor's stride (what ``__tensor_unflatten__`` is given).
+        context: the flatten context as tagged JSON (:func:`check_context`).
+    """
+
+    type: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    context: Any
+
+    def __init__(self, type: str, dtype_name: str, shape: tuple[int, ...], stride: tuple[int, ...], context: Any) -> None:
+        _set(self, "type", type)
+        _set(self, "dtype_name", dtype_name)
+        _set(self, "shape", shape)
+        _set(self, "stride", stride)
+        _set(self, "context", context)
+
+
+@dataclass(init=False, repr=False, eq=False)
 class LeafMeta(Record):
     """A tensor leaf: its key, file name, dtype, shape, optional checksum and capacity.
 
@@ -88,6 +149,9 @@ class LeafMeta(Record):
     #: Plaintext bytes per chunk when the leaf is encrypted (its level's ``encryption``), else None.
     chunk_bytes: int | None = None
     int_key: bool = False
+    #: How the DTensor this leaf holds the full tensor of was laid out (format version 3,
+    #: :mod:`memtree.format.subclass`), else None.
+    layout: DTensorLayout | None = None
     #: The pack file (at the tree's root) that holds the leaf's bytes from ``offset`` (format
     #: version 3, :mod:`memtree.format.packs`); ``None`` for a leaf in its own ``file`` (then "").
     pack: str | None = None
@@ -103,6 +167,7 @@ class LeafMeta(Record):
         capacity: int | None = None,
         chunk_bytes: int | None = None,
         int_key: bool = False,
+        layout: DTensorLayout | None = None,
         pack: str | None = None,
         offset: int | None = None,
     ) -> None:
@@ -114,6 +179,7 @@ class LeafMeta(Record):
         _set(self, "capacity", capacity)
         _set(self, "chunk_bytes", chunk_bytes)
         _set(self, "int_key", int_key)
+        _set(self, "layout", layout)
         _set(self, "pack", pack)
         _set(self, "offset", offset)
 
@@ -166,6 +232,17 @@ class ChildMeta(Record):
         _set(self, "key", key)
         _set(self, "dir", dir)
         _set(self, "int_key", int_key)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class SubclassMeta(ChildMeta):
+    """A subclass leaf: its group's directory ``dir`` (walked like a sub-tree's) and ``subclass``."""
+
+    subclass: Subclass = None  # type: ignore[assignment]  # always given: after ChildMeta's defaults
+
+    def __init__(self, key: str, dir: str, subclass: Subclass, int_key: bool = False) -> None:
+        super().__init__(key, dir, int_key)
+        _set(self, "subclass", subclass)
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -248,7 +325,7 @@ class LevelMeta(Record):
     An encrypted tree's levels carry ``encryption`` and ``mac`` (HMAC-SHA256 of the level's
     ``meta.json`` without the ``mac`` field, bound to the level's place in the tree). With
     encrypted names, a level on disk holds no entry: ``sealed`` is the base64 ciphertext of its
-    real ``meta.json`` (which :mod:`memtree.store.crypto` decrypts and parses).
+    real ``meta.json`` (which :mod:`memtree.store.primitives.crypto` decrypts and parses).
     """
 
     batch_size: tuple[int, ...]

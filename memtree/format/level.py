@@ -1,8 +1,8 @@
 """``Level``: the neutral nested structure passed between the tree layer and the store.
 
 The tree layer (:mod:`memtree.tree.tensortree`) turns a ``TensorTree`` into a ``Level`` to write it and turns
-a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.store.write`,
-:mod:`memtree.store.read`) never sees the user-facing class. Entries keep the tree's key order.
+a loaded ``Level`` back into a ``TensorTree``; the store (:mod:`memtree.store.writing.write`,
+:mod:`memtree.store.reading.read`) never sees the user-facing class. Entries keep the tree's key order.
 
 Example:
     >>> import torch
@@ -19,6 +19,7 @@ from typing import Any, Union
 import torch
 
 from .schema import TREE_TYPE
+from .subclass import DTensorLayout, Subclass
 from .values import NonTensor
 
 __all__ = ["Level", "Value", "as_level", "fmt_key"]
@@ -29,7 +30,8 @@ class Level:
     """One level of a tree: batch size and entries (tensors, sub-levels, non-tensor values).
 
     Training state (format version 2, :mod:`memtree.training.state`) also records which keys are
-    int dict keys (``int_keys``).
+    int dict keys (``int_keys``). A tensor subclass is a level of its inner tensors with
+    ``subclass`` set (:mod:`memtree.format.subclass_registry` makes and rebuilds them).
     """
 
     batch_size: tuple[int, ...]
@@ -37,10 +39,15 @@ class Level:
     type: str = TREE_TYPE
     #: The class another library recorded for this level (tensordict's ``_type``, e.g.
     #: ``"<class 'pkg.Step'>"``), as text: the tree layer maps it to a registered
-    #: ``@tensorclass`` (:func:`memtree.tree.registry.class_for_foreign`), the tensordict writer
+    #: ``@tensorclass`` (:func:`memtree.tree.parts.registry.class_for_foreign`), the tensordict writer
     #: writes it back; memtree's own ``meta.json`` does not record it.
     foreign_type: str | None = None
     int_keys: frozenset[str] = frozenset()
+    #: A tensor subclass's group (format version 3, :mod:`memtree.format.subclass`): what the
+    #: subclass records; the entries are its inner tensors (or nested groups), by attribute name.
+    subclass: Subclass | None = None
+    #: The DTensor layouts of this level's tensors that hold a DTensor's full tensor, by key.
+    layouts: dict[str, DTensorLayout] = field(default_factory=dict)
 
 
 Value = Union[torch.Tensor, Level, NonTensor]

@@ -6,7 +6,7 @@ non-tensor values, opt-in only, ``<key>.pickle``); and the hidden siblings a wri
 ``.<name>.memtree-old-<32 hex>/`` (fallback overwrite), the writer lock ``.<name>.memtree.lock``
 (which holds the journal of a writer that died); inside a tree, a growth's temporary
 ``.meta.json.memtree-tmp-<32 hex>`` and the name ``.memtree-copy-<32 hex>`` a leaf's own copy
-(:mod:`memtree.store.unshare`) has for an instant before it is renamed over the leaf; in a
+(:mod:`memtree.store.reading.unshare`) has for an instant before it is renamed over the leaf; in a
 remote cache directory, the download scratch ``.<entry>.memtree-download-<32 hex>/``; in a
 checkpoint root, the step directories ``<step>/`` (:func:`is_step_name`) and the root record
 ``.memtree-root.json`` of an encrypted root.

@@ -45,7 +45,18 @@ from .entries import (
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
-from .packs import PACK_ALIGN, PACK_VERSION, is_pack_name, level_version, pack_fields, parse_pack_ref, parse_packs
+from .packs import PACK_ALIGN, PACK_VERSION, is_pack_name, pack_fields, parse_pack_ref, parse_packs
+from .packs import level_version as packs_version
+from .subclass import (
+    SUBCLASS_KIND,
+    SUBCLASS_VERSION,
+    SubclassMeta,
+    layout_dict,
+    level_version,
+    parse_layout,
+    parse_subclass,
+    subclass_fields,
+)
 from .values import MAX_JSON_DEPTH, json_depth
 
 if TYPE_CHECKING:
@@ -68,6 +79,7 @@ __all__ = [
     "ChildMeta",
     "JsonMeta",
     "PickleMeta",
+    "SubclassMeta",
     "Entry",
     "EncryptionMeta",
     "ENCRYPTION_ALGORITHM",
@@ -88,7 +100,9 @@ FORMAT = "memtree"
 #: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
 #: The versions memtree reads (a level is written as version 3 only when it holds what version 3
-#: added: packs of small leaves, :func:`memtree.format.packs.level_version`).
+#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``
+#: (:func:`memtree.format.subclass.level_version`); packs of small leaves
+#: (:func:`memtree.format.packs.level_version`)).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -158,6 +172,8 @@ def _entry_dict(e: Entry) -> dict[str, Any]:
 
 
 def _entry_fields(e: Entry) -> dict[str, Any]:
+    if isinstance(e, SubclassMeta):
+        return subclass_fields(e)
     if isinstance(e, LeafMeta):
         d: dict[str, Any] = {"key": e.key, "kind": "tensor"}
         if e.pack is not None:
@@ -171,6 +187,8 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
             d["capacity"] = e.capacity
         if e.checksum is not None:
             d["checksum"] = e.checksum
+        if e.layout is not None:
+            d["dtensor"] = layout_dict(e.layout)
         return d
     if isinstance(e, ChildMeta):
         return {"key": e.key, "kind": "tree", "dir": e.dir}
@@ -188,7 +206,7 @@ def dump_level(meta: LevelMeta) -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": level_version(meta, VERSION),
+        "version": packs_version(meta, level_version(meta, VERSION)),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -393,6 +411,11 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
+    if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
+        raise c.fail(
+            "entries",
+            f"hold a tensor subclass, a DTensor annotation or a dtype that only a version {SUBCLASS_VERSION} tree has",
+        )
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")
@@ -566,7 +589,7 @@ def _bracket_depth(data: bytes) -> int:
 
 
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
-_LEAF_OPTIONAL = frozenset({"checksum", "capacity"})
+_LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
 #: A packed leaf (version 3): ``pack`` and ``offset`` in place of ``file``; never a capacity.
 _PACKED_LEAF_FIELDS = frozenset({"key", "kind", "pack", "offset", "dtype", "shape"})
@@ -632,7 +655,7 @@ def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     kind = raw.get("kind")
     if kind == "tensor":
         if "pack" in raw or "offset" in raw:
-            raw = c.obj(raw, p, _PACKED_LEAF_FIELDS, {"checksum"})
+            raw = c.obj(raw, p, _PACKED_LEAF_FIELDS, {"checksum", "dtensor"})
             pack, offset = parse_pack_ref(raw, p, c.fail, version)
             return replace(_parse_leaf(c, raw, p, batch_size, file=""), pack=pack, offset=offset)
         raw = c.obj(raw, p, _PLAIN_LEAF_FIELDS, _LEAF_OPTIONAL)
@@ -649,7 +672,22 @@ def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
     if kind == "pickle":
         raw = c.obj(raw, p, {"key", "kind", "file"}, set())
         return PickleMeta(c.string(raw["key"], f"{p}.key"), c.name(raw["file"], f"{p}.file", PICKLE_SUFFIX))
-    raise c.fail(f"{p}.kind", f"must be tensor, tree, json or pickle, got {kind!r:.40}")
+    if kind == SUBCLASS_KIND:
+        return _parse_subclass(c, raw, p, batch_size)
+    raise c.fail(f"{p}.kind", f"must be tensor, tree, json, pickle or subclass, got {kind!r:.40}")
+
+
+def _parse_subclass(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> SubclassMeta:
+    """A subclass entry (:mod:`memtree.format.subclass`): its outer shape follows a tensor's rules."""
+    shape = c.ints(raw.get("shape"), f"{p}.shape")
+    if not starts_with_batch(shape, batch_size):
+        raise c.fail(f"{p}.shape", f"{list(shape)} does not start with batch_size {list(batch_size)}")
+    if extent_bytes(shape, "uint8") > MAX_NBYTES:
+        raise c.fail(f"{p}.shape", _too_large(shape, extent_bytes(shape, "uint8")))
+    return parse_subclass(
+        raw, p, c.fail, c.string(raw.get("key"), f"{p}.key"), c.name(raw.get("dir"), f"{p}.dir", ""), shape,
+        c.ints(raw.get("stride"), f"{p}.stride"),
+    )
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
@@ -735,4 +773,5 @@ def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int,
             "must be '<algorithm>:<hex>' (crc32, crc32c: 8 hex digits; xxh3: 16; sha256: 64), "
             f"got {checksum!r:.80}",
         )
-    return LeafMeta(key, file, dtype, shape, checksum, capacity)
+    layout = parse_layout(raw["dtensor"], f"{p}.dtensor", c.fail, shape) if "dtensor" in raw else None
+    return LeafMeta(key, file, dtype, shape, checksum, capacity, layout=layout)

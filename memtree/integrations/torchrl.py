@@ -78,7 +78,7 @@ __all__ = ["MemtreeStorage", "MemtreeStorageCheckpointer"]
 
 #: Reloads of the tree a process tries when other processes keep growing it meanwhile.
 _GROW_ATTEMPTS = 64
-#: What a load raises while another process grows the tree (memtree.store.grow: "retry it").
+#: What a load raises while another process grows the tree (memtree.store.writing.grow: "retry it").
 _TRANSIENT = (NotAMemtreeError, MissingLeafError, LeafSizeError)
 
 

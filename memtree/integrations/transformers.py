@@ -72,7 +72,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, ShapeMismatchError
 from ..interop.sharded import write_model_directory
-from ..store.staged import staged_directory
+from ..store.writing.staged import staged_directory
 from ..tree.tensortree import load_memmap
 from .trees import is_tree, load_tree, remove_tree, save_tree
 

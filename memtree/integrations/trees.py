@@ -7,7 +7,7 @@ step, at the framework's path:
 
 * :func:`save_tree`: the dict becomes levels (:func:`memtree.integrations.values.encode`, then
   :func:`memtree.training.state.state_to_level`), written by
-  :func:`memtree.store.write.write_tree`: atomic (a staging directory renamed onto the path, the
+  :func:`memtree.store.writing.write.write_tree`: atomic (a staging directory renamed onto the path, the
   old tree replaced in one ``renameat2`` exchange), checksummed, every leaf whose bytes equal the
   ``link_from`` tree's hard-linked instead of written, fsynced with ``fsync=True``;
 * :func:`load_tree`: the tree read whole into memory (never mapped: training updates the
@@ -39,15 +39,15 @@ from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, InvalidArgumentError, LockError
 from ..format.names import META_NAME, lock_path, staging_path
-from ..store.commit import LOCK_TIMEOUT, WriterLock
-from ..store.options import ReadOptions, WriteOptions, normalize_keys
-from ..store.read import open_tree
-from ..store.storage import local_path
-from ..store.write import WriteStats, write_tree
+from ..store.primitives.commit import LOCK_TIMEOUT, WriterLock
+from ..store.reading.options import ReadOptions, WriteOptions, normalize_keys
+from ..store.reading.read import open_tree
+from ..store.reading.storage import local_path
+from ..store.writing.write import WriteStats, write_tree
 from ..training.state import level_to_state, state_to_level
 from .values import RECORD_KEY, decode, encode
 
-#: Times a write waits the writer lock's timeout (:data:`~memtree.store.commit.LOCK_TIMEOUT`)
+#: Times a write waits the writer lock's timeout (:data:`~memtree.store.primitives.commit.LOCK_TIMEOUT`)
 #: for another process writing the same path, before the ``LockError`` is raised.
 _LOCK_ATTEMPTS = 60
 

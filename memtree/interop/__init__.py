@@ -5,7 +5,7 @@
   :func:`pickle_limits` bounds how much a pickle may build);
 * :func:`save_safetensors` exports a tree to a ``.safetensors`` file, bit-exact;
 * tensordict ``memmap`` directories load through :func:`memtree.load_memmap` (see
-  :mod:`memtree.store.tensordict`);
+  :mod:`memtree.store.foreign.tensordict`);
 * :func:`save_tensordict` writes a tree as a directory tensordict's ``load_memmap`` reads;
 * :func:`convert` (the ``memtree convert`` command) streams any of these (and Hugging Face
   shard indexes and model directories) into a memtree directory, a ``.safetensors`` file, a
@@ -26,8 +26,8 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .conversion import ConvertResult, convert
 from .pickle_guard import PickleLimits, pickle_limits
 from .safetensors_file import SafetensorsReader, save_safetensors
-from ..store.tensordict import read_tensordict_dir
-from ..store.tensordict_write import save_tensordict
+from ..store.foreign.tensordict import read_tensordict_dir
+from ..store.foreign.tensordict_write import save_tensordict
 from .torchsave import TorchSaveReader
 
 __all__ = [

@@ -37,7 +37,7 @@ from typing import Any, Union
 import torch
 
 from ..errors import CheckpointFormatError, LegacyCheckpointError
-from ..store.storage import local_path
+from ..store.reading.storage import local_path
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
 from .sharded import DIRECTORY_FILES, ShardedReader, find_checkpoint, is_index
@@ -136,7 +136,7 @@ class Checkpoint(Closing, Mapping[str, torch.Tensor]):
 
     def fill_range(self, key: str) -> Any:
         """Where ``key``'s bytes lie in the open file and the check to run on them, for the
-        in-place loader (:func:`memtree.store.fill.fill`); ``None`` when they do not lie as
+        in-place loader (:func:`memtree.store.primitives.fill.fill`); ``None`` when they do not lie as
         they are (a strided view): then :meth:`read` it."""
         return self._reader.fill_range(key)
 

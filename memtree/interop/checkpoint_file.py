@@ -36,8 +36,8 @@ from typing import TypeVar
 import torch
 
 from ..errors import CheckpointFormatError, StorageError
-from ..store.files import CHUNK_BYTES, map_fd, storage_error
-from ..store.memory import byte_view
+from ..store.primitives.files import CHUNK_BYTES, map_fd, storage_error
+from ..store.primitives.memory import byte_view
 
 _Self = TypeVar("_Self", bound="Closing")
 

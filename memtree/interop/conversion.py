@@ -15,7 +15,7 @@ tensor at all; its record's CRC-32 is not checked, as with ``torch.load(mmap=Tru
 other leaf reads its bytes with ``pread`` into a new tensor (never through a mapping, whose
 pages would stay resident), is cast if asked, and is dropped once its file is written:
 
-* to a memtree directory, the Level goes through :func:`memtree.store.write.write_tree` unchanged:
+* to a memtree directory, the Level goes through :func:`memtree.store.writing.write.write_tree` unchanged:
   the same plan, staging directory and atomic commit as ``TensorTree.memmap`` (no second commit
   protocol); leaves are written one by one in the calling thread;
 * to a ``.safetensors`` file, :func:`~memtree.interop.safetensors_file.write_safetensors`
@@ -24,9 +24,9 @@ pages would stay resident), is cast if asked, and is dropped once its file is wr
 * to a model directory, :func:`~memtree.interop.sharded.write_model_directory` splits the
   tensors as ``huggingface_hub`` does and writes each file with the same ``write_safetensors``,
   in a staging directory published by the commit of ``write_tree``
-  (:func:`~memtree.store.staged.staged_directory`); tied ``torch.save`` tensors (the same view
+  (:func:`~memtree.store.writing.staged.staged_directory`); tied ``torch.save`` tensors (the same view
   of one storage) are written once, under the first name, as ``save_pretrained`` does;
-* to a tensordict directory, :func:`~memtree.store.tensordict_write.write_tensordict_dir`
+* to a tensordict directory, :func:`~memtree.store.foreign.tensordict_write.write_tensordict_dir`
   writes tensordict's layout, published the same way.
 
 Keys: a checkpoint's dotted keys become nested sub-trees (``"encoder.0.weight"`` ->
@@ -74,18 +74,18 @@ from ..errors import (
     KeyCollisionError,
     NotAMemtreeError,
 )
-from ..store.files import FileRange, open_checked, read_fd
+from ..store.primitives.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
 from ..format.schema import MAX_META_BYTES, MAX_TUPLE_PATHS
-from ..store.mapped import MemoryMappedTensor
+from ..store.reading.mapped import MemoryMappedTensor
 from ..format.values import NonTensor, json_problem
-from ..store.progress import Progress
-from ..store.read import read_tree
-from ..store.options import ReadOptions, WriteOptions
-from ..store.storage import local_path
-from ..store.write import write_tree
-from ..store.tensordict_write import write_tensordict_dir
+from ..store.primitives.progress import Progress
+from ..store.reading.read import read_tree
+from ..store.reading.options import ReadOptions, WriteOptions
+from ..store.reading.storage import local_path
+from ..store.writing.write import write_tree
+from ..store.foreign.tensordict_write import write_tensordict_dir
 from .checkpoint import Checkpoint, checkpoint_kind, open_file
 from .lazy import LazyLeaf
 from .pickle_guard import PickleLimits
@@ -98,7 +98,8 @@ from .sharded import (
     parse_shard_size,
     write_model_directory,
 )
-from ..store.tensordict import is_tensordict_dir, read_tensordict_dir
+from ..store.foreign.tensordict import is_tensordict_dir, read_tensordict_dir
+from .torchao_safetensors import flatten_groups, group_torchao_tensors, is_torchao_metadata
 from .torchsave import TorchSaveReader
 
 __all__ = ["ConvertResult", "FORMATS", "convert", "source_kind", "parse_dtype"]
@@ -244,7 +245,12 @@ def source_kind(src: str | os.PathLike[str]) -> str:
 
 
 def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
-    return cast if cast is not None and dtype.is_floating_point else dtype
+    """What ``dtype=cast`` makes of a tensor of ``dtype``: floating-point ones are cast, except
+    packed FP4 (two values a byte: no element-wise cast), which keeps its dtype like ints."""
+    return cast if cast is not None and dtype.is_floating_point and dtype is not _PACKED_FP4 else dtype
+
+
+_PACKED_FP4 = dtype_from_name("float4_e2m1fn_x2")
 
 
 #: orjson refuses nesting deeper than 254 levels, and a value lies a few levels down in its
@@ -444,12 +450,31 @@ class _Stream:
             if isinstance(reader, TorchSaveReader):
                 file_range = (lambda r, k: lambda: r.file_range(k))(reader, key)
             _insert(self.level, path, self.leaf(shape, dtype, read, file_range), key)
+        if is_torchao_metadata(self.metadata):
+            self._torchao_groups(ckpt, flat_keys)
         for key, value in ckpt.non_tensors.items():
             if to_safetensors or _json_problem(value) is not None:
                 self.dropped.append(key)
                 continue
             path = (key,) if flat_keys else _split(ckpt.key_path(key))
             _insert(self.level, path, NonTensor(value), key)
+
+    def _torchao_groups(self, ckpt: Checkpoint, flat_keys: bool) -> None:
+        """Gather the inner tensors of each subclass of a file in torchao's safetensors convention
+        (:mod:`memtree.interop.torchao_safetensors`) into its group, at the subclass's key."""
+        assert self.metadata is not None
+        place = (lambda k: (k,)) if flat_keys else (lambda k: _split(ckpt.key_path(k)))
+        groups = group_torchao_tensors(self.metadata, lambda k: ckpt.tensor_spec(k) if k in ckpt else None)
+        for name, (keys, group) in groups.items():
+            for inner, key in keys.items():
+                *parents, last = place(key)
+                node = self.level
+                for part in parents:
+                    child = node.entries[part]
+                    assert isinstance(child, Level)  # where _insert put the key's leaf
+                    node = child
+                group.entries[inner] = node.entries.pop(last)
+            _insert(self.level, (name,) if flat_keys else _split((name,)), group, name)
 
     def from_directory(self, src: str, kind: str, allow_pickle: bool) -> None:
         if kind == "tensordict":
@@ -459,7 +484,7 @@ class _Stream:
         self.level = self._rebuild(mapped)
 
     def _rebuild(self, level: Level, path: tuple[str, ...] = ()) -> Level:
-        out = Level(level.batch_size, {}, level.type, level.foreign_type)
+        out = Level(level.batch_size, {}, level.type, level.foreign_type, subclass=level.subclass)
         if level.foreign_type is not None and self.destination == "memtree":
             self.altered[".".join(path) or "(top level)"] = (
                 f"tensordict @tensorclass {level.foreign_type} -> plain tree (load the tensordict "
@@ -499,20 +524,17 @@ def _file_reader(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
     return read
 
 
-def _flatten(
-    level: Level, prefix: tuple[str, ...], leaves: dict[str, LazyLeaf], dropped: list[str]
-) -> None:
-    for key, value in level.entries.items():
-        path = prefix + (key,)
-        if isinstance(value, Level):
-            _flatten(value, path, leaves, dropped)
-        elif isinstance(value, LazyLeaf):
-            name = ".".join(path)
-            if name in leaves:
-                raise KeyCollisionError(f"two tensors flatten to the safetensors key {name!r}")
-            leaves[name] = value
-        else:
-            dropped.append(".".join(path))
+def _flatten(level: Level, leaves: dict[str, LazyLeaf], dropped: list[str]) -> dict[str, str] | None:
+    """The leaves under their safetensors names (a subclass's inner tensors under torchao's
+    names) and torchao's metadata when there is a subclass (else ``None``)."""
+    skipped: list[tuple[str, ...]] = []
+    tensors, metadata = flatten_groups(level, ".".join, skipped)
+    dropped.extend(".".join(p) for p in skipped)
+    for name, value in tensors:
+        if name in leaves:
+            raise KeyCollisionError(f"two tensors flatten to the safetensors key {name!r}")
+        leaves[name] = value
+    return metadata
 
 
 def convert(
@@ -625,7 +647,9 @@ def convert(
             stream.on_read = bar.update
             if fmt == "safetensors":
                 leaves: dict[str, LazyLeaf] = {}
-                _flatten(stream.level, (), leaves, stream.dropped)
+                groups = _flatten(stream.level, leaves, stream.dropped)
+                if groups is not None:  # subclasses: torchao's convention, which torchao loads
+                    stream.metadata = {**(stream.metadata or {}), **groups}
                 specs = [(k, leaf.shape, leaf.dtype) for k, leaf in leaves.items()]
                 produce = lambda k: leaves[k].materialize()  # noqa: E731
                 if model_dir:

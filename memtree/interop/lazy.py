@@ -2,13 +2,13 @@
 
 It is how conversions stream through memtree's ordinary write path: a
 :class:`~memtree.format.level.Level` whose leaves are ``LazyLeaf`` objects is written by
-:func:`memtree.store.write.write_tree` exactly like any other tree (same plan, same staging directory,
+:func:`memtree.store.writing.write.write_tree` exactly like any other tree (same plan, same staging directory,
 same atomic commit), and each leaf's data is loaded at the moment its file is written and
 dropped right after, so the process holds one tensor at a time instead of the whole checkpoint.
 
 A leaf whose bytes lie as they are in a file (a contiguous tensor of a ``torch.save`` checkpoint,
 not cast) also knows that place: :meth:`LazyLeaf.file_range` returns it as a
-:class:`~memtree.store.files.FileRange`, and the writer then copies the bytes file to file
+:class:`~memtree.store.primitives.files.FileRange`, and the writer then copies the bytes file to file
 (``copy_file_range``) instead of loading them: the process holds none of them.
 
 Shape, dtype, device and layout queries never load anything. Any operation on a ``LazyLeaf``
@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import CheckpointFormatError
-from ..store.files import FileRange
+from ..store.primitives.files import FileRange
 
 __all__ = ["LazyLeaf"]
 
@@ -52,6 +52,8 @@ class LazyLeaf(torch.Tensor):
 
     _load: Callable[[], torch.Tensor]
     _file_range: Callable[[], FileRange | None] | None
+    #: Written as the plain tensor it reads, not as a tensor subclass's group.
+    _memtree_plain = True
     # torch's stubs declare this builtin as a plain function, which mypy binds as a method
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -71,7 +73,7 @@ class LazyLeaf(torch.Tensor):
     def file_range(self) -> FileRange | None:
         """Where the data lies byte for byte in an open file (``None``: only ``load`` has it).
 
-        :func:`memtree.store.write.write_tree` asks for it before loading a leaf, and copies the range
+        :func:`memtree.store.writing.write.write_tree` asks for it before loading a leaf, and copies the range
         into the leaf file without reading it into memory.
         """
         return None if self._file_range is None else self._file_range()

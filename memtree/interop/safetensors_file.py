@@ -40,8 +40,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
 
@@ -59,11 +59,15 @@ from ..errors import (
     MemtreeKeyError,
     NonTensorValueError,
 )
-from ..store.files import FileRange, replacing_file, write_fd
-from ..store.mapped import to_storable
-from ..store.storage import local_path
-from ..format.level import as_level
+from ..store.primitives.faults import point
+from ..store.primitives.files import FileRange, write_fd
+from ..store.reading.mapped import to_storable
+from ..store.reading.storage import local_path
+from ..store.writing.staged import staged_file
+from ..format.level import Level, as_level
+from ..format.subclass_registry import is_dtensor, is_plain, to_group
 from .checkpoint_file import CheckpointFile, Closing
+from .torchao_safetensors import flatten_groups
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -320,7 +324,7 @@ class SafetensorsReader(Closing):
         return out
 
     def fill_range(self, key: str) -> tuple[FileRange, None]:
-        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.fill.fill`
+        """Where ``key``'s bytes lie in the open file, for :func:`memtree.store.primitives.fill.fill`
         (valid while the reader is open; no checksum to check)."""
         e = self.entry(key)
         return FileRange(self._file.fd, e.begin, e.end - e.begin, f"tensor {key!r} of {self.path}"), None
@@ -339,13 +343,17 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     existsok: bool = False,
     fsync: bool = False,
+    commit: bool = True,
 ) -> None:
     """Write a safetensors file tensor by tensor (only one tensor is in memory at a time).
 
     The header is computed from ``specs``; then ``produce(key)`` is called once per key and its
     tensor written at its offset. Data is ordered by decreasing item size, so every tensor is
     aligned for zero-copy reads. The file is written under a temporary name in the same
-    directory and renamed into place when complete: ``path`` never holds a partial file.
+    directory and renamed into place when complete: ``path`` never holds a partial file. The
+    write holds ``path``'s writer lock, whose journal names the temporary file, so a writer
+    killed meanwhile leaves a file that the next write of ``path`` and :func:`memtree.recover`
+    remove (:func:`~memtree.store.writing.staged.staged_file`).
 
     Args:
         path: the file to create.
@@ -354,10 +362,15 @@ def write_safetensors(
         metadata: the ``__metadata__`` map (str to str).
         existsok: replace an existing file (else :class:`DestinationExistsError`).
         fsync: make the file durable before it is renamed into place.
+        commit: False writes ``path`` itself, a new file, with no temporary name or lock: for a
+            file inside a staging directory that the caller publishes (a model directory's shards).
 
     Raises:
         DtypeError: a dtype safetensors cannot hold.
         CheckpointFormatError: ``produce`` returned a tensor that does not match its spec.
+        DestinationExistsError: ``path`` exists and ``existsok`` is False.
+        LockError: another memtree writer is writing ``path`` (for more than
+            :data:`~memtree.store.primitives.commit.LOCK_TIMEOUT` seconds).
     """
     path = os.fspath(local_path(path, remote="this writes a local file; write it locally, then copy it"))
     header: dict[str, Any] = {}
@@ -387,26 +400,47 @@ def write_safetensors(
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
     data_start = 8 + len(blob)
+    header_bytes = struct.pack("<Q", len(blob)) + blob
 
     hint = "pass existsok=True (CLI: --overwrite) to replace it"
-    with replacing_file(path, existsok=existsok, hint=hint) as tmp:
-        fd = os.open(tmp, _NEW_FILE, 0o644)
-        try:
-            os.ftruncate(fd, data_start + offset)
-            os.pwrite(fd, struct.pack("<Q", len(blob)) + blob, 0)
-            for key, shape, dtype, _ in sorted(names, key=lambda n: layout[n[0]]):
-                tensor = to_storable(produce(key), repr(key))
-                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    raise CheckpointFormatError(
-                        f"{path}: tensor {key!r} is {tensor.dtype}{list(tensor.shape)}, its header "
-                        f"says {dtype}{list(shape)}"
-                    )
-                write_fd(fd, tensor, data_start + layout[key])
-                del tensor
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+    if not commit:
+        _write_file(path, path, header_bytes, names, layout, data_start + offset, produce, fsync)
+        return
+    with staged_file(path, existsok=existsok, hint=hint) as tmp:
+        _write_file(tmp, path, header_bytes, names, layout, data_start + offset, produce, fsync)
+
+
+def _write_file(
+    where: str,
+    path: str,
+    header: bytes,
+    names: list[tuple[str, tuple[int, ...], torch.dtype, str]],
+    layout: dict[str, int],
+    size: int,
+    produce: Callable[[str], torch.Tensor],
+    fsync: bool,
+) -> None:
+    """Create ``where`` (a new file of ``size`` bytes) and write the header, then each tensor
+    at its offset (``path``: the destination, for messages)."""
+    fd = os.open(where, _NEW_FILE, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, header, 0)
+        point("staging_created")
+        for key, shape, dtype, _ in sorted(names, key=lambda n: layout[n[0]]):
+            tensor = to_storable(produce(key), repr(key))
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {key!r} is {tensor.dtype}{list(tensor.shape)}, its header "
+                    f"says {dtype}{list(shape)}"
+                )
+            write_fd(fd, tensor, len(header) + layout[key])
+            del tensor
+            point("after_leaf")
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_safetensors(
@@ -452,8 +486,19 @@ def save_safetensors(
         >>> SafetensorsReader(p).keys()
         ['enc.w']
     """
+    level = _as_level(tensors, ())
+    if TIED_KEY in level.entries and _is_tie_record(level.entries[TIED_KEY]):
+        # the aliases of tensors written under their first name
+        level = replace(level, entries={k: v for k, v in level.entries.items() if k != TIED_KEY})
+    dropped: list[tuple[str, ...]] = []
+    items, groups = flatten_groups(level, sep.join, dropped)
+    if dropped:
+        raise NonTensorValueError(
+            f"{sep.join(dropped[0])!r} is a non-tensor value; safetensors holds tensors only: "
+            "exclude it (tree.exclude(key)) or keep a memtree directory"
+        )
     flat: dict[str, torch.Tensor] = {}
-    for key, tensor in _flat_items(tensors, (), sep):
+    for key, tensor in items:
         if key in flat:
             raise KeyCollisionError(
                 f"two tensors flatten to the key {key!r}; rename one or change sep"
@@ -463,26 +508,27 @@ def save_safetensors(
         path,
         [(k, tuple(t.shape), t.dtype) for k, t in flat.items()],
         flat.__getitem__,
-        metadata=metadata,
+        metadata={**(metadata or {}), **groups} if groups is not None else metadata,
         existsok=existsok,
     )
 
 
-def _flat_items(obj: Any, prefix: tuple[str, ...], sep: str) -> Iterable[tuple[str, torch.Tensor]]:
+def _as_level(obj: Any, path: tuple[str, ...]) -> Level:
+    """A tree (its own levels) or a nested mapping as a Level: a tensor subclass as its group
+    (:mod:`memtree.format.subclass_registry`), a DTensor as its full tensor."""
     level = as_level(obj)
-    for key, value in (level.entries if level is not None else obj).items():
-        if not prefix and key == TIED_KEY and _is_tie_record(value):
-            continue  # the aliases of tensors written under their first name
-        path = prefix + (key,)
+    if level is not None:
+        return level
+    out = Level(())
+    for key, value in obj.items():
         if isinstance(value, Mapping) or as_level(value) is not None:
-            yield from _flat_items(value, path, sep)
-        elif isinstance(value, torch.Tensor):
-            yield sep.join(path), value
-        else:
-            raise NonTensorValueError(
-                f"{sep.join(path)!r} is a non-tensor value; safetensors holds tensors only: "
-                "exclude it (tree.exclude(key)) or keep a memtree directory"
-            )
+            value = _as_level(value, path + (key,))
+        elif isinstance(value, torch.Tensor) and is_dtensor(value):
+            value = value.full_tensor()  # type: ignore[attr-defined]
+        if isinstance(value, torch.Tensor) and not is_plain(value):
+            value = to_group(value, path + (key,))
+        out.entries[key] = value
+    return out
 
 
 def _is_tie_record(value: Any) -> bool:

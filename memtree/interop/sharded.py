@@ -31,7 +31,7 @@ does: ``model.safetensors`` when everything fits in ``max_shard_size``, else sha
 and ``weight_map``, sorted, indented by 2), split by :func:`plan_shards` with the rule of
 ``huggingface_hub.split_state_dict_into_shards_factory`` (tensors in order; a new shard when the
 next tensor would overflow; a tensor larger than the limit alone in its own shard). The directory
-is published atomically (:func:`~memtree.store.staged.staged_directory`).
+is published atomically (:func:`~memtree.store.writing.staged.staged_directory`).
 
 Example:
     >>> import json, os, tempfile, torch
@@ -57,6 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from math import prod
 from typing import Any, Union
 
+import orjson
 import torch
 
 from ..errors import (
@@ -67,8 +68,9 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.dtypes import itemsize
-from ..store.commit import write_small_file
-from ..store.staged import staged_directory
+from ..format.values import json_depth
+from ..store.primitives.commit import write_small_file
+from ..store.writing.staged import staged_directory
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, _no_duplicates, write_safetensors
 from .torchsave import TorchSaveReader, skipped_error
@@ -98,6 +100,8 @@ DIRECTORY_FILES = (
 
 #: An index larger than this is refused before it is read (real ones are well under 10 MB).
 MAX_INDEX_BYTES = 64 * 2**20
+#: Nesting a shard index may have (Hugging Face's: 2, a metadata map and the weight map).
+_INDEX_DEPTH = 16
 
 _LIST_MAX = 10
 
@@ -150,6 +154,13 @@ def _parse_index(path: str) -> dict[str, str]:
             )
         data = f.read_bytes(0, f.size, "the index")
     try:
+        # nesting measured on orjson's parse (bounded, no recursion) before json.loads recurses:
+        # never a RecursionError, whatever sys.getrecursionlimit() a test or a library set
+        if json_depth(orjson.loads(data), _INDEX_DEPTH) > _INDEX_DEPTH:
+            raise CheckpointFormatError(
+                f"{path}: the shard index nests JSON more than {_INDEX_DEPTH} levels deep (it holds "
+                "a map of tensor names and a metadata map); it is damaged or not a shard index"
+            )
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates(path, "the index"))
     except (UnicodeDecodeError, ValueError) as err:
         if isinstance(err, CheckpointFormatError):
@@ -442,6 +453,7 @@ def write_model_directory(
                 produce,
                 metadata=file_metadata,
                 fsync=fsync,
+                commit=False,  # the staging directory is the commit
             )
         if len(files) > 1:
             index = {

@@ -41,10 +41,10 @@ stride, requires_grad, hooks)`` whose ``storage`` is a *persistent id*
 
 Every range is checked against its record and the file before it is read, mapped or copied.
 The CRC-32 of a record is checked when a ``pread`` reads it whole, when the in-place loader
-(:func:`memtree.store.fill.fill`) reads it whole (by the reader thread, on the bytes it read),
+(:func:`memtree.store.primitives.fill.fill`) reads it whole (by the reader thread, on the bytes it read),
 and before a file-to-file copy of a whole record (read through one 64 KiB buffer); mapped views
 are not checked (as with ``torch.load``, which checks no CRC-32). The CRC-32 is
-:func:`memtree.store.checksums.crc32`: zlib's, or ISA-L's (about 3.5 times faster) where the
+:func:`memtree.store.primitives.checksums.crc32`: zlib's, or ISA-L's (about 3.5 times faster) where the
 ``isal`` package is installed.
 
 ``allow_pickle=True`` lets other globals through to :class:`pickle.Unpickler` (trusted files
@@ -81,8 +81,8 @@ from ..errors import (
     MemtreeKeyError,
 )
 from ..format.dtypes import itemsize
-from ..store.checksums import crc32, file_checksum
-from ..store.files import FileRange, storage_error
+from ..store.primitives.checksums import crc32, file_checksum
+from ..store.primitives.files import FileRange, storage_error
 from .checkpoint_file import CheckpointFile, Closing
 from .pickle_guard import (
     Budget,
@@ -478,7 +478,7 @@ class TorchSaveReader(Closing):
         return FileRange(self._file.fd, start, nbytes, f"tensor {key!r} of {self.path}")
 
     def fill_range(self, key: str) -> tuple[FileRange, tuple[str, Callable[[str], None]] | None] | None:
-        """Where ``key``'s bytes lie, for :func:`memtree.store.fill.fill`, and the check of the
+        """Where ``key``'s bytes lie, for :func:`memtree.store.primitives.fill.fill`, and the check of the
         record's CRC-32 on the bytes read (when the tensor spans its record whole).
 
         ``None`` for a strided, conjugate or negative view (see :meth:`file_range`). Unlike :meth:`file_range`, the file

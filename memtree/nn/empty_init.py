@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tree.bind import module_groups, names_list, set_slot
+from ..tree.parts.bind import module_groups, names_list, set_slot
 
 __all__ = ["INIT_FUNCTIONS", "empty_init", "init_missing"]
 

@@ -3,9 +3,9 @@
 A source is a :class:`~memtree.TensorTree`, a memtree directory, a flat ``state_dict``, a
 checkpoint file (``torch.save``, ``.safetensors``) or a Hugging Face model directory or shard
 index (read lazily through :mod:`memtree.interop`); it is seen as flat dotted names
-(:class:`memtree.tree.bind.Source`), optionally renamed by ``prefix=``, matched to the module's
+(:class:`memtree.tree.parts.bind.Source`), optionally renamed by ``prefix=``, matched to the module's
 slots and loaded: live tensors are filled in place, meta tensors are bound (see
-:mod:`memtree.tree.bind`).
+:mod:`memtree.tree.parts.bind`).
 
 Example:
     >>> import tempfile, torch, memtree
@@ -27,19 +27,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, SourceError
+from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, ShapeMismatchError, SourceError
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
-from ..store.files import gc_paused
-from ..store.mapped import MemoryMappedTensor
-from ..store.memory import is_plain_memory
-from ..store.options import check_device
-from ..store.fill import FillJob, fill, mapped_range, memory_job
-from ..store.read import PendingLevel, fill_tree, open_for_fill, release_leaves
-from ..store.storage import local_path
-from ..store.tensordict import is_tensordict_dir
-from ..tree.bind import (
+from ..store.primitives.files import gc_paused
+from ..store.reading.mapped import MemoryMappedTensor
+from ..store.primitives.memory import is_plain_memory
+from ..store.reading.options import check_device
+from ..store.primitives.fill import FillJob, fill, mapped_range, memory_job
+from ..store.reading.read import PendingLevel, fill_tree, open_for_fill, release_leaves
+from ..store.reading.storage import local_path
+from ..store.foreign.tensordict import is_tensordict_dir
+from ..tree.parts.bind import (
     TIED_KEY,
     Group,
     KeyPrefix,
@@ -57,6 +57,8 @@ from ..tree.bind import (
     source_from_leaves,
     unmatched_prefixes,
 )
+from ..format.subclass_registry import is_plain
+from ..tree.parts.subclasses import fill_dests, layout_problem
 from ..tree.tensortree import TensorTree, load_memmap
 
 __all__ = ["LoadResult", "as_source", "load_into_module"]
@@ -129,7 +131,7 @@ def _source_from_file(path: str) -> Source:
 
 
 def as_source(source: Any, *, mode: str = "r") -> Source:
-    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.bind.Source`."""
+    """Any source :func:`load_into_module` takes, as a :class:`~memtree.tree.parts.bind.Source`."""
     if isinstance(source, Source):
         return source
     if isinstance(source, TensorTree):
@@ -283,7 +285,7 @@ def _read_into_place(
     dtype: torch.dtype | None,
     assign: bool,
 ) -> tuple[Plan, dict[tuple[str, Any], torch.Tensor]]:
-    """Fill, with one :func:`~memtree.store.fill.fill`, what is read rather than copied:
+    """Fill, with one :func:`~memtree.store.primitives.fill.fill`, what is read rather than copied:
 
     * live tensors (unless ``assign``) whose source has file bytes (``locate``): filled in
       place by threaded ``preadv`` (CUDA ones through the pinned ring);
@@ -306,7 +308,8 @@ def _read_into_place(
                 rest.append((group, name))
                 if group.kind == "extra" or not on_ring(dev) or key in staged or not src.is_tensor(name):
                     continue  # bound by bind(); a tensor under several names is bound once
-            where = locate(name) if locate is not None else None
+            # a tensor subclass or a DTensor: filled by bind(), inner tensor by inner tensor
+            where = locate(name) if locate is not None and is_plain(group.tensor) else None
             if where is None:
                 if live:  # bind() copies it (from host memory into CUDA: through the ring too)
                     rest.append((group, name))
@@ -338,7 +341,7 @@ def _read_into_place(
 
 def _structure(source: Any) -> PendingLevel | None:
     """``source`` opened as a plain memtree directory by
-    :func:`~memtree.store.read.open_for_fill` (its structure, each leaf opened once as its level
+    :func:`~memtree.store.reading.read.open_for_fill` (its structure, each leaf opened once as its level
     loads, none mapped); ``None`` for any other source."""
     if not isinstance(source, (str, os.PathLike)):
         return None
@@ -352,7 +355,7 @@ def _structure(source: Any) -> PendingLevel | None:
 def _leaf_targets(
     found: Plan, src: Source, leaves: list[tuple[tuple[str, ...], Any]]
 ) -> dict[tuple[str, ...], list[tuple[torch.Tensor, torch.dtype]]] | None:
-    """What :func:`~memtree.store.read.fill_tree` reads into the live tensors of ``found``, by
+    """What :func:`~memtree.store.reading.read.fill_tree` reads into the live tensors of ``found``, by
     key path of the tree whose ``leaves`` (on the meta device) ``src`` was made from; ``None``
     if a pair has no key path, or if the tree holds several names of one tied tensor (whose
     values are compared on the data)."""
@@ -364,7 +367,15 @@ def _leaf_targets(
             return None
         if sum(n in src.entries for n in group.names) > 1:
             return None  # several names of one tied tensor: plan() compares their data
-        targets.setdefault(path, []).append((_dest(group), src.spec(name)[1]))
+        problem = layout_problem(src.entries[name], group.tensor)
+        if problem is not None:
+            raise ShapeMismatchError(f"load_into_module: {group.names[0]!r}: {problem}. Nothing was changed")
+        dests = fill_dests(group.tensor)
+        if dests is None:  # a DTensor holding part of its tensor: its part is sliced out by bind()
+            return None
+        stored = src.spec(name)[1]
+        for inner, dest in dests:  # a subclass: each inner tensor from its own leaf, as it is
+            targets.setdefault(path + inner, []).append((dest, dest.dtype if inner else stored))
     return targets
 
 
@@ -397,7 +408,7 @@ def _shared_memory(found: Plan) -> list[list[tuple[Group, str]]]:
     by_storage: dict[tuple[torch.device, int], list[tuple[Group, str]]] = {}
     for group, name in found.pairs:
         t = group.tensor
-        if is_live(group) and t.numel():
+        if is_live(group) and t.numel() and is_plain(t):  # a subclass: filled by its inner tensors
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((group, name))
     clusters: list[list[tuple[Group, str]]] = []
     for pairs in by_storage.values():
@@ -486,7 +497,7 @@ def load_into_module(
       so an optimizer built before the load (the usual resume order: model, optimizer, then
       load), hooks and ties keep working. From a file (memtree directory, safetensors,
       ``torch.save``, shards) the bytes are read with threaded ``preadv`` straight into the
-      tensors' memory (no mapping, no second copy; :mod:`memtree.store.fill`), CUDA tensors
+      tensors' memory (no mapping, no second copy; :mod:`memtree.store.primitives.fill`), CUDA tensors
       through a ring of pinned buffers; from tensors in memory, ``p.copy_(source)`` (into
       CUDA tensors through the same ring; the shared ``mode="r+"`` mappings of a tree are
       read from their files);

@@ -67,9 +67,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError
-from ..store.files import map_fd
-from ..store.mapped import MemoryMappedTensor
-from ..tree.bind import bind, module_groups, names_list, plan
+from ..store.primitives.files import map_fd
+from ..format.subclass_registry import inner_tensors, is_plain
+from ..store.reading.mapped import MemoryMappedTensor
+from ..tree.parts.bind import bind, module_groups, names_list, plan
 from .loading import LoadResult, as_source
 
 __all__ = ["OffloadedTensor", "offload", "DISK"]
@@ -126,6 +127,8 @@ class OffloadedTensor(torch.Tensor):
     """
 
     _source: torch.Tensor
+    #: Written as the plain tensor of its file, not as a tensor subclass's group.
+    _memtree_plain = True
     _filename: str
 
     @staticmethod
@@ -352,7 +355,9 @@ def offload(
     ``OffloadedTensor`` over its file, which materialises on ``device`` for each operation that
     reads it. Works on modules built under :func:`~memtree.empty_init`, so a model bigger than
     the device memory (or the RAM) is built and run without ever holding all its weights.
-    Tied tensors stay tied; everything is checked before anything changes.
+    Tied tensors stay tied; everything is checked before anything changes. A tensor subclass (a
+    quantized weight) is bound as it was loaded, its inner tensors the mapped files (their pages
+    read when used, and evictable), on the CPU; for another ``device`` it is copied there.
 
     Args:
         module: the module to offload into.
@@ -399,7 +404,9 @@ def offload(
     wanted = {name: _device_for(group.names[0], device_map, dev) for group, name in found.pairs}
     for name, target in wanted.items():
         value = src.get(name)
-        if target is None and not (isinstance(value, MemoryMappedTensor) and value.filename is not None):
+        if target is None and not all(
+            isinstance(t, MemoryMappedTensor) and t.filename is not None for _, t in inner_tensors(value)
+        ):
             raise SourceError(
                 f"cannot offload {name!r}: it is a {type(value).__name__} in memory, not a "
                 "file-backed leaf. Write the tree with memmap(prefix) and offload the directory"
@@ -407,6 +414,8 @@ def offload(
 
     def convert(kind: str, name: str, value: Any) -> Any:
         target = wanted[name]
+        if target is None and not is_plain(value):  # a tensor subclass: its inner tensors are the
+            return value if value.device == dev else value.to(dev)  # files (pages read on use)
         if target is None:
             off = OffloadedTensor(value, dev)
             return nn.Parameter(off, requires_grad=False) if kind == "param" else off

@@ -32,9 +32,9 @@ import torch
 from ..errors import CheckpointFormatError, NotAMemtreeError, RoutingError, UnsafePathError
 from ..format.dtypes import dtype_from_name
 from ..format.names import ROUTED_ENTRY, ROUTED_SUFFIX
-from ..store.files import storage_error
-from ..store.options import ReadOptions
-from ..store.read import open_tree
+from ..store.primitives.files import storage_error
+from ..store.reading.options import ReadOptions
+from ..store.reading.read import open_tree
 from .route import is_path, tag, target_path
 
 __all__ = ["LoadSession", "SESSION", "LOCATION_PREFIXES"]

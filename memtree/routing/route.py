@@ -20,7 +20,7 @@ from typing import Any, Union
 
 from ..errors import InvalidArgumentError
 from ..format.names import ROUTED_SUFFIX
-from ..store.options import WriteOptions
+from ..store.reading.options import WriteOptions
 
 __all__ = ["PathChoice", "Route", "is_path", "target_path", "tag"]
 

@@ -44,8 +44,8 @@ from ..format.names import (
     routed_entry_name,
     staging_path,
 )
-from ..store.commit import WriterLock, fsync_dir, make_dirs
-from ..store.recovery import recover_locked
+from ..store.primitives.commit import WriterLock, fsync_dir, make_dirs
+from ..store.writing.recovery import recover_locked
 from ..tree.tensortree import TensorTree
 from .load import LOCATION_PREFIXES, _routed_storage
 from .patch import TORCH

@@ -2,20 +2,20 @@
 
 The one place that chooses the backend for :func:`memtree.load_memmap` (and the CLI):
 
-* a ``file://`` URL is the local path it names (:func:`memtree.store.storage.local_path`);
+* a ``file://`` URL is the local path it names (:func:`memtree.store.reading.storage.local_path`);
 * a URL with a scheme other than ``file://`` (``s3://``, ``https://``, ``memory://``...) is read
-  with :mod:`memtree.store.remote` (the optional fsspec extra), always loaded whole;
+  with :mod:`memtree.store.urls.remote` (the optional fsspec extra), always loaded whole;
 * a directory whose root ``meta.json`` is tensordict's (``_type``, no ``format``) is read with
-  :mod:`memtree.store.tensordict`, loaded whole;
-* anything else is a memtree directory, opened lazily by :func:`memtree.store.read.open_tree`.
+  :mod:`memtree.store.foreign.tensordict`, loaded whole;
+* anything else is a memtree directory, opened lazily by :func:`memtree.store.reading.read.open_tree`.
 
 Example:
     >>> import tempfile, torch
     >>> from memtree.format.level import Level
-    >>> from memtree.store.write import write_tree
+    >>> from memtree.store.writing.write import write_tree
     >>> d = tempfile.mkdtemp() + "/t"
     >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
-    >>> from memtree.store.options import ReadOptions
+    >>> from memtree.store.reading.options import ReadOptions
     >>> type(open_prefix(d, ReadOptions())).__name__
     'PendingLevel'
 """
@@ -28,10 +28,10 @@ from typing import Any
 
 from ..format.level import Level
 from ..errors import InvalidArgumentError
-from .options import ReadOptions
-from .read import PendingLevel, open_tree
-from .storage import is_url, local_path
-from .tensordict import is_tensordict_dir, read_tensordict_level
+from .reading.options import ReadOptions
+from .reading.read import PendingLevel, open_tree
+from .reading.storage import is_url, local_path
+from .foreign.tensordict import is_tensordict_dir, read_tensordict_level
 
 __all__ = ["is_url", "open_prefix"]
 
@@ -39,7 +39,7 @@ __all__ = ["is_url", "open_prefix"]
 def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: Any) -> Level | PendingLevel:
     """Open ``prefix`` with the reader its kind needs (see the module docstring).
 
-    Returns a :class:`~memtree.store.read.PendingLevel` (loaded level by level on use) for a
+    Returns a :class:`~memtree.store.reading.read.PendingLevel` (loaded level by level on use) for a
     memtree directory, a fully loaded :class:`~memtree.format.level.Level` otherwise.
 
     Raises:
@@ -49,7 +49,7 @@ def open_prefix(prefix: str | os.PathLike[str], options: ReadOptions, **remote: 
     """
     prefix = local_path(prefix)  # file:///path is the local path
     if is_url(prefix):
-        from .remote import load_url  # optional extra: fsspec
+        from .urls.remote import load_url  # optional extra: fsspec
 
         return load_url(str(prefix), options, **remote)
     if remote:

@@ -1,15 +1,15 @@
 """Check a whole tree and report every problem (``memtree verify DIR_OR_URL``).
 
-:func:`verify_tree` walks a tree through the read seam (:class:`~memtree.store.storage.Storage`:
-a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.walk.walk`:
+:func:`verify_tree` walks a tree through the read seam (:class:`~memtree.store.reading.storage.Storage`:
+a local directory or any fsspec URL) with the loader's walker (:func:`memtree.store.reading.walk.walk`:
 same validation of every ``meta.json``) and checks every leaf file as the loader does (regular
 file, not a link, exact size), but instead of stopping at the first problem it records each one
-and goes on, and it compares every leaf's recorded checksum with the file's bytes (:func:`memtree.store.integrity.storage_checksum`), and the root's ``tree_hash``
+and goes on, and it compares every leaf's recorded checksum with the file's bytes (:func:`memtree.store.reading.integrity.storage_checksum`), and the root's ``tree_hash``
 (format version 2) with the hash of every ``meta.json`` (the one computation of
-:mod:`memtree.store.integrity`, over what it has read). The same code verifies a local tree
+:mod:`memtree.store.reading.integrity`, over what it has read). The same code verifies a local tree
 and a remote one. It never maps a file, never unpickles, and never writes. A directory written by tensordict's
 ``memmap``, which ``load_memmap`` reads too, is checked with the same reader
-(:func:`memtree.store.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
+(:func:`memtree.store.foreign.tensordict.check_tensordict_dir`): what that load refuses, verify reports.
 
 Example:
     >>> import os, tempfile, torch
@@ -54,11 +54,12 @@ from ..errors import (
 from ..format.names import META_NAME
 from ..format.packs import PackRanges, leaf_location
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
-from .files import leaf_size_error
-from .integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
-from .progress import Progress
-from .storage import FileInfo, LocalStorage, Storage, is_url, local_path
-from .walk import NestingError, WalkedLevel, walk
+from ..format.subclass import SubclassMeta, check_group
+from .primitives.files import leaf_size_error
+from .reading.integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
+from .primitives.progress import Progress
+from .reading.storage import FileInfo, LocalStorage, Storage, is_url, local_path
+from .reading.walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
 
@@ -244,6 +245,7 @@ class _Walker:
         metas: dict[tuple[str, ...], LevelMeta] = {lvl.dirs: lvl.meta for lvl in levels}
         root = metas.get(())
         ranges = PackRanges({p.file: p.nbytes for p in root.packs} if root is not None else {})
+        groups = {lvl.dirs + (e.dir,): e for lvl in levels for e in lvl.meta.entries if isinstance(e, SubclassMeta)}
         out: list[tuple[WalkedLevel, LeafMeta | PickleMeta]] = []
         for lvl in levels:
             try:
@@ -253,7 +255,11 @@ class _Walker:
                 self.add(storage.describe(lvl.file(META_NAME)), lvl.keys, "meta", str(err))
                 packed_ok = False
             parent = metas.get(lvl.dirs[:-1]) if lvl.dirs else None
-            if parent is not None and lvl.meta.batch_size[: len(parent.batch_size)] != parent.batch_size:
+            group = groups.get(lvl.dirs)
+            problem = check_group(group, lvl.meta, storage.describe(lvl.file(META_NAME))) if group else None
+            if problem is not None:  # a tensor subclass's group: its own rules, not the batch rule
+                self.add(storage.describe(lvl.file(META_NAME)), lvl.keys, "structure", problem)
+            elif group is None and parent is not None and lvl.meta.batch_size[: len(parent.batch_size)] != parent.batch_size:
                 self.add(
                     storage.describe(lvl.file(META_NAME)), lvl.keys, "structure",
                     f"batch_size {list(lvl.meta.batch_size)} does not start with the parent's "
@@ -410,7 +416,7 @@ def verify_tree(
         checksums: compare each leaf's recorded checksum with its file (reads every such
             file once: for a URL, downloads it); ``False`` checks structure and sizes only (no
             leaf data is read).
-        progress: a progress bar (:mod:`memtree.store.progress`) of the bytes hashed, or of the
+        progress: a progress bar (:mod:`memtree.store.primitives.progress`) of the bytes hashed, or of the
             leaves checked with ``checksums=False``: ``None`` on a terminal outside CI only,
             ``True``/``False`` forced.
         num_threads: files checked at a time.
@@ -444,7 +450,7 @@ def verify_tree(
     report = VerifyReport(root)
     walker = _Walker(report, checksums)
     if not remote:
-        from .tensordict import check_tensordict_dir, is_tensordict_dir
+        from .foreign.tensordict import check_tensordict_dir, is_tensordict_dir
 
         if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
             report.layout = "tensordict"
@@ -472,7 +478,7 @@ def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | Non
                   timeout: float | None) -> Storage:
     if not remote:
         return LocalStorage(root)
-    from .fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
+    from .urls.fsspec_storage import DEFAULT_TIMEOUT, FsspecStorage
 
     return FsspecStorage(root, storage_options=storage_options,
                          timeout=DEFAULT_TIMEOUT if timeout is None else timeout)

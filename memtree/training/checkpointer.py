@@ -1,8 +1,8 @@
 """``memtree.Checkpointer``: training checkpoints, atomic, async, incremental, with retention.
 
 A root directory holds one complete memtree tree per step, ``root/<step>/`` (the decimal step, no
-padding), each committed by :func:`memtree.store.write.write_tree`'s atomic rename under the
-step's writer lock. What is a step is one rule, :mod:`memtree.store.steps` (a real directory
+padding), each committed by :func:`memtree.store.writing.write.write_tree`'s atomic rename under the
+step's writer lock. What is a step is one rule, :mod:`memtree.store.reading.steps` (a real directory
 whose root ``meta.json`` parses; ``memtree info`` and ``memtree du`` apply it too); anything else
 in the root (staging directories, lock files, stray directories) is ignored, and
 :func:`memtree.recover` cleans up what crashed writers left when a checkpointer opens the root.
@@ -72,15 +72,15 @@ from ..errors import (
 from ..format.level import Level
 from ..format.names import MAX_STEP, lock_path, staging_path
 from ..format.schema import CONTAINER_TYPES, LevelMeta
-from ..store.commit import WriterLock, make_dirs
-from ..store.crypto import EncryptionKey, key_matches
-from ..store.files import storage_error
-from ..store.options import KeySelection, ReadOptions, Selection, WriteOptions
-from ..store.read import PendingLevel, load_pending_at, open_tree
-from ..store.recovery import recover
-from ..store.steps import StepListing, list_steps, read_step
-from ..store.storage import local_path, open_dir
-from ..store.write import WriteStats, write_tree
+from ..store.primitives.commit import WriterLock, make_dirs
+from ..store.primitives.crypto import EncryptionKey, key_matches
+from ..store.primitives.files import storage_error
+from ..store.reading.options import KeySelection, ReadOptions, Selection, WriteOptions
+from ..store.reading.read import PendingLevel, load_pending_at, open_tree
+from ..store.writing.recovery import recover
+from ..store.reading.steps import StepListing, list_steps, read_step
+from ..store.reading.storage import local_path, open_dir
+from ..store.writing.write import WriteStats, write_tree
 from .filling import RestoreReport, fill_into
 from .root import RootRecord, check_unchanged, open_root
 from .snapshot import Fence, StagingBuffer
@@ -207,7 +207,7 @@ class Checkpointer:
         #: A failed background save: its step, its error, and whether the step was committed.
         self._failed: tuple[int, BaseException, bool] | None = None
         self._staging = StagingBuffer()
-        #: What the most recent save wrote and hard-linked (:class:`~memtree.store.write.WriteStats`).
+        #: What the most recent save wrote and hard-linked (:class:`~memtree.store.writing.write.WriteStats`).
         self.last_stats: WriteStats | None = None
         #: What the most recent :meth:`restore` read and filled (:class:`~memtree.training.RestoreReport`).
         self.last_restore: RestoreReport | None = None
@@ -232,7 +232,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The steps in the root, ascending: directories named by their step whose root
-        ``meta.json`` parses (the rule of :mod:`memtree.store.steps`; staging directories, lock
+        ``meta.json`` parses (the rule of :mod:`memtree.store.reading.steps`; staging directories, lock
         files and stray directories are not steps).
 
         While another process saves and retires steps, the list is the root as it was at one
@@ -247,7 +247,7 @@ class Checkpointer:
         return list(self._listing().steps)
 
     def _listing(self) -> StepListing:
-        """:func:`~memtree.store.steps.list_steps`, taken again while a listed step vanished."""
+        """:func:`~memtree.store.reading.steps.list_steps`, taken again while a listed step vanished."""
         listing = StepListing()
         for _ in range(_READ_ATTEMPTS):
             try:

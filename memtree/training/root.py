@@ -13,9 +13,9 @@ with ``encryption=key`` writes the root's record, ``root/.memtree-root.json``
 * ``root_id``: 16 random bytes, the root's identity. It is a file in the root, so it moves with
   the root (``mv``, ``cp -r``, a backup restored elsewhere): "the same root" means the same
   record, wherever the directory is;
-* ``key_check``: :func:`~memtree.store.crypto.key_fingerprint` of the key with the root id, so
+* ``key_check``: :func:`~memtree.store.primitives.crypto.key_fingerprint` of the key with the root id, so
   that a checkpointer with another key is refused before it writes (the key is never written);
-* step ``N`` is encrypted with its own key, :func:`~memtree.store.crypto.derive_key` of the key
+* step ``N`` is encrypted with its own key, :func:`~memtree.store.primitives.crypto.derive_key` of the key
   with the root id and the label ``"checkpoint step N"``. Its ``key_check`` (in its root
   ``meta.json``, authenticated like every byte of an encrypted tree) therefore binds the step's
   number and its root: a step copied or renamed to another number, or into another root of the
@@ -27,8 +27,8 @@ its record deleted) is refused: a root holds steps of one kind and one key.
 
 Example:
     >>> import tempfile
-    >>> from memtree.store.crypto import EncryptionKey
-    >>> from memtree.store.steps import list_steps
+    >>> from memtree.store.primitives.crypto import EncryptionKey
+    >>> from memtree.store.reading.steps import list_steps
     >>> root, key = tempfile.mkdtemp(), EncryptionKey.generate()
     >>> record = open_root(root, key, list_steps(root), fsync=False)
     >>> open_root(root, key, list_steps(root), fsync=False) == record
@@ -48,11 +48,11 @@ import orjson
 from ..errors import DecryptionError, MetaFormatError, UnsupportedVersionError
 from ..format.names import ROOT_RECORD
 from ..format.schema import ENCRYPTION_ALGORITHM
-from ..store.commit import fsync_dir, write_small_file
-from ..store.crypto import EncryptionKey, derive_key, key_fingerprint
-from ..store.files import replacing_file
-from ..store.steps import StepListing
-from ..store.storage import read_small_file
+from ..store.primitives.commit import fsync_dir, write_small_file
+from ..store.primitives.crypto import EncryptionKey, derive_key, key_fingerprint
+from ..store.primitives.files import replacing_file
+from ..store.reading.steps import StepListing
+from ..store.reading.storage import read_small_file
 
 __all__ = ["RootRecord", "open_root", "read_record", "check_unchanged"]
 

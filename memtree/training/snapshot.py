@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import DtypeError
-from ..format.dtypes import dtype_name
+from ..format.dtypes import byte_dtype, dtype_name
 from ..format.level import Level, fmt_key
 from .state import tensor_slots
 
@@ -168,6 +168,9 @@ def _identity(t: torch.Tensor) -> Hashable:
 def _copy_values(dest: torch.Tensor, t: torch.Tensor) -> None:
     """Copy ``t``'s values into ``dest`` (plain host memory of its dtype and shape)."""
     src = t.detach().resolve_conj().resolve_neg()  # on t's device, in its stream's order
+    copyable = byte_dtype(src.dtype)  # int4, bits8...: torch copies them only as bytes
+    if copyable != src.dtype:
+        dest, src = dest.view(copyable), src.view(copyable)
     dest.copy_(src, non_blocking=src.is_cuda)
 
 

@@ -51,7 +51,9 @@ from ..errors import (
 from ..format.level import Level, as_level
 from ..format.schema import CONTAINER_TYPES, MAX_DEPTH
 from ..format.values import MAX_JSON_DEPTH, NonTensor, json_problem
-from ..store.read import PendingLevel
+from ..store.reading.read import PendingLevel
+from ..format import subclass_registry as registry
+from ..tree.parts.subclasses import dtensor_leaf
 from ..tree.tensortree import TensorTree
 
 __all__ = ["MAX_STATE_ITEMS", "state_to_level", "array_leaf", "level_to_state", "tensor_slots", "copy_values"]
@@ -78,6 +80,11 @@ _SEQUENCES = frozenset({list, tuple})
 
 def _label(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def _key_path(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A state path as the key path of its leaf (int keys in decimal)."""
+    return tuple(str(p) for p in path)
 
 
 def _has_surrogate(key: str) -> bool:
@@ -247,13 +254,16 @@ class _Converter:
                     f"{_label(path)} has both the int key {key} and the str key {key!r}; they would be "
                     "stored under the same name: rename one"
                 )
+            if isinstance(v, torch.Tensor) and registry.is_dtensor(v):  # its full tensor and layout
+                level.entries[key], level.layouts[key] = dtensor_leaf(v, _key_path(path + (k,)))
+                continue
             level.entries[key] = self.value(v, path + (k,), depth + 1)
         level.int_keys = frozenset(int_keys)
         return level
 
     def value(self, v: Any, path: tuple[Any, ...], depth: int) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v
+        if isinstance(v, torch.Tensor):  # a tensor subclass (a low-bit optimizer state): its group
+            return v if registry.is_plain(v) else registry.to_group(v, _key_path(path))
         if type(v) in _SCALARS:
             return self.json(v, path)
         if isinstance(v, np.ndarray):
@@ -403,6 +413,8 @@ def level_to_state(level: PendingLevel) -> Any:
         entry = metas[key]
         if isinstance(v, PendingLevel):
             v = level_to_state(v)
+        elif isinstance(v, Level):  # a tensor subclass's group
+            v = registry.rebuild(v, level.keys + (key,))
         elif isinstance(v, NonTensor):
             v = v.data  # tuples in it already made tuples again by the reader
         items.append((int(key) if entry.int_key else key, v))

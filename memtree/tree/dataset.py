@@ -17,7 +17,7 @@ size ``batch_size[1:]`` whose leaves are views of the files: nothing is read unt
 
 With ``num_workers > 0``, the tree travels to each worker (fork or spawn) as references to its
 files: each worker maps them again, no data is copied through pickling (see
-:mod:`memtree.store.mapped`). Rows written into the files later (a dataset filled by index, a
+:mod:`memtree.store.reading.mapped`). Rows written into the files later (a dataset filled by index, a
 buffer that grows) are visible to workers started afterwards.
 
 Example:

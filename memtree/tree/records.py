@@ -11,7 +11,7 @@ fields are the tree's keys, so everything a tree does works on it and keeps the 
 * On disk, each level of a tensorclass records its class's *registered name* in its
   ``meta.json`` ``"type"`` (``docs/format.md``, "Typed levels"). The name is the class's
   qualified name without its module (``Step``, ``Outer.Inner``), or ``@tensorclass(name=...)``.
-  Loading maps the name back through the registry (:mod:`memtree.tree.registry`): it never imports a
+  Loading maps the name back through the registry (:mod:`memtree.tree.parts.registry`): it never imports a
   module named in a file. Names are unique: decorating another class with a name already taken
   raises :class:`~memtree.errors.TensorclassError` (re-running the same class definition, e.g. a
   reloaded module, replaces the entry).
@@ -46,7 +46,7 @@ from typing import Any, TypeVar, overload
 from ..errors import TensorclassError
 from ..format.level import Level
 from ..format.values import NonTensor
-from .registry import register
+from .parts.registry import register
 from .tensortree import TensorTree
 
 __all__ = ["tensorclass"]
@@ -211,7 +211,7 @@ def _init(self: TensorTree, *args: Any, batch_size: Any = None, device: Any = No
         post_init()
 
 
-def _to_level(self: TensorTree) -> Level:
-    level = TensorTree._to_level(self)
+def _to_level(self: TensorTree, path: tuple[str, ...] = ()) -> Level:
+    level = TensorTree._to_level(self, path)
     level.type = type(self).__tensorclass_name__  # type: ignore[attr-defined]
     return level

@@ -1,10 +1,10 @@
 """``TensorTree``: a nested mapping of str keys to tensors that behaves like one tensor along its
 leading ``batch_size`` dims, and writes itself to disk as one raw file per leaf.
 
-The class is assembled from one module per concern: :mod:`~memtree.tree.core` (entries, keys,
-batch indexing, equality, locking), :mod:`~memtree.tree.shape_ops`,
-:mod:`~memtree.tree.persistence` (memmap, load_memmap, growth, modules) and
-:mod:`~memtree.tree.repr`.
+The class is assembled from one module per concern: :mod:`~memtree.tree.parts.core` (entries, keys,
+batch indexing, equality, locking), :mod:`~memtree.tree.parts.shape_ops`,
+:mod:`~memtree.tree.parts.persistence` (memmap, load_memmap, growth, modules) and
+:mod:`~memtree.tree.parts.repr`.
 
 Example:
     >>> import torch, memtree
@@ -23,9 +23,9 @@ import os
 from typing import Any
 
 
-from .args import Key
-from .persistence import Persistence
-from .repr import TreeRepr
+from .parts.args import Key
+from .parts.persistence import Persistence
+from .parts.repr import TreeRepr
 
 __all__ = ["TensorTree", "load_memmap", "Key"]
 
