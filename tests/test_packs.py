@@ -203,6 +203,32 @@ def test_load_into_module_fills_live_parameters_from_packed_leaves(tmp_path):
     assert torch.equal(model(x), bound(x))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per")
+def test_subclass_groups_whose_inner_tensors_are_packed_rebuild_exactly(tmp_path):
+    """A quantized tensor's inner tensors are ordinary leaves of its group: packed like any small
+    leaf, they are views into the pack, which a rebuild must not read past (it read to the end of
+    the pack's storage, and refused the tree)."""
+    q = {f"q{i}": torch.quantize_per_tensor(torch.randn(4, 8), 0.1, 0, torch.qint8) for i in range(70)}
+    q["pc"] = torch.quantize_per_channel(torch.randn(4, 8), torch.rand(4) + 0.1, torch.zeros(4, dtype=torch.long),
+                                         0, torch.quint8)
+    TensorTree(q).memmap(tmp_path / "q")
+    assert "~pack-0.memmap" in os.listdir(tmp_path / "q")
+    for opts in [{}, {"mode": "r"}, {"mmap": False}, {"verify": True, "lazy": False}]:
+        loaded = memtree.load_memmap(tmp_path / "q", **opts)
+        for k, v in q.items():
+            assert loaded[k].is_quantized and torch.equal(loaded[k].int_repr(), v.int_repr()), (k, opts)
+    ao = pytest.importorskip("torchao.quantization")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    ao.quantize_(model, ao.Int8WeightOnlyConfig())
+    TensorTree.from_module(model).memmap(tmp_path / "m", pack_below=1 << 20)
+    assert "~pack-0.memmap" in os.listdir(tmp_path / "m")
+    bound = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    ao.quantize_(bound, ao.Int8WeightOnlyConfig())
+    memtree.load_memmap(tmp_path / "m").to_module(bound)
+    x = torch.randn(2, 64)
+    assert torch.equal(bound(x), model(x))
+
+
 def test_resaving_a_loaded_packed_tree_onto_its_own_prefix(tmp_path):
     tree, d = packed_tree(tmp_path)
     loaded = memtree.load_memmap(d)

@@ -607,7 +607,8 @@ def _quantized_rebuild(inner: dict[str, torch.Tensor], sub: Subclass, path: tupl
             out = make(shape, scales=inner["scales"], zero_points=inner["zero_points"], axis=ctx["axis"], dtype=dtype)
         if out.untyped_storage().nbytes() != data.numel() or data.dtype != torch.uint8:
             raise ValueError(f"{data.numel()} bytes of data for a {dtype}{list(shape)}")
-        out.untyped_storage().copy_(data.untyped_storage()[data.storage_offset():])
+        start = data.storage_offset()  # (a view: a packed leaf's storage is its whole pack)
+        out.untyped_storage().copy_(data.untyped_storage()[start : start + data.numel()])
     except MemtreeError:
         raise
     except Exception as err:
