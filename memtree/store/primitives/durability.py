@@ -34,20 +34,14 @@ import ctypes
 import os
 
 from .files import libc_function, storage_error
-from .lease import filesystem_type
+from .lease import LEASE_FILESYSTEMS, filesystem_type
 
 __all__ = ["SYNCFS_FILESYSTEMS", "syncfs_refusal", "open_batch", "sync_batch"]
 
 #: Filesystems (``statfs`` ``f_type``) whose ``syncfs`` makes every file and directory written
-#: on them durable, as ``fsync`` of each would.
-SYNCFS_FILESYSTEMS = {
-    0xEF53: "ext2/ext3/ext4",
-    0x58465342: "xfs",
-    0x9123683E: "btrfs",
-    0xF2F52010: "f2fs",
-    0x2FC12FC1: "zfs",
-    0x01021994: "tmpfs",
-}
+#: on them durable, as ``fsync`` of each would: the local ones, each with one inode per file,
+#: whose leases memtree trusts too (:data:`~memtree.store.primitives.lease.LEASE_FILESYSTEMS`).
+SYNCFS_FILESYSTEMS = LEASE_FILESYSTEMS
 #: The first kernel whose ``syncfs`` reports writeback errors (``errseq`` on the superblock).
 SYNCFS_ERRORS_SINCE = (5, 8)
 _syncfs = libc_function("syncfs", [ctypes.c_int])
