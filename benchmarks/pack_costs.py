@@ -11,7 +11,7 @@ time, the best of 3): a count of work that a loaded machine leaves comparable, u
   touched; CPU time per leaf. No checksum, so that only the layout differs. Where packing stops
   paying is where the default threshold goes (64 KiB, ``docs/format.md``, "Packs of small
   leaves").
-* **incremental**: W10's tree (5,000 float32 leaves of 4 KiB in 50 groups) is saved, one leaf
+* **incremental**: W11's tree (5,000 float32 leaves of 4 KiB in 50 groups) is saved, one leaf
   changed, and the next save links from the first (``link_from``, as ``Checkpointer`` does): a
   file per leaf links 4,999 files and writes one; packed, the pack holding the changed leaf (all
   5,000 here: 20 MB) is written again, whole. Bytes written (``wchar`` of ``/proc/self/io``),

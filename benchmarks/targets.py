@@ -73,6 +73,7 @@ class Target:
 
 
 W7_SIZES = ("50 MB", "500 MB", "2 GB")
+W9_ROWS = ("4 KiB", "64 KiB", "1 MiB")  # the row sizes of W9's writer comparisons (w9_datasets.ROW_SIZES)
 W6_SOURCES = (("memtree", "a memtree directory"), ("memtree (safetensors file)", "a .safetensors file"),
               ("memtree (torch file)", "a torch.save file"))
 
@@ -97,15 +98,15 @@ TARGETS: list[Target] = [
     Target("W2 save 20k leaves: ≤ 1.5× safetensors", "w2", "save", "", MEMTREE_THREADS, ("safetensors",),
            1.5, issue="28"),
     Target("W2 open ≤ 50 ms", "w2", "open", "warm", ("memtree t0",), bound=0.050, kind="seconds", issue="9"),
-    # issue 28: many small leaves (benchmarks/w10_small_leaves.py)
-    Target("5,000 × 4 KiB leaves in 50 groups: save ≤ 2× safetensors.save_file", "w10", "save", "",
+    # issue 28: many small leaves (benchmarks/w11_small_leaves.py)
+    Target("5,000 × 4 KiB leaves in 50 groups: save ≤ 2× safetensors.save_file", "w11", "save", "",
            MEMTREE_THREADS, ("safetensors",), 2.0, issue="28"),
     Target("5,000 × 4 KiB leaves in 50 groups: cold open + read of every leaf ≤ 1.5× safetensors.load_file",
-           "w10", "open+touch", "cold", ("memtree t0", "memtree eager"), ("safetensors load_file",), 1.5,
+           "w11", "open+touch", "cold", ("memtree t0", "memtree eager"), ("safetensors load_file",), 1.5,
            issue="28"),
     Target("5,000 × 4 KiB leaves in 50 groups: copy with cp -r ≤ 5× copying the single safetensors file",
-           "w10", "copy (cp -r)", "warm", ("memtree t0",), ("safetensors",), 5.0, issue="28"),
-    Target("5,000 × 4 KiB leaves in 50 groups: files ≤ one per level + one per 64 MiB of packed data", "w10",
+           "w11", "copy (cp -r)", "warm", ("memtree t0",), ("safetensors",), 5.0, issue="28"),
+    Target("5,000 × 4 KiB leaves in 50 groups: files ≤ one per level + one per 64 MiB of packed data", "w11",
            "save", "", MEMTREE_THREADS, bound=0, kind="metric",
            metric="files beyond one per level and per 64 MiB packed", min_rounds=1, issue="28"),
     Target("W2 open+read one leaf ≤ 40 ms", "w2", "open+read one", "warm", ("memtree t0",), bound=0.040,
@@ -184,16 +185,16 @@ TARGETS: list[Target] = [
     Target("W7 10 fine-tuning checkpoints where only adapters change occupy ≤ 1.2× one", "w7",
            "10 adapter checkpoints", "", ("memtree incremental",), bound=1.2, kind="metric",
            metric="disk all / disk first", min_rounds=1, issue="18"),
-    # issue 26: tensor subclasses (benchmarks/w8_quantized.py: a GPT-2-sized int8 weight-only model)
+    # issue 26: tensor subclasses (benchmarks/w10_quantized.py: a GPT-2-sized int8 weight-only model)
     *[
         Target(f"load_into_module into a quantized model: GiB/s within 10% of a plain-tensor load of the "
-               f"same bytes ({cache})", "w8", "load_into_module", cache, ("memtree quantized",),
+               f"same bytes ({cache})", "w10", "load_into_module", cache, ("memtree quantized",),
                ("memtree plain, same bytes",), 1.1, issue="26")
         for cache in ("cold", "warm")
     ],
     *[
         Target(f"GPT-2-sized int8 weight-only {what}: memtree vs {ref} (ratio reported; the issue sets no "
-               f"bound){f', {cache}' if cache else ''}", "w8", op, cache, (mine,), (ref,), kind="report",
+               f"bound){f', {cache}' if cache else ''}", "w10", op, cache, (mine,), (ref,), kind="report",
                issue="26")
         for what, op, caches, mine, refs in (
             ("save", "save", ("",), "memtree memmap", ("torch.save", "torchao safetensors")),
@@ -201,6 +202,20 @@ TARGETS: list[Target] = [
              ("torch.load(weights_only=True) + assign", "torchao safetensors + assign")),
         )
         for cache in caches for ref in refs
+    ],
+    # issue 28: W9 datasets (benchmarks/w9_datasets.py)
+    Target("W9 random 256-row batches, warm: ≥ 0.8× numpy fancy indexing on the same bytes", "w9",
+           "random batch 256", "warm", ("memtree",), ("numpy memmap",), 0.8, kind="speed", issue="28"),
+    Target("W9 random 256-row batches, cold: ≥ 1.5× numpy", "w9", "random batch 256", "cold", ("memtree",),
+           ("numpy memmap",), 1.5, kind="speed", issue="28"),
+    Target("W9 through DataLoader(num_workers=2) with memtree's batch sampler: ≥ 0.8× a numpy-memmap dataset "
+           "written the same way", "w9", "DataLoader 2 workers", "warm", ("memtree",), ("numpy memmap",), 0.8,
+           kind="speed", issue="28"),
+    *[
+        Target(f"W9 filling by index, {label} rows: 2 writer processes ≥ 1.5× one writer's throughput", "w9",
+               f"fill {label} rows", "", ("memtree 2 writers",), ("memtree 1 writer",), 1.5, kind="speed",
+               issue="28")
+        for label in W9_ROWS
     ],
     # issue 25: GPU loads (benchmarks/gpu_load.py)
     *[

@@ -15,7 +15,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["guide/numpy.md", "guide/routing.md", "guide/training.md", "guide/checkpoints.md", "guide/subclasses.md"]
 #: Pages whose examples need an optional package (a test dependency): skipped without it.
 NEEDS = {"guide/subclasses.md": "torchao"}
-SCRIPT_PAGES = ["guide/models.md"]
+SCRIPT_PAGES = ["guide/models.md", "guide/datasets.md"]
 BLOCK = re.compile(r"^```pycon\n(.*?)^```$", re.M | re.S)
 SCRIPT_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
@@ -48,7 +48,7 @@ def test_the_code_blocks_of_the_page_run_as_one_script(page, tmp_path, monkeypat
     for block in blocks:
         if "transformers" in block:
             pytest.importorskip("transformers")
-    code = compile("\n".join(blocks), str(DOCS / page), "exec")
+    code = compile("\n".join(blocks), str(DOCS / page), "exec", dont_inherit=True)  # not this file's __future__
     exec(code, {"__name__": "__doc_page__"})
 
 

@@ -38,10 +38,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import InvalidArgumentError
-from .ops import stack
+from .parts.gather import batch_memory
+from .ops import stack_into
 from .tensortree import TensorTree
 
 __all__ = ["collate", "BatchIndexSampler", "batch_loader"]
@@ -51,9 +52,11 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     """Stack records (trees of equal batch size) into one batch tree along a new first dim.
 
     A batch that is already one tree (from ``tree[idx]`` or ``tree.__getitems__``) is returned
-    as it is. The DataLoader's default ``collate_fn`` calls it for trees (registered in
-    ``default_collate_fn_map`` where :class:`~memtree.TensorTree` is defined); pass it as
-    ``collate_fn`` to use it explicitly.
+    as it is. Each leaf is stacked with one call into a new tensor; in a DataLoader worker, a
+    tensor in shared memory, which goes to the main process without another copy (as
+    ``default_collate`` does for tensors). The DataLoader's default ``collate_fn`` calls it for
+    trees (registered in ``default_collate_fn_map`` where :class:`~memtree.TensorTree` is
+    defined); pass it as ``collate_fn`` to use it explicitly.
 
     Example:
         >>> rec = TensorTree({"x": torch.zeros(3)})
@@ -62,7 +65,7 @@ def collate(batch: Sequence[TensorTree] | TensorTree) -> TensorTree:
     """
     if isinstance(batch, TensorTree):
         return batch
-    return stack(list(batch))
+    return stack_into(batch, batch_memory())
 
 
 class BatchIndexSampler(Sampler[torch.Tensor]):
@@ -139,7 +142,10 @@ def batch_loader(
         generator: the ``torch.Generator`` of the permutation.
         sort_indices: sort each shuffled batch (see :class:`BatchIndexSampler`).
         **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``multiprocessing_context``,
-            ``pin_memory``, ``persistent_workers``, ``prefetch_factor``...).
+            ``pin_memory``, ``persistent_workers``, ``prefetch_factor``...). With
+            ``pin_memory=True`` and no workers, each batch is gathered straight into
+            page-locked memory (the loader's own pinning then copies nothing); with workers,
+            they gather into shared memory and the loader pins the batches it receives.
 
     Example:
         >>> t = TensorTree({"x": torch.arange(6)}, batch_size=[6])
@@ -154,4 +160,22 @@ def batch_loader(
         generator=generator,
         sort_indices=sort_indices,
     )
-    return DataLoader(tree, sampler=sampler, batch_size=None, **loader_kwargs)  # type: ignore[arg-type]
+    dataset: Any = tree
+    if loader_kwargs.get("pin_memory") and not loader_kwargs.get("num_workers") and torch.cuda.is_available():
+        dataset = _PinnedBatches(tree)
+    return DataLoader(dataset, sampler=sampler, batch_size=None, **loader_kwargs)
+
+
+class _PinnedBatches(Dataset[TensorTree]):
+    """``tree``'s batches gathered straight into page-locked memory: what :func:`batch_loader`
+    reads with ``pin_memory=True`` in the main process."""
+
+    def __init__(self, tree: TensorTree) -> None:
+        self.tree = tree
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    def __getitem__(self, idx: torch.Tensor) -> TensorTree:
+        batch = self.tree._gather(idx, batch_memory(pin_memory=True))
+        return self.tree[idx] if batch is None else batch

@@ -15,9 +15,10 @@ import torch
 
 from ..errors import BatchSizeError, InvalidArgumentError, InvalidIndexError, MemtreeKeyError, ShapeMismatchError
 from ..format.values import NonTensor
+from .parts.gather import PLAIN, output_tensors
 from .tensortree import TensorTree
 
-__all__ = ["stack", "cat"]
+__all__ = ["stack", "stack_into", "cat"]
 
 
 def _combine(
@@ -88,6 +89,35 @@ def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
         >>> memtree.stack([t, t, t], dim=1)["x"].shape
         torch.Size([2, 3, 5])
     """
+    return _stack(trees, dim, lambda vs, d: torch.stack(vs, d))
+
+
+def stack_into(trees: Sequence[TensorTree], memory: str) -> TensorTree:
+    """:func:`stack` along dim 0, each leaf stacked with one call into a new tensor of ``memory``
+    (:func:`~memtree.tree.parts.gather.output_tensors`: shared memory in a DataLoader worker).
+
+    Leaves of several dtypes, or not plain CPU tensors, are stacked as :func:`stack` does.
+
+    Example:
+        >>> import torch, memtree
+        >>> t = memtree.TensorTree({"x": torch.ones(5)})
+        >>> stack_into([t, t], "shared")["x"].is_shared()
+        True
+    """
+    return _stack(trees, 0, lambda vs, d: _stacked_into(vs, memory))
+
+
+def _stacked_into(values: list[torch.Tensor], memory: str) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():  # MemoryMappedTensor's hook: not needed to read
+        first = values[0]
+        dtype = first.dtype
+        if all(type(v) in PLAIN and v.dtype == dtype and v.is_cpu and not v.requires_grad for v in values):
+            [out] = output_tensors([((len(values),) + first.shape, dtype)], memory)
+            return torch.stack(values, 0, out=out)
+    return torch.stack(values)  # type promotion, autograd, subclasses, devices: torch's rules
+
+
+def _stack(trees: Sequence[TensorTree], dim: int, fn: Callable[[list[torch.Tensor], int], torch.Tensor]) -> TensorTree:
     trees = list(trees)
     if not trees:
         raise InvalidArgumentError("stack() needs at least one tree")
@@ -100,7 +130,7 @@ def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
         raise InvalidIndexError(f"stack dim {dim} out of range for batch ndim {nd}")
     d = dim % (nd + 1)
     new_bs = torch.Size(list(bs[:d]) + [len(trees)] + list(bs[d:]))
-    return _combine(trees, new_bs, lambda vs: torch.stack(vs, d), "stack", None)
+    return _combine(trees, new_bs, lambda vs: fn(vs, d), "stack", None)
 
 
 def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:

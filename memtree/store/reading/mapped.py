@@ -671,9 +671,11 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
 
     ``index_select`` copies whole rows; torch's advanced indexing copies element by element,
     several times slower on rows of kilobytes (W3: 256 images of 12 KiB). Same values, shape
-    and dtype. Negative or out-of-range rows, which ``index_select`` refuses, are left to
-    torch's indexing (it wraps the negative ones and raises its own ``IndexError``); no bounds
-    are computed beforehand, as small temporaries between the large batches fragment the heap.
+    and dtype. Negative or out-of-range rows, which ``index_select`` refuses (with an
+    ``IndexError``, or a ``RuntimeError`` for rows of no elements), and dtypes it has no kernel
+    for are left to torch's indexing (it wraps the negative rows and raises its own
+    ``IndexError``); no bounds are computed beforehand, as small temporaries between the large
+    batches fragment the heap.
     """
     if isinstance(idx, tuple) and len(idx) == 1:
         idx = idx[0]
@@ -687,7 +689,7 @@ def _gather_rows(src: torch.Tensor, idx: Any) -> torch.Tensor | None:
         return None
     try:
         return torch.index_select(src, 0, idx)
-    except IndexError:
+    except (IndexError, RuntimeError):  # NotImplementedError (a dtype) is a RuntimeError
         return None
 
 

@@ -31,6 +31,7 @@ from ...errors import (
     SourceError,
     UnsizedTreeError,
     AmbiguousTruthError,
+    InvalidIndexError,
 )
 from ...format.names import validate_key
 from ...format.schema import starts_with_batch
@@ -40,7 +41,18 @@ from ...store.reading.read import PendingLevel, loading_lock
 from . import bind
 from ...format import subclass_registry as registry
 from .subclasses import dtensor_leaf
-from .args import Key, as_size, check_batch_index, expand_ellipsis, fmt_key, is_str_key, key_tuple
+from .args import (
+    Key,
+    as_size,
+    batch_rows,
+    check_batch_index,
+    check_rows,
+    expand_ellipsis,
+    fmt_key,
+    is_str_key,
+    key_tuple,
+)
+from .gather import batch_memory, gather
 from .numpy_view import numpy_value
 from .registry import class_for, class_for_foreign
 
@@ -262,6 +274,10 @@ class TreeCore:
         if isinstance(key, str) or (isinstance(key, tuple) and key and is_str_key(key)):
             value = self._lookup(key_tuple(key))
             return value.data if isinstance(value, NonTensor) else value
+        if self._batch_size:
+            batch = self._gather(key, batch_memory())
+            if batch is not None:
+                return batch
         check_batch_index(key)
         return self._index(key)
 
@@ -483,26 +499,52 @@ class TreeCore:
         return out
 
     # --------------------------------------------------------------------- batch indexing
+    def _indexed(self) -> str:
+        """What a batch index indexes, for messages: the batch size and the first leaves."""
+        leaves = [fmt_key(p) for p, v in self._walk() if isinstance(v, torch.Tensor)]
+        more = f" and {len(leaves) - 4} more" if len(leaves) > 4 else ""
+        return f"a tree of batch_size {list(self._batch_size)} with leaves {', '.join(leaves[:4])}{more}"
+
+    def _gather(self, idx: Any, memory: str) -> Self | None:
+        """``self[idx]`` when ``idx`` selects rows of the first batch dim (a batch: one gather per
+        leaf into new tensors of ``memory``, see :mod:`memtree.tree.parts.gather`), else None."""
+        rows = batch_rows(idx, self._batch_size[0], self._indexed)
+        if rows is None:
+            return None
+        batch: Self = gather(self, rows, memory, self._indexed)
+        return batch
+
     def _index(self, idx: Any) -> Self:
         idx = expand_ellipsis(idx, self.ndim)
         dummy = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
-        new_bs = dummy[idx].shape
-        return self._index_with(idx, new_bs)
+        try:
+            new_bs = dummy[idx].shape
+        except IndexError as err:
+            raise InvalidIndexError(f"index {idx!r:.80} does not fit {self._indexed()}: {err}") from None
+        return self._index_with(idx, new_bs, ())
 
-    def _index_with(self, idx: Any, new_bs: torch.Size) -> Self:
+    def _index_with(self, idx: Any, new_bs: torch.Size, path: tuple[str, ...]) -> Self:
         out = self._new_like(new_bs)
         for k, v in self._data.items():
             if isinstance(v, TreeCore):
-                out._data[k] = v._index_with(idx, new_bs + v._batch_size[self.ndim :])
+                out._data[k] = v._index_with(idx, new_bs + v._batch_size[self.ndim :], path + (k,))
             elif isinstance(v, torch.Tensor):
-                out._data[k] = v[idx]
+                try:
+                    out._data[k] = v[idx]
+                except IndexError as err:
+                    raise InvalidIndexError(
+                        f"cannot index leaf {fmt_key(path + (k,))} of shape {list(v.shape)} with {idx!r:.80}: {err}"
+                    ) from None
             else:
                 out._data[k] = v
         return out
 
     def _assign(self, idx: Any, value: Any) -> None:
         if type(idx) is not int:  # an int holds no Ellipsis
-            if isinstance(idx, np.ndarray):  # index arrays and masks: the rows' pwrite path
+            rows = batch_rows(idx, self._batch_size[0], self._indexed) if self._batch_size else None
+            if rows is not None:  # checked once for every leaf, before any is written
+                idx = check_rows(rows, self._batch_size[0], self._indexed)
+            elif isinstance(idx, np.ndarray):  # other index arrays and masks: the rows' pwrite path
                 idx = torch.tensor(idx)  # a copy: index arrays are small, and may be read-only
             idx = expand_ellipsis(idx, self.ndim)
         data = self._data  # a property (lazy levels): read it once

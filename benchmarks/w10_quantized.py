@@ -1,4 +1,4 @@
-"""W8 quantized: a GPT-2-sized model (124M parameters) quantized with torchao's int8 weight-only,
+"""W10 quantized: a GPT-2-sized model (124M parameters) quantized with torchao's int8 weight-only,
 saved and loaded (issue 26).
 
 The model: a token embedding (50,257 x 768, float32, not quantized) and 12 blocks of four
@@ -115,7 +115,7 @@ def _expect(got: dict[str, torch.Tensor], want: dict[str, Any], what: str) -> No
 
 
 def comparisons(cfg: dict[str, Any]) -> Iterator[Comparison]:
-    work = os.path.join(cfg["workdir"], "w8")
+    work = os.path.join(cfg["workdir"], "w10")
     os.makedirs(work, exist_ok=True)
     if _torchao() is None:
         missing = "N/A: torchao is not installed"

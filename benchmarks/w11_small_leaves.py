@@ -1,4 +1,4 @@
-"""W10 (issue 28): 5,000 float32 leaves of 4 KiB in 50 groups (20 MB): many small leaves.
+"""W11 (issue 28): 5,000 float32 leaves of 4 KiB in 50 groups (20 MB): many small leaves.
 
 W2's comparisons on this layout (``store_workloads.StoreWorkload``: ``save``, ``open``,
 ``open+touch`` (every byte read), ``open+read one``, warm and cold, every system of
@@ -34,7 +34,7 @@ PACK_BYTES = 64 * 1024 * 1024
 FILES_METRIC = "files beyond one per level and per 64 MiB packed"
 
 
-def w10_layout(cfg: dict[str, Any]) -> Layout:
+def w11_layout(cfg: dict[str, Any]) -> Layout:
     """50 groups of 100 float32 leaves of 1,024 elements (quick: 5 × 20, enough to be packed)."""
     groups, per = (5, 20) if cfg["quick"] else (50, 100)
     return [((f"g{i}", f"x{j}"), (1024,), torch.float32) for i in range(groups) for j in range(per)]
@@ -52,10 +52,10 @@ def files_beyond_the_bound(path: str) -> int:
 
 
 class SmallLeaves(StoreWorkload):
-    """W10: W2's comparisons on 5,000 leaves of 4 KiB, the files metric and ``cp -r``."""
+    """W11: W2's comparisons on 5,000 leaves of 4 KiB, the files metric and ``cp -r``."""
 
     def __init__(self) -> None:
-        super().__init__("w10", w10_layout)
+        super().__init__("w11", w11_layout)
 
     def comparisons(self, cfg: dict[str, Any]) -> Iterator[Comparison]:
         yield from super().comparisons(cfg)
@@ -102,4 +102,4 @@ class SmallLeaves(StoreWorkload):
                       missing=missing, output=[target])
 
 
-W10 = SmallLeaves()
+W11 = SmallLeaves()
