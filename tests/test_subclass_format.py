@@ -201,6 +201,16 @@ def test_a_subclass_without_the_flatten_protocol_is_refused_where_tensordict_dem
     assert type(demoted) is not NoProtocol  # what memtree refuses to do
 
 
+def test_a_tensordict_memory_mapped_tensor_is_stored_as_its_values(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    value = tensordict.MemoryMappedTensor.from_tensor(torch.arange(6.0).reshape(2, 3))
+    memtree.TensorTree({"x": value, "y": {"z": value[1]}}).memmap(tmp_path / "t")
+    back = memtree.load_memmap(tmp_path / "t")
+    assert torch.equal(back["x"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(back["y", "z"], torch.tensor([3.0, 4.0, 5.0]))
+    assert "subclass" not in (tmp_path / "t" / "meta.json").read_text()
+
+
 def test_an_unregistered_class_is_refused_naming_the_key_and_the_fix(tmp_path):
     value = Unregistered(torch.zeros(2, dtype=torch.int8), 1.0)
     with pytest.raises(memtree.SubclassError, match=r"leaf \('a', 'b'\).*register_subclass\(Unregistered\)"):

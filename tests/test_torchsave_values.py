@@ -259,7 +259,6 @@ UNREADABLE = {  # key: (tensor, what the error says it is)
     "csr": (lambda: torch.eye(2).to_sparse_csr(), "a sparse_csr tensor"),
     "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
     "meta": (lambda: torch.empty(2, device="meta"), "a tensor on the meta device"),
-    "bits8": (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "a tensor of dtype torch.bits8"),
     "neg_bool": (lambda: torch._neg_view(torch.ones(2, dtype=torch.bool)), "a negative view of a torch.bool"),
     "in_set": (lambda: {torch.ones(1)}, "a set with tensors inside"),
     "float_key": (lambda: {1.5: torch.ones(1)}, "a dict with tensors under keys other than str and int"),

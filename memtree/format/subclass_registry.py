@@ -276,9 +276,10 @@ def _at(path: tuple[str, ...]) -> str:
 
 
 def is_plain(t: torch.Tensor) -> bool:
-    """True for a tensor stored as one ordinary leaf: a plain tensor or parameter, or one of
+    """True for a tensor stored as one ordinary leaf: a plain tensor or parameter, one of
     memtree's own tensor classes (a mapped file, a lazily read or offloaded tensor: their class
-    sets ``_memtree_plain = True``).
+    sets ``_memtree_plain = True``), or tensordict's ``MemoryMappedTensor`` (a file-backed plain
+    tensor).
 
     Example:
         >>> import torch
@@ -288,7 +289,12 @@ def is_plain(t: torch.Tensor) -> bool:
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return not t.is_quantized
-    return getattr(cls, "_memtree_plain", False) is True
+    return getattr(cls, "_memtree_plain", False) is True or _FOREIGN_PLAIN.get(cls.__name__) == cls.__module__
+
+
+# Other libraries' classes that only hold an ordinary tensor's storage (a file behind it), with no
+# behaviour of their own to keep: stored as plain leaves, by name so that nothing is imported.
+_FOREIGN_PLAIN = {"MemoryMappedTensor": "tensordict.memmap"}
 
 
 def is_dtensor(t: object) -> bool:
@@ -606,7 +612,10 @@ def _quantized_rebuild(inner: dict[str, torch.Tensor], sub: Subclass, path: tupl
             make = torch._empty_per_channel_affine_quantized
             out = make(shape, scales=inner["scales"], zero_points=inner["zero_points"], axis=ctx["axis"], dtype=dtype)
         if out.untyped_storage().nbytes() != data.numel() or data.dtype != torch.uint8:
-            raise ValueError(f"{data.numel()} bytes of data for a {dtype}{list(shape)}")
+            raise SubclassError(
+                f"{_at(path)}(a quantized tensor) has {data.numel()} bytes of data for a {dtype}"
+                f"{list(shape)}; the tree is damaged"
+            )
         start = data.storage_offset()  # (a view: a packed leaf's storage is its whole pack)
         out.untyped_storage().copy_(data.untyped_storage()[start : start + data.numel()])
     except MemtreeError:

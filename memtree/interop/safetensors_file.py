@@ -532,5 +532,8 @@ def _as_level(obj: Any, path: tuple[str, ...]) -> Level:
 
 
 def _is_tie_record(value: Any) -> bool:
+    """A tie record (alias -> first name, all str), held as a value or, from a mapping, a level."""
     data = value.data if isinstance(value, NonTensor) else value
+    if isinstance(data, Level):
+        data = {k: v.data if isinstance(v, NonTensor) else v for k, v in data.entries.items()}
     return isinstance(data, Mapping) and all(type(k) is str and type(v) is str for k, v in data.items())
