@@ -11,6 +11,7 @@ buffer is reused.
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 import torch
@@ -177,6 +178,79 @@ def test_a_leaf_that_cannot_be_stored_is_refused_before_anything_is_copied(tmp_p
         with pytest.raises(memtree.DtypeError, match=match):
             ckpt.save(1, {"ok": torch.ones(2), "m": {"bad": bad}}, blocking=False)
     assert ckpt.steps() == []
+
+
+def _torch_calls(fn):
+    """The names of the C functions ``fn`` calls from Python, each with its count."""
+    calls = {}
+
+    def count(frame, event, arg):
+        if event == "c_call":
+            calls[arg.__name__] = calls.get(arg.__name__, 0) + 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_the_pause_copies_every_host_tensor_in_one_call():
+    # the training loop waits for take(): its host copies go back to back in one call, with no
+    # Python step (a detach, a resolve, a dtype view) per tensor between them
+    tensors = {f"t{i}": torch.randn(8, 4) for i in range(64)}
+    tensors["conj"] = torch.randn(3, dtype=torch.complex64).conj()
+    tensors["strided"] = torch.randn(6, 5)[::2]
+    level = Level((), dict(tensors))
+    calls = _torch_calls(lambda: StagingBuffer().take(level).wait())
+    assert calls.get("_foreach_copy_") == 1
+    for per_tensor in ("copy_", "detach", "resolve_conj", "resolve_neg"):
+        assert calls.get(per_tensor, 0) == 0, calls
+    assert calls.get("view", 0) <= 3, calls  # the buffer as float32 and complex64; the strided leaf
+    for key, t in tensors.items():
+        copy = level.entries[key]
+        assert copy is not t and not copy.is_conj() and copy.is_contiguous()
+        assert torch.equal(copy, t.resolve_conj()), key
+
+
+def test_tensors_the_one_call_cannot_copy_are_copied_one_by_one(monkeypatch):
+    def no_kernel(dests, sources):
+        raise NotImplementedError("no copy kernel for this dtype")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", no_kernel)
+    z = torch.randn(4, dtype=torch.complex64)
+    tensors = {"w": torch.randn(3, 2), "conj": z.conj(), "neg": torch._neg_view(torch.randn(5))}
+    level = Level((), dict(tensors))
+    StagingBuffer().take(level).wait()
+    for key, t in tensors.items():
+        assert torch.equal(level.entries[key], t.resolve_conj().resolve_neg()), key
+
+
+def test_dtypes_without_a_copy_kernel_are_left_out_of_the_one_call(monkeypatch):
+    seen = []
+    original = torch._foreach_copy_
+
+    def recording(dests, sources):
+        seen.extend(t.dtype for t in sources)
+        return original(dests, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    tensors = {"w": torch.randn(3), "q": random_tensor((6,), torch.int4, seed=1), "b": torch.ones(2)}
+    level = Level((), dict(tensors))
+    StagingBuffer().take(level).wait()
+    assert seen == [torch.float32, torch.float32]  # int4 copied as bytes, on its own
+    for key, t in tensors.items():
+        assert torch.equal(level.entries[key].view(torch.uint8), t.view(torch.uint8)), key
+
+
+def test_copies_of_parameters_that_require_grad_are_plain_tensors():
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    level = Level((), {"w": w, "t": w.t()})
+    StagingBuffer().take(level).wait()
+    for copy in level.entries.values():
+        assert not copy.requires_grad and copy.grad_fn is None
+    assert torch.equal(level.entries["t"], w.detach().t())
 
 
 # ---------------------------------------------------------------------------------------------

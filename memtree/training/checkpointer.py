@@ -246,12 +246,12 @@ class Checkpointer:
         """
         return list(self._listing().steps)
 
-    def _listing(self) -> StepListing:
+    def _listing(self, around: int | None = None) -> StepListing:
         """:func:`~memtree.store.reading.steps.list_steps`, taken again while a listed step vanished."""
         listing = StepListing()
         for _ in range(_READ_ATTEMPTS):
             try:
-                listing = list_steps(self.root)
+                listing = list_steps(self.root, around=around)
             except NotAMemtreeError:  # the root itself was removed
                 return StepListing()
             if not listing.vanished:
@@ -312,7 +312,7 @@ class Checkpointer:
         with self._lock:
             self.wait()
             check_unchanged(self.root, self._record)
-            listing = self._listing()
+            listing = self._listing(around=step)  # the steps above, this one, the newest below
             newer = [s for s in listing.steps if s > step]
             if newer and not discard_newer:
                 raise StepOrderError(

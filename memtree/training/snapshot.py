@@ -96,37 +96,51 @@ class StagingBuffer:
         """Copy every tensor leaf of ``level`` (and the levels below) into the buffer and put the
         copies in their place; the fence to wait for before the copies are read.
 
+        The training loop waits for this call, so it does the least Python per tensor: one pass
+        checks every leaf and places it in the buffer, then the host tensors are copied in one
+        ``torch._foreach_copy_`` (the copies back to back, as a loop of ``copy_`` into
+        preallocated memory makes them), CUDA tensors one by one on their streams.
+
         Raises:
             DtypeError: a leaf that cannot be stored (its dtype, a sparse, nested or meta
                 tensor), named by its key path; nothing is copied then.
         """
         slots = tensor_slots(level)
-        offsets: dict[Hashable, int] = {}
+        places: dict[Hashable, int] = {}  # each distinct source's offset in the buffer
+        idents: list[Hashable] = []
         total = 0
         cuda = False
         for _, path, t in slots:
             _check(t, path)
             ident = _identity(t)
-            if ident not in offsets:
-                offsets[ident] = total
+            idents.append(ident)
+            if ident not in places:
+                places[ident] = total
                 total += -(-t.nbytes // ALIGN) * ALIGN
-            cuda = cuda or t.is_cuda
+                cuda = cuda or t.is_cuda
         self._fence.wait()  # the previous snapshot's copies have landed: the buffer may change
         buf = self._reserve(total, pinned=cuda)
+        typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype copied
         copies: dict[Hashable, torch.Tensor] = {}
+        host_dst: list[torch.Tensor] = []  # plain host tensors: copied together at the end
+        host_src: list[torch.Tensor] = []
         devices: dict[torch.device, None] = {}  # the CUDA devices copied from, in order
         try:
-            for lvl, path, t in slots:
-                ident = _identity(t)
+            for (lvl, path, t), ident in zip(slots, idents):
                 copy = copies.get(ident)
                 if copy is None:
-                    start = offsets[ident]
-                    copy = buf[start : start + t.nbytes].view(t.dtype).view(t.shape)
+                    copy = copies[ident] = _place(buf, typed, places[ident], t)
                     if t.is_cuda:
                         devices[t.device] = None
-                    _copy_values(copy, t)
-                    copies[ident] = copy
+                        _copy_values(copy, t)
+                    elif type(t) in _PLAIN and _has_copy_kernel(t.dtype):
+                        host_dst.append(copy)
+                        host_src.append(t)
+                    else:
+                        _copy_values(copy, t)
                 lvl.entries[path[-1]] = copy
+            if host_dst:
+                _copy_all(host_dst, host_src)
         finally:  # the copies issued so far, even when one failed: the next take waits for them
             self._fence = Fence([_record(device) for device in devices])
         return self._fence
@@ -144,25 +158,40 @@ class StagingBuffer:
         return buf
 
 
+#: Tensors whose memory holds their values (not a subclass): their copies go in one call.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _check(t: torch.Tensor, path: tuple[str, ...]) -> None:
-    where = f"leaf {fmt_key(path)}"
     try:
         dtype_name(t.dtype)
     except DtypeError as err:
-        raise DtypeError(f"{where}: {err}") from None
-    if t.layout != torch.strided or t.is_nested:
-        raise DtypeError(f"{where}: {t.layout} tensors cannot be stored; use .to_dense()")
+        raise DtypeError(f"leaf {fmt_key(path)}: {err}") from None
+    if t.layout is not torch.strided or t.is_nested:
+        raise DtypeError(f"leaf {fmt_key(path)}: {t.layout} tensors cannot be stored; use .to_dense()")
     if t.is_meta:
-        raise DtypeError(f"{where} is on the meta device and has no data to save; load real weights first")
+        raise DtypeError(f"leaf {fmt_key(path)} is on the meta device and has no data to save; load real weights first")
 
 
 def _identity(t: torch.Tensor) -> Hashable:
     """What makes two tensors read the same values: equal for tied weights, different for a
     tensor and its conjugate or negative view, or two views of one storage."""
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+    if type(t) not in _PLAIN:
         return id(t)  # a subclass's storage need not hold its values: copied on its own
     storage = t.untyped_storage().data_ptr()
     return (t.device, storage, t.storage_offset(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
+
+
+def _place(buf: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], start: int, t: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor of ``t``'s dtype and shape at byte ``start`` of ``buf``."""
+    dtype = t.dtype
+    whole = typed.get(dtype)
+    if whole is None:  # every start is a multiple of ALIGN, so of every item size
+        whole = typed[dtype] = buf[: buf.numel() // ALIGN * ALIGN].view(dtype)
+    first = start // t.element_size()
+    if t.is_contiguous():  # its strides lay the elements out densely, in order
+        return whole.as_strided(t.shape, t.stride(), first)
+    return whole[first : first + t.numel()].view(t.shape)
 
 
 def _copy_values(dest: torch.Tensor, t: torch.Tensor) -> None:
@@ -172,6 +201,30 @@ def _copy_values(dest: torch.Tensor, t: torch.Tensor) -> None:
     if copyable != src.dtype:
         dest, src = dest.view(copyable), src.view(copyable)
     dest.copy_(src, non_blocking=src.is_cuda)
+
+
+def _has_copy_kernel(dtype: torch.dtype) -> bool:
+    """Whether torch copies tensors of ``dtype`` element by element (not int4, bits8...:
+    :func:`~memtree.format.dtypes.byte_dtype`), remembered per dtype."""
+    known = _COPY_KERNEL.get(dtype)
+    if known is None:
+        known = _COPY_KERNEL[dtype] = byte_dtype(dtype) == dtype
+    return known
+
+
+_COPY_KERNEL: dict[torch.dtype, bool] = {}
+
+
+def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy plain host tensors into their ``dests`` in one call (``copy_`` applies a conjugate
+    or negative bit of a host source to the values it writes); where that call cannot copy one
+    of them (a dtype without a copy kernel), one by one as :func:`_copy_values` copies."""
+    try:
+        with torch.no_grad():  # a source that requires grad: the copy is not part of any graph
+            torch._foreach_copy_(dests, sources)
+    except RuntimeError:  # NotImplementedError too: copied again, each its own way
+        for dest, t in zip(dests, sources):
+            _copy_values(dest, t)
 
 
 def _record(device: torch.device) -> Any:

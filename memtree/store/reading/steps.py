@@ -80,9 +80,14 @@ def read_step(root_fd: int, root: str, name: str) -> LevelMeta:
         os.close(fd)
 
 
-def list_steps(root: str) -> StepListing:
+def list_steps(root: str, *, around: int | None = None) -> StepListing:
     """The steps of the checkpoint root ``root`` (a directory; a symbolic link to one is
     followed, the entries in it never are), by the rule of this module.
+
+    ``around``: only what a save of that step needs, so that its cost does not grow with the
+    steps a root keeps: every step above ``around``, ``around`` itself, and the newest step below
+    it (names below are checked from the newest down until one is a step; ``ignored`` lists
+    only the names checked).
 
     Raises:
         NotAMemtreeError: ``root`` does not exist or is not a directory.
@@ -96,17 +101,18 @@ def list_steps(root: str) -> StepListing:
     listing = StepListing()
     root_fd = open_dir(root, root, None)
     try:
+        names = sorted(((int(name), name) for name in os.listdir(root_fd) if is_step_name(name)), reverse=True)
         found: list[tuple[int, LevelMeta]] = []
-        for name in os.listdir(root_fd):
-            if not is_step_name(name):
-                continue
+        for step, name in names:  # the newest first
+            if around is not None and step < around and found and found[-1][0] < around:
+                break  # the newest step below `around` is found: a save needs no older one
             try:
-                found.append((int(name), read_step(root_fd, root, name)))
+                found.append((step, read_step(root_fd, root, name)))
             except MissingLeafError:
                 listing.vanished = True  # renamed away since the listing (retention, an overwrite)
             except MemtreeError as err:
                 listing.ignored[name] = str(err)
-        listing.steps = dict(sorted(found, key=lambda item: item[0]))
+        listing.steps = dict(reversed(found))
     finally:
         os.close(root_fd)
     return listing

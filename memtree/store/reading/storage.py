@@ -39,7 +39,9 @@ import errno
 import os
 import random
 import stat
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -59,7 +61,7 @@ from ...errors import (
 )
 from ...format.record import Record
 from ...format.names import META_NAME, is_safe_name, is_uncommitted_name
-from ...format.schema import MAX_META_BYTES, LevelMeta, parse_level
+from ...format.schema import MAX_META_BYTES, ChildMeta, LeafMeta, LevelMeta, PickleMeta, parse_level
 from ..primitives.files import open_leaf, storage_error
 
 __all__ = [
@@ -242,9 +244,62 @@ def read_small_file(name: str, path: str, limit: int, what: str, *, dir_fd: int 
 
 
 def read_meta(dir_fd: int, where: str, *, depth: int, root: bool) -> LevelMeta:
-    """Read and validate the ``meta.json`` in an open directory."""
+    """Read and validate the ``meta.json`` in an open directory.
+
+    The file is opened, checked and read every time; its validation is done once per process
+    for the same bytes at the same depth (see :data:`PARSED_CACHE_BYTES`).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from memtree.format.level import Level
+        >>> from memtree.store.writing.write import write_tree
+        >>> d = tempfile.mkdtemp() + "/t"
+        >>> _ = write_tree(d, Level((), {"x": torch.arange(3)}))
+        >>> fd = os.open(d, os.O_RDONLY)
+        >>> read_meta(fd, d, depth=0, root=True) is read_meta(fd, d, depth=0, root=True)
+        True
+        >>> os.close(fd)
+    """
     data, path = read_meta_bytes(dir_fd, where, root=root)
-    return parse_level(data, path, depth=depth)
+    key = (data, depth)
+    if len(data) <= PARSED_CACHE_BYTES:
+        with _PARSED_LOCK:
+            meta = _PARSED.get(key)
+            if meta is not None:
+                _PARSED.move_to_end(key)
+                return meta
+    meta = parse_level(data, path, depth=depth)  # raises for bytes that do not validate: never kept
+    _keep_parsed(key, meta)
+    return meta
+
+
+#: Bytes of ``meta.json`` files that :func:`read_meta` keeps with their validated level (the
+#: newest used first; a larger file is not kept, nor a level holding JSON values or subclass
+#: contexts, lists and dicts that loads hand out), so that a process loading a tree again (an
+#: evaluation loop, a resume, a reload) validates each file once. The level is an immutable
+#: record and depends only on the bytes and the depth; only a file's validation is skipped,
+#: never its opening, checks or reading.
+PARSED_CACHE_BYTES = 1 << 20
+_PARSED: OrderedDict[tuple[bytes, int], LevelMeta] = OrderedDict()
+#: The entries whose every field is immutable (str, int, tuples, records of those).
+_IMMUTABLE_ENTRIES = (LeafMeta, ChildMeta, PickleMeta)
+_PARSED_LOCK = threading.Lock()
+_parsed_bytes = 0
+
+
+def _keep_parsed(key: tuple[bytes, int], meta: LevelMeta) -> None:
+    global _parsed_bytes
+    size = len(key[0])
+    if size > PARSED_CACHE_BYTES or not all(type(e) in _IMMUTABLE_ENTRIES for e in meta.entries):
+        return  # a JSON value (or a subclass's context) is a list or dict: never shared between loads
+    with _PARSED_LOCK:
+        if key in _PARSED:
+            return
+        _PARSED[key] = meta
+        _parsed_bytes += size
+        while _parsed_bytes > PARSED_CACHE_BYTES:
+            (old, _), _ = _PARSED.popitem(last=False)
+            _parsed_bytes -= len(old)
 
 
 

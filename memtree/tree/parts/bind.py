@@ -571,11 +571,13 @@ def _tracks_gradients(t: torch.Tensor) -> bool:
 
 def _bound_value(group: Group, value: Any, track_gradients: bool) -> Any:
     """What a slot of ``group`` holds once ``value`` is bound into it (see the module docstring)."""
+    if type(value) is MemoryMappedTensor and group.kind != "extra":
+        value = plain(value)  # bound as a plain tensor anyway: asked no question through its __torch_function__
     if group.kind == "param":
         if isinstance(value, nn.Parameter):
             return value
         if track_gradients and _tracks_gradients(value):
-            return plain(value)
+            return value if type(value) is torch.Tensor else plain(value)
         return nn.Parameter(plain(value), requires_grad=group.tensor.requires_grad)
     if group.kind == "buffer":
         return plain(value.detach() if isinstance(value, nn.Parameter) else value)

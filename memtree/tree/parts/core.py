@@ -37,6 +37,7 @@ from ...format.names import validate_key
 from ...format.schema import starts_with_batch
 from ...format.level import Level
 from ...format.values import NonTensor, check_nesting
+from ...store.reading.mapped import MemoryMappedTensor
 from ...store.reading.read import PendingLevel, loading_lock
 from . import bind
 from ...format import subclass_registry as registry
@@ -152,6 +153,9 @@ class TreeCore:
         return type(self)._empty(self._batch_size if batch_size is None else batch_size, self._device)
 
     def _convert(self, key: str, value: Any) -> Any:
+        kind = type(value)
+        if kind is torch.Tensor or kind is MemoryMappedTensor or kind is torch.nn.Parameter:
+            return self._tensor(key, value)  # the common case first; any other tensor below
         if isinstance(value, NonTensor):
             check_nesting(value.data, repr(key))
             return value
@@ -176,17 +180,25 @@ class TreeCore:
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
         if isinstance(value, torch.Tensor):
-            if not starts_with_batch(value.shape, self._batch_size):
-                raise BatchSizeError(
-                    f"tensor for key {key!r} has shape {list(value.shape)}, which does not start "
-                    f"with the tree's batch_size {list(self._batch_size)}; reshape it or change "
-                    "the tree's batch_size"
-                )
-            if self._device is not None and value.device != self._device:
-                value = value.to(self._device)
-            return value
+            return self._tensor(key, value)
         check_nesting(value, repr(key))
         return NonTensor(value)
+
+    def _tensor(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        if type(value) is MemoryMappedTensor:  # its shape and device without its __torch_function__
+            with torch._C.DisableTorchFunctionSubclass():
+                shape, device = value.shape, value.device
+        else:
+            shape, device = value.shape, value.device
+        if not starts_with_batch(shape, self._batch_size):
+            raise BatchSizeError(
+                f"tensor for key {key!r} has shape {list(shape)}, which does not start "
+                f"with the tree's batch_size {list(self._batch_size)}; reshape it or change "
+                "the tree's batch_size"
+            )
+        if self._device is not None and device != self._device:
+            value = value.to(self._device)
+        return value
 
     def _set_one(self, key: Any, value: Any) -> None:
         key = validate_key(key)
@@ -747,8 +759,18 @@ class TreeCore:
     @classmethod
     def _nest(cls, flat: list[tuple[str, Any]], aliases: Mapping[str, str]) -> TreeCore:
         tree = cls._base()()
-        for name, value in flat:
-            tree[tuple(name.split("."))] = value if isinstance(value, torch.Tensor) else NonTensor(value)
+        for name, value in flat:  # tree[tuple(name.split("."))] = value, without its checks of the key's type
+            *parents, last = name.split(".")
+            node = tree
+            for part in parents:
+                nxt = node._data.get(part)
+                if nxt is None:
+                    nxt = node._base()._empty(node._batch_size, node._device)
+                    node._set_one(part, nxt)
+                elif not isinstance(nxt, TreeCore):
+                    raise MemtreeKeyError(f"cannot set {name!r}: {part!r} is a leaf, not a sub-tree")
+                node = nxt
+            node._set_one(last, value if isinstance(value, torch.Tensor) else NonTensor(value))
         if aliases:
             if bind.TIED_KEY in tree:
                 raise SourceError(
