@@ -459,6 +459,35 @@ def test_torch_save_views_of_shared_storage_load_as_torch_load_reads_them(tmp_pa
         assert list(m.parameters()) == params  # the same objects, filled
 
 
+@pytest.mark.parametrize(
+    "layout, error, match",
+    [
+        ("OVERLAP", SourceError, r"to_module\(inplace=True\): .*'q', 'k'.*share memory.*inplace=True"),
+        ([(0, (4, 1)), (12, (0, 1)), (24, (3, 1))], memtree.InvalidArgumentError, r"to_module\(inplace=True\): .*'k'.*share memory"),
+    ],
+)
+def test_to_module_inplace_refuses_shared_memory_as_load_into_module_does(layout, error, match) -> None:
+    """Before, ``to_module(inplace=True)`` skipped the check: overlapping views got
+    last-write-wins, an expanded view torch's raw RuntimeError."""
+    state = {"q": random_tensor((3, 4), torch.float32, 1), "k": random_tensor((3, 4), torch.float32, 2),
+             "v": random_tensor((2, 3), torch.float32, 3)}
+    m = filled(SharedStorage(getattr(SharedStorage, layout) if isinstance(layout, str) else layout))
+    before = snapshot(m)
+    with pytest.raises(error, match=match):
+        TensorTree(state).to_module(m, inplace=True)
+    assert snapshot(m) == before
+    TensorTree(state).to_module(m)  # binding: each its own tensor
+    assert all(raw_bytes(getattr(m, k)) == raw_bytes(v) for k, v in state.items())
+
+
+def test_to_module_inplace_fills_overlapping_tensors_given_agreeing_bytes() -> None:
+    base = random_tensor((64,), torch.float32, 5)
+    state = {"q": base[0:12].view(3, 4).clone(), "k": base[8:20].view(3, 4).clone(), "v": base[24:30].view(2, 3).clone()}
+    m = filled(SharedStorage(SharedStorage.OVERLAP))
+    TensorTree(state).to_module(m, inplace=True)
+    assert snapshot(m) == snapshot(reference(lambda: SharedStorage(SharedStorage.OVERLAP), state))
+
+
 @SETTINGS
 @given(
     layout=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5), st.integers(0, 5)), min_size=3, max_size=3),

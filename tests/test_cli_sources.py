@@ -135,15 +135,29 @@ def test_info_torch_save_file(tmp_path: Path) -> None:
     assert doc["entries"][1]["value"] == 7 and doc["totals"]["bytes"] == 12
 
 
-def test_info_torch_save_values_json_cannot_hold_are_shown_as_text(tmp_path: Path) -> None:
+def test_info_torch_save_values_json_cannot_hold_are_labelled_by_their_type(tmp_path: Path) -> None:
+    """Before, a set or a torch.device showed as ``json`` with its repr, as if JSON held it."""
     path = tmp_path / "cfg.pt"
-    torch.save({"w": torch.ones(1), "cfg": {1: (2, 3), "b": b"xy", "c": 1 + 2j, "sz": torch.Size([2])}}, path)
-    values = {e["key"][0]: e["value"] for e in cli_json("info", str(path))["entries"] if e["kind"] == "json"}
-    assert values == {"cfg.1": [2, 3], "cfg.b": "b'xy'", "cfg.c": "(1+2j)", "cfg.sz": "torch.Size([2])"}
+    cfg = {1: (2, 3), "b": b"xy", "c": 1 + 2j, "sz": torch.Size([2]), "s": {4}, "dev": torch.device("cpu")}
+    torch.save({"w": torch.ones(1), "cfg": cfg}, path)
+    doc = cli_json("info", str(path))
+    values = {e["key"][0]: (e["kind"], e.get("type"), e["value"]) for e in doc["entries"] if e["kind"] != "tensor"}
+    assert values == {
+        "cfg.1": ("json", None, [2, 3]),
+        "cfg.b": ("value", "bytes", "b'xy'"),
+        "cfg.c": ("value", "complex", "(1+2j)"),
+        "cfg.sz": ("value", "torch.Size", "torch.Size([2])"),
+        "cfg.s": ("value", "set", "{4}"),
+        "cfg.dev": ("value", "torch.device", "device(type='cpu')"),
+    }
+    assert doc["totals"]["json_values"] == 1 and doc["totals"]["python_values"] == 5
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["info", str(path)]) == 0
-    assert "torch.Size([2])" in out.getvalue()
+    rows = {line.split()[1]: line.split(maxsplit=3)[2:] for line in out.getvalue().splitlines()[1:-1]}
+    assert rows["cfg.s"] == ["set", "{4}"] and rows["cfg.dev"] == ["torch.device", "device(type='cpu')"]
+    assert rows["cfg.1"] == ["json", "[2,3]"]
+    assert "1 JSON value, 5 Python values" in out.getvalue()
 
 
 def test_info_torch_save_with_a_malicious_pickle_refuses_and_runs_nothing(tmp_path: Path, capsys) -> None:

@@ -86,6 +86,23 @@ def test_chain_through_every_format_is_bit_exact(state, tmp_path: Path) -> None:
     }
 
 
+def test_cli_skip_unsupported_leaves_out_and_lists_what_memtree_cannot_store(tmp_path: Path, capsys) -> None:
+    """Before, ``memtree convert`` had no flag for ``convert(skip_unsupported=True)``."""
+    pt = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(3.0), "sub": {"coo": torch.eye(2).to_sparse()}}, pt)
+    assert main(["convert", str(pt), str(tmp_path / "refused")]) == 1
+    assert "skip_unsupported" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    assert main(["convert", str(pt), str(tmp_path / "tree"), "--skip-unsupported"]) == 0
+    out, err = capsys.readouterr()
+    assert "1 tensor," in out
+    assert "1 tensor(s) skipped (--skip-unsupported):\n  sub.coo: a sparse_coo tensor" in err
+    tree = memtree.load_memmap(tmp_path / "tree", lazy=False)
+    assert list(tree.keys()) == ["w"] and tree["w"].tolist() == [0.0, 1.0, 2.0]
+    assert main(["convert", str(pt), str(tmp_path / "t2"), "--skip-unsupported", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["skipped"]) == ["sub.coo"] and "sparse_coo" in doc["skipped"]["sub.coo"]
+
+
 def test_directories_keep_batch_sizes_and_non_tensor_values(tmp_path: Path) -> None:
     tree = memtree.TensorTree(
         {"obs": torch.arange(6).reshape(3, 2), "info": {"r": torch.ones(3)}}, batch_size=[3]

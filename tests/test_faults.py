@@ -446,3 +446,63 @@ def test_kill_while_writing_a_tree_whose_name_is_not_utf8(tmp_path, point):
     assert os.listdir(parent) == []
     new_tree.memmap(parent / name)
     assert fingerprint(memtree.load_memmap(parent / name)) == fingerprint(new_tree)
+
+
+# ----------------------------------------------------------------------------- other temporary names
+
+def _record_creator(root, key, fault):
+    os.environ[_faults.ENV] = fault
+    _faults.reload()
+    memtree.Checkpointer(root, encryption=key).save(1, {"w": torch.ones(2)})
+
+
+@pytest.mark.parametrize("cleanup", ["recover", "next_creator"])
+def test_kill_while_creating_a_roots_record_leaves_nothing_recover_or_the_next_creator_keeps(tmp_path, cleanup):
+    """kill -9 while an encrypted root's ``.memtree-root.json`` is written: before, its temporary
+    file had no journal, so ``recover`` only reported it and it stayed for good."""
+    key = memtree.EncryptionKey.generate()
+    root = tmp_path / "root"
+    root.mkdir()
+    p = FORK.Process(target=_record_creator, args=(str(root), key, "before_publish:1"))  # the record's
+    p.start()
+    p.join(120)
+    assert p.exitcode == _faults.EXIT_CODE, f"the creator never reached before_publish (exit code {p.exitcode})"
+    tmps = [n for n in os.listdir(root) if n.startswith("..memtree-root.json.memtree-tmp-")]
+    assert len(tmps) == 1 and not (root / ".memtree-root.json").exists()
+    if cleanup == "recover":
+        assert memtree.recover(root) == [f"removed temporary file: {root / tmps[0]}"]
+        assert os.listdir(root) == []
+    else:
+        ckpt = memtree.Checkpointer(root, encryption=key)
+        ckpt.save(1, {"w": torch.ones(2)})
+        assert sorted(os.listdir(root)) == [".memtree-root.json", "1"]
+        assert ckpt.restore(1)["w"].tolist() == [1.0, 1.0]
+
+
+def _mapped_writer(path, fault):
+    os.environ[_faults.ENV] = fault
+    _faults.reload()
+    from memtree.store.reading.mapped import MemoryMappedTensor
+
+    MemoryMappedTensor.from_tensor(torch.arange(1 << 16), filename=path)
+
+
+def test_kill_while_a_memory_mapped_tensor_file_is_written_is_reported_with_the_command(tmp_path):
+    """``MemoryMappedTensor(filename=...)`` takes no lock (its temporary file may still be being
+    written): after a kill, ``recover`` leaves the file and names the exact command that removes it."""
+    import shlex
+    import subprocess
+
+    path = tmp_path / "x.bin"
+    p = FORK.Process(target=_mapped_writer, args=(str(path), "before_publish:1"))
+    p.start()
+    p.join(120)
+    assert p.exitcode == _faults.EXIT_CODE
+    (tmp,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    assert tmp.name.startswith(".x.bin.memtree-tmp-") and not path.exists()
+    (action,) = memtree.recover(tmp_path)
+    command = f"rm -- {shlex.quote(str(tmp))}"
+    assert action.startswith(f"left {tmp}: a temporary file") and action.endswith(command)
+    assert tmp.exists()  # reported, never removed: its writer may be alive
+    subprocess.run(command, shell=True, check=True)
+    assert os.listdir(tmp_path) == [] and memtree.recover(tmp_path) == []

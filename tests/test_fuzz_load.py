@@ -674,3 +674,49 @@ def test_the_reset_restores_times_of_files_rewritten_with_their_own_bytes(pristi
     assert (work / "tree" / leaf).stat().st_mtime_ns > before
     work = fresh_copy(pristine)
     assert (work / "tree" / leaf).stat().st_mtime_ns == before
+
+
+def _edit_shape_and_rewrite_leaf(work: Path, leaf_delta_ns: int) -> None:
+    """The case test_fuzz_meta_fields once reported ``stale`` (then passed on a rerun): the root
+    meta.json edited so that ``obs`` is [3, 5], then ``obs.memmap`` rewritten to that size with
+    other bytes. Its times are set explicitly: the leaf ``leaf_delta_ns`` after the meta.json (the
+    fuzzer's two writes fall in one clock tick, or in two)."""
+    meta = work / "tree" / "meta.json"
+    doc = json.loads(meta.read_bytes())
+    (entry,) = [e for e in doc["entries"] if e["key"] == "obs"]
+    entry["shape"] = [3, 5]
+    _set_meta(meta, doc)
+    apply(work, ("leaf", "obs.memmap", "resize", 3 * 5 * 4))
+    base = meta.stat().st_mtime_ns
+    os.utime(meta, ns=(base, base))
+    os.utime(work / "tree" / "obs.memmap", ns=(base + leaf_delta_ns, base + leaf_delta_ns))
+
+
+@pytest.mark.parametrize("leaf_delta_ns", [-1_000_000_000, 0, 1, 1_000_000_000])
+@pytest.mark.parametrize("kw", KWARGS, ids=str)
+def test_a_leaf_written_after_an_edited_meta_json_is_damage_whatever_the_times(worker, pristine, leaf_delta_ns, kw):
+    """A leaf newer than its meta.json is only *stale* (written in place) while the meta.json files
+    are the ones the tree hash records; here the meta.json was edited, so the leaf's mismatch is
+    damage at any file times (was: ``stale`` when the leaf's time was later, which made the fuzzer
+    flaky, and named damage as a write in place)."""
+    work = fresh_copy(pristine)
+    _edit_shape_and_rewrite_leaf(work, leaf_delta_ns)
+    assert sorted({p.kind for p in memtree.verify_tree(work / "tree").problems}) == ["checksum", "tree-hash"]
+    check(worker, work, kw)
+
+
+@pytest.mark.parametrize("leaf_delta_ns", [0, 1, 1_000_000_000])
+def test_a_leaf_written_in_place_is_stale_only_when_newer_than_its_intact_meta_json(tmp_path, leaf_delta_ns):
+    """The other side: the meta.json files intact (tree hash ``ok``), a leaf written through a
+    ``mode="r+"`` mapping is ``stale`` when its time is later than its meta.json's, ``checksum``
+    (damage: the conservative reading) at the same time."""
+    prefix = tmp_path / "t"
+    TensorTree({"w": torch.zeros(4)}).memmap(prefix, checksum="crc32")
+    memtree.load_memmap(prefix, mode="r+")["w"][1] = 5.0
+    base = (prefix / "meta.json").stat().st_mtime_ns
+    os.utime(prefix / "w.memmap", ns=(base + leaf_delta_ns, base + leaf_delta_ns))
+    report = memtree.verify_tree(prefix)
+    assert report.tree_hash == "ok"
+    assert [p.kind for p in report.problems] == ["stale" if leaf_delta_ns > 0 else "checksum"]
+    with pytest.raises(memtree.IntegrityError, match="is stale" if leaf_delta_ns > 0 else "is damaged"):
+        memtree.load_memmap(prefix, verify=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 
 import pytest
 import torch
@@ -316,3 +317,44 @@ def test_every_device_copied_from_is_fenced(tmp_path):
     fut.result(timeout=120)
     back = ckpt.restore(1)
     assert all(back[f"cuda{d}"].eq(d + 1).all() for d in range(torch.cuda.device_count()))
+
+
+def _refuse_pinning(monkeypatch) -> list[int]:
+    """Make every pinned allocation fail as a memlock limit does; the sizes asked are listed."""
+    asked: list[int] = []
+    empty = torch.empty
+
+    def fake_empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            asked.append(args[0])
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    return asked
+
+
+def test_a_pinned_buffer_refused_falls_back_to_ordinary_memory_with_one_warning(monkeypatch):
+    """Before, torch's raw RuntimeError from cudaHostAlloc failed the save."""
+    asked = _refuse_pinning(monkeypatch)
+    staging = StagingBuffer()
+    with pytest.warns(RuntimeWarning, match=r"could not pin 4,096 bytes .*ulimit -l"):
+        buf = staging._reserve(4096, pinned=True)
+    assert buf.numel() == 4096 and not buf.is_pinned() and asked == [4096]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert staging._reserve(4096, pinned=True) is buf  # reused, not re-pinned each save
+        assert staging._reserve(3 * 4096, pinned=True).numel() == 3 * 4096  # grown: no new try
+    assert asked == [4096]
+
+
+@cuda
+def test_an_async_save_whose_pinning_fails_writes_the_same_bytes(tmp_path, monkeypatch):
+    _refuse_pinning(monkeypatch)
+    w = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    ckpt = memtree.Checkpointer(tmp_path, incremental=False)
+    with pytest.warns(RuntimeWarning, match="could not pin"):
+        fut = ckpt.save(1, {"w": w}, blocking=False)
+    w.zero_()
+    fut.result(timeout=120)
+    assert torch.equal(ckpt.restore(1)["w"], torch.arange(1 << 16, dtype=torch.float32))

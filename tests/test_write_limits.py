@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memtree
-from memtree import NonTensor, NonTensorValueError, TensorTree
-from memtree.format.values import MAX_JSON_DEPTH, check_json, json_depth, json_problem
+from memtree import LimitError, MemtreeError, NonTensor, NonTensorValueError, TensorTree
+from memtree.format import schema, values
+from memtree.format.values import MAX_JSON_DEPTH, MAX_TUPLE_PATHS, check_json, json_depth, json_problem
 
 
 def nested(depth: int, inner: Any = 1, kinds: str = "ld") -> Any:
@@ -115,3 +116,106 @@ def test_large_empty_shapes_within_the_limit_round_trip(tmp_path: Path, shape: t
     tree.memmap(tmp_path / "t")
     assert memtree.load_memmap(tmp_path / "t", lazy=False)["x"].shape == shape
     assert memtree.verify_tree(tmp_path / "t").ok
+
+
+# -- every limit the reader enforces, the writer enforces first (issue 24 follow-up) -----------
+
+
+def test_a_value_with_more_tuples_than_a_meta_json_records_is_refused_at_memmap(tmp_path: Path) -> None:
+    """Before, ``memmap`` wrote 100,001 tuple paths and ``load_memmap`` refused the tree."""
+    tree = TensorTree({"w": torch.ones(2), "cfg": NonTensor([()] * (MAX_TUPLE_PATHS + 1))})
+    with pytest.raises(NonTensorValueError, match=rf"'cfg'.*more than {MAX_TUPLE_PATHS:,} tuples"):
+        tree.memmap(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+    tree.memmap(tmp_path / "p", allow_pickle=True)  # what JSON cannot record is pickled on request
+    assert memtree.load_memmap(tmp_path / "p", allow_pickle=True)["cfg"] == [()] * (MAX_TUPLE_PATHS + 1)
+    TensorTree({"cfg": NonTensor([()] * MAX_TUPLE_PATHS)}).memmap(tmp_path / "at")
+    assert memtree.load_memmap(tmp_path / "at")["cfg"] == [()] * MAX_TUPLE_PATHS
+
+
+def test_a_level_whose_meta_json_exceeds_the_size_limit_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    """Before, ``memmap`` wrote a 17 MB ``meta.json`` that ``load_memmap`` refused."""
+    TensorTree({"w": torch.arange(3)}).memmap(tmp_path / "t")
+    big = TensorTree({"w": torch.ones(2), "sub": {"text": "x" * (schema.MAX_META_BYTES + 1)}})
+    with pytest.raises(LimitError, match=r"sub/meta.json would take .* readers refuse more than 16,777,216"):
+        big.memmap(tmp_path / "t")
+    assert memtree.load_memmap(tmp_path / "t", lazy=False)["w"].tolist() == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no staging directory left
+
+
+def _nested_tree(depth: int) -> TensorTree:
+    tree = TensorTree({"w": torch.ones(1)})
+    for _ in range(depth):
+        tree = TensorTree({"s": tree})
+    return tree
+
+
+@pytest.mark.parametrize("what", ["depth", "entries"])
+def test_a_level_beyond_the_readers_nesting_or_entry_limit_is_refused_at_memmap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """The limits lowered (the real ones, 256 levels and 1,000,000 entries, take long to reach):
+    before, ``memmap`` wrote what ``load_memmap`` then refused with ``LimitError``."""
+    monkeypatch.setattr(schema, "MAX_DEPTH", 3)
+    monkeypatch.setattr(schema, "MAX_ENTRIES", 4)
+    at, beyond = (
+        (_nested_tree(3), _nested_tree(4))
+        if what == "depth"
+        else (TensorTree({str(i): i for i in range(4)}), TensorTree({"s": {str(i): i for i in range(5)}}))
+    )
+    at.memmap(tmp_path / "at")
+    assert memtree.load_memmap(tmp_path / "at", lazy=False).to_dict() == at.to_dict()
+    depth, entries = r"nests sub-trees 4 levels deep, readers refuse more than 3", r"level 's'.* 5 entries"
+    with pytest.raises(LimitError, match=depth if what == "depth" else entries):
+        beyond.memmap(tmp_path / "beyond")
+    assert not (tmp_path / "beyond").exists()
+
+
+_leaf = st.one_of(
+    st.integers(-(2**64), 2**65),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(st.characters(codec=None), max_size=40),  # lone surrogates included
+    st.none(),
+)
+_value = st.recursive(
+    _leaf,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+_keys = st.text(st.characters(codec=None), min_size=1, max_size=6)
+_tree = st.recursive(
+    st.dictionaries(_keys, _value.map(NonTensor), max_size=6),
+    lambda inner: st.dictionaries(_keys, inner | _value.map(NonTensor), min_size=1, max_size=6),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(content=_tree)
+def test_what_memmap_accepts_loads_back_exactly_at_and_beyond_every_limit(
+    tmp_path_factory: pytest.TempPathFactory, content: dict[str, Any]
+) -> None:
+    """With every limit of ``format/schema.py`` and ``format/values.py`` lowered to where random
+    trees cross them: ``memmap`` either refuses with a memtree error, writing nothing, or writes
+    a tree ``load_memmap`` reads back exactly."""
+    path = tmp_path_factory.mktemp("limits") / "t"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schema, "MAX_DEPTH", 2)
+        mp.setattr(schema, "MAX_ENTRIES", 4)
+        mp.setattr(schema, "MAX_META_BYTES", 700)
+        mp.setattr(schema, "MAX_TUPLE_PATHS", 2)
+        mp.setattr(values, "MAX_TUPLE_PATHS", 2)
+        try:
+            tree = TensorTree(content)
+        except MemtreeError:
+            return  # refused when assigned: nothing to write
+        try:
+            tree.memmap(path)
+        except MemtreeError:
+            assert not path.exists()
+            return
+        loaded = memtree.load_memmap(path, lazy=False)
+    assert loaded.to_dict() == tree.to_dict()
+    assert [type(x) for x in loaded.values(True, True)] == [type(x) for x in tree.values(True, True)]

@@ -13,7 +13,9 @@ directory, a tensordict ``memmap`` directory or a memtree directory. DST is, by 
 
 Peak memory is about the largest tensor (twice it with ``--dtype``), not the checkpoint. When it
 is done, it prints what it did on standard output: tensors, bytes, time, files; and on standard
-error the non-tensor values the destination cannot hold (not written) and those written in
+error the tensors left out by ``--skip-unsupported`` (sparse, quantized... tensors of a
+``torch.save`` file, which are otherwise refused), the non-tensor values the destination cannot
+hold (not written) and those written in
 another form (a tuple as a list, a list of tensors as keys by index, a tied weight written
 once...). ``--json`` prints all of it as one JSON object on standard output instead, and nothing
 else. A progress bar is shown on a terminal (with tqdm installed), never with ``--json`` or off
@@ -95,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep a checkpoint's dotted keys flat instead of nesting them by '.'",
     )
+    parser.add_argument(
+        "--skip-unsupported",
+        action="store_true",
+        help="leave out (and list) the tensors of a torch.save file memtree cannot store "
+        "(sparse, quantized...) instead of refusing the file",
+    )
     parser.add_argument("--fsync", action="store_true", help="make DST durable before it appears")
     defaults = PickleLimits()
     for field, what in (
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         existsok=args.existsok,
         allow_pickle=args.allow_pickle,
         flat_keys=args.flat_keys,
+        skip_unsupported=args.skip_unsupported,
         fsync=args.fsync,
         progress=progress,
         limits=PickleLimits(args.max_pickle_bytes, args.max_pickle_objects, args.max_pickle_depth),
@@ -172,6 +181,12 @@ def summary(result: ConvertResult, src: str, dst: str) -> str:
 
 def report(result: ConvertResult) -> None:
     """Print what :func:`convert` did not write as it was (standard error; nothing otherwise)."""
+    if result.skipped:
+        print(
+            f"memtree convert: {len(result.skipped)} tensor(s) skipped (--skip-unsupported):"
+            f"{_listing(result.skipped)}",
+            file=sys.stderr,
+        )
     if result.dropped:
         shown = ", ".join(result.dropped[:10]) + (" ..." if len(result.dropped) > 10 else "")
         print(
@@ -180,10 +195,13 @@ def report(result: ConvertResult) -> None:
             file=sys.stderr,
         )
     if result.altered:
-        items = list(result.altered.items())
-        lines = "".join(f"\n  {key}: {change}" for key, change in items[:10])
-        more = f"\n  ... and {len(items) - 10} more" if len(items) > 10 else ""
         print(
-            f"memtree convert: {len(items)} value(s) written in another form:{lines}{more}",
+            f"memtree convert: {len(result.altered)} value(s) written in another form:{_listing(result.altered)}",
             file=sys.stderr,
         )
+
+
+def _listing(items: dict[str, str]) -> str:
+    """The first 10 ``key: what`` lines, indented, and how many more."""
+    lines = "".join(f"\n  {key}: {what}" for key, what in list(items.items())[:10])
+    return lines + (f"\n  ... and {len(items) - 10} more" if len(items) > 10 else "")

@@ -80,6 +80,7 @@ class _Totals:
     nbytes: int = 0
     levels: int = 0
     json_values: int = 0
+    python_values: int = 0  # a torch.save file's non-JSON values (a set, a torch.device...)
     pickled_values: int = 0
     checksummed: int = 0
     dtypes: dict[str, list[int]] = field(default_factory=dict)  # name -> [leaves, bytes]
@@ -90,6 +91,7 @@ class _Totals:
             "bytes": self.nbytes,
             "levels": self.levels,
             "json_values": self.json_values,
+            "python_values": self.python_values,
             "pickled_values": self.pickled_values,
             "checksummed": self.checksummed,
             "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(self.dtypes.items())},
@@ -210,6 +212,7 @@ def _describe_tensordict(root: str) -> dict[str, Any]:
 def _describe_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
     """A torch.save / safetensors file, a shard index or a model directory: flat dotted keys."""
     from ..format.dtypes import dtype_name
+    from ..format.values import json_problem
     from ..interop.checkpoint import open_checkpoint
 
     entries: list[dict[str, Any]] = []
@@ -224,12 +227,22 @@ def _describe_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
                             "nbytes": nbytes, "file": None, "checksum": None})
             totals.tensor(name, nbytes, None)
         for key, value in ckpt.non_tensors.items():
-            entries.append({"key": [key], "kind": "json", "value": value})
-            totals.json_values += 1
+            if json_problem(value) is None:
+                entries.append({"key": [key], "kind": "json", "value": value})
+                totals.json_values += 1
+            else:  # a set, a torch.device...: labelled by its type, shown by its repr
+                entries.append({"key": [key], "kind": "value", "type": _type_name(value), "value": repr(value)})
+                totals.python_values += 1
         files = [os.path.relpath(f, os.path.dirname(ckpt.path)) for f in ckpt.files]
         return {"kind": "checkpoint", "path": ckpt.path, "format": ckpt.format, "version": None,
                 "type": TREE_TYPE, "batch_size": [], "save_id": None, "encryption": None, "files": files,
                 "metadata": ckpt.metadata, "totals": totals.as_dict(), "entries": entries}
+
+
+def _type_name(value: object) -> str:
+    """``set``, ``torch.device``: a value's type as its module spells it (builtins bare)."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def describe(
@@ -256,13 +269,14 @@ def describe(
         :func:`describe_root`. The others: ``format`` (``"memtree"``, ``"tensordict"``,
         ``"torch"``, ``"safetensors"``), ``version`` (memtree's format version, else ``None``),
         ``type``, ``batch_size``, ``save_id``, ``totals`` (``tensors``, ``bytes``, ``levels``,
-        ``json_values``, ``pickled_values``, ``checksummed``, ``dtypes``: name ->
+        ``json_values``, ``python_values``, ``pickled_values``, ``checksummed``, ``dtypes``: name ->
         ``{"tensors", "bytes"}``) and ``entries``: every key depth-first, each with ``key`` (the
         list of keys from the root), ``kind`` (``tensor``/``tree``/``subclass``/``json``/
-        ``pickle``) and per kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and
+        ``value``/``pickle``) and per kind ``dtype``, ``shape``, ``nbytes``, ``file``, ``checksum`` (and
         for a growable leaf ``capacity``, the rows its file holds, and ``file_nbytes``) / ``dir``,
         ``batch_size``, ``type`` / ``type`` (the class's registered name), ``dtype``, ``shape``,
-        ``dir``, its inner tensors following as the entries below its key / ``value`` / ``file``
+        ``dir``, its inner tensors following as the entries below its key / ``value`` /
+        ``type`` (e.g. ``set``, ``torch.device``) and ``value`` (its ``repr``) / ``file``
         (paths relative to ``path``; ``None`` where the format has no such file). A checkpoint (``kind == "checkpoint"``) lists its dotted keys flat and adds
         ``files`` (its files, relative to the directory of ``path``) and ``metadata`` (a
         safetensors header's ``__metadata__``).
@@ -470,11 +484,11 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
             note = f"{'… ' if collapsed else ''}{_plural(n, 'tensor')}, {format_bytes(nbytes)}"
             typed = f" {e['type']}" if e["type"] != TREE_TYPE else ""
             rows.append((name + "/", "", f"batch_size {e['batch_size']}{typed}", note))
-        elif kind == "json":
-            value = to_json(e["value"])
+        elif kind in ("json", "value"):
+            value = to_json(e["value"]) if kind == "json" else e["value"]
             if len(value) > _VALUE_WIDTH:
                 value = value[: _VALUE_WIDTH - 1] + "…"
-            rows.append((name, "json", value, ""))
+            rows.append((name, "json" if kind == "json" else e["type"], value, ""))
         else:
             rows.append((name, "pickle", e["file"] + " (not unpickled)", ""))
 
@@ -516,6 +530,8 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
     extras = []
     if t["json_values"]:
         extras.append(_plural(t["json_values"], "JSON value"))
+    if t["python_values"]:
+        extras.append(_plural(t["python_values"], "Python value"))
     if t["pickled_values"]:
         extras.append(_plural(t["pickled_values"], "pickled value"))
     if t["checksummed"]:

@@ -57,7 +57,7 @@ from .subclass import (
     parse_subclass,
     subclass_fields,
 )
-from .values import MAX_JSON_DEPTH, json_depth
+from .values import MAX_JSON_DEPTH, MAX_TUPLE_PATHS, json_depth
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +87,7 @@ __all__ = [
     "sealed_nbytes",
     "encrypted_level",
     "LevelMeta",
+    "check_writable",
     "dump_level",
     "parse_level",
     "starts_with_batch",
@@ -199,10 +200,39 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     return {"key": e.key, "kind": "pickle", "file": e.file}
 
 
-def dump_level(meta: LevelMeta) -> bytes:
-    """Serialise one level's ``meta.json`` (compact orjson bytes).
+def check_writable(meta: LevelMeta, where: str, depth: int) -> None:
+    """Refuse a level that :func:`parse_level` would refuse for its nesting or entry count.
+
+    Writers call it before writing anything, so that every tree written loads back; the
+    ``meta.json`` size is checked by :func:`dump_level`, the tuples of a value by
+    :func:`memtree.format.values.json_problem`.
+
+    Raises:
+        LimitError: ``depth`` exceeds :data:`MAX_DEPTH` or the level has more than
+            :data:`MAX_ENTRIES` entries; names ``where``.
+
+    Example:
+        >>> check_writable(LevelMeta((), ()), "level ('a',)", 1)
+    """
+    if depth > MAX_DEPTH:
+        raise LimitError(
+            f"{where}: nests sub-trees {depth} levels deep, readers refuse more than {MAX_DEPTH}; "
+            "flatten the tree (keys may hold dots) before writing it"
+        )
+    if len(meta.entries) > MAX_ENTRIES:
+        raise LimitError(
+            f"{where}: holds {len(meta.entries):,} entries, readers refuse more than {MAX_ENTRIES:,} "
+            "in one level; split it into sub-trees or stack the values into tensors"
+        )
+
+
+def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
+    """Serialise one level's ``meta.json`` (compact orjson bytes); ``where`` names it in errors.
 
     JSON values must already have passed :func:`memtree.format.values.check_json`.
+
+    Raises:
+        LimitError: the bytes exceed :data:`MAX_META_BYTES`, which readers refuse.
     """
     d: dict[str, Any] = {
         "format": FORMAT,
@@ -231,7 +261,14 @@ def dump_level(meta: LevelMeta) -> bytes:
     d["entries"] = [_entry_dict(e) for e in meta.entries]
     if meta.packs:
         d["packs"] = pack_fields(meta.packs)
-    return orjson.dumps(d)
+    data = orjson.dumps(d)
+    if len(data) > MAX_META_BYTES:
+        raise LimitError(
+            f"{where} would take {len(data):,} bytes, readers refuse more than {MAX_META_BYTES:,}: "
+            "its non-tensor values are too large; store large values as tensors (or pickle them, "
+            "allow_pickle=True)"
+        )
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,10 +659,6 @@ def is_int_key(key: str) -> bool:
     if not 0 < len(key) <= 40 or not key.lstrip("-").isdigit() or not key.isascii():
         return False
     return str(int(key)) == key
-
-
-#: Most tuple paths one JSON value may list (``tuples``).
-MAX_TUPLE_PATHS = 100_000
 
 
 def _tuple_paths(c: _Checker, raw: Any, value: Any, p: str) -> tuple[TuplePath, ...]:

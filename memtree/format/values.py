@@ -26,6 +26,7 @@ from ..errors import NonTensorValueError
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "MAX_TUPLE_PATHS",
     "NonTensor",
     "UnloadedPickle",
     "check_json",
@@ -46,6 +47,10 @@ _INT_MAX = 2**64 - 1
 #: so this is the most that can be written; values nested deeper are refused when assigned to a
 #: tree, when written, and when read.
 MAX_JSON_DEPTH = 251
+#: Most tuples one non-tensor value may hold: a ``json`` entry lists each tuple's path
+#: (``tuples``), and readers refuse a longer list; values holding more are refused when assigned
+#: to a tree and when written (or pickled, with ``allow_pickle=True``).
+MAX_TUPLE_PATHS = 100_000
 
 
 class NonTensor:
@@ -138,6 +143,7 @@ def json_problem(value: Any, path: str = "value") -> str | None:
         (True, 'value[0] is nan, which JSON cannot hold')
     """
     stack: list[tuple[Any, str, int]] = [(value, path, 1)]  # depth of v if it is a container
+    tuples = 0
     while stack:
         v, where, depth = stack.pop()
         t = type(v)
@@ -157,6 +163,10 @@ def json_problem(value: Any, path: str = "value") -> str | None:
         elif t is list or t is tuple or t is dict:
             if depth > MAX_JSON_DEPTH:
                 return f"{path} nests lists and dicts more than {MAX_JSON_DEPTH} levels deep"
+            if t is tuple:
+                tuples += 1
+                if tuples > MAX_TUPLE_PATHS:
+                    return f"{path} holds more than {MAX_TUPLE_PATHS:,} tuples (make some of them lists)"
             if t is not dict:
                 stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
                 continue

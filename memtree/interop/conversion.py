@@ -77,9 +77,9 @@ from ..errors import (
 from ..store.primitives.files import FileRange, open_checked, read_fd
 from ..format.names import META_NAME
 from ..format.level import Level
-from ..format.schema import MAX_META_BYTES, MAX_TUPLE_PATHS
+from ..format.schema import MAX_META_BYTES
 from ..store.reading.mapped import MemoryMappedTensor
-from ..format.values import NonTensor, json_problem
+from ..format.values import MAX_TUPLE_PATHS, NonTensor, json_problem
 from ..store.primitives.progress import Progress
 from ..store.reading.read import read_tree
 from ..store.reading.options import ReadOptions, WriteOptions
@@ -268,7 +268,7 @@ def _json_problem(value: Any) -> str | None:
     finite ``float``, ``str`` and exact ``list``, ``tuple`` (recorded as such: ``tuples``) and
     ``dict`` with ``str`` keys (:func:`~memtree.format.values.json_problem`), without a cycle,
     nesting at most 200 levels, within the size of a meta.json and at most
-    :data:`~memtree.format.schema.MAX_TUPLE_PATHS` tuples. Anything else (``torch.Size``, an
+    :data:`~memtree.format.values.MAX_TUPLE_PATHS` tuples. Anything else (``torch.Size``, an
     ``OrderedDict``, a set, bytes...) would come back changed. Each distinct container is
     checked once (memoised by identity) and its size remembered, so a part shared by many
     places costs its size once in time while its repetitions still count towards the size of

@@ -92,7 +92,8 @@ class Problem:
         key: the key path of the leaf or sub-tree (``()`` for the root).
         kind: ``"checksum"`` (the bytes differ from the recorded checksum), ``"stale"`` (they
             differ, and the file was modified after its ``meta.json``: written in place, e.g.
-            through a ``mode="r+"`` mapping, so the checksum no longer describes it),
+            through a ``mode="r+"`` mapping, so the checksum no longer describes it; only while
+            the ``meta.json`` files are intact: ``tree_hash`` ``"ok"`` or ``"absent"``),
             ``"tree-hash"`` (the root's ``tree_hash`` does not match the ``meta.json`` files),
             ``"size"``, ``"missing"``, ``"unsafe"`` (link, FIFO, directory...),
             ``"meta"`` (a malformed ``meta.json``), ``"version"``, ``"limit"``, ``"structure"``
@@ -337,28 +338,39 @@ class _Walker:
             return problem("io", f"reading {path}: {err}")
         with self.lock:
             self.report.checksummed += 1
-        if digest != entry.checksum and entry.chunk_bytes is None and _written_in_place(storage, lvl, rel):
-            problem(
-                "stale",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}, "
-                "and the file was modified after its meta.json: it was written in place (e.g. "
-                "through a mode='r+' mapping), so its checksum no longer describes it and memtree "
-                "cannot tell that write from damage; re-save the tree to record new checksums",
-                entry.checksum, digest,
-            )
-        elif digest != entry.checksum:
-            problem(
-                "checksum",
-                f"leaf {key!r} at {path}: meta.json records {entry.checksum}, the file has {digest}; "
-                "the file changed after it was written",
-                entry.checksum, digest,
-            )
+        if digest != entry.checksum:
+            stale = entry.chunk_bytes is None and _written_in_place(storage, lvl, rel)
+            found.append(_mismatch(path, key, entry.checksum, digest, stale=stale))
         return found
 
     def advance(self, n: int) -> None:
         if self.bar is not None:
             with self.lock:
                 self.bar.update(n)
+
+
+def _mismatch(path: str, key: tuple[str, ...], recorded: str, digest: str, *, stale: bool) -> Problem:
+    """A leaf whose bytes differ from its recorded checksum: ``"stale"`` when it was written in
+    place after its ``meta.json`` (and the tree's ``meta.json`` files are intact), else damage."""
+    if stale:
+        return Problem(
+            path, key, "stale", recorded, digest,
+            f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}, and the "
+            "file was modified after its meta.json: it was written in place (e.g. through a "
+            "mode='r+' mapping), so its checksum no longer describes it and memtree cannot tell "
+            "that write from damage; re-save the tree to record new checksums",
+        )
+    return Problem(
+        path, key, "checksum", recorded, digest,
+        f"leaf {key!r} at {path}: meta.json records {recorded}, the file has {digest}; the file "
+        "changed after it was written",
+    )
+
+
+#: The tree hash results that leave the ``meta.json`` files trusted: only then can a leaf be
+#: merely stale (a ``meta.json`` edited since the save makes its leaves' mismatches damage,
+#: whatever the files' times say).
+_META_INTACT = frozenset({"ok", "absent"})
 
 
 def _written_in_place(storage: Storage, lvl: WalkedLevel, rel: str) -> bool:
@@ -506,3 +518,8 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
                     bar.update()
         walker.bar = None
     walker.check_tree_hash(storage, levels)
+    if walker.report.tree_hash not in _META_INTACT:  # meta.json files changed too: no leaf is merely stale
+        walker.report.problems = [
+            _mismatch(p.path, p.key, str(p.expected), str(p.found), stale=False) if p.kind == "stale" else p
+            for p in walker.report.problems
+        ]

@@ -50,9 +50,9 @@ from ..format.names import ROOT_RECORD
 from ..format.schema import ENCRYPTION_ALGORITHM
 from ..store.primitives.commit import fsync_dir, write_small_file
 from ..store.primitives.crypto import EncryptionKey, derive_key, key_fingerprint
-from ..store.primitives.files import replacing_file
 from ..store.reading.steps import StepListing
 from ..store.reading.storage import read_small_file
+from ..store.writing.staged import staged_file
 
 __all__ = ["RootRecord", "open_root", "read_record", "check_unchanged"]
 
@@ -143,12 +143,14 @@ def read_record(root: str) -> RootRecord | None:
 
 
 def _create(root: str, key: EncryptionKey, fsync: bool) -> RootRecord:
-    """Write a new record for ``root`` (never over one: a concurrent creator's record wins)."""
+    """Write a new record for ``root`` (never over one: a concurrent creator's record wins),
+    under its writer lock with the temporary name journaled: after a kill, the next creator or
+    :func:`memtree.recover` removes the temporary file."""
     root_id = os.urandom(16).hex()
     record = RootRecord(root_id, key_fingerprint(key, bytes.fromhex(root_id)))
     doc = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "root_id": root_id,
            "encryption": {"algorithm": ENCRYPTION_ALGORITHM, "key_check": record.key_check}}
-    with replacing_file(os.path.join(root, ROOT_RECORD), existsok=False) as tmp:
+    with staged_file(os.path.join(root, ROOT_RECORD), existsok=False) as tmp:
         write_small_file(tmp, orjson.dumps(doc) + b"\n", fsync=fsync)
     if fsync:
         fsync_dir(root)

@@ -14,7 +14,9 @@ writer thread reads the copies after the snapshot's :meth:`Fence.wait`. What hol
   once; any other two are copied apart, so two views of one storage (overlapping or not, a
   tensor and its conjugate) each keep their values;
 * the buffer is host memory, pinned when a CUDA tensor is copied, reused by the next snapshot
-  (reallocated when it is too small or more than twice too big). CUDA tensors are copied with
+  (reallocated when it is too small or more than twice too big). Where pinning fails (a
+  locked-memory limit) it is ordinary memory, with a ``RuntimeWarning`` once: the copies are
+  then synchronous, the values the same. CUDA tensors are copied with
   ``non_blocking=True`` on their device's current stream; the :class:`Fence` records an event on
   the current stream of *every* device copied from, and is waited by the writer before it reads
   the buffer and by the next snapshot before it reuses (or frees) the buffer;
@@ -32,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -91,6 +94,7 @@ class StagingBuffer:
         #: The buffer (``None`` before the first snapshot): uint8, 64-byte aligned copies.
         self.buffer: torch.Tensor | None = None
         self._fence = Fence(())
+        self._unpinned = False  # pinning failed once: later snapshots use ordinary memory too
 
     def take(self, level: Level) -> Fence:
         """Copy every tensor leaf of ``level`` (and the levels below) into the buffer and put the
@@ -151,11 +155,29 @@ class StagingBuffer:
             buf is None
             or buf.numel() < nbytes
             or buf.numel() > 2 * nbytes + (1 << 20)
-            or (pinned and not buf.is_pinned())
+            or (pinned and not self._unpinned and not buf.is_pinned())
         ):
             self.buffer = None  # the old one is freed before the new one is allocated
-            buf = self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            buf = self.buffer = _allocate(nbytes, pinned and not self._unpinned)
+            self._unpinned = self._unpinned or (pinned and not buf.is_pinned())
         return buf
+
+
+def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, pinned if asked and the system allows it, else ordinary
+    memory with a warning (the copies from CUDA are then synchronous: slower, still exact)."""
+    if pinned:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as err:  # cudaHostAlloc refused: the memlock limit, no host memory
+            warnings.warn(
+                f"memtree: could not pin {nbytes:,} bytes of host memory for async saves ({err}); "
+                "using ordinary memory: the snapshot copies from CUDA block until done. Raise the "
+                "locked-memory limit (ulimit -l, or the container's memlock) to pin it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 #: Tensors whose memory holds their values (not a subclass): their copies go in one call.

@@ -25,9 +25,12 @@ URL): ``load_memmap(..., verify=True)`` runs it for a local tree and a remote on
 ``memtree verify`` computes the same hash (:func:`stored_tree_hash`) over what it has read.
 
 A leaf whose bytes no longer match its checksum is *damaged*, unless the file was modified after
-its level's ``meta.json`` was written (:func:`changed_after_meta`): then it was written in place
-(through a ``mode="r+"`` mapping, say) and its checksum is *stale*: memtree cannot tell an
-intended write from damage, and says so instead of calling it corruption.
+its level's ``meta.json`` was written (:func:`changed_after_meta`) and the ``meta.json`` files are
+intact (the root's ``tree_hash``, when it records one, matches them: ``load_memmap(verify=True)``
+checks it before any leaf, ``verify_tree`` before it classifies a mismatch): then it was written in
+place (through a ``mode="r+"`` mapping, say) and its checksum is *stale*: memtree cannot tell an
+intended write from damage, and says so instead of calling it corruption. A ``meta.json`` changed
+since the save (a tree hash mismatch) makes every mismatching leaf damage, whatever the times.
 
 Example:
     >>> from memtree.format.schema import LevelMeta, JsonMeta
@@ -48,7 +51,7 @@ from ...errors import IntegrityError
 from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LevelMeta, PickleMeta, dump_level
 from ..primitives.checksums import new_digest
-from .storage import FileInfo, Storage
+from .storage import FileInfo, Storage, join_rel
 from .walk import WalkedLevel, walk
 
 __all__ = [
@@ -87,9 +90,10 @@ def tree_hash_lines(
         rel, path, name = todo.pop()
         meta = metas[rel]
         if rel == "":
-            data = dump_level(replace(meta, tree_hash=None, mac=None))  # an encrypted root's mac covers the hash
+            # an encrypted root's mac covers the hash
+            data = dump_level(replace(meta, tree_hash=None, mac=None), META_NAME)
         else:
-            data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta)
+            data = dumped[rel] if dumped is not None and rel in dumped else dump_level(meta, join_rel(rel, META_NAME))
         rows.append((path, 0, [orjson.dumps([path, name]), data]))
         for e in meta.entries:
             if isinstance(e, ChildMeta):

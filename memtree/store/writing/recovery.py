@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import stat
 from dataclasses import dataclass, field
@@ -265,7 +266,8 @@ def _recover_name(parent: str, name: str, left: _Leftovers) -> list[str]:
                 unnamed.append(
                     f"left {path}: a temporary file that no crashed writer's journal names (a "
                     "MemoryMappedTensor file being written, or one left by a memtree older than "
-                    "the journaled single-file writes); delete it if no process is writing it"
+                    "the journaled single-file writes); if no process is writing it, remove it: "
+                    f"rm -- {shlex.quote(path)}"
                 )
         if left.lock and not actions:
             actions.append(f"removed stale lock file: {lock.path}")
@@ -282,8 +284,8 @@ def recover(path: str | os.PathLike[str]) -> list[str]:
     overwrite was interrupted between its two renames (the recovery rule in the module
     docstring), then delete stale staging directories, old copies and lock files, and the
     temporary file of a single-file write (a ``.safetensors`` file) that a crashed writer's
-    journal names (a temporary file no journal names is left, with a line that says so: its
-    writer may still be writing it). Destinations
+    journal names (a temporary file no journal names is left, with a line that gives the
+    command to remove it: its writer may still be writing it). Destinations
     whose lock is held by a live writer are skipped, and so are those whose lock file is not a
     regular file with a single name (a link, a FIFO...: memtree would write its journal into
     it), each with a line that says why. Writers do the same for their own

@@ -73,6 +73,7 @@ from ...format.schema import (
     LevelMeta,
     PickleMeta,
     SubclassMeta,
+    check_writable,
     dump_level,
     extent_bytes,
     starts_with_batch,
@@ -88,7 +89,7 @@ from ..reading.options import ReadOptions, WriteOptions, check_mode
 from ..reading.read import PendingLevel, open_tree
 from ...format.names import LEAF_SUFFIX, PICKLE_SUFFIX
 from .staged import staged_commit
-from ..reading.storage import local_path
+from ..reading.storage import join_rel, local_path
 
 __all__ = [
     "LeafJob",
@@ -260,7 +261,13 @@ def _plan_level(
             entries.append(JsonMeta(key, data, tuples=tuple(tuples) or None))
     if level.int_keys:  # a dict of training state with int keys (format version 2)
         entries = [replace(e, int_key=True) if e.key in level.int_keys else e for e in entries]
-    plan.levels.append(LevelPlan(rel, LevelMeta(tuple(level.batch_size), tuple(entries), level.type), depth, path))
+    meta = LevelMeta(tuple(level.batch_size), tuple(entries), level.type)
+    check_writable(meta, _level_name(path), depth)
+    plan.levels.append(LevelPlan(rel, meta, depth, path))
+
+
+def _level_name(path: tuple[str, ...]) -> str:
+    return f"level {fmt_key(path)}" if path else "the root level"
 
 
 def _json_ok(value: object, path: tuple[str, ...], allow_pickle: bool) -> bool:
@@ -548,7 +555,7 @@ def _write_staging(
             os.chmod(staging, 0o755)
         if cipher is not None:
             meta = cipher.seal_level(meta, lp.rel)
-        data = dump_level(meta)
+        data = dump_level(meta, join_rel(lp.rel, META_NAME))
         write_small_file(f"{directory}/{META_NAME}", data, fsync=fsync)
         dumped[lp.rel] = data
         if fsync:

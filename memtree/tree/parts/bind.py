@@ -82,7 +82,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ...errors import MemtreeKeyError, ShapeMismatchError, SourceError
+from ...errors import InvalidArgumentError, MemtreeKeyError, ShapeMismatchError, SourceError
 from ...format.names import TIED_KEY
 from ...format.values import NonTensor
 from ...store.reading.mapped import MemoryMappedTensor
@@ -105,6 +105,8 @@ __all__ = [
     "bind",
     "is_live",
     "refuse_fills_from_meta",
+    "shared_memory",
+    "check_shared_memory",
     "set_slot",
     "swap_flat",
     "plain",
@@ -563,6 +565,108 @@ def refuse_fills_from_meta(found: Plan, src: Source, where: str) -> None:
         )
 
 
+#: The fix for a fill in place that cannot be done: binding instead.
+_BIND_INSTEAD = (
+    "bind new tensors instead (load_into_module(..., assign=True), or tree.to_module(module) "
+    "without inplace=True)"
+)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[begin, end)`` of its storage that the elements of ``t`` (not empty) lie in."""
+    size = t.element_size()
+    begin = int(t.storage_offset()) * size
+    return begin, begin + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * size
+
+
+def _may_overlap_itself(t: torch.Tensor) -> bool:
+    """False when no two elements of ``t`` can share memory (each stride, smallest first, passes
+    the reach of the smaller ones); True for an expanded view, and for layouts too odd to tell."""
+    reach = 0
+    for stride, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (n - 1) * stride
+    return False
+
+
+def shared_memory(found: Plan) -> list[list[tuple[Group, str]]]:
+    """The planned live tensors that may share memory, which a fill would write in any order
+    (rare: views of one storage made by the constructor): groups of tensors whose byte ranges
+    of one storage overlap, and single tensors that may overlap themselves.
+
+    Per tensor only its storage is looked at; extents are computed for the storages that hold
+    several tensors, and strides for the tensors that are not contiguous (this runs on every
+    load into live tensors)."""
+    by_storage: dict[tuple[torch.device, int], list[tuple[Group, str]]] = {}
+    for group, name in found.pairs:
+        t = group.tensor
+        if is_live(group) and t.numel() and is_plain(t):  # a subclass: filled by its inner tensors
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((group, name))
+    clusters: list[list[tuple[Group, str]]] = []
+    for pairs in by_storage.values():
+        if len(pairs) == 1:
+            if not pairs[0][0].tensor.is_contiguous():  # a contiguous tensor never overlaps itself
+                clusters.append(pairs)
+            continue
+        end = -1
+        spans = sorted(((*_extent(g.tensor), g, n) for g, n in pairs), key=lambda s: s[:2])
+        for begin, stop, group, name in spans:
+            if begin < end:
+                clusters[-1].append((group, name))
+                end = max(end, stop)
+            else:
+                clusters.append([(group, name)])
+                end = stop
+    return [c for c in clusters if len(c) > 1 or _may_overlap_itself(c[0][0].tensor)]
+
+
+def check_shared_memory(found: Plan, src: Source, where: str) -> None:
+    """Refuse to fill live tensors that share memory unless the source's values agree on it:
+    every fill in place checks this first (:func:`bind`, :func:`memtree.load_into_module`), so
+    that none is last-write-wins. ``where`` names the caller in messages.
+
+    Each group's values are written, in order, into a scratch copy of the shared bytes laid out
+    as the module's tensors are; every tensor must then read back its own value.
+
+    Raises:
+        SourceError: two tensors sharing memory are given different values for it.
+        InvalidArgumentError: a tensor's elements share memory (an expanded view): it cannot be
+            filled in place.
+    """
+    for cluster in shared_memory(found):
+        tensors = [group.tensor.detach() for group, _ in cluster]
+        base = min(_extent(t)[0] for t in tensors)
+        base -= base % 16
+        scratch = torch.empty(
+            max(_extent(t)[1] for t in tensors) - base, dtype=torch.uint8, device=tensors[0].device
+        ).untyped_storage()
+        written = []
+        for (group, name), t in zip(cluster, tensors):
+            offset = (_extent(t)[0] - base) // t.element_size()
+            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, offset, t.shape, t.stride())
+            value = src.get(name).detach()
+            try:
+                view.copy_(value)
+            except RuntimeError:
+                raise InvalidArgumentError(
+                    f"{where}: the module's tensor {group.names[0]!r} has elements that share "
+                    f"memory ({list(t.shape)} with strides {list(t.stride())}: an expanded view), so it "
+                    f"cannot be filled in place. Nothing was changed: {_BIND_INSTEAD}, or give the "
+                    "module a tensor of its own"
+                ) from None
+            written.append((group, view, value.to(device=t.device, dtype=t.dtype)))
+        for group, view, value in written:
+            if not torch.equal(*(t.contiguous().view(-1).view(torch.uint8) for t in (view, value))):
+                names = [g.names[0] for g, _ in cluster]
+                raise SourceError(
+                    f"{where}: the module's tensors {names_list(names)} share memory (views "
+                    f"of one storage), and the source gives {group.names[0]!r} values that another of "
+                    f"them overwrites. Nothing was changed: {_BIND_INSTEAD}, or load a source whose "
+                    "values agree on the shared memory"
+                )
+
+
 def _tracks_gradients(t: torch.Tensor) -> bool:
     """A tensor whose gradients a new ``nn.Parameter`` would cut off: one that requires grad,
     or a ``torch.vmap`` slice (what tensordict keeps in a parameter slot as it is)."""
@@ -628,6 +732,7 @@ def bind(
     """
     if not assign:
         refuse_fills_from_meta(plan, src, where)
+        check_shared_memory(plan, src, where)
     made: dict[tuple[str, Any], Any] = {}  # one bound object per source tensor (keeps ties)
     old: list[tuple[Group, Any]] = []
     bound: list[tuple[Group, Any]] = []
