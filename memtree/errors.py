@@ -15,6 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
+
 __all__ = [
     "MemtreeError",
     "MemtreeKeyError",
@@ -58,6 +62,7 @@ __all__ = [
     "UnknownClassError",
     "NotGrowableError",
     "InvalidArgumentError",
+    "UnknownKeywordError",
     "InvalidIndexError",
     "UnsizedTreeError",
     "AmbiguousTruthError",
@@ -243,6 +248,88 @@ class NotGrowableError(MemtreeError, ValueError):
 
 class InvalidArgumentError(MemtreeError, ValueError):
     """An argument of a memtree function has a value it does not accept (a ``mode``, a length...)."""
+
+
+class UnknownKeywordError(InvalidArgumentError, TypeError):
+    """A keyword argument that the function does not take, usually a typo: the message names the
+    closest keyword it takes ("did you mean 'mode'?") and lists them all. A ``TypeError`` too,
+    as Python's own error for an unexpected keyword is.
+
+    Example:
+        >>> import memtree
+        >>> try:
+        ...     memtree.load_memmap("tree", mdoe="r")
+        ... except TypeError as err:
+        ...     print(str(err)[:77])
+        load_memmap() got an unexpected keyword argument 'mdoe': did you mean 'mode'?
+    """
+
+    @classmethod
+    def of(cls, function: str, unknown: Iterable[str], accepted: Iterable[str]) -> UnknownKeywordError:
+        """The error for ``function`` called with the keywords ``unknown``, which are not among
+        ``accepted`` (in the order the function declares them)."""
+        import difflib
+
+        names = list(accepted)
+        bad = sorted(unknown)
+        close = difflib.get_close_matches(bad[0], names, n=1, cutoff=0.6)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        what = f"keyword argument {bad[0]!r}" if len(bad) == 1 else f"keyword arguments {bad}"
+        return cls(f"{function}() got an unexpected {what}{hint} It takes: {', '.join(names)}")
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def keyword_names(func: Callable[..., object]) -> list[str]:
+    """The names ``func`` takes as keywords, in the order it declares them.
+
+    Example:
+        >>> def f(a, /, b, *, c=1, **rest): ...
+        >>> keyword_names(f)
+        ['b', 'c']
+    """
+    import inspect
+
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params if p.kind in kinds and p.name not in ("self", "cls")]
+
+
+def check_keywords(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Answer a misspelt keyword of a public function with :class:`UnknownKeywordError` ("did you
+    mean ...?") instead of Python's bare ``TypeError``.
+
+    The signature stays the function's own (``help()``, :func:`inspect.signature` and the
+    documentation show it), and a call that binds costs one more frame, nothing else: the names
+    are looked up only once Python has refused the call (a ``TypeError`` raised by the call
+    itself, not from inside the function).
+
+    Example:
+        >>> @check_keywords
+        ... def save(path, *, num_threads=0): ...
+        >>> save("x", num_thread=2)
+        Traceback (most recent call last):
+        ...
+        memtree.errors.UnknownKeywordError: save() got an unexpected keyword argument 'num_thread': did you mean 'num_threads'? It takes: path, num_threads
+    """
+
+    @functools.wraps(func)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return func(*args, **kwargs)
+        except TypeError as err:
+            if not kwargs or err.__traceback__ is None or err.__traceback__.tb_next is not None:
+                raise  # raised inside the function, or not about keywords
+            accepted = keyword_names(func)
+            unknown = [k for k in kwargs if k not in accepted]
+            if not unknown:
+                raise
+            name = func.__qualname__.removesuffix(".__init__") if func.__name__ == "__init__" else func.__name__
+            raise UnknownKeywordError.of(name, unknown, accepted) from None
+
+    return checked
 
 
 class InvalidIndexError(MemtreeError, IndexError):

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memtree
-from memtree.training import checkpointer as ckpt_module
+from memtree.training import commit as commit_module  # a Checkpointer's steps go through its write_tree
 from test_training import assert_same
 from treeutil import flip_bit, snapshot
 
@@ -364,16 +364,16 @@ def test_retention_never_deletes_the_step_just_written(tmp_path, monkeypatch):
     retention pass of step 5 keeps it (and the newest); save() returns a path that exists."""
     ckpt = memtree.Checkpointer(tmp_path, keep_last=1)
     other = memtree.Checkpointer(tmp_path)
-    real = ckpt_module.write_tree
+    real = commit_module.write_tree
 
     def write_then_other_commits(path, *args, **kwargs):
         out = real(path, *args, **kwargs)
         if path == ckpt.path(5):
-            monkeypatch.setattr(ckpt_module, "write_tree", real)
+            monkeypatch.setattr(commit_module, "write_tree", real)
             other.save(9, _w(9))
         return out
 
-    monkeypatch.setattr(ckpt_module, "write_tree", write_then_other_commits)
+    monkeypatch.setattr(commit_module, "write_tree", write_then_other_commits)
     assert ckpt.save(5, _w(5)) == ckpt.path(5)
     assert ckpt.steps() == [5, 9]
     assert_same(ckpt.restore(5), _w(5))
@@ -532,13 +532,13 @@ def test_a_retention_that_cannot_delete_a_step_warns_and_the_save_succeeds(tmp_p
 
 
 def test_wait_says_whether_a_failed_background_save_was_committed(ckpt, monkeypatch):
-    real = ckpt_module.write_tree
+    real = commit_module.write_tree
 
     def fail_after(*args, **kwargs):
         real(*args, **kwargs)
         raise memtree.StorageError("injected after the commit")
 
-    monkeypatch.setattr(ckpt_module, "write_tree", fail_after)
+    monkeypatch.setattr(commit_module, "write_tree", fail_after)
     fut = ckpt.save(1, _w(1), blocking=False)
     with pytest.raises(memtree.StorageError):
         fut.result(timeout=60)
@@ -549,7 +549,7 @@ def test_wait_says_whether_a_failed_background_save_was_committed(ckpt, monkeypa
     def fail_before(*args, **kwargs):
         raise memtree.StorageError("injected before the commit")
 
-    monkeypatch.setattr(ckpt_module, "write_tree", fail_before)
+    monkeypatch.setattr(commit_module, "write_tree", fail_before)
     ckpt.save(2, _w(2), blocking=False)
     with pytest.raises(memtree.CheckpointSaveError, match="injected before the commit; nothing of step 2 was committed"):
         ckpt.wait()

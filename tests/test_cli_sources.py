@@ -465,3 +465,86 @@ def test_usage_error_is_exit_2(capsys) -> None:
         main(["no-such-command"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# -- the first hour: verify/diff without torch, routed torch.save files, encrypted trees -----------
+
+
+def test_verify_and_diff_of_trees_import_no_torch(tree_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    TensorTree({"w": torch.zeros(2, 3), "opt": {"step": torch.tensor(3), "lr": 0.1}}).memmap(other, checksum="crc32")
+    proc = run_python(
+        "import sys\n"
+        "from memtree.cli import main\n"
+        f"code = main(['verify', {str(tree_dir)!r}])\n"
+        f"code2 = main(['diff', {str(tree_dir)!r}, {str(other)!r}])\n"
+        "print('EXIT', code, code2, 'torch' in sys.modules)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 1 False", proc.stdout
+    assert "OK " in proc.stdout and "1 changed" in proc.stdout
+
+
+def test_info_describes_a_file_torch_save_wrote_under_memtree_saving(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    with memtree.saving():
+        torch.save({"model": {"w": torch.ones(2, 3, dtype=torch.bfloat16)}, "epoch": 7}, path)
+    doc = cli_json("info", str(path))
+    assert doc["format"] == "torch" and doc["totals"]["tensors"] == 1
+    [tensor] = [e for e in doc["entries"] if e["kind"] == "tensor"]
+    assert tensor["key"] == ["model.w"] and tensor["dtype"] == "bfloat16" and tensor["shape"] == [2, 3]
+    assert [e["value"] for e in doc["entries"] if e["kind"] == "json"] == [7]
+
+
+def test_a_routed_file_read_outside_memtree_loading_names_the_way_to_load_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    with memtree.saving():
+        torch.save({"w": torch.arange(4.0)}, path)
+    with memtree.open_checkpoint(path) as ckpt:  # no UnsafePickleError: memtree's own reference
+        assert ckpt.tensor_spec("w") == (torch.Size([4]), torch.float32)
+        with pytest.raises(memtree.RoutingError, match=r"memtree\.saving\(\).*model\.pt\.memtree/.*memtree\.loading\(\)"):
+            ckpt["w"]
+    with memtree.loading():
+        assert torch.equal(torch.load(path)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_verify_of_an_encrypted_tree_without_its_key_says_what_was_not_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sealed: bool
+) -> None:
+    pytest.importorskip("cryptography")
+    d = tmp_path / "enc"
+    key = memtree.EncryptionKey.generate()
+    TensorTree({"w": torch.ones(3), "s": {"b": torch.zeros(2)}}).memmap(d, encryption=key, encrypt_names=sealed)
+    doc = cli_json("verify", str(d))
+    assert doc["ok"] and doc["encrypted"] and doc["sealed"] is sealed
+    assert doc["leaves"] == (0 if sealed else 2)
+    assert main(["verify", str(d)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("OK ")
+    if sealed:
+        assert "sealed names: without the key no key, sub-tree or leaf below the root is listed or checked" in line
+    else:
+        assert "nothing decrypted or authenticated without the key" in line
+    assert "encryption=key, verify=True" in line
+    plain = tmp_path / "plain"
+    TensorTree({"w": torch.ones(3)}).memmap(plain)
+    assert cli_json("verify", str(plain))["encrypted"] is False
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("../../etc", "0", "float32", "cpu"), ("a/b", "0", "float32", "cpu"), ("e", "../0", "float32", "cpu"),
+     ("e", "0", "os.system", "cpu"), ("e", 0, "float32", "cpu"), ("e", "0", "float32", None)],
+)
+def test_a_hostile_routed_reference_is_refused_and_runs_nothing(tmp_path: Path, args: tuple[object, ...]) -> None:
+    import memtree.routing
+
+    class Reference:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (memtree.routing._routed_storage, args)
+
+    path = tmp_path / "hostile.pt"
+    torch.save({"x": Reference(), "w": torch.ones(2)}, path)
+    with pytest.raises(memtree.CheckpointFormatError, match="routed by memtree.saving"):
+        memtree.open_checkpoint(path)

@@ -73,3 +73,9 @@ def test_every_heading_of_the_format_page_cited_in_the_code_exists() -> None:
     assert "Encryption" in cited and "Version 2" in cited  # the pattern finds the citations
     stale = {h: files for h, files in cited.items() if h not in headings}
     assert not stale, f"docs/format.md has no heading named {stale}; cite the current heading"
+
+
+def test_the_getting_started_table_lists_every_tutorial() -> None:
+    table = (REPO / "docs" / "getting-started.md").read_text()
+    missing = [p.name for p in sorted((REPO / "tutorials").glob("[0-9]*.py")) if f"| `{p.name}` |" not in table]
+    assert not missing, f"add a row for {missing} to the tutorials table of docs/getting-started.md"

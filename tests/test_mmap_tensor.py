@@ -661,3 +661,23 @@ def test_sending_a_tensor_whose_file_was_replaced_is_refused(tmp_path):
     with pytest.raises(memtree.MissingLeafError, match="no longer the file"):
         pickle.loads(sent)
     assert mt.tolist() == [0.0, 1.0, 2.0, 3.0]  # the sender's mapping still shows its data
+
+
+def test_a_write_descriptor_closes_quietly_when_module_globals_are_gone(tmp_path, monkeypatch):
+    """At interpreter exit a module's globals may already be None when the last mapping of a
+    written file goes (a script that writes dataset rows at module level): the descriptor still
+    closes, and nothing is printed ("Exception ignored in WriteFd.__del__ ... AttributeError")."""
+    import sys
+
+    from memtree.store.reading import mapped_files
+
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+    writer = mapped_files.WriteFd(fd)
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(mapped_files, "os", None)  # as the interpreter's shutdown leaves it
+    del writer
+    monkeypatch.undo()
+    assert unraisable == []
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import memtree
 from memtree.format.schema import parse_level
-from memtree.training import checkpointer as ckpt_module
+from memtree.training import commit as commit_module  # a Checkpointer's steps go through its write_tree
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -336,7 +336,7 @@ def test_async_save_snapshots_the_state_at_the_call(ckpt):
 def test_the_staging_buffer_is_reused_and_saves_never_overlap(ckpt, monkeypatch):
     active = []
     overlaps = []
-    real = ckpt_module.write_tree
+    real = commit_module.write_tree
 
     def tracking(*args, **kwargs):
         active.append(1)
@@ -346,7 +346,7 @@ def test_the_staging_buffer_is_reused_and_saves_never_overlap(ckpt, monkeypatch)
         finally:
             active.pop()
 
-    monkeypatch.setattr(ckpt_module, "write_tree", tracking)
+    monkeypatch.setattr(commit_module, "write_tree", tracking)
     futures, buffers = [], []
     for s in range(4):
         futures.append(ckpt.save(s, {"w": torch.full((1 << 16,), float(s))}, blocking=False))
@@ -358,7 +358,7 @@ def test_the_staging_buffer_is_reused_and_saves_never_overlap(ckpt, monkeypatch)
 
 
 def test_a_background_failure_reaches_the_future_and_the_next_save(ckpt, monkeypatch):
-    real = ckpt_module.write_tree
+    real = commit_module.write_tree
     calls = []
 
     def failing(*args, **kwargs):
@@ -367,7 +367,7 @@ def test_a_background_failure_reaches_the_future_and_the_next_save(ckpt, monkeyp
             raise memtree.StorageError("injected disk failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt_module, "write_tree", failing)
+    monkeypatch.setattr(commit_module, "write_tree", failing)
     fut = ckpt.save(1, {"w": torch.ones(4)}, blocking=False)
     with pytest.raises(memtree.StorageError, match="injected"):
         fut.result(timeout=60)
@@ -382,7 +382,7 @@ def test_a_background_failure_reaches_the_future_and_the_next_save(ckpt, monkeyp
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_module, "write_tree", no_space)
+    monkeypatch.setattr(commit_module, "write_tree", no_space)
     fut = ckpt.save(4, {"w": torch.ones(4)}, blocking=False)
     with pytest.raises(memtree.CheckpointSaveError, match="step 4"):
         ckpt.wait()

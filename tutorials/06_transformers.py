@@ -17,6 +17,7 @@ The last line starts with "OK" (the test suite checks it).
 
 from __future__ import annotations
 
+# --8<-- [start:setup]
 import atexit
 import os
 import shutil
@@ -39,6 +40,7 @@ except ImportError:
 FAST = os.environ.get("MEMTREE_TUTORIAL_FAST") == "1"
 work = tempfile.mkdtemp(prefix="memtree-tutorial-06-")
 atexit.register(shutil.rmtree, work, ignore_errors=True)
+# --8<-- [end:setup]
 
 # --8<-- [start:build]
 from memtree import TensorTree, empty_init, load_into_module, load_memmap

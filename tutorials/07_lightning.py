@@ -18,6 +18,7 @@ The last line starts with "OK" (the test suite checks it).
 
 from __future__ import annotations
 
+# --8<-- [start:setup]
 import atexit
 import logging
 import os
@@ -40,6 +41,7 @@ FAST = os.environ.get("MEMTREE_TUTORIAL_FAST") == "1"
 EPOCHS = 4 if FAST else 8
 work = tempfile.mkdtemp(prefix="memtree-tutorial-07-")
 atexit.register(shutil.rmtree, work, ignore_errors=True)
+# --8<-- [end:setup]
 
 # --8<-- [start:fit]
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -93,9 +95,9 @@ def fit(root: str, epochs: int, ckpt_path: str | None = None, io=None) -> Regres
 
 run = os.path.join(work, "run")
 fit(run, EPOCHS // 2)
-print(sorted(os.listdir(os.path.join(run, "ckpt"))))   # top 2 and last.ckpt: directories
-# --8<-- [end:fit]
 names = sorted(os.listdir(os.path.join(run, "ckpt")))
+print(names)                                             # top 2 and last.ckpt: directories
+# --8<-- [end:fit]
 assert len(names) == 3 and "last.ckpt" in names
 assert all(os.path.isfile(os.path.join(run, "ckpt", n, "meta.json")) for n in names)
 print(f"1. {len(names)} checkpoints, each a memtree tree")

@@ -16,6 +16,7 @@ The last line starts with "OK" (the test suite checks it).
 
 from __future__ import annotations
 
+# --8<-- [start:setup]
 import atexit
 import os
 import shutil
@@ -37,6 +38,7 @@ except ImportError:
 FAST = os.environ.get("MEMTREE_TUTORIAL_FAST") == "1"
 work = tempfile.mkdtemp(prefix="memtree-tutorial-08-")
 atexit.register(shutil.rmtree, work, ignore_errors=True)
+# --8<-- [end:setup]
 
 # --8<-- [start:train]
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed

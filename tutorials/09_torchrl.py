@@ -16,6 +16,7 @@ The last line starts with "OK" (the test suite checks it).
 
 from __future__ import annotations
 
+# --8<-- [start:setup]
 import atexit
 import logging
 import multiprocessing as mp
@@ -37,6 +38,7 @@ FAST = os.environ.get("MEMTREE_TUTORIAL_FAST") == "1"
 CAPACITY = 1_000 if FAST else 100_000
 work = tempfile.mkdtemp(prefix="memtree-tutorial-09-")
 atexit.register(shutil.rmtree, work, ignore_errors=True)
+# --8<-- [end:setup]
 
 # --8<-- [start:buffer]
 from tensordict import TensorDict

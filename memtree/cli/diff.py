@@ -114,7 +114,7 @@ def _same_inode(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) 
 
 def _describe(e: Entry) -> str:
     if isinstance(e, LeafMeta):
-        return f"{dtype_name(e.dtype)}{list(e.shape)}"
+        return f"{e.dtype_name}{list(e.shape)}"
     if isinstance(e, JsonMeta):
         return json.dumps(e.value)[:80]
     return "pickle"
@@ -206,7 +206,7 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
         if json.dumps(ea.value, sort_keys=True) != json.dumps(eb.value, sort_keys=True):
             what.append("value")
     elif isinstance(ea, LeafMeta) and isinstance(eb, LeafMeta):
-        if ea.dtype != eb.dtype:
+        if ea.dtype_name != eb.dtype_name:
             what.append("dtype")
         if ea.shape != eb.shape:
             what.append("shape")

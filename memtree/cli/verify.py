@@ -69,6 +69,17 @@ def run(args: argparse.Namespace) -> int:
         summary += f" ({unchecked} leaves have no checksum: size checked only)"
     if report.tree_hash in ("ok", "mismatch"):
         summary += ", tree hash " + ("matches" if report.tree_hash == "ok" else "differs")
+    if report.sealed:
+        summary += (
+            "; encrypted with sealed names: without the key no key, sub-tree or leaf below the "
+            "root is listed or checked, only the root's meta.json (check the contents with "
+            "memtree.load_memmap(path, encryption=key, verify=True))"
+        )
+    elif report.encrypted:
+        summary += (
+            "; encrypted: checksums compared with the ciphertext, nothing decrypted or "
+            "authenticated without the key (memtree.load_memmap(path, encryption=key, verify=True) does both)"
+        )
     if report.ok:
         lines.append(f"OK {summary}")
     else:

@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import DistributedCheckpointError
+from ..errors import DistributedCheckpointError, check_keywords
 from .reader import Reader
 from .planners import LoadPlanner, SavePlanner, check_subclasses
 from .writer import Writer
@@ -68,6 +68,7 @@ def _convert(err: CheckpointException, what: str) -> DistributedCheckpointError:
     return DistributedCheckpointError(f"{what} failed on {len(failures)} rank(s): {lines}", failures)
 
 
+@check_keywords
 def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None,
          existsok: bool = True, fsync: bool = True, num_threads: int = 0) -> Metadata:
     """``dcp.save`` with memtree's :class:`Writer` and :class:`SavePlanner` (call it on every rank).
@@ -109,6 +110,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         writer.abort()
 
 
+@check_keywords
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None) -> None:
     """``dcp.load`` with memtree's :class:`Reader` and :class:`LoadPlanner`: fills ``state_dict`` in place.
 

@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import MemtreeError, SubclassError
+from ..errors import MemtreeError, SubclassError, check_keywords
 from .dtypes import any_dtype_from_name, any_dtype_name
 from .level import Level, fmt_key
 from .schema import TYPE_NAME_MAX, is_type_name
@@ -132,6 +132,7 @@ _NAMES: dict[type, str] = {}  # the reverse
 # the registry
 
 
+@check_keywords
 def register_subclass(cls: T, *, name: str | None = None) -> T:
     """Allow memtree to rebuild ``cls`` from disk under ``name`` (returns ``cls``: a decorator).
 

@@ -7,7 +7,7 @@ step, at the framework's path:
 
 * :func:`save_tree`: the dict becomes levels (:func:`memtree.integrations.values.encode`, then
   :func:`memtree.training.state.state_to_level`), written by
-  :func:`memtree.store.writing.write.write_tree`: atomic (a staging directory renamed onto the path, the
+  :func:`memtree.training.commit.write_state_tree`, as a Checkpointer writes a step: atomic (a staging directory renamed onto the path, the
   old tree replaced in one ``renameat2`` exchange), checksummed, every leaf whose bytes equal the
   ``link_from`` tree's hard-linked instead of written, fsynced with ``fsync=True``;
 * :func:`load_tree`: the tree read whole into memory (never mapped: training updates the
@@ -40,10 +40,11 @@ from typing import Any
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, InvalidArgumentError, LockError
 from ..format.names import META_NAME, lock_path, staging_path
 from ..store.primitives.commit import LOCK_TIMEOUT, WriterLock
-from ..store.reading.options import ReadOptions, WriteOptions, normalize_keys
+from ..store.reading.options import ReadOptions, normalize_keys
 from ..store.reading.read import open_tree
 from ..store.reading.storage import local_path
-from ..store.writing.write import WriteStats, write_tree
+from ..store.writing.write import WriteStats
+from ..training.commit import write_state_tree
 from ..training.state import level_to_state, state_to_level
 from .values import RECORD_KEY, decode, encode
 
@@ -141,15 +142,9 @@ def write_level(path: str, level: Any, *, link_from: str | None, fsync: bool) ->
         ...             link_from=None, fsync=False).files_written
         1
     """
-    options = WriteOptions.of(
-        existsok=True, fsync=fsync, copy_existing=True, progress=False,
-        num_threads=min(8, os.cpu_count() or 1), link_from=link_from,
-    )
     for attempt in range(_LOCK_ATTEMPTS):
-        stats = WriteStats()
         try:
-            write_tree(path, level, options, stats=stats)
-            return stats
+            return write_state_tree(path, level, link_from=link_from, fsync=fsync)
         except LockError:  # another process writes this very path (two trainers, one name)
             if attempt == _LOCK_ATTEMPTS - 1:
                 raise

@@ -36,7 +36,7 @@ from typing import Any, Union
 
 import torch
 
-from ..errors import CheckpointFormatError, LegacyCheckpointError
+from ..errors import CheckpointFormatError, LegacyCheckpointError, check_keywords
 from ..store.reading.storage import local_path
 from .checkpoint_file import CheckpointFile, Closing
 from .safetensors_file import SafetensorsReader, looks_like_safetensors
@@ -164,6 +164,7 @@ def open_file(
     return SafetensorsReader(path)
 
 
+@check_keywords
 def open_checkpoint(
     path: str | os.PathLike[str], *, allow_pickle: bool = False, skip_unsupported: bool = False
 ) -> Checkpoint:

@@ -68,6 +68,7 @@ import torch
 
 from ..format.dtypes import dtype_from_name, itemsize
 from ..errors import (
+    check_keywords,
     DestinationExistsError,
     DtypeError,
     InvalidArgumentError,
@@ -537,6 +538,7 @@ def _flatten(level: Level, leaves: dict[str, LazyLeaf], dropped: list[str]) -> d
     return metadata
 
 
+@check_keywords
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

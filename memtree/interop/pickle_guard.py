@@ -50,7 +50,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from ..errors import CheckpointFormatError, InvalidArgumentError
+from ..errors import CheckpointFormatError, InvalidArgumentError, check_keywords
 
 __all__ = [
     "PickleLimits",
@@ -120,6 +120,7 @@ def current_limits() -> PickleLimits:
 
 
 @contextmanager
+@check_keywords
 def pickle_limits(
     limits: PickleLimits | None = None,
     *,

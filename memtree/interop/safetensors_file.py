@@ -53,6 +53,7 @@ from ..format.schema import MAX_NBYTES, extent_bytes
 from ..format.names import TIED_KEY
 from ..format.values import NonTensor, json_depth
 from ..errors import (
+    check_keywords,
     CheckpointFormatError,
     DtypeError,
     KeyCollisionError,
@@ -443,6 +444,7 @@ def _write_file(
         os.close(fd)
 
 
+@check_keywords
 def save_safetensors(
     tensors: Mapping[str, Any] | Any,
     path: str | os.PathLike[str],

@@ -79,6 +79,7 @@ from ..errors import (
     LegacyCheckpointError,
     MemtreeError,
     MemtreeKeyError,
+    RoutingError,
 )
 from ..format.dtypes import itemsize
 from ..store.primitives.checksums import crc32, file_checksum
@@ -92,7 +93,7 @@ from .pickle_guard import (
     flatten_pickled,
     limit_error,
 )
-from .unpickler import RestrictedUnpickler, StorageRef, TensorRef, UnreadableTensor
+from .unpickler import RestrictedUnpickler, RoutedStorage, StorageRef, TensorRef, UnreadableTensor
 
 __all__ = [
     "StorageRef",
@@ -413,9 +414,17 @@ class TorchSaveReader(Closing):
         """``(ref, start, nbytes)``: the bytes of the file that ``key``'s tensor spans, checked
         against the file (the record was checked when the pickle was read)."""
         ref = self.ref(key)
+        storage = ref.storage
+        if isinstance(storage, RoutedStorage):
+            raise RoutingError(
+                f"{self.path} was written by torch.save under memtree.saving(): the data of "
+                f"{key!r} is leaf {storage.key!r} of the tree {os.path.basename(self.path)}.memtree/"
+                f"{storage.entry}/ beside it. Load the file with `with memtree.loading(): "
+                "torch.load(path)`, which maps it from there"
+            )
         first, count = ref.span()
         size = itemsize(ref.dtype)
-        start, nbytes = ref.storage.data_offset + first * size, count * size
+        start, nbytes = storage.data_offset + first * size, count * size
         self._file.check_range(start, nbytes, f"tensor {key!r}")
         return ref, start, nbytes
 
@@ -441,10 +450,11 @@ class TorchSaveReader(Closing):
 
     @staticmethod
     def _whole_record(ref: TensorRef, nbytes: int) -> bool:
-        return nbytes == ref.storage.nbytes and nbytes > 0 and bool(ref.storage.crc)
+        storage = ref.storage
+        return isinstance(storage, StorageRef) and nbytes == storage.nbytes and nbytes > 0 and bool(storage.crc)
 
     def _check_crc(self, key: str, ref: TensorRef, crc: int) -> None:
-        if crc != ref.storage.crc:
+        if crc != getattr(ref.storage, "crc", None):  # (a routed storage is never read here)
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} fails its CRC-32 check (record "
                 f"data/{ref.storage.key}); the file is damaged: download or save it again"

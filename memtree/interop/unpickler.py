@@ -36,6 +36,9 @@ cannot hold (``bits8``, ``float4_e2m1fn_x2``...)  key, or left out and reported 
                                                   (``skip_unsupported=True``)
 globals added with                                not honoured: refused (``UnsafePickleError``,
 ``torch.serialization.add_safe_globals``          naming the global) unless ``allow_pickle=True``
+memtree's own ``memtree.routing._routed_storage`` a :class:`RoutedStorage`: the tensor's spec
+(a file ``torch.save`` wrote under                 is known, its data is in the tree beside the
+``memtree.saving()``)                              file (reading it names the way to load it)
 ================================================  ============================================
 
 ``add_safe_globals`` is process-wide state that any imported library may extend (and its entries'
@@ -70,7 +73,7 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..format.schema import MAX_DIM, MAX_NBYTES, extent_bytes
 from .pickle_guard import Budget, SafeCall, current_limits, short
 
-__all__ = ["StorageRef", "TensorRef", "UnreadableTensor", "RestrictedUnpickler"]
+__all__ = ["StorageRef", "RoutedStorage", "TensorRef", "UnreadableTensor", "RestrictedUnpickler"]
 
 _MAX_NDIM = 64
 _RECORD_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")
@@ -154,6 +157,32 @@ class StorageRef:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutedStorage:
+    """A storage of a file that ``torch.save`` wrote under ``memtree.saving()``: the pickle names
+    ``memtree.routing._routed_storage(entry, key, dtype, location)`` and the data is leaf ``key``
+    of the tree ``<file>.memtree/<entry>/`` (:mod:`memtree.routing`). Only described here: the
+    tensors of such a file are read by ``torch.load`` inside ``memtree.loading()``."""
+
+    entry: str
+    key: str
+    dtype: torch.dtype
+
+
+_ROUTED_ENTRY = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _routed_storage(entry: Any, key: Any, dtype: Any, location: Any) -> RoutedStorage:
+    """What ``memtree.routing._routed_storage`` builds in memtree's safe reader: a description."""
+    known = dtype_from_name(dtype) if type(dtype) is str else None
+    if not (type(entry) is str and _ROUTED_ENTRY.fullmatch(entry) and type(key) is str
+            and _RECORD_KEY.fullmatch(key) and known is not None and type(location) is str):
+        raise CheckpointFormatError(
+            f"a storage routed by memtree.saving() is described by {short((entry, key, dtype, location))}"
+        )
+    return RoutedStorage(entry, key, known)
+
+
+@dataclass(frozen=True, slots=True)
 class _UnreadableStorage:
     """A storage of a dtype memtree does not read (a quantized one): its record is never read."""
 
@@ -169,7 +198,7 @@ class TensorRef:
     ``torch._neg_view(x)``; the reader applies them as ``torch.load`` does.
     """
 
-    storage: StorageRef
+    storage: StorageRef | RoutedStorage
     dtype: torch.dtype
     offset: int
     size: tuple[int, ...]
@@ -259,7 +288,7 @@ def _tensor_ref(
 ) -> TensorRef | UnreadableTensor:
     if isinstance(storage, _UnreadableStorage):
         return UnreadableTensor(f"a tensor of dtype {storage.dtype} (quantized)")
-    if not isinstance(storage, StorageRef):
+    if not isinstance(storage, (StorageRef, RoutedStorage)):
         raise CheckpointFormatError(
             f"a tensor's storage is a {type(storage).__name__}, not a storage"
         )
@@ -290,6 +319,8 @@ def _tensor_ref(
         return bits
     ref = TensorRef(storage, dtype, offset, size, stride, *bits)
     first, count = ref.span()
+    if isinstance(storage, RoutedStorage):  # its data is not in this file: nothing to bound here
+        return ref
     if count and (first + count) * itemsize(dtype) > storage.nbytes:  # (no element: no byte read)
         raise CheckpointFormatError(
             f"a tensor of shape {list(size)} at offset {offset} reaches past the end of storage "
@@ -450,6 +481,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             "torch.Size": self._size,
             "torch.device": _device,
             "torch.serialization._get_layout": _layout,
+            "memtree.routing._routed_storage": _routed_storage,
         })  # fmt: skip
         self._safe: dict[str, Any] = {name: SafeCall(fn, name) for name, fn in calls.items()}
         self._safe["torch.Tensor"] = self._tensor

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import check_keywords
 from ..tree.parts.bind import module_groups, names_list, set_slot
 
 __all__ = ["INIT_FUNCTIONS", "empty_init", "init_missing"]
@@ -38,6 +39,7 @@ def _fresh(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
+@check_keywords
 def init_missing(module: nn.Module, *, device: torch.device | str | None = None) -> list[str]:
     """Allocate and initialise every tensor of ``module`` still on the meta device.
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, ShapeMismatchError, SourceError
+from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, ShapeMismatchError, SourceError, check_keywords
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
@@ -75,8 +75,9 @@ class LoadResult(_Keys):
     """What :func:`load_into_module` could not match, as dotted ``state_dict()`` names.
 
     A 2-tuple ``(missing, unexpected)`` like the result of ``nn.Module.load_state_dict``
-    (``missing, unexpected = result`` works); ``mismatched`` is an attribute, not a tuple item,
-    and is left out of ``==`` (a tuple comparison).
+    (``missing, unexpected = result`` works, and ``missing_keys``/``unexpected_keys`` are
+    ``load_state_dict``'s names of the two lists); ``mismatched`` is an attribute, not a tuple
+    item, and is left out of ``==`` (a tuple comparison).
 
     Attributes:
         missing: the module's tensors that the source does not provide (they keep their
@@ -88,11 +89,21 @@ class LoadResult(_Keys):
     Example:
         >>> r = LoadResult(["head.weight"], [], mismatched=["fc.weight"])
         >>> missing, unexpected = r
-        >>> missing, r.mismatched
-        (['head.weight'], ['fc.weight'])
+        >>> missing, r.mismatched, r.missing_keys is r.missing
+        (['head.weight'], ['fc.weight'], True)
     """
 
     mismatched: list[str]
+
+    @property
+    def missing_keys(self) -> list[str]:
+        """``missing``, by the name ``nn.Module.load_state_dict``'s result gives it."""
+        return self.missing
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        """``unexpected``, by the name ``nn.Module.load_state_dict``'s result gives it."""
+        return self.unexpected
 
     def __new__(
         cls, missing: list[str], unexpected: list[str], mismatched: list[str] | None = None
@@ -385,6 +396,7 @@ def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
 
+@check_keywords
 def load_into_module(
     module: nn.Module,
     source: Any,

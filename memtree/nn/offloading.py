@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError
+from ..errors import LeafSizeError, MemtreeKeyError, ReadOnlyError, SourceError, check_keywords
 from ..store.primitives.files import map_fd
 from ..format.subclass_registry import inner_tensors, is_plain
 from ..store.reading.mapped import MemoryMappedTensor
@@ -341,6 +341,7 @@ def _device_for(name: str, device_map: Mapping[str, Any] | None, default: torch.
     return torch.device(where) if where is not None else default
 
 
+@check_keywords
 def offload(
     module: nn.Module,
     source: Any,

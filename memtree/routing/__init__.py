@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MemtreeError, RoutingError
+from ..errors import MemtreeError, RoutingError, check_keywords
 from . import patch
 from .load import SESSION, LoadSession, _routed_storage  # noqa: F401  (routed files name memtree.routing._routed_storage)
 from .route import PathChoice, Route, is_path
@@ -117,6 +117,7 @@ def _active(var: contextvars.ContextVar[tuple[_Entered, ...]], route: Route, nam
         patch.uninstall(name, _WRAPPERS[name])
 
 
+@check_keywords
 def saving(
     path: PathChoice = None, *, fsync: bool = False, num_threads: int = 0
 ) -> AbstractContextManager[None]:
@@ -156,6 +157,7 @@ def saving(
     return _active(_SAVING, Route(path, fsync, num_threads), "save")
 
 
+@check_keywords
 def loading(path: PathChoice = None) -> AbstractContextManager[None]:
     """Route ``torch.load`` calls in this thread/task through memtree while the context is active.
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import (
+    check_keywords,
     DtypeError,
     LeafSizeError,
     LimitError,
@@ -131,6 +132,13 @@ class VerifyReport:
             an encrypted tree's sealed names).
         problems: every problem found: those of the ``meta.json`` files, then those of the
             leaf files, each in walk order (breadth first).
+        encrypted: the tree is encrypted (``memmap(..., encryption=key)``). Without the key, a
+            leaf's checksum is compared with its ciphertext: a damaged file is found, but
+            nothing is decrypted or authenticated (``load_memmap(path, encryption=key,
+            verify=True)`` does both).
+        sealed: the tree was written with ``encrypt_names=True``: its levels' entries are
+            sealed, so no key, sub-level or leaf below the root is listed or checked without the
+            key (``leaves`` is 0).
     """
 
     path: str
@@ -139,6 +147,8 @@ class VerifyReport:
     checksummed: int = 0
     tree_hash: str = "absent"
     problems: list[Problem] = field(default_factory=list)
+    encrypted: bool = False
+    sealed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -154,6 +164,8 @@ class VerifyReport:
             "leaves": self.leaves,
             "checksummed": self.checksummed,
             "tree_hash": self.tree_hash,
+            "encrypted": self.encrypted,
+            "sealed": self.sealed,
             "problems": [{**asdict(p), "key": list(p.key)} for p in self.problems],
         }
 
@@ -411,6 +423,7 @@ def _file_kind(storage: Storage, rel: str) -> str | None:
     return "a regular file"
 
 
+@check_keywords
 def verify_tree(
     prefix: str | os.PathLike[str],
     *,
@@ -461,7 +474,7 @@ def verify_tree(
     root = str(prefix).rstrip("/") if remote else os.path.realpath(os.fspath(prefix))
     report = VerifyReport(root)
     walker = _Walker(report, checksums)
-    if not remote:
+    if not remote and not _written_by_memtree(root):  # (torch is imported only for tensordict's)
         from .foreign.tensordict import check_tensordict_dir, is_tensordict_dir
 
         if is_tensordict_dir(root):  # the reader load_memmap picks for it (store/open.py)
@@ -486,6 +499,16 @@ def verify_tree(
     return report
 
 
+def _written_by_memtree(root: str) -> bool:
+    """A hint, never a check: ``root/meta.json`` starts as memtree writes it (the checks are the
+    walk's, which opens the file again as the loader does)."""
+    try:
+        with open(os.path.join(root, META_NAME), "rb") as f:
+            return f.read(19) == b'{"format":"memtree"'
+    except OSError:
+        return False
+
+
 def _open_storage(root: str, remote: bool, storage_options: dict[str, Any] | None,
                   timeout: float | None) -> Storage:
     if not remote:
@@ -504,6 +527,8 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
             walker.tree_algorithm = root.tree_hash.partition(":")[0]
         if root is not None:
             walker.check_packs(storage, root)
+            walker.report.encrypted = root.encryption is not None
+            walker.report.sealed = root.sealed is not None
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
         walker.report.leaves = sum(isinstance(e, LeafMeta) for lvl in levels for e in lvl.meta.entries)

@@ -57,6 +57,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from ..errors import (
+    check_keywords,
     CheckpointNotFoundError,
     CheckpointSaveError,
     DecryptionError,
@@ -75,12 +76,13 @@ from ..format.schema import CONTAINER_TYPES, LevelMeta
 from ..store.primitives.commit import WriterLock, make_dirs
 from ..store.primitives.crypto import EncryptionKey, key_matches
 from ..store.primitives.files import storage_error
-from ..store.reading.options import KeySelection, ReadOptions, Selection, WriteOptions
+from ..store.reading.options import KeySelection, ReadOptions, Selection
 from ..store.reading.read import PendingLevel, load_pending_at, open_tree
 from ..store.writing.recovery import recover
 from ..store.reading.steps import StepListing, list_steps, read_step
 from ..store.reading.storage import local_path, open_dir
-from ..store.writing.write import WriteStats, write_tree
+from ..store.writing.write import WriteStats
+from .commit import write_state_tree
 from .filling import RestoreReport, fill_into
 from .root import RootRecord, check_unchanged, open_root
 from .snapshot import Fence, StagingBuffer
@@ -161,6 +163,7 @@ class Checkpointer:
         (True, 10)
     """
 
+    @check_keywords
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -271,6 +274,7 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------
 
+    @check_keywords
     def save(
         self, step: int, state: Any, *, blocking: bool = True, overwrite: bool = False, discard_newer: bool = False
     ) -> str | Future[str]:
@@ -399,14 +403,10 @@ class Checkpointer:
 
     def _write(self, step: int, level: Level, overwrite: bool, link_from: str | None) -> str:
         """Write and commit ``step``, then apply retention (whose failures are warnings)."""
-        options = WriteOptions.of(
-            existsok=overwrite, fsync=self.fsync, copy_existing=True, progress=False,
-            num_threads=min(8, os.cpu_count() or 1), link_from=link_from, encryption=self._step_key(step),
+        self.last_stats = write_state_tree(
+            self.path(step), level, link_from=link_from, fsync=self.fsync, existsok=overwrite,
+            encryption=self._step_key(step),
         )
-        stats = WriteStats()
-        written = write_tree(self.path(step), level, options, stats=stats)
-        del written  # the lazily opened tree: nothing of it is used here
-        self.last_stats = stats
         self._retire(step)
         return self.path(step)
 
@@ -498,6 +498,7 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------------
 
+    @check_keywords
     def restore(
         self,
         step: int | None = None,

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnknownKeywordError, check_keywords, keyword_names
 from .parts.gather import batch_memory
 from .ops import stack_into
 from .tensortree import TensorTree
@@ -122,6 +122,7 @@ class BatchIndexSampler(Sampler[torch.Tensor]):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
+@check_keywords
 def batch_loader(
     tree: TensorTree,
     batch_size: int,
@@ -152,6 +153,11 @@ def batch_loader(
         >>> [b["x"].tolist() for b in batch_loader(t, 3)]
         [[0, 1, 2], [3, 4, 5]]
     """
+    passed = ("dataset", "sampler", "batch_size", "shuffle", "drop_last", "generator", "batch_sampler")
+    loader_names = [n for n in keyword_names(DataLoader.__init__) if n not in passed]
+    unknown = [k for k in loader_kwargs if k not in loader_names]
+    if unknown:
+        raise UnknownKeywordError.of("batch_loader", unknown, keyword_names(batch_loader) + loader_names)
     sampler = BatchIndexSampler(
         tree,
         batch_size,

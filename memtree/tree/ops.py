@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import BatchSizeError, InvalidArgumentError, InvalidIndexError, MemtreeKeyError, ShapeMismatchError
+from ..errors import BatchSizeError, InvalidArgumentError, InvalidIndexError, MemtreeKeyError, ShapeMismatchError, check_keywords
 from ..format.values import NonTensor
 from .parts.gather import PLAIN, output_tensors
 from .tensortree import TensorTree
@@ -80,6 +80,7 @@ def _check_leaves(values: list[torch.Tensor], what: str, along: int | None, key:
             )
 
 
+@check_keywords
 def stack(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
     """Stack trees of equal batch size along a new batch dim ``dim``.
 
@@ -133,6 +134,7 @@ def _stack(trees: Sequence[TensorTree], dim: int, fn: Callable[[list[torch.Tenso
     return _combine(trees, new_bs, lambda vs: fn(vs, d), "stack", None)
 
 
+@check_keywords
 def cat(trees: Sequence[TensorTree], dim: int = 0) -> TensorTree:
     """Concatenate trees along the existing batch dim ``dim``.
 

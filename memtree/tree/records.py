@@ -46,6 +46,7 @@ from typing import Any, TypeVar, overload
 from ..errors import TensorclassError
 from ..format.level import Level
 from ..format.values import NonTensor
+from .parts.tensor_ops import FIELD_NAMES
 from .parts.registry import register
 from .tensortree import TensorTree
 
@@ -117,7 +118,7 @@ def _build(cls: Any, name: str | None) -> Any:
     new.__qualname__ = cls.__qualname__
     _retarget_class_cells(namespace, cls, new)
     dataclasses.dataclass(init=False, repr=False, eq=False)(new)
-    reserved = set(dir(TensorTree))
+    reserved = set(dir(TensorTree)) - FIELD_NAMES  # (those a field may shadow: see tensor_ops.py)
     for f in dataclasses.fields(new):
         if f.name.startswith("_") or f.name in reserved:
             raise TensorclassError(

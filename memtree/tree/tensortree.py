@@ -3,7 +3,8 @@ leading ``batch_size`` dims, and writes itself to disk as one raw file per leaf.
 
 The class is assembled from one module per concern: :mod:`~memtree.tree.parts.core` (entries, keys,
 batch indexing, equality, locking), :mod:`~memtree.tree.parts.shape_ops`,
-:mod:`~memtree.tree.parts.persistence` (memmap, load_memmap, growth, modules) and
+:mod:`~memtree.tree.parts.persistence` (memmap, load_memmap, growth, modules),
+:mod:`~memtree.tree.parts.tensor_ops` (``float()``, ``split``, ``masked_fill_``... on every leaf) and
 :mod:`~memtree.tree.parts.repr`.
 
 Example:
@@ -20,17 +21,28 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+import torch
 
+from ..errors import check_keywords
+from ..store.reading.options import KeySelection
 from .parts.args import Key
 from .parts.persistence import Persistence
 from .parts.repr import TreeRepr
+from .parts.tensor_ops import TensorOps
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..store.primitives.crypto import EncryptionKey
+    from ..store.reading.options import RemoteKeywords
 
 __all__ = ["TensorTree", "load_memmap", "Key"]
 
 
-class TensorTree(Persistence, TreeRepr):
+class TensorTree(Persistence, TensorOps, TreeRepr):
     """A nested mapping of str keys to tensors, sub-trees and small non-tensor values.
 
     Every tensor leaf's shape starts with ``batch_size``; indexing the tree indexes every leaf
@@ -54,8 +66,24 @@ class TensorTree(Persistence, TreeRepr):
         return TensorTree
 
 
-def load_memmap(prefix: str | os.PathLike[str], **kwargs: Any) -> TensorTree:
-    """Load a tree written by :meth:`TensorTree.memmap` (see :meth:`TensorTree.load_memmap`).
+@check_keywords
+def load_memmap(
+    prefix: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    keys: Iterable[KeySelection] | None = None,
+    mode: str = "r+",
+    mmap: bool = True,
+    allow_pickle: bool = False,
+    verify: bool = False,
+    unknown_classes: str = "error",
+    lazy: bool = True,
+    encryption: EncryptionKey | None = None,
+    **remote: Unpack[RemoteKeywords],
+) -> TensorTree:
+    """Load a tree written by :meth:`TensorTree.memmap`: :meth:`TensorTree.load_memmap`, whose
+    arguments it takes (``mode="r"`` maps read-only; the default ``"r+"`` lets writes reach
+    the files; the keywords of a remote load apply to URLs only).
 
     Example:
         >>> import tempfile, memtree, torch
@@ -64,4 +92,7 @@ def load_memmap(prefix: str | os.PathLike[str], **kwargs: Any) -> TensorTree:
         >>> memtree.load_memmap(d, mode="r")["a"].tolist()
         [0, 1, 2]
     """
-    return TensorTree.load_memmap(prefix, **kwargs)
+    return TensorTree.load_memmap(
+        prefix, device=device, keys=keys, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify,
+        unknown_classes=unknown_classes, lazy=lazy, encryption=encryption, **remote,
+    )

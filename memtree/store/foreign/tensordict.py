@@ -77,6 +77,7 @@ import torch
 
 from ...format.dtypes import dtype_from_name, itemsize
 from ...errors import (
+    check_keywords,
     DtypeError,
     LimitError,
     MemtreeError,
@@ -214,6 +215,7 @@ def is_tensordict_dir(prefix: str | os.PathLike[str]) -> bool:
     return type(doc) is dict and "_type" in doc and "format" not in doc
 
 
+@check_keywords
 def read_tensordict_dir(
     prefix: str | os.PathLike[str],
     *,

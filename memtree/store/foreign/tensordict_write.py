@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 import torch
 
-from ...errors import DtypeError, InvalidArgumentError, InvalidKeyError, SubclassError
+from ...errors import DtypeError, InvalidArgumentError, InvalidKeyError, SubclassError, check_keywords
 from ...format.dtypes import itemsize
 from ...format.level import Level, as_level
 from ...format.names import META_NAME
@@ -121,6 +121,7 @@ def write_tensordict_dir(
     return report
 
 
+@check_keywords
 def save_tensordict(
     tree: Any, prefix: str | os.PathLike[str], *, existsok: bool = False, fsync: bool = False
 ) -> TensordictWrite:

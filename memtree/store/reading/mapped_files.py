@@ -21,6 +21,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 
 __all__ = ["FileId", "WriteFd", "MappedFile", "Writers", "WRITERS"]
 
@@ -37,10 +38,12 @@ class WriteFd:
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close bound at definition: at interpreter exit a module's globals may already be
+        # None when the last mapping goes ("Exception ignored in WriteFd.__del__ ... AttributeError")
         try:
-            os.close(self.fd)
-        except (OSError, TypeError):  # TypeError: os torn down at interpreter exit
+            _close(self.fd)
+        except OSError:
             pass
 
 

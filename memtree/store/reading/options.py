@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypedDict, Union
 
-from ...errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError
+from ...errors import InvalidArgumentError, KeyTypeError, MemtreeKeyError, UnknownKeywordError, keyword_names
 from ...format.record import Record
 from ...format.schema import ChildMeta, LevelMeta, SubclassMeta
 from ..primitives.checksums import check_checksum_option, default_checksum
@@ -44,6 +44,8 @@ __all__ = [
     "select_entries",
     "ReadOptions",
     "WriteOptions",
+    "RemoteKeywords",
+    "check_remote_keywords",
 ]
 
 #: How a loaded tree's files are mapped: ``"r"`` read-only, ``"r+"`` writes reach the files.
@@ -168,6 +170,51 @@ def select_entries(meta: LevelMeta, selection: Selection | None, path: tuple[str
                 f"{what}, not a sub-tree; select {full if len(full) > 1 else full[0]!r} itself"
             )
     return dataclasses.replace(meta, entries=tuple(by_key[k] for k in selection))
+
+
+class RemoteKeywords(TypedDict, total=False):
+    """The keywords of a remote load besides the reading options (:func:`memtree.remote.load`,
+    and ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list
+    of them. Each is described in :func:`memtree.remote.load`; a keyword left out takes the
+    default of the function it is for (:class:`~memtree.store.urls.fsspec_storage.FsspecStorage`
+    for the first four, :func:`~memtree.store.urls.remote.fetch_tree` for the others).
+
+    Example:
+        >>> sorted(RemoteKeywords.__annotations__)[:3]
+        ['allow_redirects', 'cache_dir', 'chunk_bytes']
+    """
+
+    storage_options: Mapping[str, Any] | None
+    retries: int
+    timeout: float | None
+    allow_redirects: str
+    cache_dir: str | os.PathLike[str] | None
+    num_threads: int
+    chunk_bytes: int
+    fsync: bool
+    progress: bool | None
+
+
+def check_remote_keywords(function: Callable[..., object], remote: Mapping[str, object]) -> None:
+    """Refuse the keywords of ``remote`` (the ``**remote`` of ``function``) that are not
+    :class:`RemoteKeywords`: a typo of any keyword ``function`` takes is answered with the
+    closest one.
+
+    Raises:
+        UnknownKeywordError: a keyword neither ``function`` nor a remote load takes.
+
+    Example:
+        >>> def load(url, *, mode="r+", **remote): ...
+        >>> check_remote_keywords(load, {"timeout": 5})
+        >>> check_remote_keywords(load, {"mdoe": "r"})
+        Traceback (most recent call last):
+        ...
+        memtree.errors.UnknownKeywordError: load() got an unexpected keyword argument 'mdoe': did you mean 'mode'? It takes: url, mode, storage_options, retries, timeout, allow_redirects, cache_dir, num_threads, chunk_bytes, fsync, progress
+    """
+    unknown = [k for k in remote if k not in RemoteKeywords.__annotations__]
+    if unknown:
+        accepted = keyword_names(function) + list(RemoteKeywords.__annotations__)
+        raise UnknownKeywordError.of(getattr(function, "__name__", "load"), unknown, accepted)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -390,9 +437,10 @@ class WriteOptions(Record):
         Raises:
             InvalidArgumentError: an unknown option, a bad flag, thread count or checksum name.
         """
-        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
         if unknown:
-            raise InvalidArgumentError(f"unknown write options {unknown}")
+            raise UnknownKeywordError.of("WriteOptions.of", unknown, names)
         checksum = kwargs.get("checksum", "auto")
         if checksum == "auto":
             kwargs["checksum"] = None if kwargs.get("like") else default_checksum()

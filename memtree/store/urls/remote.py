@@ -53,11 +53,12 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import (
+    check_keywords,
     SourceError,
     InvalidArgumentError,
     DestinationExistsError,
@@ -79,7 +80,7 @@ from ..primitives.files import check_free_space, storage_error
 from ..primitives.checksums import check_checksum_option, file_checksum, tensor_checksum
 from ..primitives.memory import byte_view
 from ..reading.mapped import to_storable
-from ..reading.options import ReadOptions, WriteOptions
+from ..reading.options import ReadOptions, RemoteKeywords, WriteOptions, check_remote_keywords
 from ..primitives.progress import Progress
 from ..reading.read import read_tree
 from .fsspec_storage import FsspecStorage
@@ -154,33 +155,11 @@ def _to_fetch(levels: list[WalkedLevel], root: LevelMeta) -> tuple[list[_Leaf], 
     return files + list(made.values()), [_Packed(k, e, made[e.pack]) for k, e in packed if e.pack is not None]
 
 
-class RemoteKeywords(TypedDict, total=False):
-    """The keywords of a remote load besides the reading options (:func:`load`, and
-    ``load_memmap(url, ...)`` through :func:`~memtree.store.open.open_prefix`): the one list of
-    them. Each is described in :func:`load`; a keyword left out takes the default of the
-    function it is for (:class:`~memtree.store.urls.fsspec_storage.FsspecStorage` for the first four,
-    :func:`fetch_tree` for the others).
-
-    Example:
-        >>> sorted(RemoteKeywords.__annotations__)[:3]
-        ['allow_redirects', 'cache_dir', 'chunk_bytes']
-    """
-
-    storage_options: Mapping[str, Any] | None
-    retries: int
-    timeout: float | None
-    allow_redirects: str
-    cache_dir: str | os.PathLike[str] | None
-    num_threads: int
-    chunk_bytes: int
-    fsync: bool
-    progress: bool | None
-
-
 #: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
 _STORAGE_KEYWORDS = frozenset({"storage_options", "retries", "timeout", "allow_redirects"})
 
 
+@check_keywords
 def load(
     url: str,
     *,
@@ -246,6 +225,7 @@ def load(
         >>> sorted(load("memory://ex/t", keys=[("b", "c")]).entries)
         ['b']
     """
+    check_remote_keywords(load, remote)
     options = ReadOptions.of(keys=keys, device=device, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify)
     return load_url(url, options, **remote)
 
@@ -553,6 +533,7 @@ def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, to
 # uploading
 
 
+@check_keywords
 def upload(
     tree: Any,
     url: str,

@@ -58,10 +58,11 @@ from ...format.names import META_NAME
 from ...format.schema import ChildMeta, LeafMeta, LevelMeta
 from ..primitives.files import FileRange, _unlink_quiet, equal_bytes, open_leaf
 from ..primitives.lease import Lease, lease_refusal, read_lease
-from ..reading.read import open_dir, walk_levels
+from ..reading.options import ReadOptions
+from ..reading.read import open_dir, open_tree, walk_levels
 from .packing import PackJob
 
-__all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats"]
+__all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats", "check_link_source"]
 
 #: A file with this many hard links already is written, not linked again (ext4 allows 65,000;
 #: leaving room keeps other tools working on it).
@@ -117,6 +118,35 @@ class WriteStats:
                 self.files_written += 1
                 self.bytes_written += nbytes
             self.link_fallbacks += fallback
+
+
+def check_link_source(link_from: str) -> None:
+    """Check that ``link_from`` (a public ``memmap(..., link_from=...)``) is a committed tree.
+
+    A :class:`LinkSource` that cannot be read links nothing and the write goes on (a
+    checkpoint's previous step may be deleted while a save runs); a path given by the caller
+    that names no tree is a mistake to report, not an incremental save to skip silently.
+
+    Raises:
+        NotAMemtreeError, NotCommittedError, MetaFormatError: ``link_from`` does not exist, is not
+            a memtree directory, is the staging directory of an unfinished write, or its root
+            ``meta.json`` is damaged; the message starts with ``link_from=``.
+
+    Example:
+        >>> check_link_source("/nonexistent/step1")
+        Traceback (most recent call last):
+        ...
+        memtree.errors.NotAMemtreeError: link_from='/nonexistent/step1' is not a committed tree to link from: ...
+    """
+    import torch
+
+    try:
+        open_tree(link_from, ReadOptions(device=torch.device("meta")))
+    except MemtreeError as err:
+        raise type(err)(
+            f"link_from={link_from!r} is not a committed tree to link from: {err}. Pass the "
+            "directory of a tree written before (the previous checkpoint), or link_from=None"
+        ) from None
 
 
 @dataclass(frozen=True)

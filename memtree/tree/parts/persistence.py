@@ -24,17 +24,20 @@ from typing_extensions import Self
 import torch
 
 from ...format.level import Level
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, check_keywords
 from ...store.reading.mapped import MemoryMappedTensor
 from ...store.open import open_prefix
-from ...store.reading.options import KeySelection, ReadOptions, WriteOptions
+from ...store.reading.options import KeySelection, ReadOptions, WriteOptions, check_remote_keywords
 from ...store.reading.read import PendingLevel
 from . import bind
 from .core import TreeCore
 from .shape_ops import ShapeOps
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ...store.primitives.crypto import EncryptionKey
+    from ...store.reading.options import RemoteKeywords
 
 # Imported on first use, so that a process that only loads never imports them:
 # ...store.writing.write (writing), .growth (append_, extend_, resize_).
@@ -55,6 +58,7 @@ class Persistence(ShapeOps):
             if isinstance(v, torch.Tensor)
         )
 
+    @check_keywords
     def memmap_(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -67,6 +71,7 @@ class Persistence(ShapeOps):
         checksum: str | None = "auto",
         progress: bool | None = None,
         pack_below: int | None = None,
+        link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
 
@@ -91,6 +96,19 @@ class Persistence(ShapeOps):
                 root instead of a file each (``docs/format.md``, "Packs of small leaves"): one
                 file and one write per 64 MiB of them. ``None`` (default): leaves under 64 KiB,
                 when the tree has at least 64 of them; ``0``: never (every leaf its own file).
+            link_from: an incremental save: a committed tree (the previous checkpoint) whose
+                leaf files are hard-linked instead of written wherever a leaf at the same key
+                has the same dtype, shape and bytes (compared, not only checksummed; see
+                :mod:`memtree.store.writing.linking`). Nothing is linked where no process can
+                be proved not to write the old files (a tree loaded with ``mode="r+"`` maps
+                them read-write) or across filesystems: those leaves are written. The leaves
+                are then mapped read-only (``mode="r"``): a write through this tree must never
+                change the tree it shares files with (``load_memmap(prefix)`` maps them
+                read-write, each linked file getting its own copy when first used).
+
+        Raises:
+            NotAMemtreeError, NotCommittedError: ``link_from`` is not a committed tree
+                (nothing written).
 
         Example:
             >>> import tempfile, torch, memtree
@@ -102,10 +120,12 @@ class Persistence(ShapeOps):
             self._write(prefix, WriteOptions.of(
                 copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
                 allow_pickle=allow_pickle, checksum=checksum, progress=progress, pack_below=pack_below,
+                link_from=link_from,
             ))
         )
         return self
 
+    @check_keywords
     def memmap(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -120,6 +140,7 @@ class Persistence(ShapeOps):
         encryption: EncryptionKey | None = None,
         encrypt_names: bool = False,
         pack_below: int | None = None,
+        link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
 
@@ -131,6 +152,10 @@ class Persistence(ShapeOps):
         sealed too and files get random names. An encrypted tree packs no leaf (``pack_below``
         must be left out).
 
+        ``link_from=previous`` saves incrementally: each leaf whose bytes equal those of the same
+        key in the committed tree ``previous`` is a hard link to its file, and the tree returned
+        is mapped read-only (see :meth:`memmap_`).
+
         Example:
             >>> import tempfile, torch, memtree
             >>> t = memtree.TensorTree({"w": torch.ones(3)})
@@ -141,6 +166,12 @@ class Persistence(ShapeOps):
             >>> e = t.memmap(tempfile.mkdtemp() + "/e", encryption=key)
             >>> e.is_memmap(), e["w"].tolist()
             (False, [1.0, 1.0, 1.0])
+            >>> import os
+            >>> d = tempfile.mkdtemp()
+            >>> _ = t.memmap(d + "/step1")
+            >>> n = t.memmap(d + "/step2", link_from=d + "/step1")      # unchanged: linked
+            >>> os.stat(n["w"].filename).st_nlink
+            2
         """
         if encryption is not None and prefix is None:
             raise InvalidArgumentError("encryption= needs a prefix: shared memory (prefix=None) is never encrypted")
@@ -148,9 +179,11 @@ class Persistence(ShapeOps):
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
             allow_pickle=allow_pickle, checksum=checksum, progress=progress, encryption=encryption,
             encrypt_names=encrypt_names, pack_below=pack_below,
+            link_from=link_from,
         ))
         return type(self)._from_level(level, self._device)
 
+    @check_keywords
     def memmap_like(
         self,
         prefix: str | os.PathLike[str] | None = None,
@@ -187,10 +220,20 @@ class Persistence(ShapeOps):
         from ...store.writing.write import share_tree, write_tree
 
         if prefix is None:
+            if options.link_from is not None:
+                raise InvalidArgumentError("link_from= needs a prefix: shared memory (prefix=None) has no files to link")
             return share_tree(self._to_level(), like=options.like)
+        if options.link_from is not None:
+            from ...store.writing.linking import check_link_source
+
+            check_link_source(options.link_from)
+            # mapped read-write, a linked file would get its own copy as soon as it is used
+            # (a write into this tree must never change the other): the tree comes back read-only
+            return write_tree(prefix, self._to_level(), options, mode="r")
         return write_tree(prefix, self._to_level(), options)
 
     @classmethod
+    @check_keywords
     def load_memmap(
         cls,
         prefix: str | os.PathLike[str],
@@ -204,7 +247,7 @@ class Persistence(ShapeOps):
         unknown_classes: str = "error",
         lazy: bool = True,
         encryption: EncryptionKey | None = None,
-        **remote: Any,
+        **remote: Unpack[RemoteKeywords],
     ) -> Self:
         """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
 
@@ -254,6 +297,8 @@ class Persistence(ShapeOps):
             >>> memtree.TensorTree.load_memmap(d, keys=[("b", "c")]).keys(include_nested=True)
             ['b', ('b', 'c')]
         """
+        if remote:
+            check_remote_keywords(cls.load_memmap, remote)
         options = ReadOptions.of(
             keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify,
             encryption=encryption,
@@ -270,6 +315,7 @@ class Persistence(ShapeOps):
         return tree
 
     @classmethod
+    @check_keywords
     def from_module(cls, module: Any, *, use_state_dict: bool = False) -> Self:
         """A tree of ``module``'s parameters and persistent buffers, nested by module path.
 
@@ -297,6 +343,7 @@ class Persistence(ShapeOps):
         tree = base._nest(*bind.module_flat(module, use_state_dict=use_state_dict))
         return cast(Self, tree) if cls is base else cls(tree)
 
+    @check_keywords
     def to_module(self, module: Any, *, return_swap: bool = True, inplace: bool = False) -> TreeCore | None:
         """Bind this tree's tensors as ``module``'s parameters and buffers, zero-copy.
 
@@ -466,8 +513,10 @@ class Persistence(ShapeOps):
     def __getitems__(self, indices: list[int]) -> Self:
         """A batch for ``torch.utils.data.DataLoader``: ``self[indices]``, one gather per leaf.
 
-        The DataLoader passes this batch to its ``collate_fn``: use :func:`memtree.collate`
-        (default collation does not know trees; see :mod:`memtree.tree.dataset`).
+        The DataLoader passes this batch to its ``collate_fn``; the default one returns it as
+        it is (importing memtree registers trees with torch's default collation, and
+        :func:`memtree.collate`, as an explicit ``collate_fn``, does the same; see
+        :mod:`memtree.tree.dataset`).
 
         Example:
             >>> import torch, memtree

@@ -20,8 +20,9 @@ from typing_extensions import Self
 
 import torch
 
-from ...errors import InvalidIndexError
+from ...errors import InvalidArgumentError, InvalidIndexError
 from ...format.values import NonTensor
+from ...store.reading.options import check_device
 from .args import as_size
 from .core import TreeCore
 from .numpy_view import tree_numpy
@@ -113,19 +114,51 @@ class ShapeOps(TreeCore):
                 out._data[k] = v
         return out
 
-    def to(self, dest: torch.device | str | torch.dtype, non_blocking: bool = False) -> Self:
-        """A new tree with every tensor moved to a device or cast to a dtype.
+    def to(
+        self,
+        *args: torch.device | str | int | torch.dtype | bool,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> Self:
+        """A new tree with every tensor moved to a device and/or cast to a dtype, as
+        ``torch.Tensor.to``: ``to("cuda")``, ``to(torch.float16)``, ``to("cuda", torch.float16)``,
+        ``to(device="cuda", dtype=torch.bfloat16, non_blocking=True)``. A leaf already there
+        with that dtype is kept as it is (no copy).
+
+        Raises:
+            InvalidArgumentError: an argument that is neither a device nor a dtype, a device or a
+                dtype given twice, or a device this process does not have (nothing is copied).
 
         Example:
             >>> import torch, memtree
-            >>> memtree.TensorTree({"a": torch.ones(2)}).to(torch.float16)["a"].dtype
-            torch.float16
+            >>> t = memtree.TensorTree({"a": torch.ones(2)})
+            >>> t.to(torch.float16)["a"].dtype, t.to(device="cpu", dtype=torch.int8)["a"].dtype
+            (torch.float16, torch.int8)
         """
-        if isinstance(dest, torch.dtype):
-            return self.apply(lambda t: t.to(dest))
-        device = torch.device(dest)
-        out = self.apply(lambda t: t.to(device, non_blocking=non_blocking))
-        out._set_device(device)
+        for arg in args:
+            if isinstance(arg, bool):  # torch.Tensor.to(device, dtype, non_blocking) positionally
+                non_blocking = arg
+            elif isinstance(arg, torch.dtype):
+                if dtype is not None:
+                    raise InvalidArgumentError(f"to(): two dtypes, {dtype} and {arg}; pass one")
+                dtype = arg
+            elif isinstance(arg, (torch.device, str, int)):
+                if device is not None:
+                    raise InvalidArgumentError(f"to(): two devices, {device!r} and {arg!r}; pass one")
+                device = arg
+            else:
+                raise InvalidArgumentError(
+                    f"to() takes a device (torch.device, str or int) and/or a dtype, got {type(arg).__name__} {arg!r:.40}"
+                )
+        if device is None:
+            if dtype is None:
+                raise InvalidArgumentError("to() needs a device or a dtype: to('cuda'), to(torch.float16), to(device=, dtype=)")
+            return self.apply(lambda t: t.to(dtype))
+        dev = check_device(f"cuda:{device}" if type(device) is int else device)
+        assert dev is not None
+        out = self.apply(lambda t: t.to(dev, dtype, non_blocking=non_blocking))
+        out._set_device(dev)
         return out
 
     def _set_device(self, device: torch.device | None) -> None:
