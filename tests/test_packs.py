@@ -291,6 +291,21 @@ def test_an_unchanged_pack_is_linked_whole_and_a_changed_one_rewritten(tmp_path)
     assert memtree.load_memmap(tmp_path / "2")["g2", "x3"].tolist() != tree["g2", "x3"].tolist()
 
 
+def test_the_public_link_from_links_an_unchanged_pack_and_maps_it_read_only(tmp_path):
+    tree = many()
+    tree.memmap(tmp_path / "1")
+    new = tree.memmap(tmp_path / "2", link_from=tmp_path / "1")
+    pack1, pack2 = tmp_path / "1" / "~pack-0.memmap", tmp_path / "2" / "~pack-0.memmap"
+    assert os.stat(pack2).st_ino == os.stat(pack1).st_ino
+    with pytest.raises(memtree.ReadOnlyError, match="mode='r\\+'"):
+        new["g1", "x2"][0] = 5.0
+    writable = memtree.load_memmap(tmp_path / "2")  # r+: the linked pack gets its own copy first
+    writable["g1", "x2"][0] = 5.0
+    assert os.stat(pack2).st_ino != os.stat(pack1).st_ino
+    assert (memtree.load_memmap(tmp_path / "1", mode="r") == tree).all()
+    assert float(memtree.load_memmap(tmp_path / "2", mode="r")["g1", "x2"][0]) == 5.0
+
+
 def test_a_pack_with_a_leaf_more_or_less_is_not_linked(tmp_path):
     tree = many()
     tree.memmap(tmp_path / "1")
