@@ -126,6 +126,8 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     int_key: bool = False
     layout: Any = None  # a DTensor's layout (format version 3)
     chunks: Any = None  # the checksums of its chunks (format version 3)
+    pack: str | None = None  # a packed leaf's pack and offset (format version 3)
+    offset: int | None = None
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
@@ -138,6 +140,9 @@ _leaves = st.tuples(
     st.none() | st.integers(0, 9),
     st.none() | st.integers(4096, 8192),
     st.booleans(),
+    st.none(),  # layout
+    st.none() | st.just("~pack-0.memmap"),
+    st.none() | st.integers(0, 1 << 20),
 )
 
 
