@@ -55,9 +55,10 @@ WORKLOADS = {
     "w8": ("w8_distributed", None),
     "w10": ("w10_quantized", None),
     "w9": ("w9_datasets", None),
+    "w11": ("w11_small_leaves", "W11"),
     "gpu": ("gpu_load", None),
 }
-ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10"]
+ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10", "w11"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

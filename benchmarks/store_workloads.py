@@ -62,7 +62,7 @@ class StoreWorkload:
         self.layout = layout
 
     def stores(self) -> list[Store]:
-        return store_systems(many_files=self.name == "w2")
+        return store_systems(many_files=self.name != "w1")  # W2, W11: the bare file creation too
 
     def describe(self, cfg: dict[str, Any]) -> str:
         layout = self.layout(cfg)

@@ -9,6 +9,8 @@ Systems:
 
 * ``floor``: a bare ``preadv`` of the memtree leaf files into the same tensors, 4 threads
   taking whole files, no checks (the physical limit of reading these bytes into this memory);
+  each leaf's file and offset come from the tree's ``meta.json`` files, read before it is timed
+  (small leaves share pack files: format version 3);
 * ``memtree``: ``memtree.load_into_module(container, memtree_dir)``;
 * ``memtree (safetensors file)``, ``memtree (torch file)``: the same call on the other files;
 * ``safetensors``: ``container.load_state_dict(safetensors.torch.load_file(f))``;
@@ -204,27 +206,50 @@ def _in_process(system: str, box: nn.Module, load: Callable[[], Any], wd: str, i
     )
 
 
-def floor_load(box: nn.Module, tree: str) -> None:
-    """4 threads, each taking the next leaf file: open, preadv into the tensor, close."""
+def leaf_ranges(tree: str) -> dict[str, tuple[str, int]]:
+    """Where each leaf's bytes are: its dotted name -> (file, offset), read from the tree's
+    ``meta.json`` files (a leaf file of its own, or its range of a pack: format version 3). The
+    floor's index, built before it is timed (memtree reads the same files in its timed load)."""
+    from memtree.format.packs import leaf_location
+    from memtree.format.schema import ChildMeta, LeafMeta, parse_level
 
-    jobs = []
+    out: dict[str, tuple[str, int]] = {}
+    todo: list[tuple[str, list[str]]] = [("", [])]
+    while todo:
+        rel, keys = todo.pop()
+        with open(os.path.join(tree, rel, "meta.json"), "rb") as f:
+            meta = parse_level(f.read(), os.path.join(rel, "meta.json"))
+        for e in meta.entries:
+            if isinstance(e, ChildMeta):
+                todo.append((f"{rel}/{e.dir}" if rel else e.dir, keys + [e.key]))
+            elif isinstance(e, LeafMeta):
+                file, offset = leaf_location(rel, e)
+                out[".".join(keys + [e.key])] = (os.path.join(tree, file), offset)
+    return out
+
+
+def floor_load(box: nn.Module, ranges: dict[str, tuple[str, int]]) -> None:
+    """4 threads, each taking the next file: open, preadv each of its leaves into its tensor, close."""
+
+    files: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, t in box.state_dict().items():
-        *dirs, leaf = name.split(".")
-        jobs.append((os.path.join(tree, *dirs, leaf + ".memmap"), t))
-    jobs.sort(key=lambda j: -j[1].nbytes)
+        path, offset = ranges[name]
+        files.setdefault(path, []).append((offset, t))
+    jobs = sorted(files.items(), key=lambda j: -sum(t.nbytes for _, t in j[1]))
     it = iter(jobs)
 
     def work() -> None:
-        for path, t in it:
-            view = memoryview(t.view(-1).view(torch.uint8).numpy())
+        for path, leaves in it:
             fd = os.open(path, os.O_RDONLY)
             try:
-                done = 0
-                while done < len(view):
-                    n = os.preadv(fd, [view[done : done + 64 * MiB]], done)
-                    if n <= 0:
-                        raise EOFError(path)
-                    done += n
+                for offset, t in leaves:
+                    view = memoryview(t.view(-1).view(torch.uint8).numpy())
+                    done = 0
+                    while done < len(view):
+                        n = os.preadv(fd, [view[done : done + 64 * MiB]], offset + done)
+                        if n <= 0:
+                            raise EOFError(path)
+                        done += n
             finally:
                 os.close(fd)
 
@@ -241,8 +266,9 @@ def loads(box: nn.Module, wd: str) -> dict[str, Callable[[], Any]]:
     from safetensors.torch import load_file
 
     tree, st, pt = (os.path.join(wd, n) for n in ("tree", "ckpt.safetensors", "ckpt.pt"))
+    ranges = leaf_ranges(tree)  # the floor's index, untimed
     return {
-        "floor": lambda: floor_load(box, tree),
+        "floor": lambda: floor_load(box, ranges),
         "memtree": lambda: memtree.load_into_module(box, tree),
         "memtree (safetensors file)": lambda: memtree.load_into_module(box, st),
         "memtree (torch file)": lambda: memtree.load_into_module(box, pt),
@@ -262,8 +288,6 @@ def worker(system: str, wd: str) -> None:
     with open(os.path.join(wd, "expected.json")) as f:
         dims = json.load(f)["dims"]
     box = live_container(dims)
-    if not os.path.isfile(os.path.join(wd, "tree", "optim", "0", "exp_avg.memmap")):
-        raise SystemExit("unexpected leaf file layout: the floor reads tree/<dotted path>.memmap")
     load = loads(box, wd)[system]
     gc.collect()
     malloc_trim()

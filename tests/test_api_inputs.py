@@ -201,8 +201,9 @@ _INTERNAL = {
     ("store/writing/recovery.py", "FileExistsError"),  # caught by recover(), reported as a problem
     ("store/primitives/faults.py", "ValueError"),  # MEMTREE_FAULT parsing: a test hook
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them
+    ("format/record.py", "TypeError"),  # evolve() with a field the record lacks: a programming error (as dataclasses.replace)
     ("store/reading/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
-    ("format/placement.py", "ValueError"),  # check_layout: memtree.dist turns it into PlacementError
+    ("dist/placement.py", "ValueError"),  # check_layout: memtree.dist turns it into PlacementError
 }
 _BUILTINS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "OSError",
              "FileNotFoundError", "FileExistsError", "Exception", "AttributeError", "LookupError"}

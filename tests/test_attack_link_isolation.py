@@ -406,24 +406,24 @@ def test_a_writer_killed_with_sigkill_blocks_no_later_link(tmp_path):
 # ----------------------------------------------------------------------------- two processes at once
 
 
-def _fill_rows(path: str, rows: range, barrier, out) -> None:
+def _fill_rows(path: str, key: str, name: str, rows: range, barrier, out) -> None:
     try:
         barrier.wait(120)
         t = memtree.load_memmap(path)
         for i in rows:
-            t["weight"][i] = torch.full((4,), 1000.0 + i)
-        out.send(("ok", os.stat(os.path.join(path, "weight.memmap")).st_ino))
+            t[key][i] = torch.full((4,), 1000.0 + i)
+        out.send(("ok", os.stat(os.path.join(path, name)).st_ino))
     except BaseException as err:  # the parent reports it
         out.send(("error", repr(err)))
 
 
-def test_two_processes_opening_the_same_linked_tree_share_one_copy(tmp_path):
-    other, written, _ = _link_from(tmp_path)
-    before = snapshot(other)
+def _two_fillers(written: Path, key: str, name: str) -> None:
+    """Two processes released together fill rows 0-3 and 4-7 of leaf ``key`` of ``written``; both
+    must answer, having written the same file (one copy for both), now ``written / name``."""
     barrier = FORK.Barrier(2)
     pipes = [FORK.Pipe(duplex=False) for _ in range(2)]
     children = [
-        FORK.Process(target=_fill_rows, args=(str(written), rows, barrier, send))
+        FORK.Process(target=_fill_rows, args=(str(written), key, name, rows, barrier, send))
         for rows, (_, send) in zip((range(0, 4), range(4, 8)), pipes)
     ]
     for c in children:
@@ -435,9 +435,36 @@ def test_two_processes_opening_the_same_linked_tree_share_one_copy(tmp_path):
         c.join(120)
         assert c.exitcode == 0
     assert [a[0] for a in answers] == ["ok", "ok"], answers
-    assert answers[0][1] == answers[1][1] == os.stat(_leaf(written, "weight")).st_ino  # one copy
+    assert answers[0][1] == answers[1][1] == os.stat(written / name).st_ino  # one copy
+
+
+def test_two_processes_opening_the_same_linked_tree_share_one_copy(tmp_path):
+    other, written, _ = _link_from(tmp_path)
+    before = snapshot(other)
+    _two_fillers(written, "weight", "weight.memmap")
     got = memtree.load_memmap(written, mode="r")["weight"]
     assert torch.equal(got, torch.arange(1000.0, 1008.0)[:, None].expand(8, 4))  # no row lost
+    _assert_untouched(other, before)
+
+
+def _packed_link_from(tmp: Path) -> tuple[Path, Path]:
+    """Two trees of 64 small leaves (one pack each, format version 3), the second's pack a hard
+    link to the first's (an incremental save of an unchanged pack)."""
+    level = Level((8,), {f"s{i}": torch.full((8, 4), float(i)) for i in range(64)})
+    write_tree(tmp / "a", level)
+    stats = WriteStats()
+    write_tree(tmp / "b", level, WriteOptions.of(link_from=tmp / "a"), stats=stats)
+    assert stats.files_linked == 1 and os.stat(tmp / "b" / "~pack-0.memmap").st_nlink == 2
+    return tmp / "a", tmp / "b"
+
+
+def test_two_processes_opening_the_same_linked_packed_tree_share_one_copy_of_its_pack(tmp_path):
+    other, written = _packed_link_from(tmp_path)
+    before = snapshot(other)
+    _two_fillers(written, "s7", "~pack-0.memmap")
+    got = memtree.load_memmap(written, mode="r")
+    assert torch.equal(got["s7"], torch.arange(1000.0, 1008.0)[:, None].expand(8, 4))  # no row lost
+    assert torch.equal(got["s6"], torch.full((8, 4), 6.0)) and torch.equal(got["s8"], torch.full((8, 4), 8.0))
     _assert_untouched(other, before)
 
 

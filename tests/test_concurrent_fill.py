@@ -52,9 +52,9 @@ def rows(idx: list[int]) -> TensorTree:
     return memtree.stack([item(i) for i in idx])
 
 
-def empty(path, n: int = ROWS) -> TensorTree:
+def empty(path, n: int = ROWS, **kw) -> TensorTree:
     template = item(0).apply(torch.zeros_like)
-    return template.expand(n).memmap_like(path)
+    return template.expand(n).memmap_like(path, **kw)
 
 
 def fill(tree: TensorTree, mine: list[int]) -> None:
@@ -137,6 +137,20 @@ def test_four_writer_processes_filling_disjoint_rows_lose_none(tmp_path):
     before = inodes(d)
     barrier = FORK.Barrier(WRITERS)
     run_children(FORK, _writer, *[(str(d), mine, barrier) for mine in shares(ROWS, WRITERS, seed=1)], timeout=TIMEOUT)
+    assert lost_rows(d, ROWS) == []
+    assert inodes(d) == before  # filled in place
+
+
+def test_four_writers_filling_rows_of_leaves_that_share_a_pack_lose_none(tmp_path):
+    """Three of the four leaves share one pack file (format version 3): the writers' rows of
+    different leaves land in disjoint ranges of the one mapping of that file."""
+    d = tmp_path / "data"
+    empty(d, pack_below=2 << 20)
+    assert sorted(f for f in os.listdir(d) if f.startswith("~pack-")) == ["~pack-0.memmap"]
+    assert len(inodes(d)) == 2  # the pack and the big leaf's own file
+    before = inodes(d)
+    barrier = FORK.Barrier(WRITERS)
+    run_children(FORK, _writer, *[(str(d), mine, barrier) for mine in shares(ROWS, WRITERS, seed=5)], timeout=TIMEOUT)
     assert lost_rows(d, ROWS) == []
     assert inodes(d) == before  # filled in place
 

@@ -388,7 +388,7 @@ def _measure(rank: int, world: int, d: str, key: str) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from memtree.format.placement import Layout, box_shape, local_box
+    from memtree.dist.placement import Layout, box_shape, local_box
 
     mesh = init_device_mesh("cpu", (world,))
     shape = tuple(big_tensors()[key].shape)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from memtree.dist.compare import first_difference, summary_digest, tree_summary
 from memtree.dist.sums import combine_pieces
 from memtree.errors import DistributedCheckpointError
-from memtree.format.placement import split_runs
+from memtree.dist.placement import split_runs
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta
 from memtree.store.primitives import checksums
 
@@ -68,7 +68,7 @@ def test_an_empty_leaf_has_the_checksum_of_no_bytes():
 
 def _summary(**change):
     """A planned tree: 'w' (a DTensor), 'step' (a plain tensor), 'cfg' (a value), 'sub' (a level)."""
-    from memtree.format.placement import Layout, to_annotation
+    from memtree.dist.placement import Layout, to_annotation
 
     leaves = {"w": LeafMeta("w", "w.memmap", "float32", (4, 2), layout=to_annotation(Layout((2,), ("S(0)",)))),
               "step": LeafMeta("step", "step.memmap", "int64", ())}

@@ -1,4 +1,4 @@
-"""The placement plan (memtree/format/placement.py): which indices and which bytes of a leaf file a
+"""The placement plan (memtree/dist/placement.py): which indices and which bytes of a leaf file a
 rank of a device mesh holds, checked against torch's own split over shapes x meshes x placements
 (uneven and empty shards, several mesh dims on one tensor dim, _StridedShard), no process group.
 """
@@ -16,7 +16,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from memtree.format.subclass import layout_dict, parse_layout
-from memtree.format.placement import (
+from memtree.dist.placement import (
     Layout,
     assign_writers,
     box_offsets,

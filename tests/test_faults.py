@@ -39,7 +39,9 @@ NAME = "tree"
 
 
 def make_tree(seed: int, size: str) -> TensorTree:
-    """small: 5 leaves over 3 levels (KB); large: 24 leaves over 4 levels, about 12 MiB."""
+    """small: 5 leaves over 3 levels (KB); large: 24 leaves over 4 levels, about 12 MiB; packed:
+    the small tree and 80 more small leaves (so they share a pack, format version 3) and one
+    leaf of 1 MiB in its own file."""
     g = torch.Generator().manual_seed(seed)
     t = TensorTree(
         {
@@ -54,6 +56,9 @@ def make_tree(seed: int, size: str) -> TensorTree:
         },
         batch_size=[4],
     )
+    if size == "packed":
+        t["many"] = {f"s{i}": torch.randn(4, 8, generator=g) for i in range(80)}
+        t["big"] = torch.randint(0, 256, (4, 256 << 10), dtype=torch.uint8, generator=g)
     if size == "large":
         for i in range(16):
             t[f"w{i}"] = torch.randint(0, 256, (4, 64 << 10), dtype=torch.uint8, generator=g)
@@ -148,6 +153,12 @@ for size, threads in [("small", 0), ("large", 4)]:
     CASES.append(("overwrite", size, threads, False, 2, "between_renames", "missing", "old"))
     CASES.append(("overwrite", size, threads, False, 2, "after_publish", "new", "new"))
     CASES.append(("new", size, threads, False, 1, "after_publish", "new", "new"))
+# packs of small leaves (one job writes a whole pack: after_leaf:1 and :2 are the pack and the big leaf)
+for point in ["before_leaves", "after_leaf:1", "after_leaf:2", "before_meta:2", "before_root_meta", "before_publish"]:
+    CASES.append(("new", "packed", 2, False, 0, point, "absent", "absent"))
+    CASES.append(("overwrite", "packed", 0, False, 0, point, "old", "old"))
+CASES.append(("overwrite", "packed", 0, False, 0, "after_publish", "new", "new"))
+CASES.append(("overwrite", "packed", 2, True, 0, "before_publish", "old", "old"))  # after the one syncfs
 # durable writes
 CASES += [
     ("new", "small", 2, True, 0, "after_leaf:2", "absent", "absent"),

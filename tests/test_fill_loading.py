@@ -284,9 +284,22 @@ def test_a_damaged_torch_record_fails_its_crc_on_the_bytes_read(tmp_path: Any) -
         load_into_module(Net(), path)
 
 
-def _open_fds() -> set[str]:
+def _open_fds(under: Any = None) -> set[str]:
+    """This process's open descriptors; with ``under``, only those of files below that directory
+    (what a load opens: other tests' background threads may open and close others meanwhile)."""
     gc.collect()  # descriptors that only garbage still holds are closed first
-    return set(os.listdir("/proc/self/fd"))
+    fds = set(os.listdir("/proc/self/fd"))
+    if under is None:
+        return fds
+    found = set()
+    for fd in fds:
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if where.startswith(f"{under}/") or where == str(under):
+            found.add(f"{fd} -> {where}")
+    return found
 
 
 @pytest.mark.parametrize("fail_at", [1, 7, 40])
@@ -300,12 +313,12 @@ def test_a_read_failing_mid_load_raises_closes_every_descriptor_and_leaves_no_th
     monkeypatch.setattr(fill_mod, "READ_CHUNK", 64)  # many pieces: the threads overlap the setup
     path = save(trained(), "memtree", tmp_path)
     calls = fail_preadv_at(monkeypatch, fail_at)
-    before = _open_fds()
+    before = _open_fds(tmp_path)
     with pytest.raises(StorageError, match=r"leaf .*\.memmap") as info:
         load_into_module(Net(), path)
     assert info.value.errno == errno.EIO
     del info  # its traceback holds the tree (and its root directory) until it is dropped
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
     assert not any(t.name.startswith("memtree-read") for t in threading.enumerate())
     assert gc.isenabled()
     calls["n"] = -(10**9)  # no more failures: the same module loads bit-exact afterwards

@@ -44,9 +44,10 @@ def source(batch_size: tuple[int, ...]) -> TensorTree:
     )
 
 
-@pytest.fixture(scope="module", params=["plain", "mapped", "lazy"])
+@pytest.fixture(scope="module", params=["plain", "mapped", "lazy", "packed"])
 def trees(request, tmp_path_factory):
-    """(tree under test, the same tree of plain tensors) for batch sizes [N] and [N, M]."""
+    """(tree under test, the same tree of plain tensors) for batch sizes [N] and [N, M]; "packed"
+    loads a tree whose leaves all share one pack file (format version 3)."""
     out = {}
     for bs in ((N,), (N, M)):
         src = source(bs)
@@ -54,7 +55,8 @@ def trees(request, tmp_path_factory):
             out[bs] = (src, src)
             continue
         d = tmp_path_factory.mktemp("g") / f"t{len(bs)}"
-        mapped = src.memmap(d)
+        mapped = src.memmap(d, pack_below=1 << 20 if request.param == "packed" else None)
+        assert ((d / "~pack-0.memmap").exists()) == (request.param == "packed")
         out[bs] = (mapped if request.param == "mapped" else memtree.load_memmap(d), src)
     return out
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import memtree
 from memtree.format.chunks import ChunkSums
-from memtree.format.placement import Layout
+from memtree.dist.placement import Layout
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 from memtree.store.reading.options import ReadOptions, WriteOptions
 from memtree.store.primitives.checksums import default_checksum
@@ -128,6 +128,8 @@ class _FrozenLeaf:  # LeafMeta's twin, as @dataclass(frozen=True) makes it
     int_key: bool = False
     layout: Any = None  # a DTensor's layout (format version 3)
     chunks: Any = None  # the checksums of its chunks (format version 3)
+    pack: str | None = None  # a packed leaf's pack and offset (format version 3)
+    offset: int | None = None
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
@@ -142,6 +144,8 @@ _leaves = st.tuples(
     st.booleans(),
     st.none() | st.just(Layout((2,), ("S(0)",))),
     st.none() | st.just(ChunkSums("crc32", 65536, "00000000" "00000001")),
+    st.none() | st.just("~pack-0.memmap"),
+    st.none() | st.integers(0, 1 << 20),
 )
 
 

@@ -11,6 +11,7 @@ import torch
 import memtree
 from memtree import InvalidArgumentError, verify_tree
 from memtree.format.level import Level
+from memtree.store.primitives import durability
 from memtree.store.writing import linking
 from memtree.store.reading.options import WriteOptions
 from memtree.store.writing.write import WriteStats, write_tree
@@ -277,12 +278,34 @@ def test_old_tree_removed_while_linking_writes_the_rest(tmp_path, monkeypatch):
 def test_fsync_flushes_linked_files_too(tmp_path, monkeypatch):
     old = tmp_path / "1"
     _save(old, _state(0))
+    monkeypatch.setattr(durability, "syncfs_refusal", lambda fd: "per-file fsync (this test)")
     synced = []
     real = os.fsync
     monkeypatch.setattr(linking.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real(fd))
     stats = _save(tmp_path / "2", _state(0), link_from=old, fsync=True)
     assert stats.files_linked == 4
     assert {os.stat(p).st_ino for p in old.rglob("*.memmap")} <= set(synced)  # (os.fsync is global)
+
+
+def test_batched_durability_covers_linked_files(tmp_path, monkeypatch):
+    """Where one syncfs makes a durable write (memtree.store.durability), it covers the linked
+    old files too: the old tree may have been written without fsync, and syncfs flushes every
+    dirty page of the filesystem; no file is fsynced one by one."""
+    old = tmp_path / "1"
+    _save(old, _state(0))
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        if durability.syncfs_refusal(fd) is not None:
+            pytest.skip(f"no batched durability here: {durability.syncfs_refusal(fd)}")
+    finally:
+        os.close(fd)
+    calls = []
+    real_syncfs, real_fsync = durability._syncfs, os.fsync
+    monkeypatch.setattr(durability, "_syncfs", lambda fd: calls.append("syncfs") or real_syncfs(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    stats = _save(tmp_path / "2", _state(0), link_from=old, fsync=True)
+    assert stats.files_linked == 4
+    assert calls == ["syncfs", str(tmp_path)]  # then the parent, after the publish
 
 
 # ---------------------------------------------------------------------------------------------

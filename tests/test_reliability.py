@@ -37,6 +37,7 @@ import memtree
 from memtree.store.reading.options import WriteOptions
 from memtree import TensorTree
 from memtree.store.primitives import commit as commit_mod
+from memtree.store.primitives import durability as durability_mod
 from memtree.store.writing import write as write_mod
 from treeutil import fingerprint, flat, plain
 from treeutil import raw_bytes as raw
@@ -261,16 +262,21 @@ def test_two_overwriters_never_interleave(parent):
 
 
 class Recorder:
-    """Records fsync (by path), file creation, rename and renameat2 calls, in order."""
+    """Records fsync and syncfs (by path), file creation, rename and renameat2 calls, in order."""
 
     def __init__(self, monkeypatch, *, exchange: bool = True, noreplace: bool = True):
         self.calls: list[tuple] = []
         real_fsync, real_open, real_rename = os.fsync, os.open, os.rename
         real_rename2 = commit_mod._renameat2
+        real_syncfs = durability_mod._syncfs
 
         def fsync(fd):
             self.calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
             return real_fsync(fd)
+
+        def syncfs(fd):
+            self.calls.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}")))
+            return real_syncfs(fd)
 
         def open_(path, flags, mode=0o777, *, dir_fd=None):
             fd = real_open(path, flags, mode, dir_fd=dir_fd)
@@ -295,6 +301,8 @@ class Recorder:
         monkeypatch.setattr(os, "open", open_)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(commit_mod, "_renameat2", rename2)
+        if real_syncfs is not None:
+            monkeypatch.setattr(durability_mod, "_syncfs", syncfs)
 
     def index(self, pred) -> list[int]:
         return [i for i, c in enumerate(self.calls) if pred(c)]
@@ -309,12 +317,28 @@ def _staging_dir(calls) -> str:
     raise AssertionError("no file created in a staging directory")
 
 
+def per_file_fsync(monkeypatch) -> None:
+    """Make every write fsync its files one by one (as where syncfs is not known to be as safe)."""
+    monkeypatch.setattr(durability_mod, "syncfs_refusal", lambda fd: "per-file fsync (this test)")
+
+
+def syncfs_or_skip(parent: Path) -> None:
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        why = durability_mod.syncfs_refusal(fd)
+    finally:
+        os.close(fd)
+    if why is not None:
+        pytest.skip(f"no batched durability here: {why}")
+
+
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
 @pytest.mark.parametrize("num_threads", [0, 3])
 def test_fsync_order_leaves_then_root_meta_then_publish_then_parent(parent, monkeypatch, overwrite, num_threads):
     prefix = parent / "tree"
     if overwrite:
         sample(1).memmap(prefix)
+    per_file_fsync(monkeypatch)
     rec = Recorder(monkeypatch)
     sample(2).memmap(prefix, fsync=True, num_threads=num_threads)
     calls = rec.calls
@@ -336,7 +360,55 @@ def test_fsync_order_leaves_then_root_meta_then_publish_then_parent(parent, monk
         assert m < dd < publish
     (parent_sync,) = rec.index(lambda c: c == ("fsync", str(parent)))
     assert parent_sync > publish
+    assert not rec.index(lambda c: c[0] == "syncfs")
     assert fingerprint(memtree.load_memmap(prefix)) == fingerprint(sample(2))
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+@pytest.mark.parametrize("num_threads", [0, 3])
+def test_batched_durability_one_syncfs_after_every_file_before_the_publish(parent, monkeypatch, overwrite, num_threads):
+    """Where syncfs reports writeback errors and flushes every file (docs/format.md,
+    "Durability"), a durable write makes one syncfs call after its last file, the root
+    meta.json, and before the publishing rename, instead of an fsync per file and directory;
+    the rename is still made durable by an fsync of the parent."""
+    syncfs_or_skip(parent)
+    prefix = parent / "tree"
+    if overwrite:
+        sample(1).memmap(prefix)
+    rec = Recorder(monkeypatch)
+    sample(2).memmap(prefix, fsync=True, num_threads=num_threads)
+    calls = rec.calls
+    staging = _staging_dir(calls)
+    (synced,) = rec.index(lambda c: c[0] == "syncfs")
+    assert calls[synced][1] == staging
+    creates = rec.index(lambda c: c[0] == "create" and c[1].startswith(staging + os.sep))
+    assert len(creates) == 5 + 3 and max(creates) < synced  # 5 leaves, 3 meta.json files
+    (publish,) = rec.index(lambda c: c[0] == "renameat2")
+    assert synced < publish
+    assert [c for c in calls if c[0] == "fsync"] == [("fsync", str(parent))]  # no file's, no directory's
+    assert rec.index(lambda c: c[0] == "fsync")[0] > publish
+    assert fingerprint(memtree.load_memmap(prefix)) == fingerprint(sample(2))
+
+
+def test_a_failed_syncfs_publishes_nothing(parent, monkeypatch):
+    """A syncfs that reports an error (a page of the filesystem could not be written back)
+    fails the write before the rename: the destination keeps the old tree."""
+    syncfs_or_skip(parent)
+    prefix = parent / "tree"
+    sample(1).memmap(prefix)
+
+    def failing(fd):
+        import ctypes
+
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(durability_mod, "_syncfs", failing)
+    with pytest.raises(memtree.StorageError, match="syncfs") as ei:
+        sample(2).memmap(prefix, fsync=True)
+    assert ei.value.errno == errno.EIO
+    assert fingerprint(memtree.load_memmap(prefix)) == fingerprint(sample(1))
+    assert os.listdir(parent) == ["tree"]
 
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
@@ -346,7 +418,7 @@ def test_no_fsync_without_fsync_flag(parent, monkeypatch, overwrite):
         sample(1).memmap(prefix)
     rec = Recorder(monkeypatch)
     sample(2).memmap(prefix, num_threads=2)
-    assert not rec.index(lambda c: c[0] == "fsync")
+    assert not rec.index(lambda c: c[0] in ("fsync", "syncfs"))
     assert rec.index(lambda c: c[0] == "renameat2")
 
 

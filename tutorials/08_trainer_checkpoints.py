@@ -6,7 +6,8 @@ What you will see (a GPT-2 built from a config: nothing is downloaded):
 1. ``MemtreeTrainer`` (a ``Trainer``) with ``save_total_limit=2``: each ``checkpoint-<step>``
    holds the Trainer's JSON files and ``state/``, a memtree tree of the model, optimizer,
    scheduler and RNG states (no pickle), written atomically;
-2. the frozen position embeddings are hard links shared by the checkpoints;
+2. the frozen position embeddings are hard links shared by the checkpoints (a leaf of 64 KiB
+   or more: smaller ones share a pack file, linked only while none of its leaves changes);
 3. a run stopped at step 6 and resumed with ``train(resume_from_checkpoint=True)`` ends with the
    very weights and losses of a run that was never interrupted;
 4. ``export_pretrained``: a step as a model directory that ``from_pretrained`` reads;
@@ -45,7 +46,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from memtree.integrations.transformers import MemtreeCallback, MemtreeTrainer, export_pretrained
 
-config = GPT2Config(n_layer=1 if FAST else 4, n_embd=32 if FAST else 128, n_head=2, vocab_size=128, n_positions=32)
+# n_positions=1024 (GPT-2's): the frozen position embeddings (128 KiB or more) have a file of their
+# own; leaves under 64 KiB share a pack, written again whenever one of them changes
+config = GPT2Config(n_layer=1 if FAST else 4, n_embd=32 if FAST else 128, n_head=2, vocab_size=128, n_positions=1024)
 g = torch.Generator().manual_seed(0)
 texts = [torch.randint(0, 128, (32,), generator=g) for _ in range(24)]
 dataset = [{"input_ids": t, "labels": t} for t in texts]

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.chunks import ChunkSums, chunk_count
+from ..format.packs import leaf_location
 from ..format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, PickleMeta
 from ..format.subclass import Subclass, SubclassMeta
-from ..store.primitives.checksums import DIGEST_SLICE, default_checksum, new_digest
+from ..store.primitives.checksums import default_checksum
 from ..store.primitives.chunk_check import hash_chunks
 from ..store.reading.storage import LocalStorage, join_rel
 from ..store.reading.walk import walk
@@ -95,22 +96,11 @@ class _Side:
     def identity(self, rel: str) -> tuple[tuple[str, str], ...]:
         return self.storage.stat(rel).identity
 
-    def hash(self, rel: str, nbytes: int, algorithm: str) -> str:
-        digest = new_digest(algorithm)
-        buf = bytearray(min(nbytes, DIGEST_SLICE))
-        view = memoryview(buf)
-        done = 0
-        while done < nbytes:
-            n = min(len(buf), nbytes - done)
-            self.storage.read_into(rel, done, view[:n])
-            digest.update(view[:n])
-            done += n
-        return f"{algorithm}:{digest.hexdigest()}"
-
-    def sums(self, rel: str, nbytes: int, like: ChunkSums) -> ChunkSums:
-        """The checksums of the first ``nbytes`` of file ``rel`` in the algorithm and chunks of ``like``."""
+    def sums(self, rel: str, nbytes: int, like: ChunkSums, offset: int = 0) -> ChunkSums:
+        """The checksums of ``nbytes`` of file ``rel`` from ``offset``, in the algorithm and
+        chunks of ``like``."""
         count = chunk_count(nbytes, like.chunk_bytes)
-        found = hash_chunks(lambda offset, view: self.storage.read_into(rel, offset, view), like, nbytes, range(count))
+        found = hash_chunks(lambda at, view: self.storage.read_into(rel, offset + at, view), like, nbytes, range(count))
         return ChunkSums(like.algorithm, like.chunk_bytes, "".join(found[k] for k in range(count)))
 
 
@@ -218,7 +208,7 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
         if ea.shape != eb.shape:
             what.append("shape")
         if not what:
-            sa, sb = _leaf_sums(left, join_rel(ra, ea.file), ea, right, join_rel(rb, eb.file), eb, report)
+            sa, sb = _leaf_sums(left, leaf_location(ra, ea), ea, right, leaf_location(rb, eb), eb, report)
             if sa != sb:
                 what.append("data")
                 desc_a, desc_b = _texts(sa, sb)
@@ -228,9 +218,9 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
         ia, ib = left.identity(fa), right.identity(fb)
         if not _same_inode(ia, ib):
             size_a, size_b = left.storage.stat(fa).size, right.storage.stat(fb).size
-            algo = default_checksum()
+            like = ChunkSums(default_checksum(), max(size_a, 1), "")
             report.bytes_read += size_a + size_b
-            if size_a != size_b or left.hash(fa, size_a, algo) != right.hash(fb, size_b, algo):
+            if size_a != size_b or left.sums(fa, size_a, like) != right.sums(fb, size_b, like):
                 what.append("value")
     if what:
         report.changed.append({"key": list(key), "what": what, "a": desc_a, "b": desc_b})
@@ -239,26 +229,29 @@ def _compare(key: tuple[str, ...], left: _Side, right: _Side, report: DiffReport
 
 
 def _leaf_sums(
-    left: _Side, fa: str, ea: LeafMeta, right: _Side, fb: str, eb: LeafMeta, report: DiffReport
+    left: _Side, la: tuple[str, int], ea: LeafMeta, right: _Side, lb: tuple[str, int], eb: LeafMeta,
+    report: DiffReport,
 ) -> tuple[ChunkSums | str, ChunkSums | str]:
     """Checksums of two same-shaped leaves in one algorithm and chunk size, reading as little as
-    possible (``"same file"`` for two names of one file)."""
+    possible (``"same file"`` for two names of one file); ``la``/``lb``: where each one's bytes
+    are (file, offset: a packed leaf's range of its pack)."""
     ca = ea.sums if ea.capacity is None else None
     cb = eb.sums if eb.capacity is None else None
     if ca and cb and (ca.algorithm, ca.chunk_bytes) == (cb.algorithm, cb.chunk_bytes):
         return ca, cb
-    if _same_inode(left.identity(fa), right.identity(fb)):
+    (fa, oa), (fb, ob) = la, lb
+    if oa == ob and _same_inode(left.identity(fa), right.identity(fb)):
         return "same file", "same file"
     nbytes = ea.nbytes
     if ca:
         report.bytes_read += nbytes
-        return ca, right.sums(fb, nbytes, ca)
+        return ca, right.sums(fb, nbytes, ca, ob)
     if cb:
         report.bytes_read += nbytes
-        return left.sums(fa, nbytes, cb), cb
+        return left.sums(fa, nbytes, cb, oa), cb
     like = ChunkSums(default_checksum(), max(nbytes, 1), "")
     report.bytes_read += 2 * nbytes
-    return left.sums(fa, nbytes, like), right.sums(fb, nbytes, like)
+    return left.sums(fa, nbytes, like, oa), right.sums(fb, nbytes, like, ob)
 
 
 def _texts(a: ChunkSums | str, b: ChunkSums | str) -> tuple[str, str]:

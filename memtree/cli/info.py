@@ -115,7 +115,9 @@ def _entries(levels: dict[tuple[str, ...], WalkedLevel], dirs: tuple[str, ...], 
         entries.append(item)
         if isinstance(e, LeafMeta):
             item.update(kind="tensor", dtype=e.dtype_name, shape=list(e.shape), nbytes=e.nbytes,
-                        file=rel + e.file, checksum=e.checksum)
+                        file=rel + e.file if e.pack is None else e.pack, checksum=e.checksum)
+            if e.pack is not None:  # a packed leaf: its range of a pack at the root
+                item.update(offset=e.offset)
             if e.capacity is not None:  # a growable leaf: its file holds `capacity` rows
                 item.update(capacity=e.capacity, file_nbytes=e.file_nbytes)
             if e.chunks is not None:  # per-chunk checksums (format version 3)
@@ -147,13 +149,14 @@ def _describe_storage(storage: Storage, path: str, pool: ThreadPoolExecutor | No
     root: LevelMeta = parse_level(data, storage.describe(META_NAME))
     levels = {lvl.dirs: lvl for lvl in walk(storage, pool=pool, root=root)}
     # the root's version (parse_level accepted it), or 3 where a level holds what version 3 added
-    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta.entries, 0) for lvl in levels.values()])
+    version = max([orjson.loads(data)["version"]] + [level_version(lvl.meta, 0) for lvl in levels.values()])
     entries: list[dict[str, Any]] = []
     totals = _Totals()
     _entries(levels, (), [], "", entries, totals)
     return {"kind": "memtree", "path": path, "format": FORMAT, "version": version, "type": root.type,
             "batch_size": list(root.batch_size), "save_id": root.save_id,
-            "encryption": _encryption(root, storage), "totals": totals.as_dict(), "entries": entries}
+            "encryption": _encryption(root, storage), "totals": totals.as_dict(), "entries": entries,
+            "packs": [{"file": p.file, "nbytes": p.nbytes} for p in root.packs]}
 
 
 def _encryption(root: LevelMeta, storage: Storage) -> dict[str, Any] | None:
@@ -537,6 +540,9 @@ def render_text(info: dict[str, Any], *, max_depth: int | None = None, label: st
         extras.append(_plural(t["pickled_values"], "pickled value"))
     if t["checksummed"]:
         extras.append(f"{t['checksummed']:,} with checksums")
+    if info.get("packs"):  # format version 3: small leaves share pack files
+        packed = sum(1 for e in info["entries"] if e.get("offset") is not None)
+        extras.append(f"{packed:,} packed in {_plural(len(info['packs']), 'pack')}")
     out.append(summary + (", " + ", ".join(extras) if extras else ""))
     if len(t["dtypes"]) > 1:
         out.append("by dtype: " + ", ".join(

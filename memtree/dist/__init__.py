@@ -5,7 +5,7 @@ its optimizer state) is written by every rank of the default process group at on
 ordinary memtree directory (:mod:`memtree.dist.write`), and read back by any number of ranks,
 each reading only the bytes of its own shards (:mod:`memtree.dist.read`); the ranks agree on each
 step over JSON exchanges (:mod:`memtree.dist.comm`). The plan (which indices and bytes of a leaf
-a rank holds) is pure, in :mod:`memtree.format.placement`. ``docs/guide/distributed.md`` is the
+a rank holds) is pure, in :mod:`memtree.dist.placement`. ``docs/guide/distributed.md`` is the
 guide; ``docs/format.md`` ("Version 3") the format.
 
 This package imports nothing: :mod:`memtree.dist.dtensor` (imported by the tree layer to tell a

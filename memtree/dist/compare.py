@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from ..format.level import fmt_key
-from ..format.placement import from_annotation
+from .placement import from_annotation
 from ..format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 
 __all__ = ["tree_summary", "summary_digest", "first_difference"]

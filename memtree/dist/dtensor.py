@@ -1,4 +1,4 @@
-"""A ``DTensor`` as memtree sees it: its :class:`~memtree.format.placement.Layout`, the global
+"""A ``DTensor`` as memtree sees it: its :class:`~memtree.dist.placement.Layout`, the global
 ranks of its mesh, this rank's coordinate in it and its local shard; placements to and from the
 strings ``meta.json`` records.
 
@@ -27,7 +27,7 @@ import torch
 
 from ..errors import InvalidArgumentError, PlacementError, SubclassError
 from ..format.level import Level
-from ..format.placement import Layout, check_layout, parse_placement, to_annotation
+from .placement import Layout, check_layout, parse_placement, to_annotation
 from ..format.subclass import layout_dict, parse_layout
 
 if TYPE_CHECKING:

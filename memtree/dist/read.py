@@ -4,7 +4,8 @@
   (``load_into_module``): one :class:`~memtree.store.primitives.fill.FillJob` per range of the source's
   file, read with threaded ``preadv`` straight into the local shard's memory;
 * :func:`load_sharded` is ``load_memmap(prefix, mesh=...)``: each leaf a ``DTensor`` holding this
-  rank's shard (:class:`ShardReader`); a shard that is one range of its file is mapped
+  rank's shard (:class:`ShardReader`); a shard that is one range of its file (or, for a
+  packed leaf, of its pack) is mapped
   (zero-copy), others are read into memory; ``verify=True`` reads and checks the chunks its
   ranges touch (:func:`~memtree.store.primitives.chunk_check.read_ranges`) and returns the bytes it checked;
 * :func:`load_sharded_remote` is the same from a URL, by ranged requests (:mod:`memtree.dist.remote`);
@@ -31,7 +32,7 @@ import torch
 from ..errors import PlacementError
 from ..format.dtypes import itemsize
 from ..format.level import Level, fmt_key
-from ..format.placement import Box, box_runs, box_shape, local_box
+from .placement import Box, box_runs, box_shape, local_box
 from ..format.schema import LeafMeta
 from ..store.primitives.chunk_check import file_reader, read_ranges
 from ..store.primitives.files import FileRange, open_checked
@@ -145,7 +146,6 @@ class ShardReader(LeafReader):
         size = itemsize(entry.dtype)
         first = list(islice(box_runs(entry.shape, size, box), 2))
         shape, device = box_shape(box), mesh_device(target.mesh)
-        path = os.path.join(where, entry.file)
         if len(first) == 1 and self.mmap and not (self.verify and entry.sums is not None) and device.type == "cpu":
             full = super().leaf(dir_fd, where, entry, parents, dirs)  # checked, mapped: no byte read
             with torch._C.DisableTorchFunctionSubclass():
@@ -153,20 +153,32 @@ class ShardReader(LeafReader):
             start, nbytes = first[0]
             return from_local(flat[start // size : (start + nbytes) // size].view(shape),
                               target.mesh, target.placements, entry.shape)
-        fd = open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)
+        fd, path, base = self._open(dir_fd, where, entry)
         if self.verify and entry.sums is not None:  # what is checked is what is returned
             local = torch.empty(shape, dtype=entry.dtype)
             try:
-                read_ranges(file_reader(fd, f"leaf {path}"), entry, list(box_runs(entry.shape, size, box)),
+                read = file_reader(fd, f"leaf {path}")
+                read_ranges(lambda at, view: read(base + at, view), entry, list(box_runs(entry.shape, size, box)),
                             byte_view(local), f"leaf {fmt_key(key)} at {path}")
             finally:
                 os.close(fd)
             return from_local(local.to(device), target.mesh, target.placements, entry.shape)
         local = torch.empty(shape, dtype=entry.dtype, device=device)
-        self.shard_reads.append(ShardRead(local, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), entry.shape, box, entry.dtype))
+        span = FileRange(fd, base, entry.nbytes, f"leaf {path}")
+        self.shard_reads.append(ShardRead(local, span, entry.shape, box, entry.dtype))
         if len(self.shard_reads) >= MAX_PENDING_READS:
             self.flush()
         return from_local(local, target.mesh, target.placements, entry.shape)
+
+    def _open(self, dir_fd: int, where: str, entry: LeafMeta) -> tuple[int, str, int]:
+        """A descriptor of the file that holds ``entry``'s bytes (owned by the caller), its path
+        and the offset of the bytes there: the leaf's file, or its pack (format version 3: the
+        level's packed ranges were checked when it was accepted)."""
+        if entry.pack is None:
+            path = os.path.join(where, entry.file)
+            return open_checked(entry.file, entry.file_nbytes, path, dir_fd=dir_fd), path, 0
+        assert self.packs is not None and entry.offset is not None
+        return os.dup(self.packs.fd(entry.pack)), self.packs.path(entry.pack), entry.offset
 
     def flush(self) -> None:
         """Read the queued leaves, then the queued shards (each rank starting on another file)."""

@@ -4,7 +4,7 @@ The tree is walked as :mod:`memtree.store.urls.remote` walks it (every ``meta.js
 leaf ``stat`` ed and its size checked before anything is allocated). A leaf read as a
 ``DTensor`` is fetched as this rank's ranges only (close ranges in one request, the gap read
 over only when it is at most a quarter of the next range); every other leaf is fetched whole.
-What a leaf records is checked: the chunks a rank's ranges touch with ``verify=True`` (all of
+A packed leaf (format version 3) is read from its pack at its offset, the same way. What a leaf records is checked: the chunks a rank's ranges touch with ``verify=True`` (all of
 a plain leaf, always, as a remote load does), read whole and hashed. :data:`REQUESTS` requests
 are in flight; a column shard is one request per row.
 
@@ -25,14 +25,22 @@ from ..errors import InvalidArgumentError, PickleNotAllowedError
 from ..format.dtypes import itemsize
 from ..format.level import Level, fmt_key
 from ..format.names import META_NAME
-from ..format.placement import box_runs, box_shape, split_runs
-from ..format.schema import LeafMeta, PickleMeta, parse_level
+from .placement import box_runs, box_shape, split_runs
+from ..format.schema import PickleMeta, parse_level
 from ..store.reading.integrity import check_tree_hash
 from ..store.primitives.chunk_check import read_ranges
 from ..store.primitives.memory import byte_view
 from ..store.reading.options import KeySelection, ReadOptions
 from ..store.reading.ranges import SPAN_BYTES, read_runs
-from ..store.urls.remote import DEFAULT_NUM_THREADS, RemoteLeaf, build_level, check_size, final_checks
+from ..store.urls.remote import (
+    DEFAULT_NUM_THREADS,
+    RemoteLeaf,
+    build_level,
+    check_size,
+    final_checks,
+    remote_leaves,
+    tensor_id,
+)
 from ..store.reading.storage import Storage
 from ..store.reading.walk import map_all, walk
 from .dtensor import from_local, mesh_device
@@ -109,22 +117,23 @@ def load_sharded_remote(
                             f"non-tensor leaf {fmt_key(lvl.keys + (e.key,))} is pickled in "
                             f"{storage.describe(lvl.file(e.file))}; mesh= loads trees without pickles only"
                         )
-            found = [(lvl.keys + (e.key,), RemoteLeaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,))))
-                     for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
+            found = remote_leaves(levels, root)  # a packed leaf: its range of its pack
             leaves = [leaf for _, leaf in found]
-            for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
-                leaf.info = info
+            rels = list(dict.fromkeys(leaf.rel for leaf in leaves))  # a pack is stat'ed once
+            infos = dict(zip(rels, map_all(pool, storage.stat, rels)))
+            for leaf in leaves:
+                leaf.info = infos[leaf.rel]
                 check_size(storage, leaf)
             parts = [_plan(key, leaf, targets.resolve(key, leaf.meta)) for key, leaf in found]
             checked = [p for p in parts if p.leaf.meta.sums is not None and (verify or p.target is None)]
             unchecked = [p for p in parts if p.leaf.meta.sums is None or not (verify or p.target is None)]
             map_all(pool, lambda p: _read_checked(storage, p), checked)
             map_all(pool, lambda batch: _read_batch(storage, *batch), [b for p in unchecked for b in _batches(p)])
-            final_checks(storage, pool, leaves, root_info)
+            final_checks(storage, pool, list({leaf.rel: leaf for leaf in leaves}.values()), root_info)
         tensors = {
-            p.leaf.rel: p.out if p.target is None else
+            tensor_id(key, p.leaf.rel, p.leaf.meta): p.out if p.target is None else
             from_local(p.out.to(mesh_device(p.target.mesh)), p.target.mesh, p.target.placements, p.leaf.meta.shape)
-            for p in parts
+            for (key, _), p in zip(found, parts)
         }
         level = build_level(storage, levels, tensors, {}, torch.device("cpu"))
     finally:
@@ -144,7 +153,8 @@ def _plan(key: tuple[str, ...], leaf: RemoteLeaf, target: Target | None) -> _Par
 
 
 def _reader(storage: Storage, leaf: RemoteLeaf) -> Any:
-    return lambda offset, view: storage.read_into(leaf.rel, offset, view, leaf.info)
+    """Reads of ``leaf``'s bytes, from its first (at its offset in its pack, if packed)."""
+    return lambda offset, view: storage.read_into(leaf.rel, leaf.offset + offset, view, leaf.info)
 
 
 def _read_checked(storage: Storage, part: _Part) -> None:

@@ -1,8 +1,8 @@
 """A rank's shard of a leaf: its box, the ranges of the leaf's file it covers, the reads that fill it.
 
 The shard a rank holds of a leaf is a box of the full tensor (``DTensor``'s own split,
-:func:`~memtree.format.placement.local_box`), whose bytes are ranges of the leaf's file
-(:func:`~memtree.format.placement.box_runs`): one range for a row shard, one per row for a
+:func:`~memtree.dist.placement.local_box`), whose bytes are ranges of the leaf's file
+(:func:`~memtree.dist.placement.box_runs`): one range for a row shard, one per row for a
 column shard. :func:`fill_shards` reads those ranges and nothing else, except the gap between two
 close ranges, read over (one read instead of two) only when it is at most :data:`OVER_READ` of
 the range after it, straight into the shards' memory (:func:`~memtree.store.primitives.fill.fill`),
@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PlacementError
 from ..format.dtypes import itemsize
-from ..format.placement import Box, box_runs, local_box
+from .placement import Box, box_runs, local_box
 from ..store.primitives.files import FileRange
 from ..store.primitives.fill import FillJob, check_ranges, fill
 from .targets import Target

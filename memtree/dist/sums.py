@@ -1,7 +1,7 @@
 """A leaf's per-chunk checksums from the CRCs of the pieces the ranks wrote.
 
 Each rank of a collective write hashes the bytes it writes as it writes them, one piece per
-range and chunk (a piece never crosses a chunk boundary: :func:`~memtree.format.placement.split_runs`),
+range and chunk (a piece never crosses a chunk boundary: :func:`~memtree.dist.placement.split_runs`),
 and sends ``(offset, length, crc)`` of each piece to rank 0. The pieces of a leaf tile its file
 exactly; rank 0 sorts them by offset and chains the CRCs of each chunk's pieces (``crc(a + b) =
 shift(crc(a)) ^ crc(b)``, :func:`~memtree.store.primitives.checksums.crc_shifter`) into that

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, MemtreeKeyError, PlacementError
 from ..format.level import Level, fmt_key
-from ..format.placement import Layout, from_annotation
+from .placement import Layout, from_annotation
 from ..format.schema import LeafMeta
 from .dtensor import is_dtensor, layout_of, torch_placements
 

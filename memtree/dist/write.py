@@ -8,11 +8,12 @@ which each ``DTensor`` is stored as its full tensor, with its layout recorded be
 :class:`~memtree.errors.DistributedCheckpointError` and nothing is committed):
 
 1. **planning the write**: each rank plans the tree (:func:`~memtree.store.writing.write.plan_write`,
-   with each ``DTensor`` as its global shape) and the distinct shards of each leaf
-   (:func:`~memtree.format.placement.shards`; a plain tensor is one shard every rank holds),
+   with each ``DTensor`` as its global shape, and every leaf in a file of its own: a collective
+   write packs no small leaves) and the distinct shards of each leaf
+   (:func:`~memtree.dist.placement.shards`; a plain tensor is one shard every rank holds),
    and the ranks compare a digest of their plans (:mod:`memtree.dist.compare`): trees that
    differ are refused on every rank with :class:`~memtree.errors.PlacementError` naming the
-   first difference. Each shard gets one writer (:func:`~memtree.format.placement.assign_writers`:
+   first difference. Each shard gets one writer (:func:`~memtree.dist.placement.assign_writers`:
    replicas spread over their holders by bytes);
 2. **preparing the staging directory**: rank 0 takes the destination's writer lock and creates
    the staging directory (:func:`~memtree.store.writing.staged.staged_commit`), every level's directory
@@ -49,7 +50,7 @@ from ..format.chunks import ChunkSums, chunk_bytes_for
 from ..format.level import Level
 from ..format.names import is_uncommitted_name
 from ..format.entries import DTensorLayout
-from ..format.placement import Layout, Shard, assign_writers, to_annotation, box_runs, box_shape, full_box, local_box, shards, split_runs
+from .placement import Layout, Shard, assign_writers, to_annotation, box_runs, box_shape, full_box, local_box, shards, split_runs
 from ..format.schema import Entry, LeafMeta
 from ..store.primitives.checksums import COMBINABLE, available_checksums, check_checksum_option, crc32, new_digest
 from ..store.primitives.files import allocate_fd, new_file, preallocate_fd, pwrite_from, storage_error
@@ -94,6 +95,7 @@ def collective_checksum(checksum: str | None) -> str | None:
 class _Leaf:
     """One leaf file of a collective write."""
 
+    key: tuple[str, ...]  # the key path
     rel: str  # the file, relative to the root
     where: str  # "leaf 'w'", for messages
     shape: tuple[int, ...]
@@ -120,7 +122,8 @@ def write_collective(prefix: str | os.PathLike[str], level: Level, options: Writ
     destination, committed.
 
     Raises:
-        InvalidArgumentError: no process group, ``encryption=`` or ``link_from=``, or a checksum
+        InvalidArgumentError: no process group, ``encryption=``, ``link_from=`` or a positive
+            ``pack_below=`` (a collective write packs nothing), or a checksum
             that does not combine (raised by every rank before any exchange).
         PlacementError: the ranks' trees differ (every rank raises it, naming the first difference).
         DistributedCheckpointError: a step failed on some rank (``failures``: which, and why), or
@@ -133,7 +136,8 @@ def write_collective(prefix: str | os.PathLike[str], level: Level, options: Writ
         memtree.errors.InvalidArgumentError: a tree of DTensors is written by every rank at once: torch.distributed is not initialised. Call torch.distributed.init_process_group(...) on every rank first
     """
     comm = Comm.default("a tree of DTensors is written by every rank at once")
-    for name, value in (("encryption", options.encryption), ("link_from", options.link_from)):
+    for name, value in (("encryption", options.encryption), ("link_from", options.link_from),
+                        ("pack_below", options.pack_below or None)):
         if value is not None:
             raise InvalidArgumentError(
                 f"a tree of DTensors is written by every rank at once, and {name}= is not supported "
@@ -217,7 +221,8 @@ def _chunk_bytes(nbytes: int) -> int:
 def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, world: int, out: list[_Plan]) -> str:
     """Plan the write on this rank (into ``out``); returns the digest the ranks compare."""
     dtensors: dict[tuple[str, ...], Any] = {}
-    write = plan_write(_placeholders(level, (), dtensors), options, dest=dest)
+    # every leaf in a file of its own (no packs): the ranks write their shards into the files
+    write = plan_write(_placeholders(level, (), dtensors), replace(options, pack_below=0), dest=dest)
     leaves: list[_Leaf] = []
     layouts: dict[str, DTensorLayout] = {}
     tensors: dict[str, tuple[Any, int | None]] = {}
@@ -235,7 +240,7 @@ def _plan(level: Level, options: WriteOptions, dest: str, checksum: str | None, 
             data = None if options.like else _host_bytes(job.tensor, where)
             found = [Shard(full_box(shape), tuple(range(world)), job.nbytes)] if job.nbytes else []
             tensors[job.rel] = (None, None if data is None else crc32(byte_view(data)))
-        leaves.append(_Leaf(job.rel, where, shape, size, job.nbytes, _chunk_bytes(job.nbytes), found, dist, data))
+        leaves.append(_Leaf(job.key, job.rel, where, shape, size, job.nbytes, _chunk_bytes(job.nbytes), found, dist, data))
     _set_leaf_field(write, "layout", layouts)
     settings = {"dest": dest, "existsok": options.existsok, "checksum": checksum, "fsync": options.fsync,
                 "like": options.like, "reserve": options.reserve}
@@ -347,7 +352,7 @@ def _write_shards(
 
 def _commit(staging: Staging, plan: _Plan, checksum: str | None, gathered: list[Any] | None, options: WriteOptions) -> None:
     """Combine the ranks' pieces into checksums, write every ``meta.json`` and publish."""
-    sums: dict[str, str | ChunkSums] = {}
+    sums: dict[tuple[str, ...], str | ChunkSums] = {}
     if checksum is not None:
         assert gathered is not None
         pieces: list[list[tuple[int, int, int]]] = [[] for _ in plan.leaves]
@@ -355,7 +360,7 @@ def _commit(staging: Staging, plan: _Plan, checksum: str | None, gathered: list[
             for row in rows:
                 pieces[row[0]].extend(zip(row[1::3], row[2::3], row[3::3]))
         for leaf, found in zip(plan.leaves, pieces):
-            sums[leaf.rel] = combine_pieces(checksum, leaf.nbytes, leaf.chunk, found, leaf.where)
+            sums[leaf.key] = combine_pieces(checksum, leaf.nbytes, leaf.chunk, found, leaf.where)
     write_levels(staging.path, plan.write, checksum=checksum, sums=sums, fsync=options.fsync,
                  num_threads=options.num_threads)
     staging.publish(fsync=options.fsync, background_removal=plan.write.total_files >= BACKGROUND_REMOVAL_FILES)

@@ -47,6 +47,7 @@ __all__ = [
     "DTensorLayout",
     "Entry",
     "EncryptionMeta",
+    "PackMeta",
     "LevelMeta",
 ]
 
@@ -155,6 +156,10 @@ class LeafMeta(Record):
     #: The checksum of each chunk of a leaf larger than one chunk (format version 3, instead of
     #: ``checksum``; :mod:`memtree.format.chunks`), else None.
     chunks: ChunkSums | None = None
+    #: The pack file (at the tree's root) that holds the leaf's bytes from ``offset`` (format
+    #: version 3, :mod:`memtree.format.packs`); ``None`` for a leaf in its own ``file`` (then "").
+    pack: str | None = None
+    offset: int | None = None
 
     def __init__(
         self,
@@ -168,6 +173,8 @@ class LeafMeta(Record):
         int_key: bool = False,
         layout: DTensorLayout | None = None,
         chunks: ChunkSums | None = None,
+        pack: str | None = None,
+        offset: int | None = None,
     ) -> None:
         _set(self, "key", key)
         _set(self, "file", file)
@@ -179,6 +186,8 @@ class LeafMeta(Record):
         _set(self, "int_key", int_key)
         _set(self, "layout", layout)
         _set(self, "chunks", chunks)
+        _set(self, "pack", pack)
+        _set(self, "offset", offset)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -190,7 +199,7 @@ class LeafMeta(Record):
         dt = dtype_from_name(self.dtype_name)
         if dt is None:
             raise DtypeError(
-                f"leaf {self.key!r} ({self.file}) holds {self.dtype_name}, which this torch build "
+                f"leaf {self.key!r} ({self.file or self.pack}) holds {self.dtype_name}, which this torch build "
                 "does not have; upgrade torch to load it"
             )
         return dt
@@ -239,10 +248,8 @@ class LeafMeta(Record):
         if chunks is not None and chunks.count == 1:
             sums, chunks = chunks.digest(0), None
         checksum = sums if isinstance(sums, str) else None
-        return LeafMeta(
-            self.key, self.file, self.dtype_name, self.shape, checksum, self.capacity, self.chunk_bytes,
-            self.int_key, self.layout, chunks,
-        )
+        summed: LeafMeta = self.evolve(checksum=checksum, chunks=chunks)  # (a packed leaf's pack too)
+        return summed
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -331,6 +338,19 @@ class EncryptionMeta(Record):
 
 
 @dataclass(init=False, repr=False, eq=False)
+class PackMeta(Record):
+    """A pack file of small leaves (format version 3, :mod:`memtree.format.packs`): its name at
+    the tree's root and its exact size in bytes."""
+
+    file: str
+    nbytes: int
+
+    def __init__(self, file: str, nbytes: int) -> None:
+        _set(self, "file", file)
+        _set(self, "nbytes", nbytes)
+
+
+@dataclass(init=False, repr=False, eq=False)
 class LevelMeta(Record):
     """One level of a tree: its batch size and its entries in key order.
 
@@ -349,6 +369,8 @@ class LevelMeta(Record):
     encryption: EncryptionMeta | None = None
     mac: str | None = None
     sealed: str | None = None
+    #: The root's pack files (format version 3, :mod:`memtree.format.packs`); empty elsewhere.
+    packs: tuple[PackMeta, ...] = ()
 
     def __init__(
         self,
@@ -360,6 +382,7 @@ class LevelMeta(Record):
         encryption: EncryptionMeta | None = None,
         mac: str | None = None,
         sealed: str | None = None,
+        packs: tuple[PackMeta, ...] = (),
     ) -> None:
         _set(self, "batch_size", batch_size)
         _set(self, "entries", entries)
@@ -369,3 +392,4 @@ class LevelMeta(Record):
         _set(self, "encryption", encryption)
         _set(self, "mac", mac)
         _set(self, "sealed", sealed)
+        _set(self, "packs", packs)

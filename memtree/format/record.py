@@ -59,6 +59,25 @@ class Record:
         args = ", ".join(f"{name}={d[name]!r}" for name in self.__match_args__)
         return f"{type(self).__qualname__}({args})"
 
+    def evolve(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (field names to values): ``dataclasses.replace`` without its
+        ``__init__`` call, for the hot paths that make one per leaf (a tenth of its cost). The
+        values are taken as given: pass what the field holds (a dtype's name, not a dtype).
+
+        Example:
+            >>> from memtree.format.entries import LeafMeta
+            >>> LeafMeta("w", "w.memmap", "float32", (2,)).evolve(checksum="crc32:00000000").checksum
+            'crc32:00000000'
+        """
+        new = object.__new__(type(self))
+        d = new.__dict__
+        d.update(self.__dict__)
+        for name, value in changes.items():
+            if name not in d:
+                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+            d[name] = value
+        return new
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
 

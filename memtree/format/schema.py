@@ -40,11 +40,13 @@ from .entries import (
     JsonMeta,
     LeafMeta,
     LevelMeta,
+    PackMeta,
     PickleMeta,
     TuplePath,
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
+from .packs import PACK_ALIGN, PACK_VERSION, is_pack_name, pack_fields, parse_pack_ref, parse_packs, uses_packs
 from .subclass import (
     SUBCLASS_KIND,
     SUBCLASS_VERSION,
@@ -103,7 +105,7 @@ FORMAT = "memtree"
 VERSION = 2
 #: The versions memtree reads (a level is written as version 3 only when it holds what version 3
 #: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``, per-chunk
-#: checksums; :func:`level_version`).
+#: checksums, packs of small leaves; :func:`level_version`).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -176,13 +178,14 @@ def _entry_fields(e: Entry) -> dict[str, Any]:
     if isinstance(e, SubclassMeta):
         return subclass_fields(e)
     if isinstance(e, LeafMeta):
-        d: dict[str, Any] = {
-            "key": e.key,
-            "kind": "tensor",
-            "file": e.file,
-            "dtype": e.dtype_name,
-            "shape": list(e.shape),
-        }
+        d: dict[str, Any] = {"key": e.key, "kind": "tensor"}
+        if e.pack is not None:
+            d["pack"] = e.pack
+            d["offset"] = e.offset
+        else:
+            d["file"] = e.file
+        d["dtype"] = e.dtype_name
+        d["shape"] = list(e.shape)
         if e.capacity is not None:
             d["capacity"] = e.capacity
         if e.checksum is not None:
@@ -228,42 +231,51 @@ def check_writable(meta: LevelMeta, where: str, depth: int) -> None:
 
 
 #: The rules of the versions after 2, one per field a later version added:
-#: ``(version, uses, refusal)``, ``uses(entries)`` saying whether a level's entries hold it and
-#: ``refusal`` what a reader says of an older level that does (``{version}`` filled in).
+#: ``(version, uses, refusal)``, ``uses(level)`` saying whether a level holds it and ``refusal``
+#: what a reader says of an older level that does (``{version}`` filled in).
 #: :func:`level_version` is the one place that decides a level's version from them, so that a
 #: level needs no later version than its fields do (a reader of version 2 reads every other level
-#: of the tree); a new field of the format adds its rule here. ``docs/format.md``, "Version 3".
-VERSION_RULES: tuple[tuple[int, Callable[[Sequence[Entry]], bool], str], ...] = (
-    (CHUNKS_VERSION, uses_chunks, "record per-chunk checksums (chunks), which only a version {version} level has"),
+#: of the tree); a new field of the format adds its rule here. (An older level that lists packs
+#: or holds a packed leaf is refused already by :func:`memtree.format.packs.parse_packs` and
+#: :func:`~memtree.format.packs.parse_pack_ref`, naming the field.) ``docs/format.md``, "Version 3".
+VERSION_RULES: tuple[tuple[int, Callable[[LevelMeta], bool], str], ...] = (
+    (
+        CHUNKS_VERSION,
+        lambda level: uses_chunks(level.entries),
+        "record per-chunk checksums (chunks), which only a version {version} level has",
+    ),
     (
         SUBCLASS_VERSION,
-        uses_subclass_fields,
+        lambda level: uses_subclass_fields(level.entries),
         "hold a tensor subclass, a DTensor annotation or a dtype that only a version {version} tree has",
     ),
+    (PACK_VERSION, uses_packs, "list packs or hold a packed leaf, which only a version {version} tree has"),
 )
 
 
-def level_version(entries: Sequence[Entry], base: int) -> int:
-    """The version a level of ``entries`` is written as: ``base``, or the latest version of a
-    rule of :data:`VERSION_RULES` whose field it holds.
+def level_version(level: LevelMeta, base: int) -> int:
+    """The version a level is written as: ``base``, or the latest version of a rule of
+    :data:`VERSION_RULES` whose field it holds.
 
     Example:
-        >>> level_version([LeafMeta("x", "x.memmap", "int4", (2,))], 2), level_version([], 2)
-        (3, 2)
+        >>> level_version(LevelMeta((), (LeafMeta("x", "x.memmap", "int4", (2,)),)), 2)
+        3
+        >>> level_version(LevelMeta((), ()), 2)
+        2
     """
-    return max([base, *(version for version, uses, _ in VERSION_RULES if uses(entries))])
+    return max([base, *(version for version, uses, _ in VERSION_RULES if uses(level))])
 
 
-def version_refusal(entries: Sequence[Entry], version: int) -> str | None:
-    """What is wrong with a level of ``version`` that holds ``entries``: the first field it holds
-    that only a later version has, else ``None``.
+def version_refusal(level: LevelMeta, version: int) -> str | None:
+    """What is wrong with a level of ``version``: the first field it holds that only a later
+    version has, else ``None``.
 
     Example:
-        >>> version_refusal([LeafMeta("x", "x.memmap", "int4", (2,))], 2)
+        >>> version_refusal(LevelMeta((), (LeafMeta("x", "x.memmap", "int4", (2,)),)), 2)
         'hold a tensor subclass, a DTensor annotation or a dtype that only a version 3 tree has'
     """
     for needed, uses, refusal in VERSION_RULES:
-        if version < needed and uses(entries):
+        if version < needed and uses(level):
             return refusal.format(version=needed)
     return None
 
@@ -278,7 +290,7 @@ def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": level_version(meta.entries, VERSION),
+        "version": level_version(meta, VERSION),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -301,6 +313,8 @@ def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     if meta.mac is not None:
         d["mac"] = meta.mac
     d["entries"] = [_entry_dict(e) for e in meta.entries]
+    if meta.packs:
+        d["packs"] = pack_fields(meta.packs)
     data = orjson.dumps(d)
     if len(data) > MAX_META_BYTES:
         raise LimitError(
@@ -398,7 +412,7 @@ def _leaves_directory(name: str) -> bool:
 
 
 _LEVEL_FIELDS = frozenset({"format", "version", "type", "byteorder", "batch_size", "entries"})
-_LEVEL_OPTIONAL = frozenset({"save_id", "tree_hash", "encryption", "mac", "sealed"})
+_LEVEL_OPTIONAL = frozenset({"save_id", "tree_hash", "encryption", "mac", "sealed", "packs"})
 _ENCRYPTION_FIELDS = frozenset({"algorithm", "chunk_bytes", "salt", "key_check", "names"})
 
 
@@ -468,13 +482,16 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     if len(raw_entries) > MAX_ENTRIES:
         raise LimitError(f"{where}: {len(raw_entries)} entries, limit is {MAX_ENTRIES}")
 
+    version = doc["version"]
+    packs = parse_packs(doc["packs"], c.fail, depth=depth, version=version) if "packs" in doc else ()
     entries: list[Entry] = []
     keys: set[str] = set()
-    names: set[str] = set()
+    names: set[str] = {p.file.lower() for p in packs}
     for i, raw in enumerate(raw_entries):
         entry: Entry | None = _plain_entry(raw, batch_size)
-        if entry is None:  # anything unusual: the full checks, and their messages
-            entry = _parse_entry(c, raw, f"entries[{i}]", batch_size)
+        if entry is None or (version < PACK_VERSION and getattr(entry, "pack", None) is not None):
+            # anything unusual: the full checks, and their messages
+            entry = _parse_entry(c, raw, f"entries[{i}]", batch_size, version)
         if entry.key in keys:
             raise c.fail(f"entries[{i}].key", f"repeats the key {entry.key!r:.80}")
         keys.add(entry.key)
@@ -485,7 +502,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    refusal = version_refusal(entries, doc["version"])
+    refusal = version_refusal(LevelMeta(batch_size, tuple(entries), packs=packs), doc["version"])
     if refusal is not None:
         raise c.fail("entries", refusal)
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
@@ -496,7 +513,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
     encryption, mac = _parse_encryption(c, doc)
     if encryption is not None and doc["version"] < 2:
         raise c.fail("encryption", "is only allowed in a version 2 tree")
-    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash)
+    meta = LevelMeta(batch_size, tuple(entries), kind_of_tree, save_id, tree_hash, packs=packs)
     sealed = doc.get("sealed")
     if encryption is None:
         if sealed is not None:
@@ -507,7 +524,7 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
             raise c.fail(
                 "sealed", f"must be the base64 ciphertext of the level (names are encrypted), got {sealed!r:.40}"
             )
-        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash):
+        if meta != LevelMeta((), (), TREE_TYPE, save_id=save_id, tree_hash=tree_hash):  # (no packs either)
             raise c.fail("entries", "must be empty, with batch_size [] and type TensorTree: the level is sealed")
         return replace(meta, encryption=encryption, mac=mac, sealed=sealed)
     if sealed is not None:
@@ -522,7 +539,7 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
     """``meta`` as a level of an encrypted tree: its leaves know the chunk size.
 
     Raises:
-        MetaFormatError: a pickle or a growable leaf, which an encrypted level never holds.
+        MetaFormatError: a pickle, a growable leaf or a pack, which an encrypted level never holds.
 
     Example:
         >>> import torch
@@ -532,11 +549,15 @@ def encrypted_level(meta: LevelMeta, encryption: EncryptionMeta, mac: str | None
         26
     """
     c = _Checker(where)
+    if meta.packs:
+        raise c.fail("packs", "are listed, but an encrypted tree packs no leaf")
     entries: list[Entry] = []
     for i, e in enumerate(meta.entries):
         if isinstance(e, PickleMeta):
             raise c.fail(f"entries[{i}]", "is a pickle, which an encrypted level never holds")
         if isinstance(e, LeafMeta):
+            if e.pack is not None:
+                raise c.fail(f"entries[{i}].pack", "is set, but an encrypted leaf is never packed")
             if e.capacity is not None:
                 raise c.fail(f"entries[{i}].capacity", "is set, but an encrypted leaf cannot grow")
             if e.chunks is not None:
@@ -661,17 +682,20 @@ def _bracket_depth(data: bytes) -> int:
 _PLAIN_LEAF_FIELDS = frozenset({"key", "kind", "file", "dtype", "shape"})  # required of a leaf
 _LEAF_OPTIONAL = frozenset({"checksum", "capacity", "dtensor", "chunks"})
 _CHECKSUM_LEAF_FIELDS = _PLAIN_LEAF_FIELDS | {"checksum"}
+#: A packed leaf (version 3): ``pack`` and ``offset`` in place of ``file``; never a capacity.
+_PACKED_LEAF_FIELDS = frozenset({"key", "kind", "pack", "offset", "dtype", "shape"})
+_CHECKSUM_PACKED_FIELDS = _PACKED_LEAF_FIELDS | {"checksum"}
 _CHILD_FIELDS = frozenset({"key", "kind", "dir"})
 
 
-def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...]) -> Entry:
+def _parse_entry(c: _Checker, raw: Any, p: str, batch_size: tuple[int, ...], version: int) -> Entry:
     """One entry of ``entries``, with every check and its precise message."""
     if type(raw) is not dict:
         raise c.fail(p, "must be a JSON object")
     if "int_key" not in raw:
-        return _parse_kind(c, raw, p, batch_size)
+        return _parse_kind(c, raw, p, batch_size, version)
     flag = raw["int_key"]
-    entry = _parse_kind(c, {k: v for k, v in raw.items() if k != "int_key"}, p, batch_size)
+    entry = _parse_kind(c, {k: v for k, v in raw.items() if k != "int_key"}, p, batch_size, version)
     if flag is not True:
         raise c.fail(f"{p}.int_key", f"must be true when present, got {flag!r:.40}")
     if not is_int_key(entry.key):
@@ -714,9 +738,13 @@ def _tuple_paths(c: _Checker, raw: Any, value: Any, p: str) -> tuple[TuplePath, 
     return tuple(out)
 
 
-def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> Entry:
+def _parse_kind(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...], version: int) -> Entry:
     kind = raw.get("kind")
     if kind == "tensor":
+        if "pack" in raw or "offset" in raw:
+            raw = c.obj(raw, p, _PACKED_LEAF_FIELDS, {"checksum", "dtensor"})
+            pack, offset = parse_pack_ref(raw, p, c.fail, version)
+            return replace(_parse_leaf(c, raw, p, batch_size, file=""), pack=pack, offset=offset)
         raw = c.obj(raw, p, _PLAIN_LEAF_FIELDS, _LEAF_OPTIONAL)
         return _parse_leaf(c, raw, p, batch_size)
     if kind == "tree":
@@ -750,8 +778,8 @@ def _parse_subclass(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[
 
 
 def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta | None:
-    """The common entries (a tensor without capacity, a sub-tree), checked inline;
-    ``None`` otherwise.
+    """The common entries (a tensor without capacity, packed or not, a sub-tree), checked
+    inline; ``None`` otherwise.
 
     Accepts exactly what :func:`_parse_entry` accepts for such an entry, faster (a level of a
     20,000-leaf tree, or the ~90 small levels of a model, are parsed in a fraction of the
@@ -766,16 +794,27 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         if raw["kind"] != "tree" or type(key) is not str or not key or not is_safe_name(name, ""):
             return None
         return ChildMeta(key, name)
-    if (fields != _PLAIN_LEAF_FIELDS and fields != _CHECKSUM_LEAF_FIELDS) or raw["kind"] != "tensor":
+    if fields == _PLAIN_LEAF_FIELDS or fields == _CHECKSUM_LEAF_FIELDS:
+        pack = offset = None
+        file = raw["file"]
+        if not is_safe_name(file, LEAF_SUFFIX):
+            return None
+    elif fields == _PACKED_LEAF_FIELDS or fields == _CHECKSUM_PACKED_FIELDS:  # (version 3 only: the caller)
+        pack, offset, file = raw["pack"], raw["offset"], ""
+        if not is_pack_name(pack) or type(offset) is not int or not 0 <= offset <= MAX_NBYTES or offset % PACK_ALIGN:
+            return None
+    else:
+        return None
+    if raw["kind"] != "tensor":
         return None
     checksum = raw.get("checksum")
     if checksum is not None and not is_checksum(checksum):
         return None
-    key, file, dtype_str, shape = raw["key"], raw["file"], raw["dtype"], raw["shape"]
+    key, dtype_str, shape = raw["key"], raw["dtype"], raw["shape"]
     if type(key) is not str or not key or type(dtype_str) is not str or type(shape) is not list:
         return None
     size = DTYPE_ITEMSIZES.get(dtype_str)
-    if size is None or len(shape) > MAX_NDIM or not is_safe_name(file, LEAF_SUFFIX):
+    if size is None or len(shape) > MAX_NDIM:
         return None
     for x in shape:
         if type(x) is not int or x < 0:
@@ -785,12 +824,13 @@ def _plain_entry(raw: Any, batch_size: tuple[int, ...]) -> LeafMeta | ChildMeta 
         (prod(dims) or prod(d or 1 for d in dims)) * size > MAX_NBYTES  # extent_bytes
     ):
         return None
-    return LeafMeta(key, file, dtype_str, dims, checksum)
+    return LeafMeta(key, file, dtype_str, dims, checksum, pack=pack, offset=offset)
 
 
-def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...]) -> LeafMeta:
+def _parse_leaf(c: _Checker, raw: dict[str, Any], p: str, batch_size: tuple[int, ...], file: str | None = None) -> LeafMeta:
+    """A tensor entry's common fields (``file`` given: a packed leaf, which has none)."""
     key = c.string(raw["key"], f"{p}.key")
-    file = c.name(raw["file"], f"{p}.file", LEAF_SUFFIX)
+    file = c.name(raw["file"], f"{p}.file", LEAF_SUFFIX) if file is None else file
     dtype = raw["dtype"]
     if type(dtype) is not str or dtype not in DTYPE_ITEMSIZES:
         raise c.fail(

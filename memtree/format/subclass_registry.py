@@ -617,7 +617,8 @@ def _quantized_rebuild(inner: dict[str, torch.Tensor], sub: Subclass, path: tupl
                 f"{_at(path)}(a quantized tensor) has {data.numel()} bytes of data for a {dtype}"
                 f"{list(shape)}; the tree is damaged"
             )
-        out.untyped_storage().copy_(data.untyped_storage()[data.storage_offset():])
+        start = data.storage_offset()  # (a view: a packed leaf's storage is its whole pack)
+        out.untyped_storage().copy_(data.untyped_storage()[start : start + data.numel()])
     except MemtreeError:
         raise
     except Exception as err:

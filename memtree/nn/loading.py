@@ -440,7 +440,7 @@ def _shard_sources(
         path = paths.get(id(src.entries.get(name)))
         if kept is not None and path in kept:
             fd, entry, where = kept[path]
-            out.append(ShardSource(group.tensor, name, entry.dtype, span=FileRange(fd, 0, entry.nbytes, f"leaf {where}")))
+            out.append(ShardSource(group.tensor, name, entry.dtype, span=FileRange(fd, entry.offset or 0, entry.nbytes, f"leaf {where}")))
             continue
         found = locate(name) if locate is not None else None
         if found is not None:

@@ -202,8 +202,8 @@ def save_routed(obj: object, f: Any, where: tuple[str, bool], route: Route, kwar
             finally:
                 _SESSION.reset(token)
             if session.storages:
-                TensorTree(session.leaves()).memmap(
-                    entry_path, existsok=False, num_threads=route.num_threads, fsync=route.fsync
+                TensorTree(session.leaves()).memmap(  # each storage is its own file's whole mapping: no pack
+                    entry_path, existsok=False, num_threads=route.num_threads, fsync=route.fsync, pack_below=0
                 )
             if target is None:  # a stream: the pickle goes in last, once the tree is committed
                 f.write(out.getvalue())

@@ -54,13 +54,14 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from ..format.names import META_NAME
+from ..format.packs import PackRanges, leaf_location
 from ..format.schema import LeafMeta, LevelMeta, PickleMeta
 from ..format.subclass import SubclassMeta, check_group
 from .primitives.chunk_check import differing, hash_chunks, mismatch_words
 from .primitives.files import leaf_size_error
 from .reading.integrity import changed_after_meta, storage_checksum, stored_tree_hash, tree_hash_mismatch
 from .primitives.progress import Progress
-from .reading.storage import META_FLAGS, LocalStorage, Storage, is_url, local_path
+from .reading.storage import META_FLAGS, FileInfo, LocalStorage, Storage, is_url, local_path
 from .reading.walk import NestingError, WalkedLevel, walk
 
 __all__ = ["Problem", "VerifyReport", "verify_tree"]
@@ -187,6 +188,7 @@ class _Walker:
         self.tree_algorithm: str | None = None  # of the root's tree_hash
         self.pickle_sums: dict[str, str] = {}  # for the tree hash, by path from the root
         self.complete = True  # every level and pickle file was read
+        self.packs: dict[str, FileInfo] = {}  # the packs found whole (format version 3), by name
 
     def add(self, path: str, key: tuple[str, ...], kind: str, message: str,
             expected: str | None = None, found: str | None = None) -> None:
@@ -229,12 +231,44 @@ class _Walker:
             root.tree_hash, found,
         )
 
+    def check_packs(self, storage: Storage, root: LevelMeta) -> None:
+        """Check each pack of the root as the loader does (a regular file of its exact size);
+        the packs found whole go to :attr:`packs` (their leaves are then checked)."""
+        for pack in root.packs:
+            path = storage.describe(pack.file)
+            expected = f"{pack.nbytes:,} bytes (a pack of small leaves)"
+            try:
+                info = storage.stat(pack.file)
+            except MissingLeafError as err:
+                self.add(path, (), "missing", str(err), expected, "no file")
+                continue
+            except UnsafePathError as err:
+                self.add(path, (), "unsafe", str(err), "a regular file", _file_kind(storage, pack.file))
+                continue
+            except MemtreeError as err:
+                self.add(path, (), _kind(err), str(err))
+                continue
+            if info.size != pack.nbytes:
+                self.add(path, (), "size", str(leaf_size_error(path, info.size, pack.nbytes)), expected,
+                         f"{info.size:,} bytes")
+                continue
+            self.packs[pack.file] = info
+
     def jobs(self, storage: Storage, levels: list[WalkedLevel]) -> list[tuple[WalkedLevel, LeafMeta | PickleMeta]]:
-        """The files to check, in walk order; nesting problems recorded on the way."""
+        """The files to check, in walk order; nesting problems, and packed leaves outside their
+        pack or overlapping, recorded on the way (those leaves are not checked further)."""
         metas: dict[tuple[str, ...], LevelMeta] = {lvl.dirs: lvl.meta for lvl in levels}
+        root = metas.get(())
+        ranges = PackRanges({p.file: p.nbytes for p in root.packs} if root is not None else {})
         groups = {lvl.dirs + (e.dir,): e for lvl in levels for e in lvl.meta.entries if isinstance(e, SubclassMeta)}
         out: list[tuple[WalkedLevel, LeafMeta | PickleMeta]] = []
         for lvl in levels:
+            try:
+                ranges.add_level(lvl.meta, storage.describe(lvl.file(META_NAME)))
+                packed_ok = True
+            except MetaFormatError as err:
+                self.add(storage.describe(lvl.file(META_NAME)), lvl.keys, "meta", str(err))
+                packed_ok = False
             parent = metas.get(lvl.dirs[:-1]) if lvl.dirs else None
             group = groups.get(lvl.dirs)
             problem = check_group(group, lvl.meta, storage.describe(lvl.file(META_NAME))) if group else None
@@ -248,14 +282,17 @@ class _Walker:
                     f"batch_size starting with {list(parent.batch_size)}", str(list(lvl.meta.batch_size)),
                 )
             for entry in lvl.meta.entries:
-                if isinstance(entry, (LeafMeta, PickleMeta)):
+                if isinstance(entry, LeafMeta) and entry.pack is not None:
+                    if packed_ok and entry.pack in self.packs:  # (a damaged pack is reported once)
+                        out.append((lvl, entry))
+                elif isinstance(entry, (LeafMeta, PickleMeta)):
                     out.append((lvl, entry))
         return out
 
     def check(self, storage: Storage, job: tuple[WalkedLevel, LeafMeta | PickleMeta]) -> list[Problem]:
         """The problems of one file (run in a worker thread: returns them, records nothing)."""
         lvl, entry = job
-        rel = lvl.file(entry.file)
+        rel, offset = leaf_location(lvl.rel, entry) if isinstance(entry, LeafMeta) else (lvl.file(entry.file), 0)
         path = storage.describe(rel)
         key = lvl.keys + (entry.key,)
         found: list[Problem] = []
@@ -286,25 +323,28 @@ class _Walker:
                 with self.lock:
                     self.pickle_sums[rel] = digest
             return found
-        expected = f"{entry.file_nbytes:,} bytes ({entry.dtype_name} {list(entry.shape)}"
-        expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
-        try:
-            info = storage.stat(rel)
-        except MissingLeafError as err:
-            return problem("missing", str(err), expected, "no file")
-        except UnsafePathError as err:
-            return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
-        except MemtreeError as err:
-            return problem(_kind(err), str(err))
-        if info.size != entry.file_nbytes:
-            size_error = leaf_size_error(path, info.size, entry.file_nbytes)
-            return problem("size", str(size_error), expected, f"{info.size:,} bytes")
+        if entry.pack is not None:  # its pack was found whole and its range checked (jobs())
+            info = self.packs[entry.pack]
+        else:
+            expected = f"{entry.file_nbytes:,} bytes ({entry.dtype_name} {list(entry.shape)}"
+            expected += f", capacity {entry.capacity})" if entry.capacity is not None else ")"
+            try:
+                info = storage.stat(rel)
+            except MissingLeafError as err:
+                return problem("missing", str(err), expected, "no file")
+            except UnsafePathError as err:
+                return problem("unsafe", str(err), "a regular file", _file_kind(storage, rel))
+            except MemtreeError as err:
+                return problem(_kind(err), str(err))
+            if info.size != entry.file_nbytes:
+                size_error = leaf_size_error(path, info.size, entry.file_nbytes)
+                return problem("size", str(size_error), expected, f"{info.size:,} bytes")
         sums = entry.sums  # a checksum covers the tensor's bytes; an encrypted leaf's, its ciphertext
         if not self.checksums or sums is None:
             return found
         try:
             digests = hash_chunks(
-                lambda offset, view: storage.read_into(rel, offset, view, info), sums, entry.checksum_nbytes,
+                lambda at, view: storage.read_into(rel, offset + at, view, info), sums, entry.checksum_nbytes,
                 range(sums.count), advance=self.advance,
             )
         except MemtreeError as err:
@@ -368,7 +408,7 @@ def _written_in_place(storage: Storage, lvl: WalkedLevel, rel: str) -> bool:
     except OSError:
         return False
     try:
-        fd = os.open(os.path.basename(storage.describe(rel)), flags, dir_fd=dir_fd)
+        fd = os.open(storage.describe(rel), flags)  # a pack lies at the root, not in its leaf's level
         try:
             return changed_after_meta(fd, dir_fd)
         finally:
@@ -503,11 +543,12 @@ def _verify(storage: Storage, walker: _Walker, progress: bool | None, num_thread
         if root is not None and root.tree_hash is not None:
             walker.tree_algorithm = root.tree_hash.partition(":")[0]
         if root is not None:
+            walker.check_packs(storage, root)
             walker.report.encrypted = root.encryption is not None
             walker.report.sealed = root.sealed is not None
         jobs = walker.jobs(storage, levels)
         leaves = [e for _, e in jobs if isinstance(e, LeafMeta)]
-        walker.report.leaves = len(leaves)
+        walker.report.leaves = sum(isinstance(e, LeafMeta) for lvl in levels for e in lvl.meta.entries)
         hashed = [e for e in leaves if walker.checksums and (e.checksum is not None or e.chunks is not None)]
         by_bytes = bool(hashed)
         total = sum(e.nbytes for e in hashed) if by_bytes else len(jobs)

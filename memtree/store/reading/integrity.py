@@ -126,7 +126,7 @@ def tree_hash(
     return f"{algorithm}:{digest.hexdigest()}"
 
 
-def bytes_checksum(algorithm: str, data: bytes) -> str:
+def bytes_checksum(algorithm: str, data: bytes | memoryview) -> str:
     """``"<algorithm>:<hex>"`` of ``data`` (a pickle file's bytes, as the tree hash covers them).
 
     Example:
@@ -146,6 +146,7 @@ def storage_checksum(
     info: FileInfo | None = None,
     nbytes: int | None = None,
     advance: Callable[[int], None] | None = None,
+    offset: int = 0,
 ) -> str:
     """``"<algorithm>:<hex>"`` of the file ``rel`` of ``storage``, read :data:`HASH_CHUNK` bytes at
     a time (a file of any size hashed in bounded memory).
@@ -155,8 +156,9 @@ def storage_checksum(
         rel: its path relative to the root.
         algorithm: one of :data:`~memtree.store.primitives.checksums.CHECKSUMS`.
         info: its :meth:`~memtree.store.reading.storage.Storage.stat`, if already taken (else taken here).
-        nbytes: hash the first ``nbytes`` bytes only (default: the whole file).
+        nbytes: hash ``nbytes`` bytes only (default: the whole file from ``offset``).
         advance: called with the number of bytes of each chunk hashed (a progress bar).
+        offset: where the bytes start (a packed leaf's range of its pack).
 
     Raises:
         MemtreeError: the file is missing, not a regular file, shorter than ``nbytes``, or the
@@ -173,13 +175,13 @@ def storage_checksum(
     """
     if info is None:
         info = storage.stat(rel)
-    size = info.size if nbytes is None else nbytes
+    size = info.size - offset if nbytes is None else nbytes
     digest = new_digest(algorithm)
     buf = memoryview(bytearray(min(size, HASH_CHUNK)))
     done = 0
     while done < size:
         n = min(len(buf), size - done)
-        storage.read_into(rel, done, buf[:n], info)
+        storage.read_into(rel, offset + done, buf[:n], info)
         digest.update(buf[:n])
         done += n
         if advance is not None:

@@ -58,6 +58,7 @@ from .storage import META_FLAGS, read_meta
 if TYPE_CHECKING:
     from ..primitives.crypto import TreeCipher
     from ..primitives.fill import FillJob
+    from .pack_reader import PackReader
 
 __all__ = ["LeafReader", "MAX_PENDING_READS"]
 
@@ -77,6 +78,7 @@ class LeafReader:
         self.allow_pickle = options.allow_pickle
         self.verify = options.verify
         self.cipher: TreeCipher | None = None  # an encrypted tree's, set by open_tree
+        self.packs: PackReader | None = None  # the tree's packs of small leaves, set by open_tree
         self.pending: list[tuple[FillJob, int]] = []  # leaves to read, and their descriptors
         self.depth = 0  # nested batch() calls
         self.unloads: list[Callable[[], None]] = []  # how to unload each level of the open batch
@@ -93,6 +95,8 @@ class LeafReader:
             if self.kept is not None and entry.chunk_bytes is None:
                 self.keep(dir_fd, where, entry, parents)
             return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        if entry.pack is not None:
+            return self.packed_leaf(dir_fd, entry, parents)
         if entry.chunk_bytes is not None:
             return self.sealed_leaf(dir_fd, where, entry, parents, dirs)
         path = os.path.join(where, entry.file)
@@ -155,7 +159,7 @@ class LeafReader:
             from ..primitives.fill import FillJob
 
             cast = entry.dtype if entry.dtype != dest.dtype else None
-            job = FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast, checksum)
+            job = FillJob(dest, FileRange(fd, entry.offset or 0, entry.nbytes, f"leaf {path}"), cast, checksum)
         except BaseException:
             os.close(fd)
             raise
@@ -171,11 +175,16 @@ class LeafReader:
             for fd, _, _ in kept.values():
                 os.close(fd)
             return
-        path = os.path.join(where, entry.file)
-        try:
-            fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
-        except LeafSizeError:
-            fd = self.open_grown(dir_fd, where, entry, path)
+        if entry.pack is not None:
+            assert self.packs is not None
+            path = self.packs.path(entry.pack)
+            fd = os.dup(self.packs.fd(entry.pack))
+        else:
+            path = os.path.join(where, entry.file)
+            try:
+                fd = open_leaf(entry.file, entry.file_nbytes, path, dir_fd=dir_fd)[0]
+            except LeafSizeError:
+                fd = self.open_grown(dir_fd, where, entry, path)
         self.kept[parents + (entry.key,)] = (fd, entry, path)
         if fd >= self.fd_room:
             self.fd_room = _make_fd_room(fd)
@@ -224,6 +233,27 @@ class LeafReader:
         for _, fd in jobs:
             os.close(fd)
 
+    def packed_leaf(self, dir_fd: int, entry: LeafMeta, parents: tuple[str, ...]) -> torch.Tensor:
+        """A packed leaf (format version 3): a view of its pack's mapping, or read from its
+        range of the pack (:mod:`memtree.store.reading.pack_reader`); its level's ranges were checked."""
+        packs = self.packs
+        assert packs is not None and entry.pack is not None and entry.offset is not None
+        try:
+            if not (self.mmap and self.on_cpu):
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                self.queue(os.dup(packs.fd(entry.pack)), dir_fd, tensor, entry, packs.path(entry.pack), parents)
+                return tensor
+            if self.verify and entry.checksum is not None:
+                fd = packs.fd(entry.pack, writable=not self.readonly)
+                self.check_file(
+                    fd, entry, packs.path(entry.pack), parents, lambda: changed_after_meta(fd, dir_fd), entry.offset
+                )
+            return packs.view(entry, readonly=self.readonly)
+        except OSError as err:
+            if isinstance(err, MemtreeError):
+                raise
+            raise storage_error(err, f"reading leaf {parents + (entry.key,)!r} from {packs.path(entry.pack)}") from err
+
     def sealed_leaf(
         self, dir_fd: int, where: str, entry: LeafMeta, parents: tuple[str, ...], dirs: tuple[str, ...]
     ) -> torch.Tensor:
@@ -267,12 +297,17 @@ class LeafReader:
         return open_leaf(entry.file, now.file_nbytes, path, dir_fd=dir_fd, writable=writable)[0]
 
     def check_file(
-        self, fd: int, entry: LeafMeta, path: str, parents: tuple[str, ...], stale: Callable[[], bool]
+        self, fd: int, entry: LeafMeta, path: str, parents: tuple[str, ...], stale: Callable[[], bool],
+        offset: int = 0,
     ) -> None:
-        """Hash the open leaf ``fd`` in its recorded chunks and :meth:`check` it."""
+        """Hash the open leaf ``fd`` (its bytes from ``offset``: a packed leaf's in its pack) in its
+        recorded chunks and :meth:`check` it."""
         sums = entry.sums
         assert sums is not None
-        found = hash_chunks(file_reader(fd, path), sums, entry.checksum_nbytes, range(sums.count))
+        read = file_reader(fd, path)
+        found = hash_chunks(
+            lambda at, view: read(offset + at, view), sums, entry.checksum_nbytes, range(sums.count)
+        )
         self.check(sums, found, entry, path, parents, stale)
 
     @staticmethod

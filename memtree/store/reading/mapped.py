@@ -48,7 +48,7 @@ from ..primitives.files import map_fd, open_checked, pwrite_from, shared_file_er
 from .options import check_mode
 from .mapped_files import WRITERS, FileId, MappedFile
 
-__all__ = ["MemoryMappedTensor", "map_leaf", "to_storable"]
+__all__ = ["MemoryMappedTensor", "map_leaf", "map_view", "check_sole", "to_storable"]
 
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__"
@@ -727,13 +727,19 @@ def map_leaf(
     flat = map_fd(fd, path, nbytes, writable=not readonly, dtype=dtype)
     if st is None:
         st = os.fstat(fd)  # after mapping: a read-write mapping is a writer the linker respects
-    _check_sole(path, st, readonly, nbytes)
+    check_sole(path, st, readonly, nbytes)
     if len(shape) != 1:  # a 1-d leaf is the flat mapping itself
         flat = flat.view(shape)
     return MemoryMappedTensor._wrap(flat, MappedFile(path, (st.st_dev, st.st_ino)), readonly)
 
 
-def _check_sole(path: str, st: os.stat_result, readonly: bool, nbytes: int) -> None:
+def map_view(view: torch.Tensor, file: MappedFile, readonly: bool) -> MemoryMappedTensor:
+    """A view of a mapping of ``file`` (a packed leaf: part of its pack's one mapping) as a
+    ``MemoryMappedTensor``: its row writes go to its bytes of that file."""
+    return MemoryMappedTensor._wrap(view, file, readonly)
+
+
+def check_sole(path: str, st: os.stat_result, readonly: bool, nbytes: int) -> None:
     """Refuse a read-write mapping of bytes another hard link shares."""
     if not readonly and nbytes and st.st_nlink > 1:
         raise shared_file_error(path, st.st_nlink)
@@ -761,7 +767,7 @@ def _rebuild_from_file(
                 "or the file replaced, after the sending process mapped it), so the receiving "
                 "process cannot map the same data; load the tree again before sending it"
             )
-        _check_sole(path, st, readonly, nbytes)
+        check_sole(path, st, readonly, nbytes)
     finally:
         os.close(fd)
     base = flat.view(dtype)

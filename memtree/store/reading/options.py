@@ -223,6 +223,26 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
+def _check_pack_below(pack_below: object, *, encrypted: bool) -> None:
+    """``pack_below`` is ``None`` or an int in ``[0, PACK_MAX_BYTES]``; a positive one is refused
+    with encryption (an encrypted leaf is sealed in its own file: packs are never encrypted)."""
+    if pack_below is None:
+        return
+    from ...format.packs import PACK_MAX_BYTES
+
+    if type(pack_below) is not int or not 0 <= pack_below <= PACK_MAX_BYTES:
+        raise InvalidArgumentError(
+            f"pack_below must be None (the default), 0 (never pack) or a size in bytes up to "
+            f"{PACK_MAX_BYTES} (a pack's most), got {pack_below!r:.40}"
+        )
+    if pack_below and encrypted:
+        raise InvalidArgumentError(
+            "pack_below cannot be combined with encryption: each encrypted leaf is sealed in a "
+            "file of its own, and packs are never encrypted; leave pack_below out (an encrypted "
+            "tree packs nothing)"
+        )
+
+
 def _key(key: object) -> EncryptionKey | None:
     if key is None:
         return None
@@ -356,6 +376,11 @@ class WriteOptions(Record):
             ``sha256`` checksum of an old file that has the expected size and was not modified
             after its ``meta.json`` was written; other checksums can be matched on purpose, so
             their bytes are compared anyway.
+        pack_below: tensor leaves smaller than this many bytes share pack files at the root
+            instead of a file each (format version 3, ``docs/format.md``, "Packs of small
+            leaves"); ``0`` never packs; ``None`` (the default) packs the leaves under
+            :data:`~memtree.format.packs.PACK_BELOW` (64 KiB) when the tree has at least
+            :data:`~memtree.format.packs.PACK_MIN_LEAVES` of them. An encrypted tree packs no leaf.
     """
 
     like: bool = False
@@ -371,6 +396,7 @@ class WriteOptions(Record):
     encrypt_names: bool = False
     link_from: str | None = None
     link_verify: bool = True
+    pack_below: int | None = None
 
     def __init__(
         self,
@@ -387,6 +413,7 @@ class WriteOptions(Record):
         encrypt_names: bool = False,
         link_from: str | None = None,
         link_verify: bool = True,
+        pack_below: int | None = None,
     ) -> None:
         _set(self, "like", like)
         _set(self, "num_threads", num_threads)
@@ -401,6 +428,7 @@ class WriteOptions(Record):
         _set(self, "encrypt_names", encrypt_names)
         _set(self, "link_from", link_from)
         _set(self, "link_verify", link_verify)
+        _set(self, "pack_below", pack_below)
 
     @classmethod
     def of(cls, **kwargs: Any) -> WriteOptions:
@@ -437,6 +465,7 @@ class WriteOptions(Record):
             )
         if options.progress is not None:
             _flag("progress", options.progress)
+        _check_pack_below(options.pack_below, encrypted=_key(options.encryption) is not None)
         if options.encrypt_names and options.encryption is None:
             raise InvalidArgumentError("encrypt_names=True needs encryption=key")
         if _key(options.encryption) is not None:

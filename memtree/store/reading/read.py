@@ -66,6 +66,7 @@ from ...format.values import NonTensor, lists_to_tuples
 from ...format.names import is_uncommitted_name
 from .options import ReadOptions, Selection, select_entries
 from .leaf_reader import LeafReader
+from .pack_reader import PackReader
 
 __all__ = [
     "read_tree",
@@ -233,7 +234,7 @@ def fill_tree(
                 )
             fd, entry, path = found
             cast = entry.dtype if entry.dtype != dest.dtype else None
-            jobs.append(FillJob(dest, FileRange(fd, 0, entry.nbytes, f"leaf {path}"), cast))
+            jobs.append(FillJob(dest, FileRange(fd, entry.offset or 0, entry.nbytes, f"leaf {path}"), cast))
     fill(jobs)
     return True
 
@@ -288,6 +289,8 @@ def open_tree(
         )
     source = _Source(root, open_dir(root, root, None), reader if reader is not None else LeafReader(options), written)
     meta = source.meta((), root, source.fd)
+    packs = source.reader.packs = PackReader(root, source.fd, meta.packs)
+    weakref.finalize(source, packs.close)
     if meta.encryption is not None or options.encryption is not None:  # else no cipher: crypto not imported
         from ..primitives.crypto import open_cipher
 
@@ -542,6 +545,8 @@ class PendingLevel:
 
     def _load(self, fd: int) -> dict[str, Value | PendingLevel]:
         reader, sel = self.source.reader, self.selection
+        if reader.packs is not None:  # every packed leaf inside its pack, none overlapping
+            reader.packs.accept(self.meta, self.dirs, os.path.join(self.where, META_NAME))
         out: dict[str, Value | PendingLevel] = {}
         for entry in self.meta.entries:
             sub = sel.get(entry.key) if sel is not None else None

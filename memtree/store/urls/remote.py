@@ -71,6 +71,7 @@ from ...errors import (
 from ...format.chunks import ChunkSums, chunk_bytes_for
 from ...format.level import Level, as_level, fmt_key
 from ...format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
+from ...format.packs import PackRanges, leaf_location
 from ...format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
 from ...format.subclass import SubclassMeta
 from ...format.values import NonTensor, UnloadedPickle, lists_to_tuples
@@ -89,6 +90,7 @@ from ..reading.integrity import bytes_checksum, check_tree_hash, tree_hash
 from ..reading.storage import FileInfo, Storage, http_status, with_retries
 from ..reading.options import KeySelection
 from ..reading.walk import WalkedLevel, map_all, walk
+from ..writing.packing import PackJob, assemble
 from ..writing.write import plan_write
 
 if TYPE_CHECKING:
@@ -100,8 +102,10 @@ __all__ = [
     "fetch_tree",
     "RemoteKeywords",
     "RemoteLeaf",
+    "remote_leaves",
     "check_size",
     "final_checks",
+    "tensor_id",
     "build_level",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_NUM_THREADS",
@@ -114,12 +118,72 @@ _UPLOAD_PART_BYTES = 64 * 1024 * 1024
 
 @dataclasses.dataclass
 class RemoteLeaf:
-    """A leaf of a remote tree being read: its file, entry, key (for messages) and ``stat``."""
+    """A range of a file to fetch: a leaf's bytes (from the start of its file, or from its
+    ``offset`` in its pack), or the span of a pack (format version 3) that holds the selected
+    packed leaves."""
 
-    rel: str  # the leaf's file, relative to the root: "b/c.memmap"
-    meta: LeafMeta
-    label: str  # the key, for messages
+    rel: str  # the file, relative to the root: "b/c.memmap", "~pack-0.memmap"
+    meta: LeafMeta  # the leaf's (for a pack span: a uint8 leaf of the span's size)
+    label: str  # the key (or the pack), for messages
+    size: int  # the file's exact size
+    offset: int = 0  # where the range starts in the file
+    pack: bool = False  # a pack's span
     info: FileInfo | None = None  # its stat, once done
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the range."""
+        return self.meta.nbytes
+
+
+@dataclasses.dataclass
+class _Packed:
+    """A selected packed leaf: its bytes lie in ``span`` (a :class:`RemoteLeaf` of its pack)."""
+
+    keys: tuple[str, ...]
+    meta: LeafMeta
+    span: RemoteLeaf
+
+
+def remote_leaves(levels: list[WalkedLevel], root: LevelMeta) -> list[tuple[tuple[str, ...], RemoteLeaf]]:
+    """Every leaf of the walked ``levels`` with its key path: its own file whole, or its range of
+    its pack (``rel`` the pack, ``offset`` its place there, ``size`` the pack's), the packed
+    ranges checked against the root's pack sizes and each other
+    (:class:`~memtree.format.packs.PackRanges`).
+
+    Raises:
+        MetaFormatError: a packed leaf outside its pack, or two overlapping.
+    """
+    out: list[tuple[tuple[str, ...], RemoteLeaf]] = []
+    sizes = {p.file: p.nbytes for p in root.packs}
+    ranges = PackRanges(sizes)
+    for lvl in levels:
+        ranges.add_level(lvl.meta, lvl.file(META_NAME))
+        for e in lvl.meta.entries:
+            if isinstance(e, LeafMeta):
+                keys = lvl.keys + (e.key,)
+                rel, offset = leaf_location(lvl.rel, e)
+                size = sizes[rel] if e.pack is not None else e.file_nbytes
+                out.append((keys, RemoteLeaf(rel, e, fmt_key(keys), size, offset)))
+    return out
+
+
+def _to_fetch(levels: list[WalkedLevel], root: LevelMeta) -> tuple[list[RemoteLeaf], list[_Packed]]:
+    """The ranges a load reads: each leaf file whole, and for each pack one span covering its
+    selected leaves (their ranges were checked against the pack's size and each other)."""
+    found = remote_leaves(levels, root)
+    files = [leaf for _, leaf in found if leaf.meta.pack is None]
+    packed = [(keys, leaf) for keys, leaf in found if leaf.meta.pack is not None]
+    spans: dict[str, tuple[int, int]] = {}
+    for _, leaf in packed:
+        lo, hi = spans.get(leaf.rel, (leaf.offset, leaf.offset))
+        spans[leaf.rel] = (min(lo, leaf.offset), max(hi, leaf.offset + leaf.nbytes))
+    sizes = {p.file: p.nbytes for p in root.packs}
+    made = {
+        name: RemoteLeaf(name, LeafMeta(name, name, "uint8", (hi - lo,)), f"pack {name}", sizes[name], lo, pack=True)
+        for name, (lo, hi) in spans.items()
+    }
+    return files + list(made.values()), [_Packed(k, leaf.meta, made[leaf.rel]) for k, leaf in packed]
 
 
 #: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
@@ -255,8 +319,7 @@ def fetch_tree(
             return read_tree(hit, options)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="memtree-remote") as pool:
         levels = list(walk(storage, selection=selection, pool=pool, root=root_meta))
-        leaves = [RemoteLeaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)))
-                  for lvl in levels for e in lvl.meta.entries if isinstance(e, LeafMeta)]
+        leaves, packed = _to_fetch(levels, root_meta)
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
             return build_level(storage, levels, {}, {}, dev)
@@ -268,11 +331,13 @@ def fetch_tree(
             )
         pickled = {rel: _read_whole(storage, rel) for rel, _ in pickles}
         if cache_dir is None:
-            tensors = _load_memory(storage, pool, leaves, chunk_bytes, root_info, progress)
+            tensors = _load_memory(storage, pool, leaves, packed, chunk_bytes, root_info, progress)
             return build_level(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
         name = entry_name(cache_key, root_bytes, selection)
         with Download(cache_dir, name, fsync=fsync) as download:
-            committed = _download(storage, pool, download, levels, leaves, pickled, chunk_bytes, root_info, progress)
+            committed = _download(
+                storage, pool, download, levels, leaves, packed, pickled, chunk_bytes, root_info, progress
+            )
     return read_tree(committed, dataclasses.replace(options, verify=False))  # downloaded leaves were checked
 
 
@@ -302,16 +367,16 @@ def _fetch(
         leaf.info = info
         check_size(storage, leaf)
     allocate(leaves)
-    left = {leaf.rel: len(range(0, leaf.meta.nbytes, chunk_bytes)) for leaf in leaves}
+    left = {leaf.rel: len(range(0, leaf.nbytes, chunk_bytes)) for leaf in leaves}
     futures: dict[Future[None], tuple[RemoteLeaf, int]] = {}
     try:
         for leaf in leaves:
-            n = leaf.meta.nbytes
+            n = leaf.nbytes
             for a in range(0, n, chunk_bytes):
                 futures[pool.submit(read, leaf, a, min(a + chunk_bytes, n))] = (leaf, min(chunk_bytes, n - a))
             if not n:
                 finished(leaf)
-        total = sum(leaf.meta.nbytes for leaf in leaves)
+        total = sum(leaf.nbytes for leaf in leaves)
         with Progress(total=total, desc="download", unit="B", progress=progress) as bar:
             for f in as_completed(futures):
                 f.result()
@@ -328,17 +393,17 @@ def _fetch(
 
 
 def check_size(storage: Storage, leaf: RemoteLeaf) -> None:
-    """Refuse a leaf whose object (``leaf.info``, its ``stat``) is not the size its entry promises.
+    """Refuse a file (``leaf.info``, its ``stat``) that is not the size its entry promises.
 
     Raises:
-        LeafSizeError: naming the leaf, before anything is allocated for it.
+        LeafSizeError: naming the leaf (or the pack), before anything is allocated for it.
     """
     assert leaf.info is not None
-    if leaf.info.size != leaf.meta.file_nbytes:  # a growable leaf's file holds its whole capacity
+    if leaf.info.size != leaf.size:  # a growable leaf's file holds its whole capacity
         raise LeafSizeError(
-            f"leaf {leaf.label} at {storage.describe(leaf.rel)} has {leaf.info.size:,} bytes, "
-            f"its meta.json says {leaf.meta.file_nbytes:,}: the upload was interrupted, the object "
-            "was changed, or the meta.json lies; nothing was allocated or loaded"
+            f"{'' if leaf.pack else 'leaf '}{leaf.label} at {storage.describe(leaf.rel)} has "
+            f"{leaf.info.size:,} bytes, its meta.json says {leaf.size:,}: the upload was interrupted, the "
+            "object was changed, or the meta.json lies; nothing was allocated or loaded"
         )
 
 
@@ -359,23 +424,26 @@ def final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[Remote
     same((META_NAME, root_info, "the root meta.json"))
 
 
-def _check_digest(storage: Storage, leaf: RemoteLeaf, read: Reader) -> None:
-    """Check the leaf's fetched bytes (``read`` gives them) against its recorded checksums."""
-    sums = leaf.meta.sums
+def _check_digest(storage: Storage, meta: LeafMeta, label: str, rel: str, read: Reader) -> None:
+    """Check a leaf's fetched bytes (``read`` gives them, from the leaf's first byte) against its
+    recorded checksums (``rel``: the file that holds them, for the message)."""
+    sums = meta.sums
     if sums is None:
         return
-    nbytes = leaf.meta.nbytes
+    nbytes = meta.nbytes
     found = hash_chunks(read, sums, nbytes, range(sums.count))
     bad = differing(sums, found)
     if bad:
         raise IntegrityError(
-            f"leaf {leaf.label} at {storage.describe(leaf.rel)}: meta.json records checksum "
+            f"leaf {label} at {storage.describe(rel)}: meta.json records checksum "
             f"{mismatch_words(sums, found, bad, nbytes)}; the object is corrupt or was changed: nothing was loaded"
         )
 
 
-def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], chunk_bytes: int,
-                 root_info: FileInfo, progress: bool | None) -> dict[str, torch.Tensor]:
+def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], packed: list[_Packed],
+                 chunk_bytes: int, root_info: FileInfo, progress: bool | None) -> dict[str, torch.Tensor]:
+    """Every range read into memory; the tensors by leaf file (and by key path for packed
+    leaves: views of their pack span's one buffer)."""
     tensors: dict[str, torch.Tensor] = {}
     views: dict[str, memoryview] = {}
 
@@ -385,11 +453,21 @@ def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[Remote
             views[leaf.rel] = byte_view(t)
 
     def read(leaf: RemoteLeaf, a: int, b: int) -> None:
-        storage.read_into(leaf.rel, a, views[leaf.rel][a:b], leaf.info)
+        storage.read_into(leaf.rel, leaf.offset + a, views[leaf.rel][a:b], leaf.info)
 
     _fetch(storage, pool, leaves, chunk_bytes, allocate, read, progress=progress)
     final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
-    map_all(pool, lambda leaf: _check_digest(storage, leaf, _memory_reader(views[leaf.rel])), leaves)
+    for p in packed:  # a view of its span's buffer (as a mapped load's views of one mapping)
+        assert p.meta.offset is not None
+        start = p.meta.offset - p.span.offset
+        tensors[_packed_id(p.keys)] = (
+            tensors[p.span.rel][start : start + p.meta.nbytes].view(p.meta.dtype).view(p.meta.shape)
+        )
+    map_all(pool, lambda leaf: _check_digest(
+        storage, leaf.meta, leaf.label, leaf.rel, _memory_reader(views[leaf.rel])),
+        [leaf for leaf in leaves if not leaf.pack])
+    map_all(pool, lambda p: _check_digest(
+        storage, p.meta, fmt_key(p.keys), p.span.rel, _memory_reader(_packed_view(views, p))), packed)
     return tensors
 
 
@@ -400,11 +478,32 @@ def _memory_reader(view: memoryview) -> Reader:
     return read
 
 
+def _packed_view(views: Mapping[str, memoryview], p: _Packed) -> memoryview:
+    """A packed leaf's bytes in its span's buffer."""
+    assert p.meta.offset is not None
+    start = p.meta.offset - p.span.offset
+    return views[p.span.rel][start : start + p.meta.nbytes]
+
+
+def _packed_id(keys: tuple[str, ...]) -> str:
+    """The name of a packed leaf's tensor among the leaf files' (no file path holds a NUL)."""
+    return "\0".join(("", *keys))
+
+
+def tensor_id(keys: tuple[str, ...], rel: str, entry: LeafMeta) -> str:
+    """The name of a loaded leaf's tensor among those :func:`build_level` takes: its file
+    ``rel``, or for a packed leaf (a pack holds many) its key path ``keys``."""
+    return _packed_id(keys) if entry.pack is not None else rel
+
+
 def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
-              leaves: list[RemoteLeaf], pickled: Mapping[str, bytes], chunk_bytes: int, root_info: FileInfo,
-              progress: bool | None) -> str:
+              leaves: list[RemoteLeaf], packed: list[_Packed], pickled: Mapping[str, bytes], chunk_bytes: int,
+              root_info: FileInfo, progress: bool | None) -> str:
     """Fetch the selection into the download's scratch directory, verify it, write its
-    ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry."""
+    ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry.
+
+    A pack is downloaded into a file of its whole size at the entry's root, holding the span of
+    its selected leaves at their offsets (zeros elsewhere, which no entry of the cache names)."""
     buffers = threading.local()
 
     def read(leaf: RemoteLeaf, a: int, b: int) -> None:
@@ -412,24 +511,25 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         if buf is None or len(buf) < b - a:
             buf = buffers.buf = bytearray(min(chunk_bytes, max(b - a, 1 << 16)))
         view = memoryview(buf)[: b - a]
-        storage.read_into(leaf.rel, a, view, leaf.info)
-        download.write(leaf.rel, a, view)
+        storage.read_into(leaf.rel, leaf.offset + a, view, leaf.info)
+        download.write(leaf.rel, leaf.offset + a, view)
 
     def allocate(checked: list[RemoteLeaf]) -> None:  # after every size was confirmed by the server
-        check_free_space(download.parent, sum(leaf.meta.nbytes for leaf in checked),
+        check_free_space(download.parent, sum(leaf.nbytes for leaf in checked),
                          f"the cache entry {download.dest} of {storage.describe('')}")
-        for leaf in checked:
-            download.create_file(leaf.rel, leaf.meta.nbytes)
+        for leaf in checked:  # a leaf's file without its capacity; a pack whole
+            download.create_file(leaf.rel, leaf.size if leaf.pack else leaf.nbytes)
 
-    def digest(leaf: RemoteLeaf) -> str | ChunkSums:
-        """The downloaded leaf's checksums: checked against the recorded ones; ``crc32`` of its
-        bytes when it records none."""
-        fd = download.open_read(leaf.rel)
+    def digest(meta: LeafMeta, label: str, rel: str) -> str | ChunkSums:
+        """A downloaded leaf's checksums (``rel``: its file, or its pack's): checked against the
+        recorded ones; ``crc32`` of its bytes when it records none."""
+        base = meta.offset or 0
+        fd = download.open_read(rel)
         try:
-            read = file_reader(fd, f"the downloaded leaf {leaf.label}")
-            _check_digest(storage, leaf, read)
-            recorded = leaf.meta.chunks or leaf.meta.checksum  # over the tensor's bytes: the file's
-            return recorded if recorded is not None else file_checksum(fd, leaf.meta.nbytes, "crc32")
+            read = file_reader(fd, f"the downloaded leaf {label}")
+            _check_digest(storage, meta, label, rel, lambda at, view: read(base + at, view))
+            recorded = meta.chunks or meta.checksum  # over the tensor's bytes: the file's
+            return recorded if recorded is not None else file_checksum(fd, meta.nbytes, "crc32", base)
         finally:
             os.close(fd)
 
@@ -438,15 +538,24 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
             download.make_dir(lvl.rel)
         _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"), progress)
         final_checks(storage, pool, leaves, root_info)
-        sums = dict(zip((leaf.rel for leaf in leaves), map_all(pool, digest, leaves)))
+        files = [leaf for leaf in leaves if not leaf.pack]
+        fetched = {leaf.rel for leaf in leaves if leaf.pack}
+        sums = dict(zip((leaf.rel for leaf in files), map_all(pool, lambda leaf: digest(leaf.meta, leaf.label, leaf.rel), files)))
+        sums.update(zip((_packed_id(p.keys) for p in packed),
+                        map_all(pool, lambda p: digest(p.meta, fmt_key(p.keys), p.span.rel), packed)))
         for rel, data in pickled.items():
             download.write_file(rel, data)
         for lvl in levels:
             entries = tuple(
-                dataclasses.replace(e.with_sums(sums[lvl.file(e.file)]), capacity=None) if isinstance(e, LeafMeta) else e
+                dataclasses.replace(
+                    e.with_sums(sums[tensor_id(lvl.keys + (e.key,), lvl.file(e.file), e)]), capacity=None
+                )
+                if isinstance(e, LeafMeta) else e
                 for e in lvl.meta.entries
             )
             meta = dataclasses.replace(lvl.meta, entries=entries, tree_hash=None)  # the remote's hash, checked there
+            if not lvl.dirs:  # the packs the entry holds (with keys=, those of the selected leaves)
+                meta = dataclasses.replace(meta, packs=tuple(p for p in meta.packs if p.file in fetched))
             download.write_file(lvl.file(META_NAME), dump_level(meta))
         return download.commit()
     except OSError as err:
@@ -457,9 +566,9 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
 
 def build_level(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
                 pickled: Mapping[str, Any], device: torch.device) -> Level:
-    """The :class:`Level` of walked ``levels`` (root first): each leaf the tensor of its file in
-    ``tensors`` (moved to ``device``; meta tensors for ``device="meta"``), each pickle its value
-    in ``pickled``, JSON values as they are."""
+    """The :class:`Level` of walked ``levels`` (root first): each leaf the tensor named by
+    :func:`tensor_id` in ``tensors`` (moved to ``device``; meta tensors for ``device="meta"``),
+    each pickle its value in ``pickled``, JSON values as they are."""
     by_keys = {lvl.keys: lvl for lvl in levels}
 
     def build(lvl: WalkedLevel) -> Level:
@@ -469,7 +578,7 @@ def build_level(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[st
                 if device.type == "meta":
                     out.entries[e.key] = torch.empty(e.shape, dtype=e.dtype, device="meta")
                 else:
-                    t = tensors[lvl.file(e.file)]
+                    t = tensors[tensor_id(lvl.keys + (e.key,), lvl.file(e.file), e)]
                     out.entries[e.key] = t if device.type == "cpu" else t.to(device)
             elif isinstance(e, ChildMeta):
                 child = out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])
@@ -546,25 +655,36 @@ def upload(
         for lp in plan.levels:
             fs.makedirs(storage.path(lp.rel) if lp.rel else storage.root, exist_ok=True)
 
-    def put_leaf(job: Any) -> tuple[str, str | ChunkSums | None]:
+    def put_leaf(job: Any) -> dict[tuple[str, ...], str | ChunkSums]:
         path = storage.path(job.rel)
         data = to_storable(job.tensor, f"leaf {job.where}")
         view = byte_view(data)
         with_retries(lambda: _put(fs, path, view), f"uploading leaf {job.where} to {path}", retries)
         if checksum is None:
-            return job.rel, None
+            return {}
         # a large leaf: per-chunk checksums, so that a range of it is checked alone
-        return job.rel, view_sums(view, checksum, chunk_bytes_for(len(view)))
+        return {job.key: view_sums(view, checksum, chunk_bytes_for(len(view)))}
+
+    def put_pack(job: PackJob) -> dict[tuple[str, ...], str]:  # one object for many small leaves
+        path = storage.path(job.name)
+        data, sums = assemble(job, lambda m: to_storable(m.tensor, f"leaf {fmt_key(m.key)}"), checksum)
+        view = byte_view(data)
+        with_retries(lambda: _put(fs, path, view), f"uploading {job.where} to {path}", retries)
+        return sums
 
     with ThreadPoolExecutor(max(num_threads, 1), thread_name_prefix="memtree-upload") as pool:
-        sums = dict(map_all(pool, put_leaf, plan.leaves))
+        sums: dict[tuple[str, ...], str | ChunkSums] = {}
+        for leaf_sums in map_all(pool, put_leaf, plan.leaves):
+            sums.update(leaf_sums)
+        for pack_sums in map_all(pool, put_pack, plan.packs):
+            sums.update(pack_sums)
         for rel, data in plan.pickles:
             with_retries(lambda: fs.pipe_file(storage.path(rel), data), f"uploading {rel}", retries)
     written = {storage.path(j.rel) for j in plan.leaves} | {storage.path(rel) for rel, _ in plan.pickles}
+    written |= {storage.path(p.name) for p in plan.packs}
     metas: dict[str, LevelMeta] = {}
     for lp in plan.levels:  # deepest first, the root's meta.json last
-        entries = tuple(_with_sum(e, lp.rel, sums) for e in lp.meta.entries)
-        meta = dataclasses.replace(lp.meta, entries=entries)
+        meta = dataclasses.replace(lp.meta, entries=tuple(_with_sum(e, lp.keys, sums) for e in lp.meta.entries))
         path = storage.path(f"{lp.rel}/{META_NAME}" if lp.rel else META_NAME)
         written.add(path)
         if lp.rel:
@@ -615,9 +735,9 @@ def _put(fs: Any, path: str, view: memoryview) -> None:
             f.write(view[start : start + _UPLOAD_PART_BYTES])
 
 
-def _with_sum(e: Entry, rel: str, sums: Mapping[str, str | ChunkSums | None]) -> Entry:
+def _with_sum(e: Entry, keys: tuple[str, ...], sums: Mapping[tuple[str, ...], str | ChunkSums]) -> Entry:
     if isinstance(e, LeafMeta):
-        digest = sums.get(f"{rel}/{e.file}" if rel else e.file)
+        digest = sums.get(keys + (e.key,))
         if digest is not None:
             return e.with_sums(digest)
     return e

@@ -95,6 +95,7 @@ from ..primitives.files import (
     write_fd,
 )
 from ..primitives.commit import LOCK_TIMEOUT, WriterLock, fsync_dir, publish, write_small_file
+from ...format.packs import is_pack_name, unpacked_name
 from ...format.schema import ChildMeta, LeafMeta, LevelMeta, PickleMeta, SubclassMeta, dump_level
 from ...format.names import META_NAME, lock_path, meta_tmp_name, staging_path
 from ...format.level import Level, fmt_key
@@ -195,6 +196,8 @@ def _find_prefix(level: Level, path: tuple[str, ...] = ()) -> str | None:
     for key, value in level.entries.items():
         if isinstance(value, MemoryMappedTensor) and value.filename is not None:
             prefix = value.filename
+            if is_pack_name(os.path.basename(prefix)):  # a packed leaf: its pack is at the root
+                return os.path.dirname(prefix)
             for _ in range(len(path) + 1):
                 prefix = os.path.dirname(prefix)
             return prefix
@@ -220,6 +223,11 @@ class _Leaf:
     identity: tuple[int, int] = (0, 0)  # the target's (st_dev, st_ino), checked at each open
     fd: int = -1  # the target, kept open when the tree has few leaves
     new_generation: bool = False  # the rows go to a new file in the staging directory
+    #: the leaf's file after the growth (a packed leaf moves out of its pack into a file of its
+    #: own, in the same commit: its ``path`` is its pack's); "": ``path``
+    new_path: str = ""
+    source_offset: int = 0  # where its rows start in ``path`` (a packed leaf: in its pack)
+    source_nbytes: int = 0  # ``path``'s exact size (a pack's; 0: the old entry's file size)
 
     @property
     def row_bytes(self) -> int:
@@ -281,8 +289,8 @@ class _Growth:
                 if self.staging is not None:  # not published: the new generations are garbage
                     shutil.rmtree(self.staging, ignore_errors=True)
             made: dict[str, tuple[int, int]] = {}
-            self.fresh_paths = {leaf.path for leaf in self.leaves if leaf.new_generation}
-            self.identities = {leaf.path: leaf.identity for leaf in self.leaves}
+            self.fresh_paths = {leaf.new_path for leaf in self.leaves if leaf.new_generation}
+            self.identities = {leaf.new_path: leaf.identity for leaf in self.leaves}
             out = self._remap(self.current, "", length, made)
             root_stat = _stat_key(os.path.join(self.dest, META_NAME))
             if root_stat is not None:
@@ -374,7 +382,7 @@ class _Growth:
         key: tuple[str, ...],
         length: int,
     ) -> None:
-        path = os.path.join(self.dest, rel, entry.file)
+        path = os.path.join(self.dest, entry.pack if entry.pack is not None else os.path.join(rel, entry.file))
         if not isinstance(value, MemoryMappedTensor) or value.filename != path:
             raise self._changed(f"leaf {fmt_key(key)} is not mapped from {path}")
         if value.readonly:
@@ -384,7 +392,8 @@ class _Growth:
             )
         with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads: fast
             shape, dtype = tuple(value.shape), value.dtype
-            whole = value.storage_offset() == 0 and value.is_contiguous()
+            start = int(value.storage_offset()) * value.element_size()
+            whole = start == (entry.offset or 0) and value.is_contiguous()
         if shape != entry.shape or dtype != entry.dtype or not whole:
             raise self._changed(
                 f"leaf {fmt_key(key)} is {str(value.dtype)[6:]}{list(value.shape)} here and "
@@ -407,7 +416,13 @@ class _Growth:
             checksum=None,  # the content changes; a checksum would be stale
             chunks=None,
         )
-        self.leaves.append(_Leaf(rel, path, key, entry, new, rows, old_capacity))
+        leaf = _Leaf(rel, path, key, entry, new, rows, old_capacity)
+        if entry.pack is not None:  # it moves out of its pack, into a file of its own (a new generation)
+            new = replace(new, file=unpacked_name(self.metas[rel], entry.key), pack=None, offset=None)
+            leaf.new, leaf.source_offset = new, entry.offset or 0
+            leaf.source_nbytes = next(p.nbytes for p in self.metas[""].packs if p.file == entry.pack)
+        leaf.new_path = os.path.join(self.dest, rel, new.file)
+        self.leaves.append(leaf)
 
     def _check_file(self, leaf: _Leaf, *, shrink: bool) -> None:
         """Check the leaf's file (never through a link); decide whether it gets a new generation.
@@ -421,17 +436,15 @@ class _Growth:
         than :func:`~memtree.store.reading.read.held_dirs_budget`) has each file opened when used and
         closed at once, so it grows with a few descriptors; a smaller one keeps them open.
         """
+        nbytes = leaf.source_nbytes or leaf.old.file_nbytes
         try:
-            fd, st = open_leaf(leaf.path, leaf.old.file_nbytes, leaf.path, writable=True)
+            fd, st = open_leaf(leaf.path, nbytes, leaf.path, writable=True)
         except MissingLeafError:
             raise self._changed(f"leaf file {leaf.path} is missing") from None
         except LeafSizeError:
-            raise self._changed(
-                f"leaf file {leaf.path} does not have the {leaf.old.file_nbytes:,} bytes its "
-                "meta.json says"
-            ) from None
+            raise self._changed(f"leaf file {leaf.path} does not have the {nbytes:,} bytes its meta.json says") from None
         leaf.target, leaf.identity = leaf.path, (st.st_dev, st.st_ino)
-        leaf.new_generation = shrink or st.st_nlink > 1
+        leaf.new_generation = shrink or st.st_nlink > 1 or leaf.old.pack is not None
         self._keep(leaf, fd)
 
     def _keep(self, leaf: _Leaf, fd: int) -> None:
@@ -531,7 +544,7 @@ class _Growth:
                 fd = new_file(path)
                 try:
                     os.ftruncate(fd, leaf.new.file_nbytes)
-                    copy_range(source, 0, fd, 0, kept * leaf.row_bytes)
+                    copy_range(source, leaf.source_offset, fd, 0, kept * leaf.row_bytes)
                     st = os.fstat(fd)
                 except BaseException:
                     os.close(fd)
@@ -564,12 +577,15 @@ class _Growth:
                     os.fsync(fd)
 
     def _final(self, rel: str, meta: LevelMeta, length: int) -> LevelMeta:
-        new = {leaf.old.file: leaf.new for leaf in self.leaves if leaf.rel == rel}
-        return replace(
+        new = {leaf.old.key: leaf.new for leaf in self.leaves if leaf.rel == rel}
+        out = replace(
             meta,
             batch_size=(length,) + meta.batch_size[1:],
-            entries=tuple(new.get(e.file, e) if isinstance(e, LeafMeta) else e for e in meta.entries),
+            entries=tuple(new.get(e.key, e) if isinstance(e, LeafMeta) else e for e in meta.entries),
         )
+        if not rel and out.packs:  # every leaf grew, so none is packed any more: the packs go
+            out = replace(out, packs=())
+        return out
 
     def _root_save_id(self) -> str | None:
         try:
@@ -652,12 +668,14 @@ class _Growth:
         ``fresh`` ones (``(rel, file)``: new generations already there)."""
         for rel in metas:
             for entry in metas[rel].entries:
-                if isinstance(entry, (LeafMeta, PickleMeta)) and (rel, entry.file) not in fresh:
+                if isinstance(entry, (LeafMeta, PickleMeta)) and entry.file and (rel, entry.file) not in fresh:
                     os.link(
                         os.path.join(self.dest, rel, entry.file),
                         os.path.join(staging, rel, entry.file),
                         follow_symlinks=False,
                     )
+        for pack in metas[""].packs:  # (a capacity commit before packed leaves move out)
+            os.link(os.path.join(self.dest, pack.file), os.path.join(staging, pack.file), follow_symlinks=False)
         for rel in sorted(metas, key=lambda r: -(r.count("/") + bool(r))):  # root last
             directory = os.path.join(staging, rel)
             write_small_file(os.path.join(directory, META_NAME), dump_level(metas[rel]), fsync=self.fsync)

@@ -62,6 +62,7 @@ from ..primitives.files import FileRange, _unlink_quiet, equal_bytes, open_leaf
 from ..primitives.lease import Lease, lease_refusal, read_lease
 from ..reading.options import ReadOptions
 from ..reading.read import open_dir, open_tree, walk_levels
+from .packing import PackJob
 
 __all__ = ["MAX_LINKS", "TRUSTED_CHECKSUMS", "LinkSource", "WriteStats", "check_link_source"]
 
@@ -167,6 +168,11 @@ class LinkSource:
         #: Trust the recorded checksum instead of comparing bytes (``verify=False``, sha256 only).
         self.trust_checksums = not verify and algorithm in TRUSTED_CHECKSUMS
         self.leaves: dict[tuple[str, ...], _Old] = {}
+        #: packed leaves (format version 3) by key path, their packs' sizes, leaves per pack
+        self.packed: dict[tuple[str, ...], LeafMeta] = {}
+        self.packs: dict[str, int] = {}
+        self.pack_members: dict[str, int] = {}
+        self.root_mtime_ns = 0  # of the root meta.json, written after every pack
         self.error: str | None = None
 
     @classmethod
@@ -213,9 +219,16 @@ class LinkSource:
         def visit(dirs: tuple[str, ...], where: str, dir_fd: int, meta: LevelMeta) -> None:
             path = keys[dirs]
             mtime = os.stat(META_NAME, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+            if not dirs:
+                self.packs = {p.file: p.nbytes for p in meta.packs}
+                self.root_mtime_ns = mtime
             for e in meta.entries:
                 if isinstance(e, ChildMeta):
                     keys[dirs + (e.dir,)] = path + (e.key,)
+                elif isinstance(e, LeafMeta) and e.pack is not None:  # (a packed leaf is one chunk)
+                    self.pack_members[e.pack] = self.pack_members.get(e.pack, 0) + 1
+                    if e.checksum is not None and e.checksum.partition(":")[0] == self.algorithm:
+                        self.packed[path + (e.key,)] = e
                 elif isinstance(e, LeafMeta) and e.capacity is None:
                     sums = e.sums
                     if sums is not None and sums.algorithm == self.algorithm:
@@ -225,6 +238,7 @@ class LinkSource:
             walk_levels(self.root_fd, self.root, visit)
         except (MemtreeError, OSError) as err:
             self.leaves.clear()
+            self.packed.clear()
             self.error = f"{self.root} cannot be read as a tree: {err}"
 
     def candidate(self, key: tuple[str, ...], tensor: torch.Tensor) -> LeafMeta | None:
@@ -259,17 +273,58 @@ class LinkSource:
         old = self.leaves[key]
         if old.meta.sums != checksum:
             return None
-        where = os.path.join(self.root, *old.dirs, old.meta.file)
+        return self._link_file(old, target, data, fsync)
+
+    def link_pack(
+        self,
+        job: PackJob,
+        sums: dict[tuple[str, ...], str],
+        target: str,
+        data: torch.Tensor,
+        *,
+        fsync: bool = False,
+    ) -> bool | None:
+        """Hard-link the old tree's pack to ``target`` if it is this pack, byte for byte.
+
+        A candidate is an old pack that holds exactly the members of ``job`` (the same key
+        paths, and no other leaf), each at the same offset, of the same size and with a recorded
+        checksum equal to the new one in ``sums``, and has the new pack's size; the file is then
+        checked as :meth:`link` checks a leaf's (its bytes compared with ``data``, the pack's
+        bytes; no writer; the link verified).
+
+        Returns:
+            True when linked; None when no old pack matches (a leaf changed, moved or went);
+            False when one matched but the file failed a check or the link failed.
+        """
+        name = None
+        for m in job.members:
+            old = self.packed.get(m.key)
+            if old is None or old.offset != m.offset or old.nbytes != m.nbytes or old.checksum != sums.get(m.key):
+                return None
+            if name is None:
+                name = old.pack
+            elif old.pack != name:
+                return None
+        if name is None or self.packs.get(name) != job.nbytes or self.pack_members.get(name) != len(job.members):
+            return None
+        whole = _Old((), LeafMeta(name, name, "uint8", (job.nbytes,)), self.root_mtime_ns)  # the pack as one file
+        return self._link_file(whole, target, data, fsync)
+
+    def _link_file(self, old: _Old, target: str, data: torch.Tensor | FileRange, fsync: bool) -> bool:
+        """Link the old file of ``old`` to ``target`` if it holds ``data`` and no process writes
+        it (see the module docstring)."""
+        name = old.meta.file
+        where = os.path.join(self.root, *old.dirs, name)
         dir_fd = self.root_fd
         opened: list[int] = []
         try:
-            for name in old.dirs:
-                dir_fd = open_dir(name, where, dir_fd)
+            for dir_name in old.dirs:
+                dir_fd = open_dir(dir_name, where, dir_fd)
                 opened.append(dir_fd)
-            fd, st = open_leaf(old.meta.file, old.meta.file_nbytes, where, dir_fd=dir_fd)
+            fd, st = open_leaf(name, old.meta.file_nbytes, where, dir_fd=dir_fd)
         except (MemtreeError, OSError):
-            for d in opened:
-                os.close(d)
+            for held in opened:
+                os.close(held)
             return False
         try:
             if st.st_nlink >= MAX_LINKS:
@@ -278,7 +333,7 @@ class LinkSource:
                 if lease is None or not self._holds(fd, st, old, data, lease):
                     return False
                 try:
-                    os.link(old.meta.file, target, src_dir_fd=dir_fd, follow_symlinks=False)
+                    os.link(name, target, src_dir_fd=dir_fd, follow_symlinks=False)
                 except OSError:
                     return False
                 try:
@@ -293,8 +348,8 @@ class LinkSource:
             return True
         finally:
             os.close(fd)
-            for d in opened:
-                os.close(d)
+            for held in opened:
+                os.close(held)
 
     def _holds(self, fd: int, st: os.stat_result, old: _Old, data: torch.Tensor | FileRange, lease: Lease) -> bool:
         """The old file holds ``data``: its bytes are compared (stopping if a writer opens it),

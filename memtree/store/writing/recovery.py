@@ -171,7 +171,7 @@ def undo_interrupted_growth(dest: str, record: dict[str, Any]) -> list[str]:
 
     def visit(dirs: tuple[str, ...], where: str, fd: int, meta: LevelMeta) -> None:
         for entry in meta.entries:
-            if isinstance(entry, LeafMeta):
+            if isinstance(entry, LeafMeta) and entry.pack is None:  # (a growth never lengthens a pack)
                 actions.extend(_cut_back(fd, where, entry))
 
     try:

@@ -64,6 +64,7 @@ from .pieces import PIECE_BYTES, Hasher, Pieces, write_piece
 from ..reading.integrity import bytes_checksum, tree_hash
 from .linking import LinkSource, WriteStats
 from ..primitives.commit import fsync_dir, wait_for_removals, write_small_file
+from ..primitives.durability import open_batch, sync_batch
 from ...format.schema import (
     MAX_NBYTES,
     ChildMeta,
@@ -81,8 +82,10 @@ from ...format.schema import (
 from ...format.chunks import ChunkSums, chunk_bytes_for
 from ...format.names import META_NAME, encode_level
 from ...format.level import Level, as_level, fmt_key
+from ...format.packs import PACK_BELOW, PackMeta, is_pack_name, layout_packs, packs_threshold
 from ..reading.mapped import MemoryMappedTensor, to_storable
 from ...format.values import NonTensor, check_json, json_problem, tuples_to_lists
+from .packing import PackJob, PackMember, assemble, write_pack
 from ..primitives.progress import Progress
 from ..reading.options import ReadOptions, WriteOptions, check_mode
 from ..reading.read import PendingLevel, open_tree
@@ -122,11 +125,12 @@ class LeafJob:
 
 @dataclass
 class LevelPlan:
-    """One level's directory (relative, ``""`` for the root) and its metadata."""
+    """One level's directory (relative, ``""`` for the root), its metadata and key path."""
 
     rel: str
     meta: LevelMeta
     depth: int
+    keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -136,11 +140,13 @@ class WritePlan:
     levels: list[LevelPlan] = field(default_factory=list)
     leaves: list[LeafJob] = field(default_factory=list)
     pickles: list[tuple[str, bytes]] = field(default_factory=list)
+    #: the pack files of small leaves (format version 3), at the root
+    packs: list[PackJob] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of leaf data the write needs on disk."""
-        return sum(j.nbytes for j in self.leaves)
+        """Bytes of leaf data the write needs on disk (leaf files and packs)."""
+        return sum(j.nbytes for j in self.leaves) + sum(p.nbytes for p in self.packs)
 
     def make_dirs(self, staging: str) -> None:
         """Create the directory of every level below the root in ``staging``, parents first."""
@@ -150,8 +156,8 @@ class WritePlan:
 
     @property
     def total_files(self) -> int:
-        """Files and directories the write creates (leaves, pickles, ``meta.json`` files, levels)."""
-        return len(self.leaves) + len(self.pickles) + 2 * len(self.levels)
+        """Files and directories the write creates (leaves, packs, pickles, ``meta.json`` files, levels)."""
+        return len(self.leaves) + len(self.packs) + len(self.pickles) + 2 * len(self.levels)
 
 
 def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) -> WritePlan:
@@ -161,13 +167,48 @@ def plan_write(level: Level, options: WriteOptions, *, dest: str | None = None) 
         level: the tree to write.
         options: ``like`` plans empty files of the same shapes and dtypes (``memmap_like``);
             ``allow_pickle`` pickles non-tensor values JSON cannot hold; ``copy_existing``
-            copies leaves that are already memory-mapped elsewhere.
+            copies leaves that are already memory-mapped elsewhere; ``pack_below`` packs the
+            leaves smaller than that (:func:`_pack_small_leaves`).
         dest: the final absolute prefix (to decide whether a memmapped leaf already lives there).
     """
     plan = WritePlan()
     _plan_level(plan, level, "", (), 0, dest, options.like, options.allow_pickle, options.copy_existing)
     plan.levels.sort(key=lambda lp: -lp.depth)  # deepest first, root last
+    if options.encryption is None:  # an encrypted leaf is never packed (WriteOptions refuses pack_below)
+        _pack_small_leaves(plan, options.pack_below)
     return plan
+
+
+def _pack_small_leaves(plan: WritePlan, pack_below: int | None) -> None:
+    """Move the leaves under the threshold (:func:`~memtree.format.packs.packs_threshold`) from
+    their own files into packs, in the order planned (so an unchanged tree gets the same packs),
+    and make their entries packed ones (the root lists the packs)."""
+    limit = pack_below if pack_below is not None else PACK_BELOW
+    small = [j for j in plan.leaves if j.nbytes < limit]
+    threshold = packs_threshold(pack_below, len(small))
+    if not threshold or not small:
+        return
+    layout = layout_packs([j.nbytes for j in small])
+    jobs = {name: PackJob(name, nbytes) for name, nbytes in layout.sizes}
+    places: dict[tuple[str, ...], tuple[str, int]] = {}
+    for j, (name, offset) in zip(small, layout.places):
+        jobs[name].members.append(PackMember(j.key, j.tensor, j.nbytes, offset))
+        places[j.key] = (name, offset)
+    plan.packs = list(jobs.values())
+    plan.leaves = [j for j in plan.leaves if j.key not in places]
+    for lp in plan.levels:
+        entries = tuple(
+            _packed(e, places.get(lp.keys + (e.key,))) if isinstance(e, LeafMeta) else e for e in lp.meta.entries
+        )
+        packs = tuple(PackMeta(name, nbytes) for name, nbytes in layout.sizes) if not lp.rel else ()
+        lp.meta = replace(lp.meta, entries=entries, packs=packs)
+
+
+def _packed(entry: LeafMeta, place: tuple[str, int] | None) -> LeafMeta:
+    if place is None:
+        return entry
+    packed: LeafMeta = entry.evolve(file="", pack=place[0], offset=place[1])
+    return packed
 
 
 def _plan_level(
@@ -231,7 +272,7 @@ def _plan_level(
         entries = [replace(e, int_key=True) if e.key in level.int_keys else e for e in entries]
     meta = LevelMeta(tuple(level.batch_size), tuple(entries), level.type)
     check_writable(meta, _level_name(path), depth)
-    plan.levels.append(LevelPlan(rel, meta, depth))
+    plan.levels.append(LevelPlan(rel, meta, depth, path))
 
 
 def _level_name(path: tuple[str, ...]) -> str:
@@ -274,7 +315,9 @@ def _plan_leaf(
             )
         if type(tensor) is not torch.Tensor and isinstance(tensor, MemoryMappedTensor):
             target = os.path.join(dest, rel) if dest else None
-            if tensor.filename is not None and not copy_existing and tensor.filename != target:
+            if tensor.filename is not None and not copy_existing and tensor.filename != target and not (
+                dest and os.path.dirname(tensor.filename) == dest and is_pack_name(os.path.basename(tensor.filename))
+            ):  # (a packed leaf of the destination's tree: its pack, at the root)
                 raise ExistingMemmapError(
                     f"leaf {fmt_key(kpath)} is already memory-mapped from {tensor.filename}; "
                     "pass copy_existing=True to copy it into the new prefix"
@@ -364,10 +407,17 @@ def write_tree(
         if options.encrypt_names:  # random file names: the keys are only in the sealed meta.json
             hide_names(plan)
     with staged_commit(dest, existsok=options.existsok, nbytes=plan.total_bytes) as staging:
-        with LinkSource.open(options.link_from, options.checksum, staging.path, options.link_verify) as links:
-            if stats is not None:
-                stats.link_error = links.error if links is not None else None
-            metas = _write_staging(staging.path, plan, options, links, stats)
+        batch = open_batch(staging.path) if options.fsync else None  # one syncfs for every file
+        try:
+            with LinkSource.open(options.link_from, options.checksum, staging.path, options.link_verify) as links:
+                if stats is not None:
+                    stats.link_error = links.error if links is not None else None
+                metas = _write_staging(staging.path, plan, options, links, stats, fsync=options.fsync and batch is None)
+            if batch is not None:
+                sync_batch(batch, f"the new tree {dest}")
+        finally:
+            if batch is not None:
+                os.close(batch)
         staging.publish(fsync=options.fsync, background_removal=plan.total_files >= BACKGROUND_REMOVAL_FILES)
         # the new tree, opened lazily from the metadata just written (while still locked, so it
         # is this very tree): its leaves are mapped when used, not re-opened here
@@ -441,22 +491,25 @@ def _write_staging(
     options: WriteOptions,
     links: LinkSource | None = None,
     stats: WriteStats | None = None,
+    *,
+    fsync: bool = False,
 ) -> dict[str, LevelMeta]:
     """Write the plan's files into ``staging`` (or link them from ``links``); returns each
     level's metadata as written (with checksums, the root's ``save_id`` and ``tree_hash``), by
-    directory relative to the root.
+    directory relative to the root. ``fsync``: fsync each file and directory (a durable write
+    whose filesystem cannot flush the whole staging directory at once, :mod:`memtree.store.primitives.durability`).
 
     A leaf larger than one piece (a checksum chunk, or :data:`~memtree.store.writing.pieces.PIECE_BYTES`
     without checksums) is written in pieces that the writer threads share
     (:mod:`memtree.store.writing.pieces`); without writer threads, a :class:`~memtree.store.writing.pieces.Hasher`
-    hashes its chunks while the calling thread writes. Link candidates and encrypted leaves are
-    written whole, by one thread each."""
-    like, num_threads, fsync = options.like, options.num_threads, options.fsync
+    hashes its chunks while the calling thread writes. Link candidates, encrypted leaves and packs
+    are written whole, by one thread each."""
+    like, num_threads = options.like, options.num_threads
     checksum = None if like else options.checksum
     digest = digest_factory(checksum) if checksum is not None else None
     plan.make_dirs(staging)
     point("before_leaves")
-    sums: dict[str, str | ChunkSums] = {}
+    sums: dict[tuple[str, ...], str | ChunkSums] = {}  # each leaf's checksum(s), by key path
     key = options.encryption  # encryption at rest: store/primitives/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
 
@@ -479,7 +532,7 @@ def _write_staging(
                     result = _data_sums(data, j.nbytes, checksum, old_layout)  # decide before writing
                     linked = links.link(j.key, result, target, data, fsync=fsync)
                     if linked:
-                        sums[j.rel] = result
+                        sums[j.key] = result
                         if stats is not None:
                             stats.add(j.nbytes, linked=True)
                         point("after_leaf")
@@ -498,7 +551,7 @@ def _write_staging(
         except OSError as err:
             raise storage_error(err, f"writing leaf {j.where}") from err
         if result is not None:
-            sums[j.rel] = result
+            sums[j.key] = result
         if stats is not None:
             stats.add(j.nbytes, linked=False, fallback=fallback)
         point("after_leaf")
@@ -506,7 +559,9 @@ def _write_staging(
 
     hasher: Hasher | None = None
 
-    def write_part(task: LeafJob | tuple[Pieces, int]) -> int:
+    def write_part(task: LeafJob | PackJob | tuple[Pieces, int]) -> int:
+        if isinstance(task, PackJob):
+            return write_pack_job(task)
         if not isinstance(task, tuple):
             return write_leaf(task)
         leaf, i = task
@@ -523,6 +578,19 @@ def _write_staging(
         start, stop = i * leaf.size, min((i + 1) * leaf.size, leaf.nbytes)
         return stop - start
 
+    def write_pack_job(job: PackJob) -> int:
+        data, pack_sums = (None, {}) if like else assemble(job, _storable, checksum)
+        linked = None
+        if data is not None and links is not None and checksum is not None:
+            linked = links.link_pack(job, pack_sums, f"{staging}/{job.name}", data, fsync=fsync)
+        if not linked:
+            write_pack(staging, job, data, reserve=options.reserve, fsync=fsync)
+        sums.update(pack_sums)
+        if stats is not None:
+            stats.add(job.nbytes, linked=bool(linked), fallback=linked is False)
+        point("after_leaf")
+        return job.nbytes
+
     tasks, pieced = _tasks(plan, staging, options, links, cipher is not None)
     total = plan.total_bytes
     threads = _thread_count(num_threads, len(tasks), 0 if like else total)
@@ -536,11 +604,11 @@ def _write_staging(
         finally:
             if hasher is not None:
                 hasher.close(check=False)
-            for leaf in pieced:
+            for leaf in pieced.values():
                 leaf.close()
     if checksum is not None:
-        for leaf in pieced:
-            sums[leaf.target[len(staging) + 1 :]] = leaf.sums(checksum)
+        for key_path, leaf in pieced.items():
+            sums[key_path] = leaf.sums(checksum)
     return write_levels(staging, plan, checksum=checksum, sums=sums, fsync=fsync, num_threads=num_threads,
                         cipher=cipher)
 
@@ -550,21 +618,20 @@ def write_levels(
     plan: WritePlan,
     *,
     checksum: str | None,
-    sums: dict[str, str | ChunkSums],
+    sums: dict[tuple[str, ...], str | ChunkSums],
     fsync: bool,
     num_threads: int = 0,
     cipher: TreeCipher | None = None,
 ) -> dict[str, LevelMeta]:
     """Write the plan's pickle files, then each level's ``meta.json`` into ``staging``, deepest
     first and the root's last (with a new ``save_id`` and, with ``checksum``, the ``tree_hash``),
-    once every leaf file is written.
+    once every leaf file and pack is written.
 
     Args:
         staging: the staging directory of the write.
         plan: what :func:`plan_write` planned (its levels' entries as they are to be written).
         checksum: the algorithm of the leaves' checksums and of the tree hash, or ``None``.
-        sums: each leaf's checksum (``"<algorithm>:<hex>"``) or per-chunk checksums, by file path
-            relative to the root.
+        sums: each leaf's checksum (``"<algorithm>:<hex>"``) or per-chunk checksums, by key path.
         fsync: fsync each file and directory.
         num_threads: threads for the levels below the root.
         cipher: seals each level of an encrypted tree.
@@ -580,7 +647,7 @@ def write_levels(
         directory = f"{staging}/{lp.rel}" if lp.rel else staging
         meta = lp.meta
         if sums:
-            meta = replace(meta, entries=tuple(_with_sums(e, lp.rel, sums) for e in meta.entries))
+            meta = replace(meta, entries=tuple(_with_sums(e, lp.keys, sums) for e in meta.entries))
         if lp.rel:
             point("before_meta")
         else:
@@ -613,28 +680,32 @@ def write_levels(
 
 def _tasks(
     plan: WritePlan, staging: str, options: WriteOptions, links: LinkSource | None, encrypted: bool
-) -> tuple[list[LeafJob | tuple[Pieces, int]], list[Pieces]]:
+) -> tuple[list[LeafJob | PackJob | tuple[Pieces, int]], dict[tuple[str, ...], Pieces]]:
     """The writer threads' tasks, biggest leaves first (so that they finish together): a leaf
-    written whole is one task, a leaf written in pieces one task per piece, its pieces in a row;
-    and the leaves written in pieces.
+    written whole (or a pack) is one task, a leaf written in pieces one task per piece, its pieces
+    in a row; and the leaves written in pieces, by key path.
 
     Pieces serve leaves larger than one piece whose data is at hand (not ``memmap_like``), that
     are neither link candidates (decided on the whole leaf before writing) nor encrypted."""
-    tasks: list[LeafJob | tuple[Pieces, int]] = []
-    pieced: list[Pieces] = []
+    tasks: list[LeafJob | PackJob | tuple[Pieces, int]] = []
+    pieced: dict[tuple[str, ...], Pieces] = {}
     checksum = None if options.like else options.checksum
-    for j in sorted(plan.leaves, key=lambda j: -j.nbytes):
+    jobs: list[LeafJob | PackJob] = [*plan.leaves, *plan.packs]
+    for j in sorted(jobs, key=lambda j: -j.nbytes):
+        if isinstance(j, PackJob):
+            tasks.append(j)
+            continue
         size = (chunk_bytes_for(j.nbytes) if checksum is not None else None) or PIECE_BYTES
         if options.like or encrypted or j.nbytes <= size or (links is not None and links.candidate(j.key, j.tensor)):
             tasks.append(j)
             continue
         leaf = Pieces(f"{staging}/{j.rel}", _storable(j), j.nbytes, size, j.where)
-        pieced.append(leaf)
+        pieced[j.key] = leaf
         tasks.extend((leaf, i) for i in range(leaf.count))
     return tasks, pieced
 
 
-def _storable(job: LeafJob) -> torch.Tensor | FileRange:
+def _storable(job: LeafJob | PackMember) -> torch.Tensor | FileRange:
     """What to write for a planned leaf: the tensor itself when it is a plain contiguous CPU
     tensor; the :class:`~memtree.store.primitives.files.FileRange` its ``file_range()`` method names, for a
     leaf whose bytes lie in another file as they are (a
@@ -651,7 +722,7 @@ def _storable(job: LeafJob) -> torch.Tensor | FileRange:
         found: FileRange | None = file_range()
         if found is not None:
             return found
-    return to_storable(tensor, job.where)
+    return to_storable(tensor, fmt_key(job.key))
 
 
 def _data_sums(data: torch.Tensor | FileRange, nbytes: int, algorithm: str, chunk_bytes: int | None) -> ChunkSums:
@@ -662,9 +733,9 @@ def _data_sums(data: torch.Tensor | FileRange, nbytes: int, algorithm: str, chun
     return view_sums(byte_view(data), algorithm, chunk_bytes)
 
 
-def _with_sums(entry: Entry, rel: str, sums: dict[str, str | ChunkSums]) -> Entry:
+def _with_sums(entry: Entry, keys: tuple[str, ...], sums: dict[tuple[str, ...], str | ChunkSums]) -> Entry:
     if type(entry) is LeafMeta:
-        return entry.with_sums(sums[f"{rel}/{entry.file}" if rel else entry.file])
+        return entry.with_sums(sums[keys + (entry.key,)])
     return entry
 
 

@@ -71,6 +71,7 @@ class Persistence(ShapeOps):
         allow_pickle: bool = False,
         checksum: str | None = "auto",
         progress: bool | None = None,
+        pack_below: int | None = None,
         link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Write the tree under ``prefix`` and replace its leaves by the mapped files; returns ``self``.
@@ -92,6 +93,10 @@ class Persistence(ShapeOps):
                 ``meta.json``; ``None``: no checksum.
             progress: a progress bar of the bytes written: ``None`` (default) only on a
                 terminal outside CI, ``True``/``False`` forced (tqdm optional).
+            pack_below: tensor leaves smaller than this many bytes share pack files at the
+                root instead of a file each (``docs/format.md``, "Packs of small leaves"): one
+                file and one write per 64 MiB of them. ``None`` (default): leaves under 64 KiB,
+                when the tree has at least 64 of them; ``0``: never (every leaf its own file).
             link_from: an incremental save: a committed tree (the previous checkpoint) whose
                 leaf files are hard-linked instead of written wherever a leaf at the same key
                 has the same dtype, shape and bytes (compared, not only checksummed; see
@@ -116,6 +121,7 @@ class Persistence(ShapeOps):
             self._write(prefix, WriteOptions.of(
                 copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
                 allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
+                pack_below=pack_below,
                 link_from=link_from,
             ))
         )
@@ -135,6 +141,7 @@ class Persistence(ShapeOps):
         progress: bool | None = None,
         encryption: EncryptionKey | None = None,
         encrypt_names: bool = False,
+        pack_below: int | None = None,
         link_from: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Like :meth:`memmap_`, but return a new memory-mapped tree and leave ``self`` as it is.
@@ -144,7 +151,8 @@ class Persistence(ShapeOps):
         then in memory, not mapped: each level is decrypted from the files when first used
         (``docs/guide/encryption.md``). Keys, shapes, dtypes and non-tensor values stay
         readable without the key, unless ``encrypt_names=True``: then each level's entries are
-        sealed too and files get random names.
+        sealed too and files get random names. An encrypted tree packs no leaf (``pack_below``
+        must be left out).
 
         ``link_from=previous`` saves incrementally: each leaf whose bytes equal those of the same
         key in the committed tree ``previous`` is a hard link to its file, and the tree returned
@@ -172,7 +180,7 @@ class Persistence(ShapeOps):
         level = self._write(prefix, WriteOptions.of(
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
             allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
-            encryption=encryption, encrypt_names=encrypt_names, link_from=link_from,
+            encryption=encryption, encrypt_names=encrypt_names, pack_below=pack_below, link_from=link_from,
         ))
         return type(self)._from_level(level, self._device)
 
@@ -185,12 +193,15 @@ class Persistence(ShapeOps):
         existsok: bool = True,
         reserve: bool = False,
         progress: bool | None = None,
+        pack_below: int | None = None,
     ) -> Self:
         """A new memory-mapped tree of zeros with this tree's keys, shapes and dtypes.
 
         No data is read or written: files are sparse (``reserve=True`` allocates their blocks),
         so ``datum.expand(1_000_000).memmap_like(d)`` takes milliseconds. The free space is
-        checked first. Non-tensor leaves are kept.
+        checked first. Non-tensor leaves are kept. ``pack_below`` packs small leaves as
+        :meth:`memmap_` does (they are still written in place by index; growing the tree moves
+        them into files of their own).
 
         Example:
             >>> import tempfile, torch, memtree
@@ -200,7 +211,8 @@ class Persistence(ShapeOps):
             (torch.Size([1000]), torch.Size([1000, 3, 64, 64]))
         """
         level = self._write(prefix, WriteOptions.of(
-            like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress
+            like=True, num_threads=num_threads, existsok=existsok, reserve=reserve, progress=progress,
+            pack_below=pack_below,
         ))
         return type(self)._from_level(level, self._device)
 

@@ -31,8 +31,8 @@ from itertools import product
 from math import prod
 from typing import Any
 
-from .entries import DTensorLayout, Placement
-from .record import Record
+from ..format.entries import DTensorLayout, Placement
+from ..format.record import Record
 
 __all__ = [
     "REPLICATE",
