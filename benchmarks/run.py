@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     .venv/bin/python benchmarks/run.py w1 --store          # one workload, stored in benchmarks/results/
-    .venv/bin/python benchmarks/run.py all --store         # W1..W7 and W9 (the GPU workload: gpu)
+    .venv/bin/python benchmarks/run.py all --store         # W1..W10 (the GPU workload: gpu)
     .venv/bin/python benchmarks/run.py all --quick         # tiny sizes: a smoke test, never a result
     .venv/bin/python benchmarks/run.py report              # RESULTS.md's table from the stored runs
     .venv/bin/python benchmarks/run.py report --check      # is it up to date? (exit 1 if not)
@@ -52,12 +52,13 @@ WORKLOADS = {
     "w5": ("w5_convert", None),
     "w6": ("w6_resume", None),
     "w7": ("w7_pause", None),
+    "w8": ("w8_distributed", None),
     "w10": ("w10_quantized", None),
     "w9": ("w9_datasets", None),
     "w11": ("w11_small_leaves", "W11"),
     "gpu": ("gpu_load", None),
 }
-ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w9", "w10", "w11"]
+ALL = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10", "w11"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

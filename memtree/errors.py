@@ -57,6 +57,7 @@ __all__ = [
     "RemoteRangeError",
     "RemoteChangedError",
     "DistributedCheckpointError",
+    "PlacementError",
     "TensorclassError",
     "SubclassError",
     "UnknownClassError",
@@ -226,6 +227,11 @@ class DistributedCheckpointError(MemtreeError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
         super().__init__(message)
         self.failures: dict[int, BaseException] = dict(failures or {})
+
+
+class PlacementError(MemtreeError, ValueError):
+    """A distributed tensor's placement memtree cannot store or read (a mesh that differs from
+    the one recorded, ranks whose trees differ; a ``Partial`` one is a :class:`SubclassError`)."""
 
 
 class TensorclassError(MemtreeError, TypeError):

@@ -203,6 +203,7 @@ _INTERNAL = {
     ("store/open.py", "TypeError"),  # unexpected keyword arguments, as Python reports them
     ("format/record.py", "TypeError"),  # evolve() with a field the record lacks: a programming error (as dataclasses.replace)
     ("store/reading/mapped.py", "IndexError"),  # MemoryMappedTensor indexing mirrors torch.Tensor's
+    ("dist/placement.py", "ValueError"),  # check_layout: memtree.dist turns it into PlacementError
 }
 _BUILTINS = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "OSError",
              "FileNotFoundError", "FileExistsError", "Exception", "AttributeError", "LookupError"}

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import zlib
 from pathlib import Path
 
 import orjson
@@ -40,6 +41,9 @@ LOAD_VARIANTS = [{}, {"mode": "r"}, {"mmap": False}]
 LOAD_IDS = ["default", "mode_r", "no_mmap"]
 
 A_BYTES = torch.arange(6, dtype=torch.float32).numpy().tobytes()  # leaf "a": float32 [2, 3]
+A_CRC = f"crc32:{zlib.crc32(A_BYTES):08x}"
+DTENSOR = {"mesh": [2], "placements": [{"kind": "shard", "dim": 0}]}  # a DTensor leaf's annotation
+CHUNKS = {"algorithm": "crc32", "chunk_bytes": 65536, "digests": A_CRC[6:]}  # a's 24 bytes: one chunk
 C_BYTES = torch.tensor([7, -8], dtype=torch.int64).numpy().tobytes()  # leaf "b/c": int64 [2]
 
 
@@ -297,6 +301,16 @@ def test_meta_just_over_16_mib_is_refused(tree_dir):
 # ----------------------------------------------------------------------------- row 6, 7, 27: schema
 
 
+def _v3(fn):
+    """:func:`_mut` of the root meta as a version 3 level (where chunks and dtensor may be)."""
+
+    def edit(m):
+        m["version"] = 3
+        return fn(m)
+
+    return _mut(edit)
+
+
 def _mut(fn):
     """fn edits the meta dict in place (returns None), or returns a replacement (_replace)."""
 
@@ -373,6 +387,30 @@ SCHEMA_MUTATIONS = {
     "two_entries_one_dir": _mut(lambda m: m["entries"].append({"key": "b2", "kind": "tree", "dir": "b"})),
     "tensor_file_without_memmap_suffix": _mut(lambda m: _entry(m, "a").update(file="a.bin")),
     "tensor_file_is_meta_json": _mut(lambda m: _entry(m, "a").update(file="meta.json")),
+    # version 3 fields (a DTensor leaf's annotation, per-chunk checksums)
+    "dtensor_in_version_1": _mut(lambda m: _entry(m, "a").update(dtensor=DTENSOR)),
+    "chunks_in_version_1": _mut(lambda m: _entry(m, "a").update(chunks=CHUNKS)),
+    "v3_dtensor_partial": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": [{"kind": "partial"}]})),
+    "v3_dtensor_dim_beyond_shape": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2], "placements": [{"kind": "shard", "dim": 2}]})),
+    "v3_dtensor_mesh_mismatch": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2, 2], "placements": [{"kind": "replicate"}]})),
+    "v3_dtensor_empty_mesh": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [], "placements": []})),
+    "v3_dtensor_zero_mesh": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [0], "placements": [{"kind": "replicate"}]})),
+    "v3_dtensor_string": _v3(lambda m: _entry(m, "a").update(dtensor="S(0)")),
+    "v3_dtensor_names_repeat": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [1, 1], "placements": [{"kind": "replicate"}] * 2, "dim_names": ["x", "x"]})),
+    "v3_dtensor_class_path": _v3(lambda m: _entry(m, "a").update(
+        dtensor={"mesh": [2], "placements": [{"kind": "torch.distributed.tensor.Shard", "dim": 0}]})),
+    "v3_dtensor_torch_short_form": _v3(lambda m: _entry(m, "a").update(dtensor={"mesh": [2], "placements": ["S(0)"]})),
+    "v3_placement_field": _v3(lambda m: _entry(m, "a").update(placement={"mesh": [2], "placements": ["S(0)"]})),
+    "v3_chunks_beside_checksum": _v3(lambda m: _entry(m, "a").update(checksum=A_CRC, chunks=CHUNKS)),
+    "v3_chunks_of_one_chunk": _v3(lambda m: _entry(m, "a").update(chunks=CHUNKS)),  # records checksum instead
+    "v3_chunks_unknown_algorithm": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "algorithm": "md5"})),
+    "v3_chunks_tiny": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "chunk_bytes": 16})),
+    "v3_chunks_huge": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "chunk_bytes": 2**41})),
+    "v3_chunks_extra_field": _v3(lambda m: _entry(m, "a").update(chunks={**CHUNKS, "sums": ["0" * 8]})),
+    "v3_chunks_of_dist_draft": _v3(lambda m: _entry(m, "a").update(chunks={"bytes": 4096, "sums": [A_CRC[6:]]})),
 }
 
 
@@ -382,6 +420,16 @@ def test_schema_violation_in_root_meta(tree_dir, name, kw):
     (tree_dir / "a.bin").write_bytes(A_BYTES)
     set_root(tree_dir, SCHEMA_MUTATIONS[name](root_meta()))
     expect_error(tree_dir, memtree.MetaFormatError, **kw)
+
+
+def test_version_3_fields_that_fit_load(tree_dir):
+    """The control of the v3 mutations above: a valid DTensor annotation loads (valid per-chunk
+    checksums load in tests/test_golden_v3_chunks.py)."""
+    m = root_meta()
+    m["version"] = 3
+    _entry(m, "a").update(dtensor=DTENSOR, checksum=A_CRC)
+    set_root(tree_dir, m)
+    assert memtree.load_memmap(str(tree_dir), verify=True)["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
 def test_case_insensitive_duplicate_file_names(tree_dir):

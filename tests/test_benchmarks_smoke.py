@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a benchmark subprocess per workload
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-WORKLOADS = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w9", "w10", "w11", "gpu"]
+WORKLOADS = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10", "w11", "gpu"]
 
 
 @pytest.fixture(autouse=True, scope="module")

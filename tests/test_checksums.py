@@ -10,6 +10,8 @@ import time
 import orjson
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memtree
 from memtree import IntegrityError, MemtreeError, TensorTree, verify_tree
@@ -266,3 +268,21 @@ def test_cli_verify_reports_the_tree_hash_and_stale_leaves(tmp_path, capsys):
     assert main(["verify", str(d)]) == 1
     out = capsys.readouterr().out
     assert "[key x] stale:" in out and "tree hash matches" in out
+
+
+# -- combining CRCs (the checksum of a file from its pieces, checked by several processes) --------
+
+
+def _crc(algorithm: str, data: bytes) -> int:
+    digest = checksums.new_digest(algorithm)
+    digest.update(data)
+    return int(digest.hexdigest(), 16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300),
+       algorithm=st.sampled_from([a for a in checksums.COMBINABLE if a in available_checksums()]))
+def test_property_crc_combine_and_shifter_agree_with_the_whole(a: bytes, b: bytes, algorithm: str) -> None:
+    whole = _crc(algorithm, a + b)
+    assert checksums.crc_combine(algorithm, _crc(algorithm, a), _crc(algorithm, b), len(b)) == whole
+    assert checksums.crc_shifter(algorithm, len(b))(_crc(algorithm, a)) ^ _crc(algorithm, b) == whole

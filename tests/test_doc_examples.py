@@ -33,6 +33,10 @@ NOT_RUN = {
     "text": "not code: a directory listing, a printed repr, a signature",
     "py": "Python that cannot run here: it names a server the page does not start",
 }
+#: Pages whose blocks another test runs as one script, and where (not in one process here).
+RUN_ELSEWHERE = {
+    "docs/guide/distributed.md": "tests/test_dist.py runs its blocks as one script on 2 ranks, as torchrun starts them",
+}
 #: Pages whose examples need an optional package (a test extra): skipped without it.
 NEEDS = {
     "docs/guide/subclasses.md": ["torchao"],
@@ -97,7 +101,9 @@ def test_every_fence_of_the_page_is_run_or_listed_as_not_run(page):
     assert not unknown, f"{page}: fences {unknown} are neither run nor listed in NOT_RUN with a reason"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(lang in RUN for lang, _, _ in blocks(REPO / p))])
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if p not in RUN_ELSEWHERE and any(lang in RUN for lang, _, _ in blocks(REPO / p))]
+)
 def test_the_code_blocks_of_the_page_run_in_order_as_one_script(page, tmp_path, monkeypatch):
     for module in NEEDS.get(page, []):
         pytest.importorskip(module, reason=f"{page} needs the optional package {module}")
@@ -127,3 +133,9 @@ def test_the_blocks_of_a_page_share_one_namespace_in_page_order(tmp_path):
 def test_a_snippet_line_is_the_section_of_the_tutorial_it_names():
     code = "".join(code for _, code, _ in blocks(REPO / "docs/guide/lightning.md"))
     assert "--8<--" not in code and "MemtreeCheckpointIO" in code and "work = tempfile.mkdtemp" in code
+
+
+@pytest.mark.parametrize("page", sorted(RUN_ELSEWHERE))
+def test_a_page_run_elsewhere_is_run_by_the_test_it_names(page):
+    test_file = RUN_ELSEWHERE[page].split()[0]
+    assert page in PAGES and Path(page).name in (REPO / test_file).read_text()

@@ -556,11 +556,3 @@ def test_gpu_benchmark_imports_and_runs_without_a_gpu() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout
-
-
-@settings(max_examples=200, deadline=None)
-@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
-def test_property_crc32_combine_agrees_with_zlib(a: bytes, b: bytes) -> None:
-    import zlib
-
-    assert fill_mod.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memtree
+from memtree.format.chunks import ChunkSums
+from memtree.dist.placement import Layout
 from memtree.format.schema import ChildMeta, JsonMeta, LeafMeta, LevelMeta, PickleMeta
 from memtree.store.reading.options import ReadOptions, WriteOptions
 from memtree.store.primitives.checksums import default_checksum
@@ -140,7 +142,8 @@ _leaves = st.tuples(
     st.none() | st.integers(0, 9),
     st.none() | st.integers(4096, 8192),
     st.booleans(),
-    st.none(),  # layout
+    st.none() | st.just(Layout((2,), ("S(0)",))),
+    st.none() | st.just(ChunkSums("crc32", 65536, "00000000" "00000001")),
     st.none() | st.just("~pack-0.memmap"),
     st.none() | st.integers(0, 1 << 20),
 )

@@ -1,13 +1,13 @@
 """The package's import graph keeps its layers and rooms: no import circle, and no import from a
 lower layer or room to a higher one (``docs/architecture.md``).
 
-Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/`` and ``dcp/`` <
+Layers, lowest first: ``errors`` < ``format/`` < ``store/`` < ``interop/``, ``dcp/`` and ``dist/`` <
 ``tree/`` < ``nn/`` < ``training/`` < the public top-level modules (``memtree``, ``memtree.remote``,
 ``routing/``) < ``cli/`` < ``integrations/``. Inside a layer, its rooms (sub-folders) are ordered
 the same way: ``store/``: ``primitives/`` < ``reading/`` < ``writing/`` < ``urls/`` and
 ``foreign/`` < the layer's own modules (``store/open.py``, ``store/verify.py``); ``tree/``:
 ``parts/`` < its own modules. A module imports from its own room and lower ones only; two rooms of
-one rank (``urls/`` and ``foreign/``, ``interop/`` and ``dcp/``) import neither from the other.
+one rank (``urls/`` and ``foreign/``; ``interop/``, ``dcp/`` and ``dist/``) import neither from the other.
 
 Every ``import`` of a ``memtree`` module counts: at module level, inside a function, and under
 ``if TYPE_CHECKING:`` (an annotation that names a module is a dependency on it, and a circle of
@@ -31,6 +31,7 @@ LAYERS = {
     "store": 2,
     "interop": 3,
     "dcp": 3,
+    "dist": 3,
     "tree": 4,
     "nn": 5,
     "training": 5.5,  # memtree.Checkpointer: above nn/, below the public surface

@@ -122,3 +122,21 @@ def test_two_ranks_each_load_their_part_of_the_full_tensor(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / "out" / f"{rank}.pt")
         assert torch.equal(got["w"], full_w[3 * rank : 3 * rank + 3]) and torch.equal(got["b"], full_b)
+
+
+def test_a_full_tensor_writer_records_only_a_layout_that_loads(tmp_path, mesh):
+    """A writer that stores a DTensor's full tensor (not the collective memmap) records a layout
+    the reader accepts: Shard(-1) as the dim it shards; a mesh dim name meta.json cannot hold is
+    refused before anything is written (main wrote it, and load_memmap refused the tree)."""
+    from memtree.integrations.trees import save_tree
+
+    w = distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(-1)])
+    save_tree(str(tmp_path / "neg"), {"w": w})
+    (entry,) = orjson.loads((tmp_path / "neg" / "meta.json").read_bytes())["entries"]
+    assert entry["dtensor"]["placements"] == [{"kind": "shard", "dim": 1}]
+    assert torch.equal(memtree.load_memmap(tmp_path / "neg")["w"], torch.arange(8.0).reshape(2, 4))
+    named = init_device_mesh("cpu", (1,), mesh_dim_names=("data-parallel",))
+    bad = distribute_tensor(torch.ones(2), named, [Replicate()])
+    with pytest.raises(memtree.SubclassError, match="leaf 'w': meta.json's dtensor.dim_names .*Python identifiers"):
+        save_tree(str(tmp_path / "names"), {"w": bad})
+    assert not (tmp_path / "names").exists()

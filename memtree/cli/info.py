@@ -47,8 +47,8 @@ import orjson
 
 from ..errors import MemtreeError, NotAMemtreeError
 from ..format.names import META_NAME, is_step_name
-from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, parse_level
-from ..format.subclass import SubclassMeta, level_version
+from ..format.schema import FORMAT, TREE_TYPE, ChildMeta, JsonMeta, LeafMeta, LevelMeta, level_version, parse_level
+from ..format.subclass import SubclassMeta
 from ..store.reading.steps import list_steps
 from ..store.reading.storage import LocalStorage, Storage, is_url, local_path
 from ..store.reading.walk import WalkedLevel, walk

@@ -44,7 +44,7 @@ __all__ = [
     "chunks_covering",
     "leaf_sums",
     "CHUNKS_VERSION",
-    "level_version",
+    "uses_chunks",
     "parse_chunks",
     "dump_chunks",
 ]
@@ -186,21 +186,17 @@ def leaf_sums(checksum: str | None, chunks: ChunkSums | None, nbytes: int) -> Ch
     return ChunkSums(algorithm, max(nbytes, 1), digest)
 
 
-def level_version(entries: Iterable[object], base: int) -> int:
-    """The version a level of ``entries`` is written as: ``base``, or :data:`CHUNKS_VERSION` when
-    one of its leaves records per-chunk checksums (a level needs no later version than its
-    fields do, so that a reader of version 2 reads every other level of the tree).
+def uses_chunks(entries: Iterable[object]) -> bool:
+    """Whether one of a level's ``entries`` records per-chunk checksums, which needs
+    :data:`CHUNKS_VERSION` (the rule of :func:`memtree.format.schema.level_version`).
 
     Example:
         >>> from memtree.format.entries import LeafMeta
         >>> leaf = LeafMeta("w", "w.memmap", "uint8", (131072,))
-        >>> level_version([leaf], 2), level_version([leaf.with_sums(ChunkSums("crc32", 65536, "0" * 16))], 2)
-        (2, 3)
+        >>> uses_chunks([leaf]), uses_chunks([leaf.with_sums(ChunkSums("crc32", 65536, "0" * 16))])
+        (False, True)
     """
-    for e in entries:
-        if getattr(e, "chunks", None) is not None:
-            return max(base, CHUNKS_VERSION)
-    return base
+    return any(getattr(e, "chunks", None) is not None for e in entries)
 
 
 def parse_chunks(raw: Any, nbytes: int) -> ChunkSums:

@@ -53,8 +53,10 @@ class Level:
 Value = Union[torch.Tensor, Level, NonTensor]
 
 
-def as_level(obj: Any) -> Level | None:
+def as_level(obj: Any, keep_dtensors: bool = False) -> Level | None:
     """``obj`` as a ``Level``: itself, or what its ``__memtree_level__()`` returns; else ``None``.
+    A ``DTensor`` leaf becomes its full tensor and layout, or stays with ``keep_dtensors`` (for
+    a collective write).
 
     The layers below the tree accept a :class:`~memtree.TensorTree` through this protocol (as
     ``os.fspath`` accepts path-like objects), so they never import the tree layer.
@@ -67,7 +69,10 @@ def as_level(obj: Any) -> Level | None:
     if isinstance(obj, Level):
         return obj
     method = getattr(type(obj), "__memtree_level__", None)
-    return method(obj) if method is not None else None
+    if method is None:
+        return None
+    level: Level = method(obj, keep_dtensors=True) if keep_dtensors else method(obj)
+    return level
 
 
 def fmt_key(path: tuple[str, ...]) -> str:

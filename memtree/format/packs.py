@@ -46,7 +46,6 @@ __all__ = [
     "PackLayout",
     "layout_packs",
     "uses_packs",
-    "level_version",
     "pack_fields",
     "parse_packs",
     "parse_pack_ref",
@@ -147,14 +146,9 @@ def layout_packs(sizes: Sequence[int], max_bytes: int = PACK_MAX_BYTES) -> PackL
 
 
 def uses_packs(meta: LevelMeta) -> bool:
-    """True if a level lists packs or holds a packed leaf (it is then a version 3 level)."""
+    """True if a level lists packs or holds a packed leaf: it is then a version
+    :data:`PACK_VERSION` level (the rule of :func:`memtree.format.schema.level_version`)."""
     return bool(meta.packs) or any(getattr(e, "pack", None) is not None for e in meta.entries)
-
-
-def level_version(meta: LevelMeta, version: int) -> int:
-    """The version a level is written with: :data:`PACK_VERSION` when it uses packs, else
-    ``version`` (the writer's default)."""
-    return max(version, PACK_VERSION) if uses_packs(meta) else version
 
 
 def pack_fields(packs: Sequence[PackMeta]) -> list[dict[str, Any]]:

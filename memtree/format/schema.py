@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from math import prod
@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .chunks import CHECKSUM_DIGITS, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks
-from .chunks import CHUNKS_VERSION
-from .chunks import level_version as chunks_level_version
+from .chunks import CHECKSUM_DIGITS, CHUNKS_VERSION, ChunksFormatError, ChunkSums, dump_chunks, parse_chunks, uses_chunks
 from .dtypes import DTYPE_ITEMSIZES, itemsize
 from ..errors import LimitError, MetaFormatError, UnsafePathError, UnsupportedVersionError
 from .entries import (
@@ -48,17 +46,16 @@ from .entries import (
     sealed_nbytes,
 )
 from .names import LEAF_SUFFIX, PICKLE_SUFFIX, is_safe_name
-from .packs import PACK_ALIGN, PACK_VERSION, is_pack_name, pack_fields, parse_pack_ref, parse_packs
-from .packs import level_version as packs_version
+from .packs import PACK_ALIGN, PACK_VERSION, is_pack_name, pack_fields, parse_pack_ref, parse_packs, uses_packs
 from .subclass import (
     SUBCLASS_KIND,
     SUBCLASS_VERSION,
     SubclassMeta,
     layout_dict,
-    level_version,
     parse_layout,
     parse_subclass,
     subclass_fields,
+    uses_subclass_fields,
 )
 from .values import MAX_JSON_DEPTH, MAX_TUPLE_PATHS, json_depth
 
@@ -69,6 +66,9 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "READ_VERSIONS",
+    "VERSION_RULES",
+    "level_version",
+    "version_refusal",
     "CHECKSUM_ALGORITHMS",
     "is_checksum",
     "TREE_TYPE",
@@ -104,9 +104,8 @@ FORMAT = "memtree"
 #: ``tree_hash``; ``docs/format.md``, "Version 2").
 VERSION = 2
 #: The versions memtree reads (a level is written as version 3 only when it holds what version 3
-#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``
-#: (:func:`memtree.format.subclass.level_version`); packs of small leaves
-#: (:func:`memtree.format.packs.level_version`)).
+#: added: tensor subclasses, DTensor annotations, the dtypes of ``V3_DTYPE_NAMES``, per-chunk
+#: checksums, packs of small leaves; :func:`level_version`).
 READ_VERSIONS = (1, 2, 3)
 #: Level types of Python containers (version 2): a level of type ``"list"``/``"tuple"`` holds its
 #: items under the keys ``"0"``, ``"1"``...; a ``"dict"`` level may mark int keys (``int_key``).
@@ -231,6 +230,56 @@ def check_writable(meta: LevelMeta, where: str, depth: int) -> None:
         )
 
 
+#: The rules of the versions after 2, one per field a later version added:
+#: ``(version, uses, refusal)``, ``uses(level)`` saying whether a level holds it and ``refusal``
+#: what a reader says of an older level that does (``{version}`` filled in).
+#: :func:`level_version` is the one place that decides a level's version from them, so that a
+#: level needs no later version than its fields do (a reader of version 2 reads every other level
+#: of the tree); a new field of the format adds its rule here. (An older level that lists packs
+#: or holds a packed leaf is refused already by :func:`memtree.format.packs.parse_packs` and
+#: :func:`~memtree.format.packs.parse_pack_ref`, naming the field.) ``docs/format.md``, "Version 3".
+VERSION_RULES: tuple[tuple[int, Callable[[LevelMeta], bool], str], ...] = (
+    (
+        CHUNKS_VERSION,
+        lambda level: uses_chunks(level.entries),
+        "record per-chunk checksums (chunks), which only a version {version} level has",
+    ),
+    (
+        SUBCLASS_VERSION,
+        lambda level: uses_subclass_fields(level.entries),
+        "hold a tensor subclass, a DTensor annotation or a dtype that only a version {version} tree has",
+    ),
+    (PACK_VERSION, uses_packs, "list packs or hold a packed leaf, which only a version {version} tree has"),
+)
+
+
+def level_version(level: LevelMeta, base: int) -> int:
+    """The version a level is written as: ``base``, or the latest version of a rule of
+    :data:`VERSION_RULES` whose field it holds.
+
+    Example:
+        >>> level_version(LevelMeta((), (LeafMeta("x", "x.memmap", "int4", (2,)),)), 2)
+        3
+        >>> level_version(LevelMeta((), ()), 2)
+        2
+    """
+    return max([base, *(version for version, uses, _ in VERSION_RULES if uses(level))])
+
+
+def version_refusal(level: LevelMeta, version: int) -> str | None:
+    """What is wrong with a level of ``version``: the first field it holds that only a later
+    version has, else ``None``.
+
+    Example:
+        >>> version_refusal(LevelMeta((), (LeafMeta("x", "x.memmap", "int4", (2,)),)), 2)
+        'hold a tensor subclass, a DTensor annotation or a dtype that only a version 3 tree has'
+    """
+    for needed, uses, refusal in VERSION_RULES:
+        if version < needed and uses(level):
+            return refusal.format(version=needed)
+    return None
+
+
 def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """Serialise one level's ``meta.json`` (compact orjson bytes); ``where`` names it in errors.
 
@@ -241,7 +290,7 @@ def dump_level(meta: LevelMeta, where: str = "a meta.json") -> bytes:
     """
     d: dict[str, Any] = {
         "format": FORMAT,
-        "version": packs_version(meta, chunks_level_version(meta.entries, level_version(meta, VERSION))),
+        "version": level_version(meta, VERSION),
         "type": meta.type,
         "byteorder": "little",
         "batch_size": list(meta.batch_size),
@@ -453,13 +502,9 @@ def parse_level(data: bytes, where: str, *, depth: int = 0) -> LevelMeta:
                 raise c.fail(f"entries[{i}]", f"reuses the file name {name!r} (case-insensitively)")
             names.add(folded)
         entries.append(entry)
-    if doc["version"] < CHUNKS_VERSION and chunks_level_version(entries, 0) >= CHUNKS_VERSION:
-        raise c.fail("entries", f"record per-chunk checksums (chunks), which only a version {CHUNKS_VERSION} level has")
-    if doc["version"] < SUBCLASS_VERSION and level_version(LevelMeta((), tuple(entries)), 0) >= SUBCLASS_VERSION:
-        raise c.fail(
-            "entries",
-            f"hold a tensor subclass, a DTensor annotation or a dtype that only a version {SUBCLASS_VERSION} tree has",
-        )
+    refusal = version_refusal(LevelMeta(batch_size, tuple(entries), packs=packs), doc["version"])
+    if refusal is not None:
+        raise c.fail("entries", refusal)
     if doc["version"] < 2:  # "dict", "list", "tuple" were only names there (of a @tensorclass)
         if any(e.int_key or getattr(e, "tuples", None) is not None for e in entries):
             raise c.fail("entries", "use int_key or tuples, which only a version 2 tree has")

@@ -27,11 +27,11 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZES, QUANTIZED_DTYPE_NAMES, V3_DTYPE_NAMES
-from .entries import TREE_TYPE, DTensorLayout, LeafMeta, LevelMeta, Placement, Subclass, SubclassMeta
+from .entries import TREE_TYPE, DTensorLayout, Entry, LeafMeta, LevelMeta, Placement, Subclass, SubclassMeta
 
 __all__ = [
     "SUBCLASS_VERSION",
@@ -49,7 +49,7 @@ __all__ = [
     "parse_layout",
     "check_context",
     "check_group",
-    "level_version",
+    "uses_subclass_fields",
 ]
 
 #: The format version that introduced subclass groups, DTensor annotations and the dtypes of
@@ -123,20 +123,20 @@ def _placement_dict(p: Placement) -> dict[str, Any]:
     return out
 
 
-def level_version(meta: LevelMeta, base: int) -> int:
-    """The version a level is written as: ``base``, or :data:`SUBCLASS_VERSION` when it holds
-    a subclass entry, a DTensor annotation or a dtype of version 3.
+def uses_subclass_fields(entries: Iterable[Entry]) -> bool:
+    """Whether a level's ``entries`` hold a subclass entry, a DTensor annotation or a dtype of
+    version 3, which need :data:`SUBCLASS_VERSION` (the rule of
+    :func:`memtree.format.schema.level_version`).
 
     Example:
-        >>> level_version(LevelMeta((), (LeafMeta("x", "x.memmap", "int4", (2,)),)), 2)
-        3
+        >>> uses_subclass_fields([LeafMeta("x", "x.memmap", "int4", (2,))])
+        True
     """
-    for e in meta.entries:
-        if isinstance(e, SubclassMeta) or (
-            isinstance(e, LeafMeta) and (e.layout is not None or e.dtype_name in V3_DTYPE_NAMES)
-        ):
-            return max(base, SUBCLASS_VERSION)
-    return base
+    return any(
+        isinstance(e, SubclassMeta)
+        or (isinstance(e, LeafMeta) and (e.layout is not None or e.dtype_name in V3_DTYPE_NAMES))
+        for e in entries
+    )
 
 
 # ---------------------------------------------------------------------------------------------

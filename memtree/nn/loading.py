@@ -31,7 +31,9 @@ from ..errors import InvalidArgumentError, MemtreeError, MemtreeKeyError, ShapeM
 from ..format.names import META_NAME
 from ..interop import open_checkpoint
 from ..interop.sharded import find_checkpoint
-from ..store.primitives.files import gc_paused
+from ..dist.dtensor import is_dtensor
+from ..dist.read import ShardSource, fill_dtensors
+from ..store.primitives.files import FileRange, gc_paused
 from ..store.reading.mapped import MemoryMappedTensor
 from ..store.primitives.memory import is_plain_memory
 from ..store.reading.options import check_device
@@ -392,6 +394,82 @@ def _leaf_targets(
     return targets
 
 
+def _split_dtensors(found: Plan, assign: bool) -> tuple[list[tuple[Group, str]], Plan]:
+    """The planned pairs whose module tensor is a ``DTensor`` (filled shard by shard, each rank
+    its own: :mod:`memtree.dist.read`), and the plan of the others.
+
+    Raises:
+        InvalidArgumentError: ``assign=True``, or a ``DTensor`` on the meta device: a sharded
+            parameter is only ever filled in place.
+    """
+    dist_pairs = [(g, n) for g, n in found.pairs if g.kind != "extra" and is_dtensor(g.tensor)]
+    if not dist_pairs:
+        return [], found
+    meta = [g.names[0] for g, _ in dist_pairs if not is_live(g)]
+    if assign or meta:
+        raise InvalidArgumentError(
+            f"load_into_module: the module's tensors {names_list([g.names[0] for g, _ in dist_pairs])} are "
+            "DTensors, whose shards are filled in place (each rank reads its own); "
+            + ("assign=True would replace them: drop it" if assign else
+               f"{names_list(meta)} are on the meta device: materialise the module first "
+               "(module.to_empty(device=...)), then load")
+            + ". Nothing was changed"
+        )
+    chosen = {id(g) for g, _ in dist_pairs}
+    return dist_pairs, dataclasses.replace(found, pairs=[(g, n) for g, n in found.pairs if id(g) not in chosen])
+
+
+def _shard_sources(
+    pairs: list[tuple[Group, str]],
+    src: Source,
+    source: Any,
+    root: PendingLevel | None,
+    leaves: list[tuple[tuple[str, ...], Any]],
+    owned: list[int],
+) -> list[ShardSource]:
+    """Where each ``DTensor`` of ``pairs`` is filled from: a kept leaf of a memtree directory, a
+    checkpoint file's range, a mapped leaf's file (its descriptor added to ``owned``), a
+    ``DTensor`` of the source (redistributed to the module's placements on the same mesh, else
+    gathered), or a tensor in memory."""
+    kept = root.source.reader.kept if root is not None else None
+    paths = {id(v): path for path, v in leaves if isinstance(v, torch.Tensor)} if kept is not None else {}
+    locate = _locator(source, src) if kept is None else None
+    out: list[ShardSource] = []
+    for group, name in pairs:
+        stored = src.spec(name)[1]
+        path = paths.get(id(src.entries.get(name)))
+        if kept is not None and path in kept:
+            fd, entry, where = kept[path]
+            out.append(ShardSource(group.tensor, name, entry.dtype, span=FileRange(fd, entry.offset or 0, entry.nbytes, f"leaf {where}")))
+            continue
+        found = locate(name) if locate is not None else None
+        if found is not None:
+            if src.lazy is None:
+                owned.append(found[0].fd)
+            out.append(ShardSource(group.tensor, name, stored, span=found[0]))
+            continue
+        value = src.get(name)
+        if value.device.type == "meta":
+            raise SourceError(
+                f"load_into_module: the source's {name!r} is on the meta device (no data) and the "
+                "module's is a DTensor to fill; nothing was changed"
+            )
+        span = mapped_range(value) if isinstance(value, MemoryMappedTensor) else None
+        if span is not None:  # a mapped leaf: read this rank's ranges of its file
+            owned.append(span.fd)
+            out.append(ShardSource(group.tensor, name, stored, span=span))
+        elif is_dtensor(value):  # every rank takes this step in the same order
+            target = group.tensor
+            if value.device_mesh == target.device_mesh:
+                shard = value.redistribute(target.device_mesh, target.placements).to_local()
+                out.append(ShardSource(group.tensor, name, stored, local=shard))
+            else:
+                out.append(ShardSource(group.tensor, name, stored, tensor=value.full_tensor()))
+        else:
+            out.append(ShardSource(group.tensor, name, stored, tensor=value))
+    return out
+
+
 def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.type == want.type and (want.index is None or have.index == want.index)
 
@@ -536,6 +614,7 @@ def _load(
     assign: bool,
 ) -> LoadResult:
     groups = module_groups(module)
+    owned: list[int] = []  # descriptors of mapped leaves that DTensors are filled from
     # Into a module whose tensors are all live, from a memtree directory: plan on the tree's
     # structure (each leaf opened and checked once as it is walked, none mapped), then read the
     # leaves into their tensors.
@@ -588,9 +667,13 @@ def _load(
                 return value.to(device=target, dtype=cast)
             return value
 
+        dist_pairs, found = _split_dtensors(found, assign)  # DTensors: each rank reads its shards
+        kept = root is not None and root.source.reader.kept is not None
         shared = root is not None and bool(shared_memory(found))  # checked below, on the data
         targets = _leaf_targets(found, src, leaves) if root is not None and not shared else None
-        if root is not None and targets is not None and fill_tree(root, targets):
+        if root is not None and targets is not None and kept:
+            shards = _shard_sources(dist_pairs, src, source, root, leaves, owned)
+            fill_tree(root, targets)
             found = dataclasses.replace(found, pairs=[])
         else:
             if root is not None:  # a key path the reader cannot name, or too many leaves to keep open
@@ -598,12 +681,17 @@ def _load(
                 if prefix is not None:
                     src = _apply_prefix(src, module_names, prefix)
                 found = plan(groups, src, selected, cast=dtype, ignore_mismatched=ignore_mismatched)
+                dist_pairs, found = _split_dtensors(found, assign)
             if not assign:
                 refuse_fills_from_meta(found, src, "load_into_module")
                 check_shared_memory(found, src, "load_into_module")
+            shards = _shard_sources(dist_pairs, src, source, None, [], owned)
             found, staged = _read_into_place(found, src, _locator(source, src), dev, dtype, assign)
+        fill_dtensors(shards)
         bind(found, src, convert, assign=assign, keep_old=False)
         return LoadResult(found.missing_names, found.unexpected, found.mismatched)
     finally:
+        for fd in owned:
+            os.close(fd)
         if root is not None:
             release_leaves(root)

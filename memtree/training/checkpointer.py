@@ -70,13 +70,14 @@ from ..errors import (
     RetentionWarning,
     StepOrderError,
 )
+from ..dist.dtensor import has_dtensor
 from ..format.level import Level
 from ..format.names import MAX_STEP, lock_path, staging_path
 from ..format.schema import CONTAINER_TYPES, LevelMeta
 from ..store.primitives.commit import WriterLock, make_dirs
 from ..store.primitives.crypto import EncryptionKey, key_matches
 from ..store.primitives.files import storage_error
-from ..store.reading.options import KeySelection, ReadOptions, Selection
+from ..store.reading.options import KeySelection, ReadOptions, Selection, WriteOptions
 from ..store.reading.read import PendingLevel, load_pending_at, open_tree
 from ..store.writing.recovery import recover
 from ..store.reading.steps import StepListing, list_steps, read_step
@@ -338,9 +339,13 @@ class Checkpointer:
                         f"step {step} already exists in {self.root}; pass overwrite=True to replace "
                         "it, or save under another step"
                     )
-            level = state_to_level(state)  # every input error before anything is deleted
-            self._discard(step, newer)
-            below = [s for s in listing.steps if s < step] if self.incremental else []
+            level = state_to_level(state, keep_dtensors=True)  # every input error before anything is deleted
+            collective = has_dtensor(level)
+            if collective:
+                self._check_collective(blocking)
+            if not collective or _first_rank():  # a collective save: rank 0 deletes, for every rank
+                self._discard(step, newer)
+            below = [s for s in listing.steps if s < step] if self.incremental and not collective else []
             link_from = self.path(below[-1]) if below else None
             before = _dir_identity(dest)
             if blocking:
@@ -401,8 +406,30 @@ class Checkpointer:
             return None
         return self._record.step_key(self.encryption, step)
 
+    def _check_collective(self, blocking: bool) -> None:
+        """Refuse what a collective save (a state holding ``DTensor`` s) does not do."""
+        if not blocking or self.encryption is not None:
+            raise InvalidArgumentError(
+                "a state holding DTensors is saved by every rank at once (memtree.dist): pass "
+                "blocking=True, in a root without encryption. Nothing was written"
+            )
+
     def _write(self, step: int, level: Level, overwrite: bool, link_from: str | None) -> str:
-        """Write and commit ``step``, then apply retention (whose failures are warnings)."""
+        """Write and commit ``step``, then apply retention (whose failures are warnings). A state
+        holding ``DTensor`` s is written by every rank at once (:mod:`memtree.dist.write`:
+        each rank its shards, one commit), and rank 0 applies the retention."""
+        if has_dtensor(level):
+            from ..dist.write import collective_checksum, write_collective
+
+            write_collective(self.path(step), level, WriteOptions.of(
+                existsok=overwrite, fsync=self.fsync,
+                copy_existing=True, progress=False, num_threads=min(8, os.cpu_count() or 1),
+                checksum=collective_checksum("auto"),
+            ))
+            self.last_stats = WriteStats()
+            if _first_rank():
+                self._retire(step)
+            return self.path(step)
         self.last_stats = write_state_tree(
             self.path(step), level, link_from=link_from, fsync=self.fsync, existsok=overwrite,
             encryption=self._step_key(step),
@@ -675,6 +702,13 @@ def _check_selection(level: PendingLevel, selection: Selection | None, path: tup
         child = loaded.get(key)
         if sub is not None and isinstance(child, PendingLevel):
             _check_selection(child, sub, path + (key,))
+
+
+def _first_rank() -> bool:
+    """True in a single process, and on rank 0 of the default process group."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _dir_identity(path: str) -> tuple[int, int] | None:

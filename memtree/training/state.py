@@ -188,9 +188,10 @@ def _survey(state: Any, path: tuple[Any, ...] = ()) -> dict[int, _Shape]:
     return done
 
 
-def state_to_level(state: Any) -> Level:
+def state_to_level(state: Any, keep_dtensors: bool = False) -> Level:
     """The levels of a training ``state`` (a mapping, or a ``TensorTree``), tensors not copied
-    (numpy arrays are where torch cannot share their memory: :func:`array_leaf`).
+    (numpy arrays are where torch cannot share their memory: :func:`array_leaf`); a ``DTensor``
+    as its full tensor and layout, or itself with ``keep_dtensors`` (a collective write).
 
     Raises:
         InvalidArgumentError: ``state`` is not a mapping.
@@ -206,7 +207,7 @@ def state_to_level(state: Any) -> Level:
         >>> state_to_level({"step": 7}).entries["step"].data
         7
     """
-    tree = as_level(state)
+    tree = as_level(state, keep_dtensors)
     if tree is not None:
         return tree
     if not isinstance(state, Mapping):
@@ -214,14 +215,15 @@ def state_to_level(state: Any) -> Level:
             f"a checkpoint's state must be a mapping (e.g. {{'model': model.state_dict(), "
             f"'optim': optimizer.state_dict()}}) or a TensorTree, got {type(state).__name__}"
         )
-    return _Converter(_survey(state)).container(state, (), 0)
+    return _Converter(_survey(state), keep_dtensors).container(state, (), 0)
 
 
 class _Converter:
     """Turns a surveyed state into levels (containers needing no level become JSON values)."""
 
-    def __init__(self, shapes: dict[int, _Shape]) -> None:
+    def __init__(self, shapes: dict[int, _Shape], keep_dtensors: bool) -> None:
         self.shapes = shapes
+        self.keep_dtensors = keep_dtensors
 
     def container(self, obj: Any, path: tuple[Any, ...], depth: int) -> Level:
         if depth >= MAX_DEPTH:
@@ -255,7 +257,10 @@ class _Converter:
                     "stored under the same name: rename one"
                 )
             if isinstance(v, torch.Tensor) and registry.is_dtensor(v):  # its full tensor and layout
-                level.entries[key], level.layouts[key] = dtensor_leaf(v, _key_path(path + (k,)))
+                if self.keep_dtensors:
+                    level.entries[key] = v
+                else:
+                    level.entries[key], level.layouts[key] = dtensor_leaf(v, _key_path(path + (k,)))
                 continue
             level.entries[key] = self.value(v, path + (k,), depth + 1)
         level.int_keys = frozenset(int_keys)
@@ -268,7 +273,7 @@ class _Converter:
             return self.json(v, path)
         if isinstance(v, np.ndarray):
             return array_leaf(v, _label(path))
-        tree = as_level(v)
+        tree = as_level(v, self.keep_dtensors)
         if tree is not None:
             return tree
         if isinstance(v, (list, tuple)) and type(v) not in (list, tuple):

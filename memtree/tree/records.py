@@ -212,7 +212,7 @@ def _init(self: TensorTree, *args: Any, batch_size: Any = None, device: Any = No
         post_init()
 
 
-def _to_level(self: TensorTree, path: tuple[str, ...] = ()) -> Level:
-    level = TensorTree._to_level(self, path)
+def _to_level(self: TensorTree, path: tuple[str, ...] = (), keep_dtensors: bool = False) -> Level:
+    level = TensorTree._to_level(self, path, keep_dtensors)
     level.type = type(self).__tensorclass_name__  # type: ignore[attr-defined]
     return level

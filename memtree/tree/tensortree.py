@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,6 +79,8 @@ def load_memmap(
     unknown_classes: str = "error",
     lazy: bool = True,
     encryption: EncryptionKey | None = None,
+    mesh: Any = None,
+    placements: Any = None,
     **remote: Unpack[RemoteKeywords],
 ) -> TensorTree:
     """Load a tree written by :meth:`TensorTree.memmap`: :meth:`TensorTree.load_memmap`, whose
@@ -94,5 +96,6 @@ def load_memmap(
     """
     return TensorTree.load_memmap(
         prefix, device=device, keys=keys, mode=mode, mmap=mmap, allow_pickle=allow_pickle, verify=verify,
-        unknown_classes=unknown_classes, lazy=lazy, encryption=encryption, **remote,
+        unknown_classes=unknown_classes, lazy=lazy, encryption=encryption, mesh=mesh, placements=placements,
+        **remote,
     )

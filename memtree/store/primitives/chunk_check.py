@@ -13,7 +13,9 @@ from a *reader*, ``read(offset, view)``, which fills ``view`` with the leaf's by
 * :func:`differing` and :func:`mismatch_words`: which chunks differ, and the words of the error
   (``"<recorded>, the file has <found>"``, naming the chunk and its bytes when there are several);
 * :func:`check_range` and :func:`read_range`: a byte range checked (and read into memory) by
-  reading only the chunks that cover it.
+  reading only the chunks that cover it;
+* :func:`read_ranges`: several ranges at once (one rank's shard: a range per row of a column
+  shard), each covering chunk read and checked once.
 
 Example:
     >>> import os, tempfile, torch
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ...errors import IntegrityError, InvalidArgumentError, StorageError
 from ...format.chunks import ChunkSums, chunk_span, chunks_covering
@@ -48,6 +50,7 @@ __all__ = [
     "mismatch_words",
     "check_range",
     "read_range",
+    "read_ranges",
 ]
 
 Reader = Callable[[int, memoryview], None]
@@ -251,3 +254,90 @@ def read_range(read: Reader, entry: LeafMeta, start: int, stop: int, out: memory
     if bad:
         raise _damaged(entry, where, mismatch_words(sums, found, bad, nbytes))
     return done
+
+
+def read_ranges(
+    read: Reader, entry: LeafMeta, runs: Sequence[tuple[int, int]], out: memoryview, where: str,
+    *, buffer: int = DIGEST_SLICE,
+) -> int:
+    """Read the byte ranges ``runs`` (sorted, disjoint ``(offset, nbytes)`` of a leaf) one after
+    another into ``out``, checked against the leaf's recorded checksums: each chunk that covers
+    one of them is read once (several ranges in one chunk: one read), through one buffer of at
+    most ``buffer`` bytes, and hashed; the ranges' bytes are copied out on the way. A leaf of one
+    checksum is read whole. Returns the bytes read. ``out`` may be partly written when a check
+    fails.
+
+    Raises:
+        IntegrityError: a chunk's bytes differ from its recorded checksum (the message names it).
+        InvalidArgumentError: a range is not within the leaf, ``out`` is not the ranges' size,
+            or the leaf records no checksum.
+        MemtreeError: what ``read`` raises.
+
+    Example:
+        >>> from memtree.store.primitives.checksums import view_sums
+        >>> data = bytes(range(256)) * 1024                    # 256 KiB: four chunks of 64 KiB
+        >>> entry = LeafMeta("x", "x.memmap", "uint8", (len(data),)).with_sums(view_sums(memoryview(data), "crc32", 65536))
+        >>> out = bytearray(4)
+        >>> read = lambda offset, view: view.__setitem__(slice(None), data[offset : offset + len(view)])
+        >>> read_ranges(read, entry, [(1, 2), (200_000, 2)], memoryview(out), "x"), list(out)   # chunks 0 and 3
+        (131072, [1, 2, 64, 65])
+    """
+    sums = _recorded(entry, where)
+    nbytes, size = entry.nbytes, sums.chunk_bytes
+    if sum(n for _, n in runs) != len(out):
+        raise InvalidArgumentError(f"{where}: ranges of {sum(n for _, n in runs)} bytes do not fit a buffer of {len(out)} bytes")
+    wanted = sorted({k for offset, n in runs for k in _covering(offset, offset + n, nbytes, size, where)})
+    starts, total = [], 0
+    for _, n in runs:
+        starts.append(total)
+        total += n
+    factory = digest_factory(sums.algorithm)
+    buf = memoryview(bytearray(min(buffer, max(nbytes, 1))))
+    found: dict[int, str] = {}
+    digest = factory()
+    done = first = i = 0
+    while i < len(wanted):  # a run of consecutive chunks, read a buffer at a time
+        j = i
+        while j + 1 < len(wanted) and wanted[j + 1] == wanted[j] + 1:
+            j += 1
+        pos, end = chunk_span(wanted[i], nbytes, size)[0], chunk_span(wanted[j], nbytes, size)[1]
+        while pos < end:
+            view = buf[: min(len(buf), end - pos)]
+            read(pos, view)
+            at = pos
+            while at < pos + len(view):  # each chunk's part of the buffer to its digest
+                k = at // size
+                stop = min(chunk_span(k, nbytes, size)[1], pos + len(view))
+                digest.update(view[at - pos : stop - pos])
+                if stop == chunk_span(k, nbytes, size)[1]:
+                    found[k] = digest.hexdigest()
+                    digest = factory()
+                at = stop
+            first = _copy_out(runs, starts, out, view, pos, first)
+            pos += len(view)
+        done += end - chunk_span(wanted[i], nbytes, size)[0]
+        i = j + 1
+    bad = differing(sums, found)
+    if bad:
+        raise _damaged(entry, where, mismatch_words(sums, found, bad, nbytes))
+    return done
+
+
+def _copy_out(runs: Sequence[tuple[int, int]], starts: list[int], out: memoryview, span: memoryview,
+              begin: int, first: int) -> int:
+    """Copy the parts of ``runs`` (their bytes land at ``starts`` in ``out``) that lie in the
+    leaf's bytes ``[begin, begin + len(span))`` (``span``), from run ``first`` on; returns the
+    first run that may still reach past the span."""
+    end = begin + len(span)
+    i = first
+    while i < len(runs):
+        offset, n = runs[i]
+        if offset >= end:
+            break
+        a, b = max(offset, begin), min(offset + n, end)
+        if a < b:
+            out[starts[i] + a - offset : starts[i] + b - offset] = span[a - begin : b - begin]
+        if offset + n > end:
+            break
+        i += 1
+    return i

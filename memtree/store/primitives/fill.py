@@ -49,7 +49,6 @@ Example:
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import queue
 import stat
@@ -65,7 +64,7 @@ from ...errors import InvalidArgumentError, MemtreeError, StorageError
 from ...format.chunks import ChunkSums, chunk_span, chunks_covering
 from ...format.dtypes import itemsize
 from .files import FileRange, storage_error
-from .checksums import crc32, digest_factory, file_checksum, file_sums, tensor_checksum
+from .checksums import crc32, crc_combine, digest_factory, file_checksum, file_sums, tensor_checksum
 from .memory import byte_view, is_plain_memory, writable_view
 
 __all__ = [
@@ -85,6 +84,7 @@ __all__ = [
     "release_pinned_memory",
     "fill",
     "mapped_range",
+    "check_ranges",
     "read_exact",
     "read_views",
 ]
@@ -171,12 +171,17 @@ class FillJob:
             checksum of the bytes once they are read (it raises on a mismatch); or ``(sums,
             check)``: ``check`` gets the hex digest of each of the chunks of ``sums`` (a
             :class:`~memtree.format.chunks.ChunkSums` of the range's bytes). File ranges only.
+        max_gap: most bytes of the file between the end of the previous range and this one
+            that a read may span to read both at once (the gap read and dropped): at most
+            :data:`READ_GAP`; a rank reading one range per row of a column shard passes a
+            fraction of the row, which bounds what it reads beyond its own bytes.
     """
 
     dest: torch.Tensor
     source: FileRange | MemoryRange
     dtype: torch.dtype | None = None
     checksum: _Check | None = None
+    max_gap: int = READ_GAP
 
     @property
     def src_dtype(self) -> torch.dtype:
@@ -521,7 +526,7 @@ class CudaCopier:
 
 
 def _check_jobs(jobs: Sequence[FillJob]) -> None:
-    sizes: dict[int, int] = {}
+    ranges: list[FileRange] = []
     for job in jobs:
         src = job.source
         if job.dest.device.type == "meta":
@@ -536,6 +541,30 @@ def _check_jobs(jobs: Sequence[FillJob]) -> None:
             if job.checksum is not None:
                 raise InvalidArgumentError(f"{src.what}: a checksum is checked on a file's bytes, not memory's")
             continue
+        ranges.append(src)
+    check_ranges(ranges)
+
+
+def check_ranges(ranges: Iterable[FileRange]) -> None:
+    """Refuse a range that reaches past the end of its file (one ``fstat`` per descriptor): what
+    :func:`fill` checks before it reads anything, for a caller that fills in several calls.
+
+    Raises:
+        StorageError: a range ends past its file's end (``EIO``), or ``fstat`` failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(path, "wb").write(b"0123")
+        >>> fd = os.open(path, os.O_RDONLY)
+        >>> check_ranges([FileRange(fd, 2, 4, "tensor 'w'")])
+        Traceback (most recent call last):
+        ...
+        memtree.errors.StorageError: [Errno 5] tensor 'w': the file has 4 bytes, but the tensor's bytes are recorded at [2, 6); the file is truncated or damaged. Nothing was written
+        >>> os.close(fd)
+    """
+    sizes: dict[int, int] = {}
+    for src in ranges:
         if src.fd not in sizes:
             try:
                 sizes[src.fd] = os.fstat(src.fd).st_size
@@ -613,48 +642,6 @@ def fill(
         _fill_staged(group, made, threads, ring, BOUNCE_BYTES if host else PINNED_CHUNK, host)
 
 
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _zeros_operators() -> list[list[int]]:
-    """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a CRC-32 (zlib's)."""
-    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
-    op = one_bit
-    for _ in range(3):  # 8 bits: one byte
-        op = [_gf2_times(op, op[n]) for n in range(32)]
-    ops = [op]
-    for _ in range(63):
-        op = [_gf2_times(op, op[n]) for n in range(32)]
-        ops.append(op)
-    return ops
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
-
-    Example:
-        >>> import zlib
-        >>> crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
-        True
-    """
-    zeros = _zeros_operators()
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(zeros[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
 class _Sums:
     """The checksums of the jobs that carry one, made as their pieces are read.
 
@@ -703,7 +690,7 @@ class _Sums:
         if algorithm == "crc32":
             crc = 0
             for _, part, nbytes in sorted(parts):
-                crc = crc32_combine(crc, part, nbytes)
+                crc = crc_combine("crc32", crc, part, nbytes)
             found = f"crc32:{crc:08x}"
         elif not staged:
             found = tensor_checksum(job.dest, algorithm)
@@ -805,22 +792,25 @@ class _Read:
 
 def _direct_reads(jobs: list[FillJob]) -> list[_Read]:
     """The reads of ``jobs``: each destination cut in pieces of at most :data:`READ_CHUNK`
-    bytes, sorted by file and offset, and neighbours merged into one read of at most
-    :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a gap's bytes land in scratch)."""
+    bytes, sorted by file (in the order the jobs first name them) and offset, and neighbours
+    merged into one read of at most :data:`READ_CHUNK` bytes and :data:`_IOV_MAX` buffers (a
+    gap of at most the job's ``max_gap`` bytes lands in scratch)."""
     pieces: list[tuple[int, int, FillJob, int, memoryview]] = []
+    order: dict[int, int] = {}  # fd -> place of the file in the jobs
     for job in jobs:
         view, src = writable_view(job.dest), job.source  # direct jobs: plain memory, from a file
         assert isinstance(src, FileRange)
+        order.setdefault(src.fd, len(order))
         for s in range(0, len(view), READ_CHUNK):
             pieces.append((src.fd, src.offset + s, job, s, view[s : s + READ_CHUNK]))
-    pieces.sort(key=lambda p: (p[0], p[1]))
+    pieces.sort(key=lambda p: (order[p[0]], p[1]))
     reads: list[_Read] = []
     last: _Read | None = None
     for fd, offset, job, start, piece in pieces:
         if last is not None and fd == last.fd:
             gap = offset - last.offset - last.nbytes  # < 0: overlaps (views of one storage)
             if (
-                0 <= gap <= READ_GAP
+                0 <= gap <= min(READ_GAP, job.max_gap)
                 and last.nbytes + gap + len(piece) <= READ_CHUNK
                 and len(last.views) + 2 <= _IOV_MAX
             ):

@@ -252,6 +252,7 @@ def open_tree(
     options: ReadOptions | None = None,
     *,
     written: Mapping[tuple[str, ...], LevelMeta] | None = None,
+    reader: LeafReader | None = None,
 ) -> PendingLevel:
     """Open a tree and validate its root ``meta.json``; its levels load when asked for.
 
@@ -260,7 +261,9 @@ def open_tree(
 
     ``written`` is for the writer that has just committed ``prefix`` (still holding its lock):
     the metadata it wrote, by directory path from the root, used instead of reading every
-    ``meta.json`` back.
+    ``meta.json`` back. ``reader`` reads the leaves instead of a
+    :class:`~memtree.store.reading.leaf_reader.LeafReader` of ``options`` (a subclass: ``memtree.dist``'s
+    reader of a rank's shards).
 
     Example:
         >>> import tempfile, torch
@@ -284,7 +287,7 @@ def open_tree(
             "is not a committed tree. memtree.recover() on its parent directory restores or "
             "deletes it"
         )
-    source = _Source(root, open_dir(root, root, None), LeafReader(options), written)
+    source = _Source(root, open_dir(root, root, None), reader if reader is not None else LeafReader(options), written)
     meta = source.meta((), root, source.fd)
     packs = source.reader.packs = PackReader(root, source.fd, meta.packs)
     weakref.finalize(source, packs.close)

@@ -71,7 +71,7 @@ from ...errors import (
 from ...format.chunks import ChunkSums, chunk_bytes_for
 from ...format.level import Level, as_level, fmt_key
 from ...format.names import LEAF_SUFFIX, META_NAME, PICKLE_SUFFIX
-from ...format.packs import PackRanges
+from ...format.packs import PackRanges, leaf_location
 from ...format.schema import ChildMeta, Entry, JsonMeta, LeafMeta, LevelMeta, PickleMeta, dump_level, parse_level
 from ...format.subclass import SubclassMeta
 from ...format.values import NonTensor, UnloadedPickle, lists_to_tuples
@@ -96,7 +96,20 @@ from ..writing.write import plan_write
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["load", "upload", "fetch_tree", "RemoteKeywords", "DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_THREADS"]
+__all__ = [
+    "load",
+    "upload",
+    "fetch_tree",
+    "RemoteKeywords",
+    "RemoteLeaf",
+    "remote_leaves",
+    "check_size",
+    "final_checks",
+    "tensor_id",
+    "build_level",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_NUM_THREADS",
+]
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_NUM_THREADS = 8
@@ -104,9 +117,10 @@ _UPLOAD_PART_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
-class _Leaf:
-    """A range of a file to fetch: a leaf's bytes (from the start of its file), or the span of a
-    pack (format version 3) that holds the selected packed leaves."""
+class RemoteLeaf:
+    """A range of a file to fetch: a leaf's bytes (from the start of its file, or from its
+    ``offset`` in its pack), or the span of a pack (format version 3) that holds the selected
+    packed leaves."""
 
     rel: str  # the file, relative to the root: "b/c.memmap", "~pack-0.memmap"
     meta: LeafMeta  # the leaf's (for a pack span: a uint8 leaf of the span's size)
@@ -124,37 +138,52 @@ class _Leaf:
 
 @dataclasses.dataclass
 class _Packed:
-    """A selected packed leaf: its bytes lie in ``span`` (a :class:`_Leaf` of its pack)."""
+    """A selected packed leaf: its bytes lie in ``span`` (a :class:`RemoteLeaf` of its pack)."""
 
     keys: tuple[str, ...]
     meta: LeafMeta
-    span: _Leaf
+    span: RemoteLeaf
 
 
-def _to_fetch(levels: list[WalkedLevel], root: LevelMeta) -> tuple[list[_Leaf], list[_Packed]]:
-    """The ranges a load reads: each leaf file whole, and for each pack one span covering its
-    selected leaves (their ranges were checked against the pack's size and each other)."""
-    files: list[_Leaf] = []
-    packed: list[tuple[tuple[str, ...], LeafMeta]] = []
-    ranges = PackRanges({p.file: p.nbytes for p in root.packs})
+def remote_leaves(levels: list[WalkedLevel], root: LevelMeta) -> list[tuple[tuple[str, ...], RemoteLeaf]]:
+    """Every leaf of the walked ``levels`` with its key path: its own file whole, or its range of
+    its pack (``rel`` the pack, ``offset`` its place there, ``size`` the pack's), the packed
+    ranges checked against the root's pack sizes and each other
+    (:class:`~memtree.format.packs.PackRanges`).
+
+    Raises:
+        MetaFormatError: a packed leaf outside its pack, or two overlapping.
+    """
+    out: list[tuple[tuple[str, ...], RemoteLeaf]] = []
+    sizes = {p.file: p.nbytes for p in root.packs}
+    ranges = PackRanges(sizes)
     for lvl in levels:
         ranges.add_level(lvl.meta, lvl.file(META_NAME))
         for e in lvl.meta.entries:
-            if isinstance(e, LeafMeta) and e.pack is not None:
-                packed.append((lvl.keys + (e.key,), e))
-            elif isinstance(e, LeafMeta):
-                files.append(_Leaf(lvl.file(e.file), e, fmt_key(lvl.keys + (e.key,)), e.file_nbytes))
+            if isinstance(e, LeafMeta):
+                keys = lvl.keys + (e.key,)
+                rel, offset = leaf_location(lvl.rel, e)
+                size = sizes[rel] if e.pack is not None else e.file_nbytes
+                out.append((keys, RemoteLeaf(rel, e, fmt_key(keys), size, offset)))
+    return out
+
+
+def _to_fetch(levels: list[WalkedLevel], root: LevelMeta) -> tuple[list[RemoteLeaf], list[_Packed]]:
+    """The ranges a load reads: each leaf file whole, and for each pack one span covering its
+    selected leaves (their ranges were checked against the pack's size and each other)."""
+    found = remote_leaves(levels, root)
+    files = [leaf for _, leaf in found if leaf.meta.pack is None]
+    packed = [(keys, leaf) for keys, leaf in found if leaf.meta.pack is not None]
     spans: dict[str, tuple[int, int]] = {}
-    for _, e in packed:
-        assert e.pack is not None and e.offset is not None
-        lo, hi = spans.get(e.pack, (e.offset, e.offset))
-        spans[e.pack] = (min(lo, e.offset), max(hi, e.offset + e.nbytes))
+    for _, leaf in packed:
+        lo, hi = spans.get(leaf.rel, (leaf.offset, leaf.offset))
+        spans[leaf.rel] = (min(lo, leaf.offset), max(hi, leaf.offset + leaf.nbytes))
     sizes = {p.file: p.nbytes for p in root.packs}
     made = {
-        name: _Leaf(name, LeafMeta(name, name, "uint8", (hi - lo,)), f"pack {name}", sizes[name], lo, pack=True)
+        name: RemoteLeaf(name, LeafMeta(name, name, "uint8", (hi - lo,)), f"pack {name}", sizes[name], lo, pack=True)
         for name, (lo, hi) in spans.items()
     }
-    return files + list(made.values()), [_Packed(k, e, made[e.pack]) for k, e in packed if e.pack is not None]
+    return files + list(made.values()), [_Packed(k, leaf.meta, made[leaf.rel]) for k, leaf in packed]
 
 
 #: The keywords of :class:`RemoteKeywords` that go to the storage (the others go to :func:`fetch_tree`).
@@ -293,7 +322,7 @@ def fetch_tree(
         leaves, packed = _to_fetch(levels, root_meta)
         pickles = [(lvl.file(e.file), e) for lvl in levels for e in lvl.meta.entries if isinstance(e, PickleMeta)]
         if dev.type == "meta":
-            return _build(storage, levels, {}, {}, dev)
+            return build_level(storage, levels, {}, {}, dev)
         if pickles and not options.allow_pickle:
             rel, entry = pickles[0]
             raise PickleNotAllowedError(
@@ -303,7 +332,7 @@ def fetch_tree(
         pickled = {rel: _read_whole(storage, rel) for rel, _ in pickles}
         if cache_dir is None:
             tensors = _load_memory(storage, pool, leaves, packed, chunk_bytes, root_info, progress)
-            return _build(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
+            return build_level(storage, levels, tensors, {r: pickle.loads(b) for r, b in pickled.items()}, dev)
         name = entry_name(cache_key, root_bytes, selection)
         with Download(cache_dir, name, fsync=fsync) as download:
             committed = _download(
@@ -322,11 +351,11 @@ def _read_whole(storage: Storage, rel: str) -> bytes:
 def _fetch(
     storage: Storage,
     pool: ThreadPoolExecutor,
-    leaves: list[_Leaf],
+    leaves: list[RemoteLeaf],
     chunk_bytes: int,
-    allocate: Callable[[list[_Leaf]], None],
-    read: Callable[[_Leaf, int, int], None],
-    finished: Callable[[_Leaf], None] = lambda leaf: None,
+    allocate: Callable[[list[RemoteLeaf]], None],
+    read: Callable[[RemoteLeaf, int, int], None],
+    finished: Callable[[RemoteLeaf], None] = lambda leaf: None,
     progress: bool | None = None,
 ) -> None:
     """Stat every leaf and check its size (a damaged tree fails before any leaf byte is read or
@@ -336,10 +365,10 @@ def _fetch(
     read is shown as :mod:`memtree.store.primitives.progress` decides for ``progress``."""
     for leaf, info in zip(leaves, map_all(pool, lambda leaf: storage.stat(leaf.rel), leaves)):
         leaf.info = info
-        _check_size(storage, leaf)
+        check_size(storage, leaf)
     allocate(leaves)
     left = {leaf.rel: len(range(0, leaf.nbytes, chunk_bytes)) for leaf in leaves}
-    futures: dict[Future[None], tuple[_Leaf, int]] = {}
+    futures: dict[Future[None], tuple[RemoteLeaf, int]] = {}
     try:
         for leaf in leaves:
             n = leaf.nbytes
@@ -363,7 +392,12 @@ def _fetch(
         raise
 
 
-def _check_size(storage: Storage, leaf: _Leaf) -> None:
+def check_size(storage: Storage, leaf: RemoteLeaf) -> None:
+    """Refuse a file (``leaf.info``, its ``stat``) that is not the size its entry promises.
+
+    Raises:
+        LeafSizeError: naming the leaf (or the pack), before anything is allocated for it.
+    """
     assert leaf.info is not None
     if leaf.info.size != leaf.size:  # a growable leaf's file holds its whole capacity
         raise LeafSizeError(
@@ -373,7 +407,7 @@ def _check_size(storage: Storage, leaf: _Leaf) -> None:
         )
 
 
-def _final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], root_info: FileInfo) -> None:
+def final_checks(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], root_info: FileInfo) -> None:
     """Re-stat what could not be pinned (unpinned leaves, the root ``meta.json``): unchanged?"""
 
     def same(job: tuple[str, FileInfo, str]) -> None:
@@ -406,23 +440,23 @@ def _check_digest(storage: Storage, meta: LeafMeta, label: str, rel: str, read: 
         )
 
 
-def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[_Leaf], packed: list[_Packed],
+def _load_memory(storage: Storage, pool: ThreadPoolExecutor, leaves: list[RemoteLeaf], packed: list[_Packed],
                  chunk_bytes: int, root_info: FileInfo, progress: bool | None) -> dict[str, torch.Tensor]:
     """Every range read into memory; the tensors by leaf file (and by key path for packed
     leaves: views of their pack span's one buffer)."""
     tensors: dict[str, torch.Tensor] = {}
     views: dict[str, memoryview] = {}
 
-    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+    def allocate(checked: list[RemoteLeaf]) -> None:  # after every size was confirmed by the server
         for leaf in checked:
             tensors[leaf.rel] = t = torch.empty(leaf.meta.shape, dtype=leaf.meta.dtype)
             views[leaf.rel] = byte_view(t)
 
-    def read(leaf: _Leaf, a: int, b: int) -> None:
+    def read(leaf: RemoteLeaf, a: int, b: int) -> None:
         storage.read_into(leaf.rel, leaf.offset + a, views[leaf.rel][a:b], leaf.info)
 
     _fetch(storage, pool, leaves, chunk_bytes, allocate, read, progress=progress)
-    _final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
+    final_checks(storage, pool, leaves, root_info)  # first: a rewrite is reported as such
     for p in packed:  # a view of its span's buffer (as a mapped load's views of one mapping)
         assert p.meta.offset is not None
         start = p.meta.offset - p.span.offset
@@ -456,8 +490,14 @@ def _packed_id(keys: tuple[str, ...]) -> str:
     return "\0".join(("", *keys))
 
 
+def tensor_id(keys: tuple[str, ...], rel: str, entry: LeafMeta) -> str:
+    """The name of a loaded leaf's tensor among those :func:`build_level` takes: its file
+    ``rel``, or for a packed leaf (a pack holds many) its key path ``keys``."""
+    return _packed_id(keys) if entry.pack is not None else rel
+
+
 def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, levels: list[WalkedLevel],
-              leaves: list[_Leaf], packed: list[_Packed], pickled: Mapping[str, bytes], chunk_bytes: int,
+              leaves: list[RemoteLeaf], packed: list[_Packed], pickled: Mapping[str, bytes], chunk_bytes: int,
               root_info: FileInfo, progress: bool | None) -> str:
     """Fetch the selection into the download's scratch directory, verify it, write its
     ``meta.json`` files (every leaf with a checksum) and commit it; returns the entry.
@@ -466,7 +506,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
     its selected leaves at their offsets (zeros elsewhere, which no entry of the cache names)."""
     buffers = threading.local()
 
-    def read(leaf: _Leaf, a: int, b: int) -> None:
+    def read(leaf: RemoteLeaf, a: int, b: int) -> None:
         buf = getattr(buffers, "buf", None)
         if buf is None or len(buf) < b - a:
             buf = buffers.buf = bytearray(min(chunk_bytes, max(b - a, 1 << 16)))
@@ -474,7 +514,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         storage.read_into(leaf.rel, leaf.offset + a, view, leaf.info)
         download.write(leaf.rel, leaf.offset + a, view)
 
-    def allocate(checked: list[_Leaf]) -> None:  # after every size was confirmed by the server
+    def allocate(checked: list[RemoteLeaf]) -> None:  # after every size was confirmed by the server
         check_free_space(download.parent, sum(leaf.nbytes for leaf in checked),
                          f"the cache entry {download.dest} of {storage.describe('')}")
         for leaf in checked:  # a leaf's file without its capacity; a pack whole
@@ -497,7 +537,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         for lvl in levels[1:]:  # breadth first: parents before children
             download.make_dir(lvl.rel)
         _fetch(storage, pool, leaves, chunk_bytes, allocate, read, lambda leaf: faults.point("after_leaf"), progress)
-        _final_checks(storage, pool, leaves, root_info)
+        final_checks(storage, pool, leaves, root_info)
         files = [leaf for leaf in leaves if not leaf.pack]
         fetched = {leaf.rel for leaf in leaves if leaf.pack}
         sums = dict(zip((leaf.rel for leaf in files), map_all(pool, lambda leaf: digest(leaf.meta, leaf.label, leaf.rel), files)))
@@ -508,7 +548,7 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         for lvl in levels:
             entries = tuple(
                 dataclasses.replace(
-                    e.with_sums(sums[_packed_id(lvl.keys + (e.key,)) if e.pack else lvl.file(e.file)]), capacity=None
+                    e.with_sums(sums[tensor_id(lvl.keys + (e.key,), lvl.file(e.file), e)]), capacity=None
                 )
                 if isinstance(e, LeafMeta) else e
                 for e in lvl.meta.entries
@@ -524,8 +564,11 @@ def _download(storage: Storage, pool: ThreadPoolExecutor, download: Download, le
         raise storage_error(err, f"downloading {storage.describe('')} into the cache entry {download.dest}") from err
 
 
-def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
-           pickled: Mapping[str, Any], device: torch.device) -> Level:
+def build_level(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, torch.Tensor],
+                pickled: Mapping[str, Any], device: torch.device) -> Level:
+    """The :class:`Level` of walked ``levels`` (root first): each leaf the tensor named by
+    :func:`tensor_id` in ``tensors`` (moved to ``device``; meta tensors for ``device="meta"``),
+    each pickle its value in ``pickled``, JSON values as they are."""
     by_keys = {lvl.keys: lvl for lvl in levels}
 
     def build(lvl: WalkedLevel) -> Level:
@@ -535,7 +578,7 @@ def _build(storage: Storage, levels: list[WalkedLevel], tensors: Mapping[str, to
                 if device.type == "meta":
                     out.entries[e.key] = torch.empty(e.shape, dtype=e.dtype, device="meta")
                 else:
-                    t = tensors[_packed_id(lvl.keys + (e.key,)) if e.pack is not None else lvl.file(e.file)]
+                    t = tensors[tensor_id(lvl.keys + (e.key,), lvl.file(e.file), e)]
                     out.entries[e.key] = t if device.type == "cpu" else t.to(device)
             elif isinstance(e, ChildMeta):
                 child = out.entries[e.key] = build(by_keys[lvl.keys + (e.key,)])

@@ -100,6 +100,7 @@ __all__ = [
     "WritePlan",
     "plan_write",
     "write_tree",
+    "write_levels",
     "share_tree",
     "wait_for_removals",
 ]
@@ -146,6 +147,12 @@ class WritePlan:
     def total_bytes(self) -> int:
         """Bytes of leaf data the write needs on disk (leaf files and packs)."""
         return sum(j.nbytes for j in self.leaves) + sum(p.nbytes for p in self.packs)
+
+    def make_dirs(self, staging: str) -> None:
+        """Create the directory of every level below the root in ``staging``, parents first."""
+        for lp in reversed(self.levels):  # deepest last
+            if lp.rel:
+                os.mkdir(f"{staging}/{lp.rel}")
 
     @property
     def total_files(self) -> int:
@@ -500,15 +507,11 @@ def _write_staging(
     like, num_threads = options.like, options.num_threads
     checksum = None if like else options.checksum
     digest = digest_factory(checksum) if checksum is not None else None
-    for lp in reversed(plan.levels):  # root first: parents before children
-        if lp.rel:
-            os.mkdir(f"{staging}/{lp.rel}")
+    plan.make_dirs(staging)
     point("before_leaves")
     sums: dict[tuple[str, ...], str | ChunkSums] = {}  # each leaf's checksum(s), by key path
-    written: dict[str, LevelMeta] = {}
     key = options.encryption  # encryption at rest: store/primitives/crypto.py
     cipher = TreeCipher.new(key, names=options.encrypt_names) if key is not None else None
-    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
 
     def write_leaf(j: LeafJob) -> int:
         data = None if like else _storable(j)
@@ -575,30 +578,6 @@ def _write_staging(
         start, stop = i * leaf.size, min((i + 1) * leaf.size, leaf.nbytes)
         return stop - start
 
-    def write_meta(lp: LevelPlan) -> int:
-        directory = f"{staging}/{lp.rel}" if lp.rel else staging
-        meta = lp.meta
-        if sums:
-            meta = replace(meta, entries=tuple(_with_sums(e, lp.keys, sums) for e in meta.entries))
-        if lp.rel:
-            point("before_meta")
-        else:
-            point("before_root_meta")
-            meta = replace(meta, save_id=uuid.uuid4().hex)
-            if checksum is not None and not (cipher is not None and cipher.meta.names):  # sealed names: the macs
-                hashed = meta if cipher is None else replace(cipher.seal_level(meta, ""), mac=None)
-                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": hashed}, pickle_sums, dumped))
-            os.chmod(staging, 0o755)
-        if cipher is not None:
-            meta = cipher.seal_level(meta, lp.rel)
-        data = dump_level(meta, join_rel(lp.rel, META_NAME))
-        write_small_file(f"{directory}/{META_NAME}", data, fsync=fsync)
-        dumped[lp.rel] = data
-        if fsync:
-            fsync_dir(directory)
-        written[lp.rel] = meta
-        return 0
-
     def write_pack_job(job: PackJob) -> int:
         data, pack_sums = (None, {}) if like else assemble(job, _storable, checksum)
         linked = None
@@ -630,7 +609,64 @@ def _write_staging(
     if checksum is not None:
         for key_path, leaf in pieced.items():
             sums[key_path] = leaf.sums(checksum)
+    return write_levels(staging, plan, checksum=checksum, sums=sums, fsync=fsync, num_threads=num_threads,
+                        cipher=cipher)
+
+
+def write_levels(
+    staging: str,
+    plan: WritePlan,
+    *,
+    checksum: str | None,
+    sums: dict[tuple[str, ...], str | ChunkSums],
+    fsync: bool,
+    num_threads: int = 0,
+    cipher: TreeCipher | None = None,
+) -> dict[str, LevelMeta]:
+    """Write the plan's pickle files, then each level's ``meta.json`` into ``staging``, deepest
+    first and the root's last (with a new ``save_id`` and, with ``checksum``, the ``tree_hash``),
+    once every leaf file and pack is written.
+
+    Args:
+        staging: the staging directory of the write.
+        plan: what :func:`plan_write` planned (its levels' entries as they are to be written).
+        checksum: the algorithm of the leaves' checksums and of the tree hash, or ``None``.
+        sums: each leaf's checksum (``"<algorithm>:<hex>"``) or per-chunk checksums, by key path.
+        fsync: fsync each file and directory.
+        num_threads: threads for the levels below the root.
+        cipher: seals each level of an encrypted tree.
+
+    Returns:
+        Each level's metadata as written, by directory relative to the root.
+    """
+    written: dict[str, LevelMeta] = {}
+    dumped: dict[str, bytes] = {}  # each level's meta.json bytes, for the tree hash
     pickle_sums: dict[str, str] = {}
+
+    def write_meta(lp: LevelPlan) -> int:
+        directory = f"{staging}/{lp.rel}" if lp.rel else staging
+        meta = lp.meta
+        if sums:
+            meta = replace(meta, entries=tuple(_with_sums(e, lp.keys, sums) for e in meta.entries))
+        if lp.rel:
+            point("before_meta")
+        else:
+            point("before_root_meta")
+            meta = replace(meta, save_id=uuid.uuid4().hex)
+            if checksum is not None and not (cipher is not None and cipher.meta.names):  # sealed names: the macs
+                hashed = meta if cipher is None else replace(cipher.seal_level(meta, ""), mac=None)
+                meta = replace(meta, tree_hash=tree_hash(checksum, {**written, "": hashed}, pickle_sums, dumped))
+            os.chmod(staging, 0o755)
+        if cipher is not None:
+            meta = cipher.seal_level(meta, lp.rel)
+        data = dump_level(meta, join_rel(lp.rel, META_NAME))
+        write_small_file(f"{directory}/{META_NAME}", data, fsync=fsync)
+        dumped[lp.rel] = data
+        if fsync:
+            fsync_dir(directory)
+        written[lp.rel] = meta
+        return 0
+
     for rel, data in plan.pickles:
         write_small_file(f"{staging}/{rel}", data, fsync=fsync)
         if checksum is not None:

@@ -693,13 +693,18 @@ class TreeCore:
         return self
 
     # ------------------------------------------------------------------------------ disk
-    def _to_level(self, path: tuple[str, ...] = ()) -> Level:
+    def _to_level(self, path: tuple[str, ...] = (), keep_dtensors: bool = False) -> Level:
+        """This tree as a :class:`Level`: a tensor subclass as its group, a ``DTensor`` as its
+        full tensor and layout, or itself with ``keep_dtensors`` (a collective write,
+        :mod:`memtree.dist.write`, writes each rank's shards)."""
         level = Level(tuple(self._batch_size))
         for k, v in self._data.items():
             if isinstance(v, TreeCore):
-                v = v._to_level(path + (k,))
+                v = v._to_level(path + (k,), keep_dtensors)
             elif isinstance(v, torch.Tensor) and not registry.is_plain(v):
-                if registry.is_dtensor(v):  # its full tensor, with its layout
+                if registry.is_dtensor(v) and keep_dtensors:
+                    pass
+                elif registry.is_dtensor(v):  # its full tensor, with its layout
                     v, level.layouts[k] = dtensor_leaf(v, path + (k,))
                 else:
                     v = registry.to_group(v, path + (k,))

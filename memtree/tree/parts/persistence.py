@@ -29,6 +29,7 @@ from ...store.reading.mapped import MemoryMappedTensor
 from ...store.open import open_prefix
 from ...store.reading.options import KeySelection, ReadOptions, WriteOptions, check_remote_keywords
 from ...store.reading.read import PendingLevel
+from ...dist.dtensor import has_dtensor, is_dtensor
 from . import bind
 from .core import TreeCore
 from .shape_ops import ShapeOps
@@ -119,7 +120,8 @@ class Persistence(ShapeOps):
         self._adopt(
             self._write(prefix, WriteOptions.of(
                 copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
-                allow_pickle=allow_pickle, checksum=checksum, progress=progress, pack_below=pack_below,
+                allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
+                pack_below=pack_below,
                 link_from=link_from,
             ))
         )
@@ -177,9 +179,8 @@ class Persistence(ShapeOps):
             raise InvalidArgumentError("encryption= needs a prefix: shared memory (prefix=None) is never encrypted")
         level = self._write(prefix, WriteOptions.of(
             copy_existing=copy_existing, num_threads=num_threads, existsok=existsok, fsync=fsync,
-            allow_pickle=allow_pickle, checksum=checksum, progress=progress, encryption=encryption,
-            encrypt_names=encrypt_names, pack_below=pack_below,
-            link_from=link_from,
+            allow_pickle=allow_pickle, checksum=self._checksum_for(checksum), progress=progress,
+            encryption=encryption, encrypt_names=encrypt_names, pack_below=pack_below, link_from=link_from,
         ))
         return type(self)._from_level(level, self._device)
 
@@ -215,22 +216,47 @@ class Persistence(ShapeOps):
         ))
         return type(self)._from_level(level, self._device)
 
+    def _holds_dtensor(self) -> bool:
+        return any(is_dtensor(v) for v in self.values(include_nested=True, leaves_only=True))
+
+    def _checksum_for(self, checksum: str | None) -> str | None:
+        """``checksum=`` of a write: a tree of ``DTensor`` s is written by every rank at once, and
+        ``"auto"`` then means a checksum whose pieces combine (:mod:`memtree.dist.write`)."""
+        if checksum != "auto" or not self._holds_dtensor():
+            return checksum
+        from ...dist.write import collective_checksum
+
+        return collective_checksum(checksum)
+
     def _write(self, prefix: str | os.PathLike[str] | None, options: WriteOptions) -> Level | PendingLevel:
-        """Write through :func:`memtree.store.writing.write.write_tree` (or share memory when no prefix)."""
+        """Write through :func:`memtree.store.writing.write.write_tree` (or share memory when no prefix);
+        a tree of ``DTensor`` s through :func:`memtree.dist.write.write_collective`, on every rank."""
         from ...store.writing.write import share_tree, write_tree
 
+        level = self._to_level(keep_dtensors=True)
+        if has_dtensor(level):
+            if prefix is None:
+                raise InvalidArgumentError(
+                    "memmap(prefix=None) keeps leaves in this process's shared memory; a tree of "
+                    "DTensors is written to a directory every rank shares: pass a prefix"
+                )
+            from ...dist.read import load_sharded, targets_like
+            from ...dist.write import write_collective
+
+            dest = write_collective(prefix, level, options)
+            return load_sharded(dest, targets_like(level))
         if prefix is None:
             if options.link_from is not None:
                 raise InvalidArgumentError("link_from= needs a prefix: shared memory (prefix=None) has no files to link")
-            return share_tree(self._to_level(), like=options.like)
+            return share_tree(level, like=options.like)
         if options.link_from is not None:
             from ...store.writing.linking import check_link_source
 
             check_link_source(options.link_from)
             # mapped read-write, a linked file would get its own copy as soon as it is used
             # (a write into this tree must never change the other): the tree comes back read-only
-            return write_tree(prefix, self._to_level(), options, mode="r")
-        return write_tree(prefix, self._to_level(), options)
+            return write_tree(prefix, level, options, mode="r")
+        return write_tree(prefix, level, options)
 
     @classmethod
     @check_keywords
@@ -247,6 +273,8 @@ class Persistence(ShapeOps):
         unknown_classes: str = "error",
         lazy: bool = True,
         encryption: EncryptionKey | None = None,
+        mesh: Any = None,
+        placements: Any = None,
         **remote: Unpack[RemoteKeywords],
     ) -> Self:
         """Load a tree written by :meth:`memmap`: O(metadata) now, each level when first used.
@@ -286,6 +314,18 @@ class Persistence(ShapeOps):
                 missing key (except for ``device="meta"``), or a changed, swapped or truncated
                 file raises :class:`~memtree.DecryptionError`. A key for a tree that is not
                 encrypted raises too.
+            mesh: a ``DeviceMesh``: every leaf saved from a ``DTensor`` (whose placements the tree
+                records) comes back as a ``DTensor`` on ``mesh`` with those placements, and this rank
+                reads only its own shard (``docs/guide/distributed.md``); every rank of the mesh
+                calls it. A shard that is one range of its file is mapped (zero-copy), a strided one
+                (``Shard(1)``) read into memory; ``verify=True`` reads and checks the chunks its
+                ranges touch. The mesh's size need not be the saver's; its number of dims must be
+                (else give ``placements``). From a URL, each rank's ranges are ranged requests
+                (other leaves are downloaded whole); ``storage_options`` is the one remote option.
+            placements: with ``mesh``, the placements of some leaves (a mapping from keys, ``"w"``
+                or ``("a", "w")``, to a list of placements, one per mesh dim), or a function of
+                ``(key path, shape)`` returning one (or ``None``: the recorded placements, or
+                the full tensor): any tree, also one written by a single process, is split so.
             **remote: URLs only: ``storage_options``, ``cache_dir``, ``num_threads``,
                 ``chunk_bytes``, ``retries``, ``timeout``, ``allow_redirects``, ``fsync``, ``progress`` (see
                 :func:`memtree.remote.load`).
@@ -299,6 +339,25 @@ class Persistence(ShapeOps):
         """
         if remote:
             check_remote_keywords(cls.load_memmap, remote)
+        if mesh is not None or placements is not None:
+            from ...dist.read import load_sharded, load_sharded_remote, targets_for
+            from ...store.reading.storage import is_url, local_path
+
+            where = local_path(prefix)
+            if device is not None or encryption is not None or allow_pickle or set(remote) - {"storage_options"}:
+                raise InvalidArgumentError(
+                    "mesh=/placements= load memtree directories and URLs (storage_options= for "
+                    "those): device=, encryption=, allow_pickle= and other remote options are not "
+                    "supported with them"
+                )
+            target = targets_for(mesh, placements)
+            if is_url(where):
+                level = load_sharded_remote(
+                    str(where), target, verify=verify, keys=keys, storage_options=remote.get("storage_options")
+                )
+            else:
+                level = load_sharded(where, target, mode=mode, mmap=mmap, verify=verify, keys=keys)
+            return cls._from_level(level, None, unknown_classes)
         options = ReadOptions.of(
             keys=keys, mode=mode, mmap=mmap, device=device, allow_pickle=allow_pickle, verify=verify,
             encryption=encryption,

@@ -20,7 +20,7 @@ import torch
 
 from ...errors import SubclassError
 from ...format.level import fmt_key
-from ...format.subclass import DTensorLayout, Placement
+from ...format.subclass import DTensorLayout, Placement, layout_dict, parse_layout
 from ...format.subclass_registry import inner_tensors, is_dtensor, is_plain, layout_of
 
 __all__ = ["layout_problem", "fill_dests", "fill_into", "dtensor_leaf", "as_dtensor_like"]
@@ -115,9 +115,9 @@ def dtensor_leaf(t: torch.Tensor, path: tuple[str, ...]) -> tuple[torch.Tensor, 
     placements = []
     for p in t.placements:  # type: ignore[attr-defined]
         if isinstance(p, _StridedShard):
-            placements.append(Placement("strided_shard", p.dim, int(p.split_factor)))
+            placements.append(Placement("strided_shard", p.dim % max(t.ndim, 1), int(p.split_factor)))
         elif isinstance(p, Shard):
-            placements.append(Placement("shard", p.dim))
+            placements.append(Placement("shard", p.dim % max(t.ndim, 1)))  # Shard(-1): the last dim
         elif isinstance(p, Replicate):
             placements.append(Placement("replicate"))
         else:
@@ -126,15 +126,22 @@ def dtensor_leaf(t: torch.Tensor, path: tuple[str, ...]) -> tuple[torch.Tensor, 
                 "reduced yet; redistribute it first (t.redistribute(placements=[Replicate()]), or "
                 "Shard) so that its full tensor is known"
             )
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names
+    layout = DTensorLayout(tuple(mesh.shape), tuple(placements), tuple(names) if names else None)
+
+    def unrecordable(pointer: str, problem: str) -> SubclassError:
+        return SubclassError(f"leaf {fmt_key(path)}: meta.json's {pointer} {problem}: name the mesh dims with "
+                             "Python identifiers")
+
+    parse_layout(layout_dict(layout), "dtensor", unrecordable, tuple(t.shape))  # what is recorded loads
     full = t.full_tensor()  # type: ignore[attr-defined]
     if not is_plain(full):
         raise SubclassError(
             f"leaf {fmt_key(path)} is a DTensor of {type(full).__name__}: a DTensor is stored as its "
             "full plain tensor; store the local tensor or dequantize it"
         )
-    mesh = t.device_mesh  # type: ignore[attr-defined]
-    names = mesh.mesh_dim_names
-    return full, DTensorLayout(tuple(mesh.shape), tuple(placements), tuple(names) if names else None)
+    return full, layout
 
 
 def as_dtensor_like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
